@@ -1,0 +1,159 @@
+"""Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers.
+
+Only logical axis names appear here. Shapes are suffixed on names: B batch, T sequence, D d_model,
+N query heads, K kv heads, H head_dim, F mlp, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.sharding import Rules, constrain
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """A float32 parameter carrying logical axis names (placement is decided by the caller's rules)."""
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), sharding_names=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x_BTD):
+        x = x_BTD.astype(jnp.float32)  # normalise in float32 whatever the compute dtype
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(x_BTD.dtype)
+
+
+def rotary(x_BTNH, positions_T, theta: float):
+    """Rotate pairs (first half, second half) of each head by position-dependent angles."""
+    half = x_BTNH.shape[-1] // 2
+    freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_TH = positions_T[:, None].astype(jnp.float32) * freq_H[None, :]
+    sin, cos = jnp.sin(angle_TH)[None, :, None, :], jnp.cos(angle_TH)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq_DNH = param(rngs, init, (D, N, H), ("embed", "heads", "head_dim"))
+        self.wk_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
+        self.theta, self.rules = cfg.rope_theta, rules
+
+    def __call__(self, x_BTD, positions_T):
+        dt = x_BTD.dtype
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk_DKH[...].astype(dt))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv_DKH[...].astype(dt))
+        q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
+        k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
+        # jax.nn.dot_product_attention handles GQA and lets GPUs pick cuDNN flash attention.
+        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.wo_NHD[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.w_gate_DF = param(rngs, init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+        self.w_up_DF = param(rngs, init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+        self.w_down_FD = param(rngs, out_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
+        self.rules = rules
+
+    def __call__(self, x_BTD):
+        dt = x_BTD.dtype
+        gate_BTF = x_BTD @ self.w_gate_DF[...].astype(dt)
+        up_BTF = x_BTD @ self.w_up_DF[...].astype(dt)
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"), self.rules)
+        return h_BTF @ self.w_down_FD[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.attn = Attention(cfg, rules, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.mlp = MLP(cfg, rules, rngs)
+        self.rules = rules
+
+    def __call__(self, x_BTD, positions_T):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T)
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return constrain(x_BTD, ("batch", "seq", None), self.rules)
+
+
+class Llama(nnx.Module):
+    """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+        self.cfg, self.rules, self.compute_dtype = cfg, _freeze(rules), compute_dtype
+        init = nnx.initializers.normal(cfg.init_std)
+        self.embed_VD = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(key):
+            return Block(cfg, self.rules, nnx.Rngs(params=key))
+
+        self.blocks = make_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
+        if not cfg.tie_embeddings:
+            self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def embed(self, tokens_BT):
+        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)
+        return constrain(x_BTD, ("batch", "seq", None), self.rules)
+
+    def run_layers(self, x_BTD, blocks: Block | None = None):
+        """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them)."""
+        graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
+        positions_T = jnp.arange(x_BTD.shape[1])
+
+        def body(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions_T), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+        return x_BTD
+
+    def logits(self, x_BTD):
+        x_BTD = self.final_norm(x_BTD)
+        head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(x_BTD.dtype))
+        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
+
+    def __call__(self, tokens_BT):
+        return self.logits(self.run_layers(self.embed(tokens_BT)))
+
+
+def _freeze(rules):
+    """Rules become a hashable tuple so NNX treats them as static structure, not state."""
+    return None if rules is None else tuple((k, tuple(v)) for k, v in dict(rules).items())
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts by group, from the config alone."""
+    D, N, K, H, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                           cfg.vocab_size, cfg.num_layers)
+    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
+    embed = V * D
+    head = 0 if cfg.tie_embeddings else D * V
+    return {"embed": embed, "layers": L * per_layer, "head": head, "final_norm": D,
+            "total": embed + L * per_layer + head + D}

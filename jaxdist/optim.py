@@ -1,0 +1,52 @@
+"""The optimizer: one optax chain — clip by global norm, AdamW, warmup + decay schedule."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import optax
+
+from jaxdist.config import OptimConfig
+
+
+def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """Large-batch LR scaling from `reference_batch` to the actual global batch (Goyal et al. 2017:
+    linear; Hoffer et al. 2017 / Malladi et al. 2022: square root for adaptive optimizers)."""
+    ratio = global_batch / cfg.reference_batch
+    return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
+
+def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then cosine / linear decay to min_lr_ratio * peak, or constant."""
+    peak = scaled_lr(cfg, global_batch)
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warmup, 1)
+    end = peak * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def decay_mask(names_tree):
+    """Weight decay on matrices only, judged from logical names so a stacked norm scale
+    (`layers`, `embed`) counts as the vector it is per layer."""
+    return jax.tree.map(lambda names: len([n for n in names if n not in ("layers", "stage")]) >= 2,
+                        names_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_mask_tree=None):
+    """Returns (optax transformation, schedule). `decay_mask_tree` marks tensors that get weight decay."""
+    lr = schedule(cfg, total_steps, global_batch)
+    parts = []
+    if cfg.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=decay_mask_tree))
+    return optax.chain(*parts), lr

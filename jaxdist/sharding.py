@@ -1,0 +1,138 @@
+"""Logical axis rules -> PartitionSpecs for parameters, optimizer state, batches and activations.
+
+The model names logical axes only ("embed", "mlp", ...). Rules are data: a mapping from each logical
+name to a tuple of mesh axes (empty = replicated). Every name must have a rule, no mesh axis may be
+used twice in one array, and sharded dimensions must divide evenly — checked at start-up, loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdist.errors import JaxdistError
+
+Rules = Mapping[str, tuple[str, ...]]
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("dp", "fsdp"),
+    "seq": (),
+    "embed": ("fsdp",),
+    "mlp": ("tp",),
+    "heads": ("tp",),
+    "kv_heads": ("tp",),
+    "head_dim": (),
+    "vocab": ("tp",),
+    "layers": (),
+    "stage": ("pp",),
+}
+
+
+def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...]]:
+    """Defaults updated with config overrides (`mesh.rules: {embed: [fsdp, dp]}`)."""
+    rules = dict(DEFAULT_RULES)
+    for name, axes in (overrides or {}).items():
+        rules[name] = tuple(axes)
+    return rules
+
+
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules, what: str = "array") -> P:
+    """('embed', 'mlp') -> P('fsdp', 'tp'). None stays unsharded."""
+    used: dict[str, str] = {}
+    spec = []
+    for name in names:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise JaxdistError(
+                f"{what}: logical axis '{name}' has no sharding rule; add it under mesh.rules "
+                f"(e.g. mesh.rules.{name}: []) — known: {', '.join(sorted(rules))}"
+            )
+        axes = tuple(rules[name])
+        for axis in axes:
+            if axis in used:
+                raise JaxdistError(
+                    f"{what}: logical axes '{used[axis]}' and '{name}' both map to mesh axis '{axis}'; "
+                    "change mesh.rules so each mesh axis shards one dimension"
+                )
+            used[axis] = name
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*spec)
+
+
+def _spec_size(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    entries = (entry,) if isinstance(entry, str) else entry
+    size = 1
+    for axis in entries:
+        size *= mesh.shape[axis]
+    return size
+
+
+def check_divisible(shape: tuple[int, ...], spec: P, mesh: Mesh, what: str) -> None:
+    for dim, entry in zip(shape, spec):
+        if dim % _spec_size(mesh, entry):
+            raise JaxdistError(
+                f"{what}: dimension {dim} cannot be split over mesh axes {entry} "
+                f"(size {_spec_size(mesh, entry)}); choose a mesh whose axis sizes divide it"
+            )
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_names(state) -> Any:
+    """Pytree of logical-name tuples, one per variable of an (abstract) nnx.State."""
+    def names(path, var):
+        meta = var.get_metadata()
+        found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+        if found is None:
+            raise JaxdistError(f"parameter {jax.tree_util.keystr(path)} has no logical axis names; "
+                               "create it with sharding_names=(...)")
+        return tuple(found)
+    return jax.tree_util.tree_map_with_path(names, state, is_leaf=_is_var)
+
+
+def state_specs(state, rules: Rules, mesh: Mesh | None = None):
+    """PartitionSpecs for every variable of an nnx.State, validated against `mesh` when given."""
+    def spec(path, var):
+        what = f"parameter {jax.tree_util.keystr(path)}"
+        names = logical_names(var)
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        if len(names) != len(value.shape):
+            raise JaxdistError(f"{what}: {len(names)} logical names for shape {value.shape}")
+        s = logical_to_spec(names, rules, what)
+        if mesh is not None:
+            _check_axes_exist(s, mesh, what)
+            check_divisible(value.shape, s, mesh, what)
+        return s
+    return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
+
+
+def _check_axes_exist(spec: P, mesh: Mesh, what: str) -> None:
+    for entry in spec:
+        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            if axis not in mesh.shape:
+                raise JaxdistError(f"{what}: rule uses mesh axis '{axis}', which is not one of {tuple(mesh.shape)}")
+
+
+def named(mesh: Mesh, specs):
+    """PartitionSpec pytree -> NamedSharding pytree."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_spec(rules: Rules, ndim: int = 2) -> P:
+    return logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, "batch")
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules | None) -> jax.Array:
+    """Activation sharding constraint by logical names; a no-op outside a mesh context or without rules."""
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, dict(rules), "activation"))

@@ -1,0 +1,242 @@
+"""The compiled program: sharded state, the train step and the eval step.
+
+One train step: tokens (global, sharded `batch -> (dp, fsdp)`) -> gradient stage (micro-batch loop,
+loss/grad, data-parallel reduction) -> non-finite guard -> clip + AdamW -> new state (donated).
+
+The gradient stage is swappable: `implicit_gradients` lets XLA insert the data-parallel all-reduce;
+`jaxdist.parallel.reduce` replaces it with an explicit, once-per-step (optionally compressed) one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdist import sharding
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.models.llama import Llama
+from jaxdist.optim import decay_mask, make_optimizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nested dict of float32 arrays (the model's nnx.Param values)
+    opt_state: Any
+    reducer_state: Any  # state of the gradient stage (error-feedback residuals, ...); () if none
+    skipped: jax.Array  # int32: consecutive steps skipped for non-finite loss or gradients
+
+
+def compute_dtype(cfg: Config):
+    name = cfg.model.compute_dtype
+    if name == "auto":
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return jnp.dtype(name)
+
+
+def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
+    divide into exactly the full-batch mean)."""
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    logits_BTV = apply_fn(params, inputs_BT)
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
+
+
+def split_microbatches(tokens_BT1, microbatches: int):
+    """(B, T+1) -> (M, B/M, T+1) taking rows m, m+M, ...: each device keeps its own rows (no resharding)."""
+    B = tokens_BT1.shape[0]
+    return tokens_BT1.reshape(B // microbatches, microbatches, -1).swapaxes(0, 1)
+
+
+def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int):
+    """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
+    Returns (grad_sum, loss_sum, token_count)."""
+    grad_fn = jax.value_and_grad(lambda p, t: token_loss_sums(apply_fn, p, t), has_aux=True)
+    if microbatches == 1:
+        (loss, count), grads = grad_fn(params, tokens_BT1)
+        return grads, loss, count
+
+    def body(carry, tokens):
+        g_acc, l_acc, n_acc = carry
+        (loss, count), grads = grad_fn(params, tokens)
+        return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, n_acc + count), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, loss, count), _ = jax.lax.scan(body, init, split_microbatches(tokens_BT1, microbatches))
+    return grads, loss, count
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStage:
+    """How gradients are computed and reduced over data-parallel replicas.
+
+    `init(params) -> state`; `apply(params, tokens, state, step) -> (mean_grads, mean_loss, state, metrics)`;
+    `state_specs(param_specs) -> PartitionSpecs of that state` (residuals are sharded like parameters).
+    """
+    init: Callable
+    apply: Callable
+    state_specs: Callable = lambda param_specs: ()
+    name: str = "implicit"
+
+
+def implicit_gradients(apply_fn: Callable, microbatches: int) -> GradientStage:
+    """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
+    def apply(params, tokens, state, step):
+        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
+        return jax.tree.map(lambda g: g / count, grads), loss / count, state, {}
+    return GradientStage(init=lambda params: (), apply=apply)
+
+
+def tree_where(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything compiled for one (config, mesh): build with `build_program`."""
+    cfg: Config
+    mesh: Mesh
+    rules: dict
+    graphdef: Any
+    param_names: Any  # pytree of logical-name tuples
+    param_specs: Any  # pytree of PartitionSpecs
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    gradients: GradientStage
+    init_state: Callable  # (seed) -> TrainState, created directly in its shards
+    train_step: Callable  # (state, tokens) -> (state, metrics)
+    eval_step: Callable  # (params, tokens) -> (loss_sum, count)
+    abstract_state: TrainState
+
+    def apply(self, params, tokens_BT):
+        return nnx.merge(self.graphdef, params)(tokens_BT)
+
+    def batch_shards(self) -> int:
+        return mesh_size(self.mesh, self.batch_sharding.spec[0])
+
+
+def mesh_size(mesh: Mesh, entry) -> int:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def make_model(cfg: Config, rules, seed: int = 0) -> Llama:
+    return Llama(cfg.model, rules, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg))
+
+
+def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
+    shards = mesh_size(mesh, sharding.batch_spec(rules)[0])
+    per_step = cfg.train.microbatches * shards
+    if cfg.train.global_batch % per_step:
+        raise JaxdistError(
+            f"train.global_batch={cfg.train.global_batch} must be divisible by train.microbatches="
+            f"{cfg.train.microbatches} x {shards} batch shards (dp*fsdp); use a multiple of {per_step}"
+        )
+
+
+def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None) -> Program:
+    """Resolve shardings, build the optimizer and jit the steps for `cfg` on `mesh`.
+
+    `gradient_stage(apply_fn, cfg, mesh, rules, param_specs) -> GradientStage` overrides the default
+    choice made from `cfg.reduce.method`.
+    """
+    rules = sharding.make_rules(cfg.mesh.rules)
+    check_batch(cfg, mesh, rules)
+    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rules))
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    param_names = nnx.to_pure_dict(sharding.logical_names(abstract_params))
+    param_specs = nnx.to_pure_dict(sharding.state_specs(abstract_params, rules, mesh))
+    abstract_params = nnx.to_pure_dict(abstract_params)
+
+    tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
+                                     decay_mask(param_names))
+
+    def apply_fn(params, tokens_BT):
+        return nnx.merge(graphdef, params)(tokens_BT)
+
+    if gradient_stage is None:
+        gradient_stage = select_gradient_stage
+    stage = gradient_stage(apply_fn, cfg, mesh, rules, param_specs)
+
+    def init_state(seed):
+        params = nnx.to_pure_dict(nnx.state(make_model(cfg, rules, seed), nnx.Param))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          reducer_state=stage.init(params), skipped=jnp.zeros((), jnp.int32))
+
+    abstract_state = jax.eval_shape(lambda: init_state(0))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    opt_specs = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, param_specs,
+                                      transform_non_params=lambda _: P(), is_leaf=is_spec)
+    reducer_specs = stage.state_specs(param_specs)
+    state_specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
+                             reducer_state=reducer_specs, skipped=P())
+    state_shardings = sharding.named(mesh, state_specs)
+    batch_sharding = NamedSharding(mesh, sharding.batch_spec(rules))
+    scalar = NamedSharding(mesh, P())
+
+    def train_step(state: TrainState, tokens):
+        grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Non-finite guard: a poisoned step leaves params, optimizer and reducer state untouched.
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                         reducer_state=reducer_state, skipped=jnp.zeros((), jnp.int32))
+        old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+                   "skipped": (~ok).astype(jnp.int32), **extra}
+        return tree_where(ok, new, old), metrics
+
+    def eval_step(params, tokens):
+        return token_loss_sums(apply_fn, params, tokens)
+
+    with jax.set_mesh(mesh):
+        jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
+        jit_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                            out_shardings=(state_shardings, scalar), donate_argnums=0)
+        jit_eval = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding),
+                           out_shardings=(scalar, scalar))
+
+    return Program(cfg=cfg, mesh=mesh, rules=rules, graphdef=graphdef, param_names=param_names,
+                   param_specs=param_specs, state_shardings=state_shardings, batch_sharding=batch_sharding,
+                   tx=tx, lr_schedule=lr_schedule, gradients=stage, init_state=_in_mesh(mesh, jit_init),
+                   train_step=_in_mesh(mesh, jit_train), eval_step=_in_mesh(mesh, jit_eval),
+                   abstract_state=abstract_state)
+
+
+def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, rules, param_specs) -> GradientStage:
+    if cfg.reduce.method == "implicit":
+        return implicit_gradients(apply_fn, cfg.train.microbatches)
+    from jaxdist.parallel import reduce  # explicit data-parallel reduction (dense or compressed)
+    return reduce.explicit_gradients(apply_fn, cfg, mesh, rules, param_specs)
+
+
+class _in_mesh:
+    """Call (and lower) a jitted function under `jax.set_mesh`, so activation constraints resolve."""
+
+    def __init__(self, mesh: Mesh, fn):
+        self.mesh, self.fn = mesh, fn
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)
