@@ -31,7 +31,9 @@ def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Sch
         after = optax.constant_schedule(peak)
     if warmup == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+    # Step 0 already learns (peak / warmup); the peak is reached at step warmup - 1.
+    ramp = optax.linear_schedule(peak / warmup, peak, max(warmup - 1, 1))
+    return optax.join_schedules([ramp, after], [warmup])
 
 
 def decay_mask(names_tree):

@@ -1,0 +1,113 @@
+"""FLOPs, MFU, throughput; memory and collectives of a compiled step; metric writers.
+
+Model FLOPs per token (PaLM appendix B convention): 6·N for the matmul parameters (the input embedding
+is a lookup and does not count; the output head does) plus 12·L·T·(heads·head_dim) for attention
+scores and values, forward + backward, without halving for the causal mask.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist import hlo
+from jaxdist.config import ModelConfig
+from jaxdist.models.llama import count_params
+
+# Dense peak FLOP/s per device (bf16 tensor core / fp32 where no bf16 is used), from vendor datasheets.
+PEAK_FLOPS = {
+    "h200": {"bfloat16": 989e12, "float32": 67e12},
+    "h100": {"bfloat16": 989e12, "float32": 67e12},
+    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "l4": {"bfloat16": 121e12, "float32": 30e12},
+    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
+}
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    counts = count_params(cfg)
+    matmul_params = counts["total"] - counts["embed"] + (counts["embed"] if cfg.tie_embeddings else 0)
+    attention = 12 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.head_dim
+    return 6.0 * matmul_params + attention
+
+
+_cpu_peak: float | None = None
+
+
+def cpu_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an fp32 n×n matmul on the first device, best of a few runs (measured once per process)."""
+    global _cpu_peak
+    if _cpu_peak is None:
+        device = jax.devices()[0]
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        _cpu_peak = 2 * n**3 / best
+    return _cpu_peak
+
+
+def peak_flops_total(devices, dtype: str, override_per_device: float = 0.0) -> float:
+    """Peak FLOP/s of all `devices` together. CPU 'devices' share the host's cores, so the CPU peak is
+    the measured matmul rate of the whole host, however many devices are simulated."""
+    if override_per_device > 0:
+        return override_per_device * len(devices)
+    kind = devices[0].device_kind.lower()
+    if devices[0].platform == "cpu":
+        return cpu_matmul_peak() * len({d.process_index for d in devices})
+    for name, peaks in PEAK_FLOPS.items():
+        if name in kind:
+            return peaks.get(dtype, peaks["bfloat16"]) * len(devices)
+    return 0.0  # unknown accelerator: MFU reported as 0 rather than guessed
+
+
+def compiled_stats(compiled) -> dict:
+    """Per-device memory (bytes) and collectives (count, bytes sent per device) of a compiled step."""
+    mem = compiled.memory_analysis()
+    memory = {}
+    if mem is not None:
+        memory = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
+                  "temp": int(mem.temp_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}
+    return {"bytes_per_device": memory, "collectives": hlo.summarize(hlo.collectives(compiled.as_text()))}
+
+
+class MetricWriter:
+    """metrics.jsonl (every logged step) and TensorBoard events, written by process 0 only."""
+
+    def __init__(self, run_dir: Path | None, enabled: bool = True):
+        self.enabled = enabled and run_dir is not None
+        self.file = None
+        self.tb = None
+        if self.enabled:
+            self.file = open(Path(run_dir) / "metrics.jsonl", "a")
+            try:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:  # TensorBoard output is optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()

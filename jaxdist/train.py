@@ -1,0 +1,216 @@
+"""`python -m jaxdist.train`: the command line and the training loop (thin: wires the modules together).
+
+    python -m jaxdist.train                                  # configs/tiny.yaml on 8 simulated CPU devices
+    python -m jaxdist.train --mesh dp=2,fsdp=4 optim.lr=1e-3 train.steps=100
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxdist.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=2,fsdp=4 (default: all devices on fsdp)")
+    p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+    p.add_argument("--run-dir", default=None, help="output folder (default: a new folder under runs/)")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="simulated devices when running on CPU (default 8)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 train.global_batch=16")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace):
+    from jaxdist import config
+    overrides = list(args.overrides)
+    if args.mesh is not None:
+        overrides.append(f"mesh.shape={args.mesh}")
+    if args.dcn_mesh is not None:
+        overrides.append(f"mesh.dcn={args.dcn_mesh}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    return config.load(args.config, overrides)
+
+
+def prepare_run_dir(run_dir: str | None) -> Path:
+    """Check (do not yet create) the run folder, so bad input writes nothing."""
+    path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if path.exists() and not path.is_dir():
+        raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise JaxdistError(f"--run-dir {path}: {probe} is not writable; choose a folder you can write to")
+    return path
+
+
+def param_and_state_bytes(prog) -> tuple[int, int]:
+    """Bytes per device of parameters and of optimizer state (the largest shard, from shardings)."""
+    import jax
+
+    def per_device(abstract, shardings):
+        total = 0
+        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+            total += math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        return total
+    st, sh = prog.abstract_state, prog.state_shardings
+    return per_device(st.params, sh.params), per_device(st.opt_state, sh.opt_state)
+
+
+def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
+    from jaxdist import step
+    from jaxdist.mesh import format_mesh
+    from jaxdist.models.llama import count_params
+    p_bytes, o_bytes = param_and_state_bytes(prog)
+    n = count_params(cfg.model)["total"]
+    mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
+    return [
+        f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
+        f"model {n / 1e6:.2f}M params; per device: params {p_bytes / 2**20:.1f} MiB, "
+        f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
+        f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
+        f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg)}",
+    ]
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_sec: float
+    steps: int
+
+
+def run(cfg, run_dir: Path, log=print) -> RunResult:
+    """Train `cfg` and write the run folder. Everything that can fail on input fails before writing."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from jaxdist import config as config_mod, data, mesh as mesh_mod, metrics, step
+
+    mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
+    prog = step.build_program(cfg, mesh)
+    loader = data.Loader(cfg, prog.batch_sharding)
+    is_main = jax.process_index() == 0
+    flops_tok = metrics.flops_per_token(cfg.model)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg)), cfg.train.peak_flops)
+
+    # Input is valid: from here on we write.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+        for line in summary_lines(cfg, prog, flops_tok):
+            log(line)
+    writer = metrics.MetricWriter(run_dir, enabled=is_main)
+
+    t0 = time.perf_counter()
+    state = prog.init_state(cfg.train.seed)
+    first = next(loader)
+    compiled = prog.train_step.lower(state, first).compile()
+    compile_s = time.perf_counter() - t0
+    if is_main:
+        log(f"compiled in {compile_s:.1f}s")
+
+    eval_arrays = loader.eval_arrays()
+
+    def evaluate(params) -> float:
+        sums = [prog.eval_step(params, b) for b in eval_arrays]
+        return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
+
+    bar = tqdm(total=cfg.train.steps, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
+    pending = None  # metrics of the previous step: read one step late so the device never waits on us
+    last_loss, eval_loss, skipped_total, rates = float("nan"), None, 0, []
+    t_log, steps_since_log = time.perf_counter(), 0
+    batch = first
+    for s in range(cfg.train.steps):
+        state, m = compiled(state, batch)
+        batch = next(loader) if s + 1 < cfg.train.steps else None
+        done = [pending] if pending is not None else []
+        pending = (s, m)
+        if s + 1 == cfg.train.steps:
+            done.append(pending)
+        for ds, dm in done:
+            vals = {k: float(v) for k, v in dm.items()}
+            skipped_total += int(vals["skipped"])
+            last_loss = vals["loss"] if not vals["skipped"] else last_loss
+            steps_since_log += 1
+            if int(jax.device_get(state.skipped)) >= cfg.train.max_skipped_steps:
+                raise JaxdistError(
+                    f"{cfg.train.max_skipped_steps} consecutive steps had non-finite loss or gradients "
+                    f"(last at step {ds}); lower optim.lr or check the data")
+            logged = (ds + 1) % cfg.train.log_every == 0 or ds + 1 == cfg.train.steps
+            record = None
+            if logged:
+                jax.block_until_ready(state.step)
+                dt = time.perf_counter() - t_log
+                step_time = dt / steps_since_log
+                tps = tokens_per_step / step_time
+                if ds > 0:
+                    rates.append(tps)
+                record = {"step": ds + 1, "loss": vals["loss"], "lr": vals["lr"], "grad_norm": vals["grad_norm"],
+                          "tokens_per_sec": tps, "step_time_s": step_time,
+                          "mfu": tps * flops_tok / peak if peak else 0.0, "skipped_steps": skipped_total,
+                          **{k: v for k, v in vals.items() if k not in ("loss", "lr", "grad_norm", "skipped")}}
+                bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.1%}")
+                t_log, steps_since_log = time.perf_counter(), 0
+            if cfg.train.eval_every and ((ds + 1) % cfg.train.eval_every == 0 or ds + 1 == cfg.train.steps):
+                eval_loss = evaluate(state.params)
+                record = record or {"step": ds + 1}
+                record["eval_loss"] = eval_loss
+                t_log = time.perf_counter()  # eval time does not count as training throughput
+            if record is not None:
+                writer.write(record)
+            bar.update(1)
+    bar.close()
+
+    tps = float(np.median(rates)) if rates else 0.0
+    summary = {"summary": True, "steps": cfg.train.steps, "final_loss": last_loss, "eval_loss": eval_loss,
+               "tokens_per_sec": tps, "mfu": tps * flops_tok / peak if peak else 0.0,
+               "compile_s": compile_s, "skipped_steps": skipped_total}
+    writer.write(summary)
+    writer.close()
+    if is_main:
+        ev = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
+        log(f"done: {cfg.train.steps} steps, loss {last_loss:.4f}{ev}, {tps:,.0f} tokens/s, "
+            f"MFU {summary['mfu']:.1%}, run dir {run_dir}")
+    return RunResult(run_dir, last_loss, eval_loss, tps, cfg.train.steps)
+
+
+def setup_platform(cpu_devices: int) -> None:
+    """Simulated CPU devices must be configured before any JAX work."""
+    import jax
+    if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in \
+            os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        cfg = resolve_config(args)
+        run_dir = prepare_run_dir(args.run_dir)
+        setup_platform(args.cpu_devices)
+        run(cfg, run_dir)
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
