@@ -21,7 +21,7 @@ REMAT_POLICIES = {
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
     """A float32 parameter carrying logical axis names (placement is decided by the caller's rules)."""
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), sharding_names=names, eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

@@ -1,0 +1,110 @@
+"""`python -m jaxdist.bench`: throughput, memory and communication of the compiled train step.
+
+    python -m jaxdist.bench --mesh fsdp=1 --mesh fsdp=8 --mesh dp=8     # one JSON line per mesh
+
+Each mesh runs warm-up steps, then timed steps (each synchronised), on synthetic tokens of the
+configured shape. Memory and collectives come from the compiled program, so they are exact and
+repeatable; compare speeds only as ratios measured in one run (machines are shared and noisy).
+A mesh using fewer devices than exist runs on the first ones (e.g. fsdp=1 is one device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from jaxdist.errors import JaxdistError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxdist.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--mesh", action="append", default=None, help="mesh to measure; repeat for several")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return p.parse_args(argv)
+
+
+def mesh_devices(text: str, devices: list) -> list:
+    """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
+    from jaxdist.mesh import AXES
+    sizes = [int(part.split("=")[1]) for part in text.split(",") if part.strip() and "=" in part
+             and part.split("=")[0].strip() in AXES]
+    if sizes and -1 not in sizes and math.prod(sizes) < len(devices):
+        return devices[: math.prod(sizes)]
+    return devices
+
+
+def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist import mesh as mesh_mod, metrics, step
+
+    devices = mesh_devices(mesh_text, jax.devices())
+    mesh = mesh_mod.mesh_from_string(mesh_text, devices)
+    prog = step.build_program(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    tokens = jax.device_put(
+        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding)
+
+    t0 = time.perf_counter()
+    state = prog.init_state(cfg.train.seed)
+    compiled = prog.train_step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - t0
+
+    for _ in range(warmup):
+        state, m = compiled(state, tokens)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, tokens)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+
+    step_time = statistics.median(times)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    flops_tok = metrics.flops_per_token(cfg.model)
+    peak = metrics.peak_flops_total(devices, str(step.compute_dtype(cfg)), cfg.train.peak_flops)
+    tps = tokens_per_step / step_time
+    record = {
+        "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "tokens_per_sec": tps,
+        "step_time_s": step_time,
+        "mfu": tps * flops_tok / peak if peak else 0.0,
+        "peak_flops": peak,
+        "flops_per_token": flops_tok,
+        "compile_s": compile_s,
+        "loss": float(m["loss"]),
+        **metrics.compiled_stats(compiled),
+    }
+    return record
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        from jaxdist import config
+        from jaxdist.train import setup_platform
+        cfg = config.load(args.config, args.overrides)
+        setup_platform(args.cpu_devices)
+        for mesh_text in args.mesh or [cfg.mesh.shape]:
+            print(json.dumps(measure(cfg, mesh_text, args.warmup, args.steps)), flush=True)
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
