@@ -44,7 +44,7 @@ def cpu_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of an fp32 n×n matmul on the first device, best of a few runs (measured once per process)."""
     global _cpu_peak
     if _cpu_peak is None:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # devices()[0] belongs to process 0 in a multi-process run
         a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
         f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()

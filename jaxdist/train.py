@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist import distributed
 from jaxdist.errors import JaxdistError
 
 
@@ -27,6 +28,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="output folder (default: a new folder under runs/)")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="simulated devices when running on CPU (default 8)")
+    multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
+    multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
+    multi.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    multi.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
+    multi.add_argument("--init-timeout", type=int, default=300,
+                       help="seconds to wait for the coordinator and every peer (default 300)")
+    multi.add_argument("--heartbeat-timeout", type=int, default=30,
+                       help="seconds of silence after which a process counts as dead and the others stop (default 30)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 train.global_batch=16")
     return p.parse_args(argv)
 
@@ -106,6 +115,7 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
     prog = step.build_program(cfg, mesh)
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
+    log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
     flops_tok = metrics.flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg)), cfg.train.peak_flops)
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args)
         run_dir = prepare_run_dir(args.run_dir)
         setup_platform(args.cpu_devices)
+        launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        print(distributed.topology_line(), flush=True)
         run(cfg, run_dir)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
