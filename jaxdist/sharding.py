@@ -132,7 +132,22 @@ def batch_spec(rules: Rules, ndim: int = 2) -> P:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules | None) -> jax.Array:
-    """Activation sharding constraint by logical names; a no-op outside a mesh context or without rules."""
-    if rules is None or jax.sharding.get_abstract_mesh().empty:
+    """Activation sharding constraint by logical names; a no-op outside a mesh context or without rules.
+    Inside `shard_map` the manual axes (e.g. dp for the explicit gradient reduction) are already split
+    by hand, so they are dropped from the constraint."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, dict(rules), "activation"))
+    spec = logical_to_spec(names, dict(rules), "activation")
+    if mesh.manual_axes:
+        spec = drop_axes(spec, set(mesh.manual_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def drop_axes(spec: P, axes: set[str]) -> P:
+    """P(('dp', 'fsdp'), 'tp') without {'dp'} -> P('fsdp', 'tp')."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    return P(*out)

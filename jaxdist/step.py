@@ -47,7 +47,10 @@ def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, 
     divide into exactly the full-batch mean)."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     logits_BTV = apply_fn(params, inputs_BT)
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
+    # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
+    labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+    losses_BT = optax.softmax_cross_entropy(logits_BTV, labels_BTV)
     return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
 
 

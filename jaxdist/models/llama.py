@@ -117,7 +117,11 @@ class Llama(nnx.Module):
             self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_BT):
-        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)
+        # Gather the table's embed dim (as FSDP does for any weight) before the lookup: XLA's SPMD
+        # partitioner crashes on a gather whose table and indices are both fsdp-sharded inside a
+        # dp-manual shard_map when tp > 1 (jax 0.10.2).
+        table_VD = constrain(self.embed_VD[...], ("vocab", None), self.rules)
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
 
     def run_layers(self, x_BTD, blocks: Block | None = None):

@@ -1,0 +1,206 @@
+"""Explicit data-parallel gradient reduction: per-replica gradients, accumulated locally, reduced once.
+
+Why explicit: under plain `jit` XLA all-reduces the gradients inside every micro-batch iteration, and
+a compressor never sees per-replica gradients. Here the loss/gradient runs inside `jax.shard_map`
+that is manual over the reduce axis only (`reduce.axis`, default dp; fsdp/tp/pp stay automatic), so
+each replica accumulates its own gradient sum over `train.microbatches` and the replicas then reduce
+**once** per optimizer step — dense, or compressed (`compress.py`: top-k, PowerSGD, int8).
+
+Reducers are optax-style transformations of the per-replica gradient tree, run inside that shard_map:
+`init(params) -> state`, `update(grads, state, step) -> (grads summed over replicas, state)`, and
+`state_specs(param_specs)` (error-feedback residuals are sharded like the parameters). The stage keeps
+each replica's state under a leading replica axis (`P('dp', *param_spec)`), so it is part of the
+train state and is checkpointed like any other array.
+
+Communication is measured, not assumed: `dp_bytes_per_step` reads the compiled program's collectives
+whose replica groups span the axis, costed with hlo.py's ring model (N = group size, S = the full,
+gathered size in bytes): all-reduce 2(N-1)/N·S; all-gather, reduce-scatter, all-to-all (N-1)/N·S;
+collective-permute S; a collective in a loop counts once per iteration.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdist import hlo, sharding
+from jaxdist import step as step_lib
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import compress
+
+# The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
+# `dp_bytes_per_step` leaves its collectives out, to report the steady state.
+WARMUP_SCOPE = "reduce_warmup"
+STACKED_AXES = ("layers", "stage")  # leading logical axes that stack independent per-layer tensors
+
+
+class Reducer(NamedTuple):
+    """Sums per-replica gradients over the reduce axis; `update` runs inside the manual shard_map."""
+    init: Callable  # params -> per-replica state
+    update: Callable  # (grads, state, step) -> (grads summed over replicas, state)
+    state_specs: Callable  # param PartitionSpecs -> PartitionSpecs of the per-replica state
+
+
+def dense(axis: str, dtype=jnp.float32) -> Reducer:
+    """`psum` in `dtype` (bfloat16 halves the bytes; the sum is then rounded to bfloat16)."""
+    def update(grads, state, step=None):
+        return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), axis).astype(g.dtype), grads), state
+    return Reducer(init=lambda params: (), update=update, state_specs=lambda specs: ())
+
+
+class CompressedState(NamedTuple):
+    residual: Any  # error feedback: what this replica has not sent yet (a tree like params); () if off
+    codec: tuple  # per-tensor codec state in tree-flatten order; () for stateless or dense tensors
+
+
+def compressed(codec: compress.Codec, axis: str, replicas: int, abstract_params, batch_dims,
+               error_feedback: bool = True) -> Reducer:
+    """A lossy sum with error feedback (Stich et al. 2018; Karimireddy et al. 2019): each replica
+    compresses gradient + residual and keeps, as its new residual, exactly what it did not send.
+    Tensors the codec would not shrink (by the ring model) are sent dense. `batch_dims`: a tree like
+    the params, the number of leading stacked-layer dims of each tensor."""
+    shapes = [p.shape for p in jax.tree.leaves(abstract_params)]
+    bdims = jax.tree.leaves(batch_dims)
+    use = [codec.bytes_sent(s, b, replicas) < compress.dense_bytes(s, replicas) for s, b in zip(shapes, bdims)]
+
+    def init(params):
+        codec_state = tuple(codec.init(s, b) if u else () for s, b, u in zip(shapes, bdims, use))
+        return CompressedState(jax.tree.map(jnp.zeros_like, params) if error_feedback else (), codec_state)
+
+    def state_specs(param_specs):
+        codec_state = jax.eval_shape(lambda: init(abstract_params).codec)
+        return CompressedState(param_specs if error_feedback else (), jax.tree.map(lambda _: P(), codec_state))
+
+    def update(grads, state, step=None):
+        x = jax.tree.map(jnp.add, grads, state.residual) if error_feedback else grads
+        leaves, treedef = jax.tree.flatten(x)
+        totals, sents, codec_state = [], [], []
+        for x_leaf, b, u, s in zip(leaves, bdims, use, state.codec):
+            total, sent, s = codec.reduce(x_leaf, s, b, axis) if u else (jax.lax.psum(x_leaf, axis), x_leaf, s)
+            totals.append(total), sents.append(sent), codec_state.append(s)
+        residual = jax.tree.map(jnp.subtract, x, treedef.unflatten(sents)) if error_feedback else ()
+        return treedef.unflatten(totals), CompressedState(residual, tuple(codec_state))
+
+    return Reducer(init=init, update=update, state_specs=state_specs)
+
+
+def with_warmup(warmup: Reducer, main: Reducer, start_step: int) -> Reducer:
+    """`warmup` (stateless, e.g. dense) for steps < start_step, then `main`; main's state waits."""
+    if start_step <= 0:
+        return main
+
+    def update(grads, state, step):
+        def warm(grads, state):
+            with jax.named_scope(WARMUP_SCOPE):
+                return warmup.update(grads, (), step)[0], state
+        return jax.lax.cond(step < start_step, warm, lambda g, s: main.update(g, s, step), grads, state)
+
+    return main._replace(update=update)
+
+
+def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reducer:
+    """The reducer `cfg.reduce` asks for. A compressed method on a size-1 axis warns and goes dense."""
+    r, axis = cfg.reduce, cfg.reduce.axis
+    replicas = mesh.shape[axis]
+    if r.method == "dense" or replicas == 1:
+        if r.method != "dense":
+            warnings.warn(f"reduce.method={r.method} does nothing with {axis}=1 (one replica, nothing to "
+                          f"compress); reducing dense", stacklevel=3)
+        return dense(axis, jnp.dtype(r.dtype))
+    codec = {"topk": lambda: compress.topk(r.ratio), "int8": lambda: compress.int8(r.block_size),
+             "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed)}[r.method]()
+    reducer = compressed(codec, axis, replicas, abstract_params, batch_dims, r.error_feedback)
+    if r.method == "powersgd":
+        reducer = with_warmup(dense(axis), reducer, r.start_step)
+    return reducer
+
+
+def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param_specs) -> step_lib.GradientStage:
+    """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
+    `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
+    axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
+    axis = cfg.reduce.axis
+    if axis not in mesh.shape:
+        raise JaxdistError(f"reduce.axis={axis!r} is not a mesh axis {tuple(mesh.shape)}; set reduce.axis=dp")
+    for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
+        if axis in {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}:
+            raise JaxdistError(f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
+                               f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
+                               f"reduce.method=implicit")
+    abstract_params, batch_dims = param_layout(cfg, rules)
+    reducer = make_reducer(cfg, mesh, abstract_params, batch_dims)
+    replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
+
+    def per_replica(params, tokens, state, step):
+        grads, loss, count = step_lib.accumulate_gradients(apply_fn, params, tokens, microbatches)
+        loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
+        mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
+        summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)
+        return summed, loss / count, jax.tree.map(lambda s: s[None], state)
+
+    def apply(params, tokens, state, step):
+        fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P(axis), P(axis), P()),
+                           out_specs=(P(), P(), P(axis)), axis_names={axis}, check_vma=False)
+        grads, loss, state = fn(params, tokens, state, step)
+        return grads, loss, state, {}
+
+    def init(params):  # every replica starts from the same state
+        return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), reducer.init(params))
+
+    def state_specs(param_specs):
+        return jax.tree.map(lambda s: P(axis, *s), reducer.state_specs(param_specs),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    return step_lib.GradientStage(init=init, apply=apply, state_specs=state_specs,
+                                  name=f"explicit-{cfg.reduce.method}")
+
+
+def param_layout(cfg: Config, rules):
+    """Abstract parameters and, per tensor, how many leading dims stack layers (from logical names)."""
+    params = nnx.state(nnx.eval_shape(lambda: step_lib.make_model(cfg, rules)), nnx.Param)
+    names = nnx.to_pure_dict(sharding.logical_names(params))
+    batch_dims = jax.tree.map(lambda n: next((i for i, a in enumerate(n) if a not in STACKED_AXES), len(n)),
+                              names, is_leaf=lambda x: isinstance(x, tuple))
+    return nnx.to_pure_dict(params), batch_dims
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring it: bytes across the reduce axis, from the compiled step
+
+_COLLECTIVE_OP = re.compile(r"\b(?:%s)(?:-start|-done)?\(" % "|".join(hlo.KINDS))
+
+
+def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp") -> float:
+    """Bytes each device sends across `axis` per optimizer step: every collective whose replica
+    groups span the axis, times its executions, costed with the ring model (module docstring).
+    The dense warm-up branch of a reducer (WARMUP_SCOPE) is left out: this is the steady state."""
+    text = "\n".join(line for line in compiled_hlo_text.splitlines()
+                     if not (WARMUP_SCOPE in line and _COLLECTIVE_OP.search(line)))
+    shape = dict(mesh.shape)
+    return float(sum(c.count * c.sent_bytes for c in hlo.collectives(text)
+                     if hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis)))
+
+
+def compile_train_step(cfg: Config, mesh: Mesh):
+    """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
+    prog = step_lib.build_program(cfg, mesh)
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                  sharding=prog.batch_sharding)
+    return prog.train_step.lower(prog.abstract_state, tokens).compile()
+
+
+def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) -> float:
+    """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh."""
+    axis = cfg.reduce.axis
+    if dp_bytes is None:
+        dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis)
+    dense_cfg = cfg.replace(reduce=dict(method="dense", dtype="float32"))
+    dense_bytes = dp_bytes_per_step(compile_train_step(dense_cfg, mesh).as_text(), mesh, axis)
+    return dense_bytes / dp_bytes if dp_bytes else float("inf")
