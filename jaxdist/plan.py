@@ -1,0 +1,166 @@
+"""`python -m jaxdist.plan`: memory, communication and step time of a model on a cluster, before renting it.
+
+    python -m jaxdist.plan --config configs/llama2-70b.yaml --devices 128 --hardware h100-80gb
+    python -m jaxdist.plan --config configs/llama2-70b.yaml --devices 128 --mesh pp=4,tp=8,fsdp=4 --json
+    python -m jaxdist.plan --config configs/llama3-8b.yaml --devices 64 train.global_batch=256 --plot s.png
+
+Without --mesh every candidate family (DP, FSDP, HSDP, TPxFSDP, PPxFSDP, PPxTPxFSDP) is sized, with the
+accumulation / pipeline micro-batches that make it fit fastest, and the best is recommended. The cost
+model (jaxdist.planner) is checked against the compiled program in tests/test_plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxdist import config
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import parse_mesh
+from jaxdist.planner import comms, hardware
+from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
+from jaxdist.planner.layout import Layout
+
+SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxdist.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--devices", type=int, default=8, help="number of accelerators")
+    p.add_argument("--hardware", default="h100-80gb", help=f"one of {', '.join(hardware.HARDWARE)}")
+    p.add_argument("--mesh", default=None, help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "
+                                                "train.microbatches and pipeline settings as given")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
+    p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return p.parse_args(argv)
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def memory_table(ests: list[Estimate]) -> str:
+    head = (f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'params':>7} {'grads':>7} {'optim':>7} "
+            f"{'activ':>7} {'temp':>7} {'total':>7} {'fits':>4} {'step s':>8} {'no-ovl s':>8} {'bubble':>6} "
+            f"{'MFU':>5} {'tok/s':>9}")
+    rows = [head, "-" * len(head)]
+    for e in ests:
+        lay, mem = e.layout, e.memory
+        rows.append(f"{e.family:<11} {lay.name:<22} {lay.accum:>4} {lay.pipe_micro if lay.mesh['pp'] > 1 else '-':>4} "
+                    f"{gb(mem.params):>7} {gb(mem.grads):>7} {gb(mem.optimizer):>7} {gb(mem.activations):>7} "
+                    f"{gb(mem.temporary):>7} {gb(mem.total):>7} {'yes' if mem.fits else 'NO':>4} "
+                    f"{e.step_s:>8.3g} {e.step_no_overlap_s:>8.3g} {e.bubble_s / e.step_s:>6.1%} "
+                    f"{e.mfu:>5.0%} {e.tokens_per_s:>9.3g}")
+    return "\n".join(rows) + "\n(memory in GB per device; step with / without overlapping communication)"
+
+
+def comm_table(e: Estimate) -> str:
+    lay = e.layout
+    rows = [f"communication per step per device, {lay.name} on {lay.hw.name}:",
+            f"  {'axis':<5} {'collective':<19} {'count':>7} {'GB sent':>9} {'seconds':>9}  link"]
+    for axis, kinds in comms.by_axis(lay, list(e.traffic)).items():
+        bw = comms.link_bandwidth(lay, axis)
+        link = "fast" if bw == lay.hw.fast_bandwidth else "slow"
+        for kind, v in kinds.items():
+            rows.append(f"  {axis:<5} {kind:<19} {v['count']:>7} {gb(v['bytes']):>9} {v['seconds']:>9.3g}  "
+                        f"{link} {bw / 1e9:.0f} GB/s")
+    rows.append(f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
+                f"({e.exposed_comm_s:.3g} s exposed with overlap)")
+    return "\n".join(rows)
+
+
+def scaling_table(curves: dict) -> str:
+    rows = []
+    for mode, pts in curves.items():
+        rows.append(f"{mode} scaling (best fitting mesh per device count):")
+        rows.append(f"  {'devices':>7} {'batch':>6} {'mesh':<22} {'tok/s':>10} {'MFU':>5} {'vs first':>8}")
+        for p in pts:
+            if not p["fits"]:
+                rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {'(does not fit)':<22}")
+                continue
+            rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['tokens_per_s']:>10.3g} "
+                        f"{p['mfu']:>5.0%} {p['scaling_efficiency']:>8.0%}")
+    rows.append("  ('vs first': tokens/s per device relative to the smallest device count that fits)")
+    return "\n".join(rows)
+
+
+def plot(curves: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, pts in curves.items():
+        pts = [p for p in pts if p["fits"]]
+        if not pts:
+            continue
+        n = [p["devices"] for p in pts]
+        ax.plot(n, [p["tokens_per_s"] for p in pts], "o-", label=f"{mode} scaling")
+        first = pts[0]
+        ax.plot(n, [first["tokens_per_s"] / first["devices"] * d for d in n], ":", color="grey",
+                label="linear" if mode == "strong" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("tokens / s (predicted)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = config.load(args.config, args.overrides)
+    hw = hardware.get(args.hardware)
+    if args.devices < 1:
+        raise JaxdistError(f"--devices must be positive, got {args.devices}")
+    if args.mesh:
+        ests = [estimate(Layout(cfg, parse_mesh(args.mesh, args.devices), hw), "given")]
+        best, reason = (ests[0], "the given mesh") if ests[0].memory.fits else (None, "the given mesh does not fit")
+    else:
+        ests = candidates(cfg, args.devices, hw)
+        if not ests:
+            raise JaxdistError(f"no mesh of {args.devices} devices can split this model and batch; "
+                               f"change --devices or train.global_batch")
+        best, reason = recommend(ests)
+    curves = {}
+    if not args.no_scaling:
+        curves = scaling(cfg, hw, SCALING_DEVICES, cfg.train.global_batch / args.devices)
+    return {"config": args.config or "configs/tiny.yaml", "hardware": hw.name, "devices": args.devices,
+            "candidates": ests, "recommended": best, "reason": reason, "scaling": curves}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        out = run(args)
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plot and out["scaling"]:
+        plot(out["scaling"], args.plot, f"{out['config']} on {out['hardware']}")
+    if args.json:
+        doc = dict(out, candidates=[e.as_dict() for e in out["candidates"]],
+                   recommended=out["recommended"].as_dict() if out["recommended"] else None)
+        print(json.dumps(doc))
+        return 0
+    print(f"{out['config']} on {args.devices} x {out['hardware']}\n")
+    print(memory_table(out["candidates"]))
+    shown = out["recommended"] or out["candidates"][0]
+    print()
+    print(comm_table(shown))
+    print(f"\nrecommendation: {out['reason']}")
+    if out["scaling"]:
+        print()
+        print(scaling_table(out["scaling"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

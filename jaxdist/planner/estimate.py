@@ -1,0 +1,210 @@
+"""Step time, MFU and throughput of a layout; candidate meshes; scaling curves; the recommendation.
+
+Step time (per optimizer step, every device in lock-step):
+  compute   = hardware FLOPs per device / (peak x matmul efficiency); hardware FLOPs add the recompute of
+              the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
+              its stages) to the model FLOPs of `jaxdist.metrics.flops_per_token` (PaLM convention).
+  bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
+              pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019).
+  comm      = sum over collectives of bytes / link bandwidth + latency (jaxdist.planner.comms).
+  no overlap: compute + bubble + comm.   overlap: max(compute, weight gathers + gradient reductions)
+              + activation collectives (tp, pp, embedding) + bubble — the scaling book's "hide the FSDP
+              collectives behind the matmuls", which is compute-bound when tokens per device
+              exceed about 2 C / W (C peak FLOP/s, W link bytes/s; 2 because weights move in float32).
+MFU = model FLOPs / (devices x peak x step time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.metrics import flops_per_token
+from jaxdist.planner import comms, memory
+from jaxdist.planner.hardware import Hardware
+from jaxdist.planner.layout import Layout, param_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    family: str
+    memory: memory.Memory
+    traffic: tuple[comms.Traffic, ...]
+    compute_s: float
+    bubble_s: float
+    comm_s: float  # all collectives, serialised
+    exposed_comm_s: float  # what overlap cannot hide
+    step_s: float  # with overlap
+    step_no_overlap_s: float
+    mfu: float
+    tokens_per_s: float
+
+    @property
+    def efficiency(self) -> float:
+        """Fraction of the step doing model FLOPs at the achievable matmul rate (1.0 = compute-bound)."""
+        return self.mfu / self.layout.hw.matmul_efficiency
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {"mesh": lay.name, "family": self.family, "devices": lay.devices, "hardware": lay.hw.name,
+                "global_batch": lay.cfg.train.global_batch, "microbatches": lay.accum,
+                "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
+                "memory": self.memory.as_dict(), "communication": comms.by_axis(lay, list(self.traffic)),
+                "compute_s": self.compute_s, "bubble_s": self.bubble_s, "comm_s": self.comm_s,
+                "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "step_no_overlap_s": self.step_no_overlap_s, "mfu": self.mfu, "efficiency": self.efficiency,
+                "tokens_per_s": self.tokens_per_s}
+
+
+def compute_flops(lay: Layout) -> tuple[float, float]:
+    """(model FLOPs per step in all, hardware FLOPs per device). Layers split over every device; the
+    head is split over dp, fsdp and tp only (each pp rank computes it, jaxdist.parallel.pipeline)."""
+    m, mesh = lay.cfg.model, lay.mesh
+    tokens = lay.cfg.train.global_batch * m.seq_len
+    model = flops_per_token(m) * tokens
+    head = 6 * m.d_model * m.vocab_size * tokens
+    layer_params = sum(g.size for g in param_table(m) if g.role == "layer")
+    recompute = m.remat == "full" or mesh["pp"] > 1
+    layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
+    hardware = layers / lay.devices + head / (mesh["dp"] * mesh["fsdp"] * mesh["tp"])
+    return model, hardware
+
+
+def estimate(lay: Layout, family: str = "") -> Estimate:
+    lay.validate()
+    hw = lay.hw
+    peak = hw.flops(lay.compute_dtype)
+    model_flops, device_flops = compute_flops(lay)
+    compute = device_flops / (peak * hw.matmul_efficiency)
+    bubble = 0.0
+    if lay.mesh["pp"] > 1:
+        bubble = compute * (lay.mesh["pp"] - 1) / (lay.repeats * lay.pipe_micro)
+    traffic = comms.step_traffic(lay)
+    times = [(t, comms.traffic_time(lay, t)) for t in traffic]
+    comm = sum(s for _, s in times)
+    hidden = sum(s for t, s in times if t.overlappable)
+    exposed_serial = comm - hidden
+    step = max(compute, hidden) + exposed_serial + bubble
+    exposed = step - compute - bubble
+    tokens = lay.cfg.train.global_batch * lay.cfg.model.seq_len
+    return Estimate(layout=lay, family=family, memory=memory.estimate(lay), traffic=tuple(traffic),
+                    compute_s=compute, bubble_s=bubble, comm_s=comm, exposed_comm_s=exposed, step_s=step,
+                    step_no_overlap_s=compute + bubble + comm, mfu=model_flops / (lay.devices * peak * step),
+                    tokens_per_s=tokens / step)
+
+
+def _powers_of_two(limit: int, start: int = 1) -> list[int]:
+    out, n = [], start
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str, dict[str, int]]]:
+    """The usual families: DP, FSDP, HSDP (fsdp inside a node or slice, dp across), TP x FSDP (tp inside a
+    node), PP x FSDP, PP x TP x FSDP. Sizes are powers of two that divide the device count."""
+    node = min(hw.devices_per_node, devices)
+    tps = [t for t in _powers_of_two(min(8, node), 2) if devices % t == 0]
+    pps = [p for p in _powers_of_two(min(16, devices), 2) if devices % p == 0 and cfg.model.num_layers % p == 0]
+    out = [("DP", dict(dp=devices)), ("FSDP", dict(fsdp=devices))]
+    out += [("HSDP", dict(dp=devices // f, fsdp=f)) for f in _powers_of_two(devices // 2, 2)
+            if devices % f == 0 and f >= node // 2]
+    out += [("TPxFSDP", dict(tp=t, fsdp=devices // t)) for t in tps if devices // t > 1]
+    out += [("PPxFSDP", dict(pp=p, fsdp=devices // p)) for p in pps if devices // p > 1]
+    out += [("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps
+            if devices % (p * t) == 0 and devices // (p * t) > 1]
+    if devices == 1:
+        out = [("single", {})]
+    full = lambda m: {a: m.get(a, 1) for a in ("dp", "pp", "fsdp", "tp")}  # noqa: E731
+    return [(name, full(m)) for name, m in out]
+
+
+def with_batch(cfg: Config, global_batch: int | None = None, accum: int | None = None,
+               pipe_micro: int | None = None) -> Config:
+    """`cfg` with other batch settings (no re-validation: Layout.validate checks what the planner needs)."""
+    train = dataclasses.replace(cfg.train, global_batch=global_batch or cfg.train.global_batch,
+                                microbatches=accum or cfg.train.microbatches)
+    pipeline = cfg.pipeline if pipe_micro is None else dataclasses.replace(cfg.pipeline, microbatches=pipe_micro)
+    return dataclasses.replace(cfg, train=train, pipeline=pipeline)
+
+
+def best_for_mesh(cfg: Config, mesh: dict[str, int], hw: Hardware, family: str) -> Estimate | None:
+    """The smallest gradient accumulation (power of two) that fits — more only repeats the collectives —
+    with the fastest number of pipeline micro-batches; if nothing fits, the setting needing the least
+    memory. None if the mesh cannot run this model and batch at all."""
+    found = []
+    local = cfg.train.global_batch // max(1, math.prod(mesh[a] for a in ("dp", "fsdp")))
+    pipe = _powers_of_two(max(local, 1), mesh["pp"]) if mesh["pp"] > 1 else [0]
+    for accum in _powers_of_two(max(local, 1)):
+        trials = []
+        for pm in pipe:
+            try:
+                trials.append(estimate(Layout(with_batch(cfg, accum=accum, pipe_micro=pm), mesh, hw), family))
+            except JaxdistError:
+                continue
+        fitting = [e for e in trials if e.memory.fits]
+        if fitting:
+            return min(fitting, key=lambda e: e.step_s)
+        found += trials
+    return min(found, key=lambda e: e.memory.total) if found else None
+
+
+def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
+    """Best setting of every candidate mesh, fitting ones first, fastest first."""
+    out = [e for name, mesh in candidate_meshes(cfg, devices, hw) if (e := best_for_mesh(cfg, mesh, hw, name))]
+    return sorted(out, key=lambda e: (not e.memory.fits, e.step_s))
+
+
+def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
+    """The fastest fitting candidate and a one-paragraph reason."""
+    fitting = [e for e in ests if e.memory.fits]
+    if not fitting:
+        least = min(ests, key=lambda e: e.memory.total) if ests else None
+        need = f" (the smallest needs {least.memory.total / 1e9:.0f} GB per device)" if least else ""
+        return None, f"nothing fits{need}: add devices, use a larger-memory accelerator, or lower the batch"
+    best = fitting[0]
+    lay = best.layout
+    hw = lay.hw
+    tokens_dev = lay.cfg.train.global_batch * lay.cfg.model.seq_len / lay.devices
+    slowest = max(best.traffic, key=lambda t: comms.traffic_time(lay, t), default=None)
+    reason = (f"{best.family} {lay.name} (accumulation {lay.accum}"
+              + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh['pp'] > 1 else "")
+              + f") is the fastest of {len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
+              f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable")
+    if slowest:
+        reason += (f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
+                   f"({comms.traffic_time(lay, slowest):.3g} s, {'hidden behind' if slowest.overlappable else 'added to'}"
+                   f" compute)")
+    fast, slow = 2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth, 2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth
+    reason += (f". {tokens_dev:.0f} tokens per device per step vs the FSDP compute-bound threshold 2C/W of "
+               f"{fast:.0f} (fast links) / {slow:.0f} (across nodes)")
+    if len(fitting) > 1:
+        nxt = fitting[1]
+        reason += f"; next: {nxt.family} {nxt.layout.name} ({nxt.step_s / best.step_s - 1:+.0%} step time)"
+    return best, reason + "."
+
+
+def scaling(cfg: Config, hw: Hardware, device_counts: list[int], per_device_batch: float) -> dict[str, list[dict]]:
+    """Strong scaling (the config's global batch) and weak scaling (global batch = per_device_batch x N):
+    the best fitting candidate at each device count."""
+    out: dict[str, list[dict]] = {"strong": [], "weak": []}
+    for mode in out:
+        base = None
+        for n in device_counts:
+            batch = cfg.train.global_batch if mode == "strong" else max(1, round(per_device_batch * n))
+            trial = with_batch(cfg, global_batch=batch, accum=1)
+            best, _ = recommend(candidates(trial, n, hw))
+            if best is None:
+                out[mode].append({"devices": n, "global_batch": batch, "fits": False})
+                continue
+            per_dev = best.tokens_per_s / n
+            base = base or (n, per_dev)
+            out[mode].append({"devices": n, "global_batch": batch, "fits": True, "mesh": best.layout.name,
+                              "tokens_per_s": best.tokens_per_s, "step_s": best.step_s, "mfu": best.mfu,
+                              "efficiency": best.efficiency, "scaling_efficiency": per_dev / base[1],
+                              "relative_to_devices": base[0]})
+    return out

@@ -1,0 +1,152 @@
+"""What the planner plans for: a model config on a mesh, and the parameter table of that model.
+
+The parameter table comes from the model itself (`nnx.eval_shape`, no memory is allocated), so shapes
+and logical axis names can never drift from `jaxdist.models.llama`; placement follows the same
+logical rules as training (`jaxdist.sharding`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jaxdist import sharding
+from jaxdist.config import Config, ModelConfig
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import AXES, format_mesh
+from jaxdist.planner.hardware import Hardware
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]  # logical axis names, e.g. ('layers', 'embed', 'mlp')
+    role: str  # "layer" (inside the scanned stack) | "embed" | "head" | "norm"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@functools.lru_cache(maxsize=32)
+def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
+    """Every parameter of the model with its shape, logical names and role."""
+    import jax
+    from flax import nnx
+
+    from jaxdist.models.llama import Llama
+
+    abstract = nnx.eval_shape(lambda: Llama(model, None, nnx.Rngs(params=0)))
+    state = nnx.state(abstract, nnx.Param)
+    names = nnx.to_pure_dict(sharding.logical_names(state))
+    shapes = nnx.to_pure_dict(state)
+    groups = []
+    for (path, n), (_, v) in zip(jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0],
+                                 jax.tree_util.tree_flatten_with_path(shapes)[0]):
+        key = "/".join(str(getattr(p, "key", p)) for p in path)
+        top = key.split("/")[0]
+        role = {"blocks": "layer", "embed_VD": "embed", "head_DV": "head"}.get(top, "norm")
+        groups.append(ParamGroup(key, tuple(v.shape), tuple(n), role))
+    return tuple(groups)
+
+
+@functools.lru_cache(maxsize=65536)
+def _split(group: ParamGroup, rules: tuple, mesh: tuple, only_axis: str | None) -> int:
+    """Product of the mesh axes (or only `only_axis`) that shard `group` under `rules`; checks divisibility."""
+    spec, sizes = sharding.logical_to_spec(group.names, dict(rules), group.path), dict(mesh)
+    n = 1
+    for dim, entry in zip(group.shape, spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        size = math.prod(sizes[a] for a in axes)
+        if dim % size:
+            raise JaxdistError(f"{group.path}: dimension {dim} does not split over {'x'.join(axes)}={size}")
+        n *= math.prod(sizes[a] for a in axes if only_axis in (None, a))
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A config on a mesh (axis sizes), with the derived per-device shapes the cost model needs."""
+    cfg: Config
+    mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'tp':}
+    hw: Hardware
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def name(self) -> str:
+        return format_mesh({a: s for a, s in self.mesh.items() if s > 1}) or "single device"
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.mesh[a] for a in self.rules["batch"])
+
+    @functools.cached_property
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        return sharding.make_rules(self.cfg.mesh.rules)
+
+    @property
+    def accum(self) -> int:
+        """Gradient-accumulation micro-batches (train.microbatches)."""
+        return self.cfg.train.microbatches
+
+    @property
+    def pipe_micro(self) -> int:
+        """Pipeline micro-batches per accumulation micro-batch (pipeline.microbatches; 0 means pp)."""
+        return 1 if self.mesh["pp"] == 1 else (self.cfg.pipeline.microbatches or self.mesh["pp"])
+
+    @property
+    def repeats(self) -> int:
+        return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and self.cfg.pipeline.schedule == "circular" else 1
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per device per forward pass (one pipeline micro-batch of one accumulation step)."""
+        return self.cfg.train.global_batch // (self.batch_shards * self.accum * self.pipe_micro)
+
+    @property
+    def pipe_iterations(self) -> int:
+        """GPipe: M + P - 1 iterations; circular: V M + P - 1 (jaxdist.parallel.pipeline)."""
+        return self.repeats * self.pipe_micro + self.mesh["pp"] - 1 if self.mesh["pp"] > 1 else 1
+
+    @property
+    def compute_dtype(self) -> str:
+        name = self.cfg.model.compute_dtype
+        if name == "auto":
+            name = "float32" if self.hw.backend == "cpu" else "bfloat16"
+        return name
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element. XLA:CPU computes bfloat16 in float32 (observed in the HLO)."""
+        return 4 if self.hw.backend == "cpu" else DTYPE_BYTES[self.compute_dtype]
+
+    def shards(self, group: ParamGroup) -> int:
+        """Devices one copy of `group` is split over (pp splits the layer stack into stages)."""
+        n = _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), None)
+        return n * (self.mesh["pp"] if group.role == "layer" else 1)
+
+    def tp_shards(self, group: ParamGroup) -> int:
+        """How many ways tp splits `group` (its size after the fsdp all-gather is size / this)."""
+        return _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), "tp")
+
+    def validate(self) -> None:
+        """Raise JaxdistError if this layout cannot run (divisibility of batch, layers, heads)."""
+        m, cfg = self.mesh, self.cfg
+        if set(m) != set(AXES):
+            raise JaxdistError(f"mesh needs the axes {AXES}")
+        per = self.batch_shards * self.accum * self.pipe_micro
+        if cfg.train.global_batch % per:
+            raise JaxdistError(f"train.global_batch={cfg.train.global_batch} does not split into {per} "
+                               f"(batch shards x accumulation x pipeline micro-batches)")
+        if cfg.model.num_layers % (m["pp"] * self.repeats):
+            raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
+        for g in param_table(cfg.model):
+            self.shards(g)

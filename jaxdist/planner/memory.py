@@ -1,0 +1,124 @@
+"""Per-device memory of one training step: parameters, gradients, AdamW moments, activations, temporaries.
+
+Conventions (those of jaxdist.step): float32 master parameters, float32 gradients, AdamW's two float32
+moments (mu, nu) — 4 + 4 + 8 = 16 bytes per parameter before sharding (so 70B parameters are 280 GB,
+and AdamW adds 560 GB). Each array is divided by the devices that shard it under the logical rules.
+
+Activations saved for the backward pass, per layer and per token of a micro-batch (B·T·D rows are
+replicated over tp; heads / mlp columns are split by tp), by remat policy:
+  full          : the layer input only (D); the layer is recomputed in the backward pass.
+  dots_saveable : the outputs of the weight matmuls (q, k, v, attention out, gate, up, down) and the input.
+  none          : every intermediate, including the T x T attention probabilities unless the backend
+                  uses a fused (flash) attention.
+With pipeline parallelism (jaxdist.parallel.pipeline) each stage keeps one stage input per pipeline
+iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
+
+USABLE_FRACTION = 0.9  # of HBM: runtime, allocator fragmentation and buffers the model does not see
+STATE_SCALARS = 2 * 4  # TrainState.step and .skipped (int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device."""
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for the backward pass (all layers / in-flight micro-batches)
+    temporary: float  # the largest short-lived working set (one layer's backward, or the loss)
+    batch: float  # the step's input tokens
+    capacity: float  # usable HBM
+
+    @property
+    def arguments(self) -> float:
+        """What the compiled step receives: params + optimizer state + tokens (memory_analysis arguments)."""
+        return self.params + self.optimizer + self.batch + STATE_SCALARS
+
+    @property
+    def total(self) -> float:
+        return self.arguments + self.grads + self.activations + self.temporary
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(total=self.total, fits=self.fits)
+        return d
+
+
+def param_bytes(lay: Layout) -> float:
+    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model))
+
+
+def optimizer_bytes(lay: Layout) -> float:
+    """AdamW mu and nu (float32, sharded like the parameters) plus its and the schedule's step counters."""
+    return 2 * param_bytes(lay) + 2 * 4
+
+
+def grad_bytes(lay: Layout) -> float:
+    """One set of float32 gradients, sharded like the parameters — except on XLA:CPU, which all-reduces
+    layer gradients over fsdp (instead of reduce-scattering) and keeps the stacked, fsdp-unsharded
+    result until the optimizer slices it (seen in memory_analysis temp bytes)."""
+    total = 0.0
+    for g in param_table(lay.cfg.model):
+        shards = lay.shards(g)
+        if lay.hw.backend == "cpu" and g.role == "layer":
+            shards = lay.tp_shards(g) * lay.mesh["pp"]
+        total += g.size * PARAM_BYTES / shards
+    return total
+
+
+def saved_per_token_layer(lay: Layout, policy: str) -> float:
+    """Bytes one layer keeps for backward per token of a micro-batch (module docstring)."""
+    m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
+    D, NH, KH, F = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.mlp_dim
+    if policy == "full":
+        return D * c
+    if policy == "dots_saveable":
+        return c * (3 * D + (NH + 2 * KH) / t + 2 * F / t)
+    attention = (c * NH / t + 4 * m.num_heads / t) if lay.hw.flash_attention else 4 * m.num_heads / t * m.seq_len
+    # x, two norms, residual, attention out, down: 6 D; q, k, v before and after rotary, o: (3 NH + 3 KH) / t;
+    # gate, up, silu(gate), their product: 4 F / t
+    return c * (6 * D + (3 * NH + 3 * KH) / t + 4 * F / t) + attention
+
+
+def activation_bytes(lay: Layout) -> float:
+    m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
+    if lay.mesh["pp"] == 1:
+        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens
+    stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
+    group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
+    return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
+
+
+def gathered_layer_bytes(lay: Layout) -> float:
+    """One layer's parameters after the fsdp all-gather (still split by tp), float32."""
+    L = lay.cfg.model.num_layers
+    return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+
+
+def temporary_bytes(lay: Layout) -> float:
+    """The larger of: the loss (float32 logits, their softmax and gradient over the vocab shard) and one
+    layer's backward (its full activations, its gathered weights twice — in use and prefetched — and its
+    gradient before the reduction)."""
+    m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
+    loss = 3 * tokens * m.vocab_size / lay.mesh["tp"] * 4
+    layer_weights = gathered_layer_bytes(lay)
+    one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights
+    return max(loss, one_layer)
+
+
+def estimate(lay: Layout) -> Memory:
+    params = param_bytes(lay)
+    grads = grad_bytes(lay) + (params if lay.accum > 1 else 0)  # + the accumulator across micro-batches
+    batch = lay.cfg.train.global_batch // lay.batch_shards * (lay.cfg.model.seq_len + 1) * 4
+    return Memory(params=params, grads=grads, optimizer=optimizer_bytes(lay), activations=activation_bytes(lay),
+                  temporary=temporary_bytes(lay), batch=batch, capacity=lay.hw.hbm_bytes * USABLE_FRACTION)
