@@ -23,6 +23,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.models.llama import Llama
 from jaxdist.optim import decay_mask, make_optimizer
+from jaxdist.parallel import pipeline
 
 
 @jax.tree_util.register_dataclass
@@ -122,9 +123,11 @@ class Program:
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count)
     abstract_state: TrainState
+    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; pipelined when pp > 1 (then trace it under jax.set_mesh)
+    pipeline: Any = None  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
 
     def apply(self, params, tokens_BT):
-        return nnx.merge(self.graphdef, params)(tokens_BT)
+        return self.apply_fn(params, tokens_BT)
 
     def batch_shards(self) -> int:
         return mesh_size(self.mesh, self.batch_sharding.spec[0])
@@ -165,6 +168,11 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     param_names = nnx.to_pure_dict(sharding.logical_names(abstract_params))
     param_specs = nnx.to_pure_dict(sharding.state_specs(abstract_params, rules, mesh))
     abstract_params = nnx.to_pure_dict(abstract_params)
+    layout = pipeline.plan(cfg, mesh)  # pp > 1: the layer stack is stored (stage, layers, ...)
+    if layout:
+        param_names = pipeline.stage_names(param_names)
+        abstract_params = jax.eval_shape(lambda p: pipeline.to_stages(p, layout), abstract_params)
+        param_specs = pipeline.stage_specs(param_names, abstract_params, rules, mesh)
 
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
                                      decay_mask(param_names))
@@ -172,12 +180,16 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     def apply_fn(params, tokens_BT):
         return nnx.merge(graphdef, params)(tokens_BT)
 
+    if layout:
+        apply_fn = pipeline.pipelined_apply(graphdef, layout)
     if gradient_stage is None:
         gradient_stage = select_gradient_stage
     stage = gradient_stage(apply_fn, cfg, mesh, rules, param_specs)
 
     def init_state(seed):
         params = nnx.to_pure_dict(nnx.state(make_model(cfg, rules, seed), nnx.Param))
+        if layout:
+            params = pipeline.to_stages(params, layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           reducer_state=stage.init(params), skipped=jnp.zeros((), jnp.int32))
 
@@ -220,7 +232,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
                    param_specs=param_specs, state_shardings=state_shardings, batch_sharding=batch_sharding,
                    tx=tx, lr_schedule=lr_schedule, gradients=stage, init_state=_in_mesh(mesh, jit_init),
                    train_step=_in_mesh(mesh, jit_train), eval_step=_in_mesh(mesh, jit_eval),
-                   abstract_state=abstract_state)
+                   abstract_state=abstract_state, apply_fn=apply_fn, pipeline=layout)
 
 
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, rules, param_specs) -> GradientStage:

@@ -1,0 +1,215 @@
+"""Pipeline parallelism over the `pp` mesh axis, inside one jit (GPipe and circular schedules).
+
+The scanned layer stack (L, ...) is cut into P = pp stages. Stage weights live on their stage's
+devices: the stack is stored as (stage, layers, ...) — logical names ('stage', 'layers', ...), with
+`stage -> pp` — where row s holds, in the order stage s runs them, the layer groups s, P+s, ...,
+(V-1)P+s of L / (P V) layers each (V = repeats: 1 for gpipe, `pipeline.repeats` for circular).
+For gpipe this is a plain reshape of the stack; `to_stages` / `from_stages` convert either way.
+
+Embedding and head stay outside the pipeline (computed on every pp rank, batch-sharded as usual).
+Between them, `M` micro-batches flow through a `lax.scan` inside `shard_map` (manual over pp only;
+dp/fsdp/tp stay automatic). At iteration t, stage s works on index i = t - s: micro-batch i mod M of
+repeat i // M. Stage 0 reads its input from a buffer holding the micro-batches; every other stage
+reads what its predecessor sent by `ppermute` at the end of the previous iteration. With circular,
+stage P-1 sends back to stage 0, which parks the micro-batch in the buffer until its next repeat
+(this needs M >= P). gpipe takes M + P - 1 iterations, circular V M + P - 1; bubble (P-1)/iterations.
+
+Backward is autodiff through the scan. Each stage application is rematerialised, so the scan keeps
+one stage input per iteration ((V M + P - 1) micro-batches of activations per stage) and recomputes
+the stage's layers during backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import sharding
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import axis_size
+
+AXIS = "pp"
+STACK = "blocks"  # the model's stacked layers (params[STACK] leaves have a leading `layers` axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    schedule: str
+    stages: int  # P
+    microbatches: int  # M, per pipeline pass (per gradient-accumulation micro-batch)
+    repeats: int  # V: layer groups per stage (1 for gpipe)
+    layers_per_group: int  # L / (P V)
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        return (self.stages - 1) / self.iterations
+
+
+def plan(cfg: Config, mesh) -> Plan | None:
+    """The validated pipeline for (cfg, mesh), or None when pp == 1 (no pipeline)."""
+    stages = mesh.shape.get(AXIS, 1)
+    if stages == 1:
+        return None
+    p, layers = cfg.pipeline, cfg.model.num_layers
+    if p.microbatches < 0:
+        raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
+    if p.schedule == "gpipe" and p.repeats != 1:
+        raise JaxdistError(f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular; "
+                           "set pipeline.repeats=1 for gpipe")
+    repeats = p.repeats if p.schedule == "circular" else 1
+    micro = p.microbatches or stages
+    if layers % (stages * repeats):
+        fits = [f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
+                for d in range(2, layers + 1) if layers % (d * repeats) == 0]
+        raise JaxdistError(
+            f"model.num_layers={layers} cannot be split into pp={stages} stages x {repeats} repeats; "
+            f"use num_layers divisible by {stages * repeats}" + (f", or {' / '.join(fits)}" if fits else "")
+        )
+    if repeats > 1 and micro < stages:
+        raise JaxdistError(
+            f"circular pipeline.repeats={repeats} needs pipeline.microbatches >= pp={stages} (got {micro}) "
+            f"so each micro-batch is back at stage 0 in time; set pipeline.microbatches={stages} or more"
+        )
+    rules = sharding.make_rules(cfg.mesh.rules)
+    shards = axis_size(mesh, sharding.batch_spec(rules)[0])
+    per_pass = cfg.train.global_batch // cfg.train.microbatches
+    if per_pass % (micro * shards):
+        raise JaxdistError(
+            f"train.global_batch={cfg.train.global_batch} / train.microbatches={cfg.train.microbatches} = "
+            f"{per_pass} sequences per pipeline pass must divide into pipeline.microbatches={micro} x "
+            f"{shards} batch shards; use a global batch that is a multiple of "
+            f"{cfg.train.microbatches * micro * shards}"
+        )
+    if AXIS in sum((tuple(v) for k, v in rules.items() if k != "stage"), ()):
+        raise JaxdistError("mesh.rules maps a logical axis other than 'stage' to 'pp'; "
+                           "with pp > 1 only 'stage' may use the pp axis")
+    return Plan(p.schedule, stages, micro, repeats, layers // (stages * repeats))
+
+
+def describe(cfg: Config, mesh) -> dict[str, Any]:
+    """Schedule summary for logs and benchmarks: schedule, stages, microbatches, repeats, iterations,
+    bubble_fraction (iterations and bubble per pipeline pass)."""
+    pl = plan(cfg, mesh)
+    if pl is None:
+        return {"schedule": "none", "stages": 1, "microbatches": 1, "repeats": 1, "iterations": 1,
+                "bubble_fraction": 0.0}
+    return {"schedule": pl.schedule, "stages": pl.stages, "microbatches": pl.microbatches,
+            "repeats": pl.repeats, "iterations": pl.iterations, "bubble_fraction": pl.bubble_fraction}
+
+
+# ---- parameter layout: layer stack (L, ...) <-> stages (P, V * L/(PV), ...) -----------------------
+
+def to_stages(params: dict, pl: Plan) -> dict:
+    """Layer l = (v P + s) G + j (G layers per group) goes to row s, position v G + j."""
+    def one(a):
+        a = a.reshape(pl.repeats, pl.stages, pl.layers_per_group, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(pl.stages, pl.repeats * pl.layers_per_group, *a.shape[3:])
+    return {**params, STACK: jax.tree.map(one, params[STACK])}
+
+
+def from_stages(params: dict, pl: Plan) -> dict:
+    """Inverse of `to_stages`: back to the model's plain layer stack."""
+    def one(a):
+        a = a.reshape(pl.stages, pl.repeats, pl.layers_per_group, *a.shape[2:]).swapaxes(0, 1)
+        return a.reshape(pl.repeats * pl.stages * pl.layers_per_group, *a.shape[3:])
+    return {**params, STACK: jax.tree.map(one, params[STACK])}
+
+
+def stage_names(names: dict) -> dict:
+    """Logical names of the staged stack: ('layers', ...) -> ('stage', 'layers', ...)."""
+    return {**names, STACK: jax.tree.map(lambda n: ("stage",) + tuple(n), names[STACK],
+                                         is_leaf=lambda x: isinstance(x, tuple))}
+
+
+def stage_specs(names: dict, abstract_params: dict, rules, mesh) -> dict:
+    """PartitionSpecs for the staged parameters, checked to divide the mesh."""
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    def spec(path, n, a):
+        what = f"parameter {jax.tree_util.keystr(path)}"
+        s = sharding.logical_to_spec(n, rules, what)
+        sharding.check_divisible(a.shape, s, mesh, what)
+        return s
+    return jax.tree_util.tree_map_with_path(spec, names, abstract_params, is_leaf=is_names)
+
+
+# ---- the schedule -----------------------------------------------------------------------------------
+
+def to_microbatches(x_BTD, m: int):
+    """(B, ...) -> (M, B/M, ...) taking rows m, m+M, ...: each device keeps its own rows."""
+    return x_BTD.reshape(x_BTD.shape[0] // m, m, *x_BTD.shape[1:]).swapaxes(0, 1)
+
+
+def from_microbatches(x_MbTD):
+    return x_MbTD.swapaxes(0, 1).reshape(-1, *x_MbTD.shape[2:])
+
+
+def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan):
+    """The loop on one pp rank (inside shard_map). `stage_params` leaves are (V G, ...) for this stage;
+    `stage_fn(group_params, x)` applies one group of G layers. Returns the last stage's outputs
+    (M, b, T, D); other ranks return zeros."""
+    S, M, V, G = pl.stages, pl.microbatches, pl.repeats, pl.layers_per_group
+    s = jax.lax.axis_index(AXIS)
+    groups = jax.tree.map(lambda a: a.reshape(V, G, *a.shape[1:]), stage_params)
+
+    @jax.checkpoint  # remat at the stage boundary: keep only the stage input per iteration
+    def apply_group(groups, v, x):
+        return stage_fn(jax.tree.map(lambda a: a[v], groups), x)
+
+    def put(buf, idx, value, cond):
+        """buf[idx] = value where cond (touching one slot only)."""
+        idx = jnp.clip(idx, 0, M - 1)
+        return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(cond, value, buf[idx]), idx, 0)
+
+    def body(carry, t):
+        recv, buf, out = carry
+        if V > 1:  # stage 0 parks the micro-batch stage P-1 finished last iteration until its next repeat
+            back = t - S
+            buf = put(buf, back % M, recv, (s == 0) & (back >= 0))
+        x = jnp.where(s == 0, buf[t % M], recv)
+        i = t - s  # this stage's work index
+        y = apply_group(groups, jnp.clip(i // M, 0, V - 1), x)
+        done = i - (V - 1) * M  # micro-batch of the final repeat finished here, if any
+        out = put(out, done, y, (s == S - 1) & (done >= 0) & (done < M))
+        recv = jax.lax.ppermute(y, AXIS, [(k, (k + 1) % S) for k in range(S)])
+        return (recv, buf, out), None
+
+    varying = lambda a: jax.lax.pcast(a, (AXIS,), to="varying")  # noqa: E731  (differs per stage)
+    init = (varying(jnp.zeros_like(x_MbTD[0])), varying(x_MbTD), varying(jnp.zeros_like(x_MbTD)))
+    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(pl.iterations))
+    return out
+
+
+def pipelined_apply(graphdef, pl: Plan) -> Callable:
+    """apply_fn(params, tokens_BT) -> logits_BTV with the layer stack run as a pipeline.
+    `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`."""
+    def apply_fn(params, tokens_BT):
+        B = tokens_BT.shape[0]
+        if B % pl.microbatches:
+            raise JaxdistError(f"batch of {B} sequences does not split into pipeline.microbatches="
+                               f"{pl.microbatches}; use a batch that is a multiple of {pl.microbatches}")
+        model = nnx.merge(graphdef, params)
+        blocks_def, _ = nnx.split(model.blocks)
+
+        def stage_fn(group_params, x):
+            return model.run_layers(x, nnx.merge(blocks_def, group_params))
+
+        def per_rank(stage_params, x_MbTD):
+            local = jax.tree.map(lambda a: a[0], stage_params)  # (1, V G, ...) -> (V G, ...)
+            return run_schedule(stage_fn, local, x_MbTD, pl)[None]
+
+        x_MbTD = to_microbatches(model.embed(tokens_BT), pl.microbatches)
+        params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
+        out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS),
+                                  axis_names={AXIS})(params[STACK], x_MbTD)
+        return model.logits(from_microbatches(out_SMbTD[pl.stages - 1]))
+    return apply_fn

@@ -1,0 +1,166 @@
+"""Pipeline parallelism: equivalence with the single-device model, schedule length, permute bytes,
+parameter placement, and the one-line errors.
+
+Tolerance: fp32 on CPU; only the order of reductions differs, so each gradient tensor matches to
+1e-5 of its largest entry and losses to a relative 1e-5. Each case compiles one gradient program and
+all of its checks read that program (compilation dominates the time of this file).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import hlo, mesh as mesh_mod, step
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import pipeline
+
+TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
+BATCH = 16
+STEPS = 10
+
+# id: (mesh, devices, pipeline overrides, train overrides)
+CASES = {
+    "pp=2": ("pp=2", 2, {}, {}),
+    "pp=4": ("pp=4", 4, {}, {}),
+    # with gradient accumulation: 2 accumulation micro-batches, each split into 2 pipeline micro-batches
+    "pp=2,fsdp=2,dp=2": ("dp=2,pp=2,fsdp=2", 8, {"microbatches": 2}, {"microbatches": 2}),
+    "pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, {"microbatches": 4}, {}),
+    # M = 4 > P = 2: micro-batches wait at stage 0 between repeats
+    "circular V=2": ("pp=2,fsdp=2", 4, {"schedule": "circular", "repeats": 2, "microbatches": 4}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg):
+    return tiny_cfg.replace(model=TINY, train=dict(steps=STEPS, global_batch=BATCH),
+                            optim=dict(warmup_steps=2, lr=1e-3))
+
+
+@pytest.fixture(scope="module")
+def batches(cfg):
+    """Learnable rows: arithmetic progressions mod vocab with random start and stride."""
+    rng = np.random.default_rng(7)
+    start = rng.integers(0, cfg.model.vocab_size, (STEPS, BATCH, 1))
+    stride = rng.integers(1, 4, (STEPS, BATCH, 1))
+    return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
+
+
+def compiled_gradients(prog):
+    """The gradient stage alone (loss and mean gradients), compiled for the program's shardings."""
+    fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
+                 in_shardings=(prog.state_shardings.params, prog.batch_sharding))
+    tokens = jax.ShapeDtypeStruct((BATCH, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
+    with jax.set_mesh(prog.mesh):
+        return fn.lower(prog.abstract_state.params, tokens).compile()
+
+
+def loss_curve(prog, batches):
+    state, curve = prog.init_state(0), []
+    for b in batches:
+        state, m = prog.train_step(state, jax.device_put(b, prog.batch_sharding))
+        curve.append(float(m["loss"]))
+    return curve
+
+
+@pytest.fixture(scope="module")
+def reference(cfg, batches):
+    """The non-pipelined model on one device: initial params, loss, gradients, 10-step curve."""
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
+    params = jax.device_get(prog.init_state(0).params)
+    grads, loss = compiled_gradients(prog)(params, batches[0])
+    return params, float(loss), jax.device_get(grads), loss_curve(prog, batches)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, cfg, reference, batches):
+    """(program, plan, compiled gradient program, its loss and gradients in the model's layout)."""
+    mesh_text, n, pipe, train = CASES[request.param]
+    prog = step.build_program(cfg.replace(pipeline=pipe, train=train),
+                              mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
+    compiled = compiled_gradients(prog)
+    params = jax.device_put(pipeline.to_stages(reference[0], prog.pipeline), prog.state_shardings.params)
+    grads, loss = compiled(params, jax.device_put(batches[0], prog.batch_sharding))
+    return prog, compiled, float(loss), pipeline.from_stages(jax.device_get(grads), prog.pipeline)
+
+
+def test_loss_and_gradients_match_single_device(case, reference):
+    _, _, loss, grads = case
+    _, ref_loss, ref_grads, _ = reference
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-5 * np.abs(r).max(), rtol=0)
+
+
+def test_schedule_length_and_permute_bytes(case):
+    """Forward and backward loops run exactly V*M + P - 1 iterations, and inside them each device
+    sends one micro-batch of activations (its shard of it) per iteration, by collective-permute."""
+    prog, compiled, _, _ = case
+    pl, m = prog.pipeline, prog.cfg.model
+    text = compiled.as_text()
+    trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
+    assert trips.count(pl.iterations) == 2, trips  # one forward loop, one backward loop
+    per_pass = BATCH // prog.cfg.train.microbatches
+    microbatch_bytes = per_pass // pl.microbatches // prog.batch_shards() * m.seq_len * m.d_model * 4
+    in_loop = [c for c in hlo.collectives(text)
+               if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.microbatches]
+    assert len(in_loop) == 2 and all(c.result_bytes == microbatch_bytes for c in in_loop), in_loop
+
+
+def test_loss_curve_matches_single_device(cfg, reference, batches):
+    """Ten optimizer steps of the most composed case (dp, fsdp, pp and gradient accumulation)."""
+    mesh_text, _, pipe, train = CASES["pp=2,fsdp=2,dp=2"]
+    prog = step.build_program(cfg.replace(pipeline=pipe, train=train), mesh_mod.mesh_from_string(mesh_text))
+    curve = loss_curve(prog, batches)
+    np.testing.assert_allclose(curve, reference[3], rtol=1e-5)
+    assert curve[-1] < curve[0]
+
+
+def test_stage_weights_live_on_their_stage(cfg):
+    """pp=4: each device holds 1/4 of the layer stack (plus the replicated embedding, head and final
+    norm, and its batch shard), read from the compiled program's argument bytes."""
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("pp=4", jax.devices()[:4]))
+    compiled = compiled_gradients(prog)
+    params = prog.abstract_state.params
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    stack = nbytes(params["blocks"])
+    rest = nbytes(params) - stack
+    tokens = BATCH * (cfg.model.seq_len + 1) * 4
+    assert compiled.memory_analysis().argument_size_in_bytes == stack // 4 + rest + tokens
+    assert prog.param_names["blocks"]["mlp"]["w_up_DF"] == ("stage", "layers", "embed", "mlp")
+
+
+def test_to_stages_places_circular_groups():
+    """Circular, P=2, V=2, 8 layers: stage 0 holds layer groups 0 and 2, stage 1 groups 1 and 3."""
+    pl = pipeline.Plan("circular", stages=2, microbatches=2, repeats=2, layers_per_group=2)
+    stack = {"blocks": {"w": jnp.arange(8)}, "embed": jnp.ones(3)}
+    staged = pipeline.to_stages(stack, pl)
+    np.testing.assert_array_equal(staged["blocks"]["w"], [[0, 1, 4, 5], [2, 3, 6, 7]])
+    np.testing.assert_array_equal(pipeline.from_stages(staged, pl)["blocks"]["w"], np.arange(8))
+
+
+def test_describe(cfg):
+    mesh = mesh_mod.mesh_from_string("pp=4,fsdp=2")
+    assert pipeline.describe(cfg.replace(pipeline=dict(microbatches=8)), mesh) == {
+        "schedule": "gpipe", "stages": 4, "microbatches": 8, "repeats": 1, "iterations": 11,
+        "bubble_fraction": 3 / 11}
+    c = cfg.replace(model=dict(num_layers=8), pipeline=dict(schedule="circular", repeats=2, microbatches=4))
+    assert pipeline.describe(c, mesh)["iterations"] == 2 * 4 + 3
+    assert pipeline.describe(c, mesh)["bubble_fraction"] == 3 / 11
+    assert pipeline.describe(cfg, mesh_mod.mesh_from_string("fsdp=8"))["schedule"] == "none"
+
+
+@pytest.mark.parametrize("mesh_text, overrides, message", [
+    ("pp=4,fsdp=2", dict(model=dict(num_layers=6)), "num_layers=6 cannot be split into pp=4"),
+    ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=3)), "multiple of 12"),
+    ("pp=2,fsdp=4", dict(train=dict(microbatches=2), pipeline=dict(microbatches=4)), "multiple of 32"),
+    ("pp=4,fsdp=2", dict(pipeline=dict(schedule="circular", repeats=2)), "num_layers divisible by 8"),
+    ("pp=2,fsdp=4", dict(pipeline=dict(schedule="circular", repeats=2, microbatches=1)), "microbatches >= pp=2"),
+    ("pp=2,fsdp=4", dict(pipeline=dict(repeats=2)), "needs pipeline.schedule=circular"),
+])
+def test_errors_name_the_fix(cfg, mesh_text, overrides, message):
+    with pytest.raises(JaxdistError, match=re.escape(message)):
+        step.build_program(cfg.replace(**overrides), mesh_mod.mesh_from_string(mesh_text))
