@@ -206,7 +206,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

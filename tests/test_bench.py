@@ -1,0 +1,20 @@
+import json
+
+from jaxdist import bench
+
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "model.head_dim=16", "model.seq_len=32"]
+
+
+def test_bench_prints_one_json_line_per_mesh(capsys):
+    assert bench.main(["--mesh", "fsdp=1", "--mesh", "fsdp=8", "--warmup", "1", "--steps", "2", *SMALL]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["devices"] for r in lines] == [1, 8]
+    for r in lines:
+        for key in ("tokens_per_sec", "step_time_s", "mfu", "flops_per_token", "compile_s",
+                    "bytes_per_device", "collectives"):
+            assert key in r, key
+        assert r["tokens_per_sec"] > 0 and r["bytes_per_device"]["arguments"] > 0
+    one, eight = lines
+    assert one["collectives"] == {}  # one device communicates nothing
+    assert "all-gather" in eight["collectives"]  # fsdp gathers parameters
+    assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 7

@@ -1,0 +1,45 @@
+"""The CLI end to end, as a user runs it (a real subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=256", "model.head_dim=16", "model.seq_len=64"]
+
+
+def test_cli_trains_on_the_default_corpus(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "dp=2,fsdp=4", "--steps", "60", "--run-dir",
+           str(run_dir), *SMALL, "optim.lr=1e-2", "optim.warmup_steps=5", "train.log_every=5",
+           "train.eval_every=30", "train.global_batch=16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mesh dp=2,pp=1,fsdp=4,tp=1 over 8 cpu devices" in out.stdout
+    assert "MFLOP/token" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("done: 60 steps")
+
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["train"]["steps"] == 60 and resolved["mesh"]["shape"] == "dp=2,fsdp=4"
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(5, 61, 5))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"):
+        assert all(key in r for r in steps), key
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r and "summary" not in r]
+    assert len(evals) == 2
+    summary = records[-1]
+    assert summary["summary"] and summary["steps"] == 60
+    # Bytes of Python source: from ln(256) = 5.55 at the start to well below in 60 small steps.
+    assert steps[0]["loss"] > 3.5 and summary["final_loss"] < 3.0 and summary["eval_loss"] < 3.0
+    assert any((run_dir / "tb").iterdir())  # TensorBoard events
+
+
+def test_cli_bad_input_exits_2_without_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--mesh", "dp=3", "--run-dir",
+                          str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: mesh dp=3,pp=1,fsdp=1,tp=1 needs 3 devices but there are 8; " \
+                                 "make the sizes multiply to 8 (or use -1 on one axis)"
+    assert not (tmp_path / "r").exists()
