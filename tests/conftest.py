@@ -1,8 +1,12 @@
 """Eight simulated CPU devices for every test; must run before any JAX work."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, inherited by subprocess tests: the same program
+# compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-xla-cache-"))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
