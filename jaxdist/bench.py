@@ -88,6 +88,10 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
         "loss": float(m["loss"]),
         **metrics.compiled_stats(compiled),
     }
+    # Bytes each device sends across dp per optimizer step, and dense float32's over that.
+    from jaxdist.parallel import reduce
+    record["dp_bytes_per_step"] = reduce.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
+    record["compression_ratio"] = reduce.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 
 

@@ -111,8 +111,7 @@ def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reduce
     replicas = mesh.shape[axis]
     if r.method == "dense" or replicas == 1:
         if r.method != "dense":
-            warnings.warn(f"reduce.method={r.method} does nothing with {axis}=1 (one replica, nothing to "
-                          f"compress); reducing dense", stacklevel=3)
+            warn_one_replica(cfg)
         return dense(axis, jnp.dtype(r.dtype))
     codec = {"topk": lambda: compress.topk(r.ratio), "int8": lambda: compress.int8(r.block_size),
              "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed)}[r.method]()
@@ -120,6 +119,11 @@ def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reduce
     if r.method == "powersgd":
         reducer = with_warmup(dense(axis), reducer, r.start_step)
     return reducer
+
+
+def warn_one_replica(cfg: Config) -> None:
+    warnings.warn(f"reduce.method={cfg.reduce.method} does nothing with {cfg.reduce.axis}=1 (one replica, "
+                  "nothing to compress); reducing dense", stacklevel=3)
 
 
 def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param_specs) -> step_lib.GradientStage:
@@ -134,6 +138,10 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param
             raise JaxdistError(f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
                                f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
                                f"reduce.method=implicit")
+    if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
+        if cfg.reduce.method != "dense":
+            warn_one_replica(cfg)
+        return step_lib.implicit_gradients(apply_fn, cfg.train.microbatches)
     abstract_params, batch_dims = param_layout(cfg, rules)
     reducer = make_reducer(cfg, mesh, abstract_params, batch_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
@@ -197,8 +205,11 @@ def compile_train_step(cfg: Config, mesh: Mesh):
 
 
 def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) -> float:
-    """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh."""
+    """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh
+    (compiles the dense program; 1.0 without compiling when nothing crosses the axis or it is dense)."""
     axis = cfg.reduce.axis
+    if mesh.shape[axis] == 1 or (cfg.reduce.method == "dense" and cfg.reduce.dtype == "float32"):
+        return 1.0
     if dp_bytes is None:
         dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis)
     dense_cfg = cfg.replace(reduce=dict(method="dense", dtype="float32"))
