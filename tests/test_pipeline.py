@@ -3,7 +3,8 @@ parameter placement, and the one-line errors.
 
 Tolerance: fp32 on CPU; only the order of reductions differs, so each gradient tensor matches to
 1e-5 of its largest entry and losses to a relative 1e-5. Each case compiles one gradient program and
-all of its checks read that program (compilation dominates the time of this file).
+all of its checks read that program. Compilation dominates the time of this file, so programs compile
+with LLVM optimisation off (the checks are numerics and HLO, not speed).
 """
 
 import re
@@ -20,6 +21,8 @@ from jaxdist.parallel import pipeline
 TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
 BATCH = 16
 STEPS = 10
+
+FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 # id: (mesh, devices, pipeline overrides, train overrides)
 CASES = {
@@ -48,19 +51,33 @@ def batches(cfg):
     return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
 
 
+def tokens_spec(prog):
+    return jax.ShapeDtypeStruct((BATCH, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
+
+
 def compiled_gradients(prog):
     """The gradient stage alone (loss and mean gradients), compiled for the program's shardings."""
     fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
                  in_shardings=(prog.state_shardings.params, prog.batch_sharding))
-    tokens = jax.ShapeDtypeStruct((BATCH, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
     with jax.set_mesh(prog.mesh):
-        return fn.lower(prog.abstract_state.params, tokens).compile()
+        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(FAST_COMPILE)
 
 
-def loss_curve(prog, batches):
-    state, curve = prog.init_state(0), []
+def in_layout(prog, params):
+    """Model-layout params -> the program's layout (staged when pp > 1)."""
+    return pipeline.to_stages(params, prog.pipeline) if prog.pipeline else params
+
+
+def loss_curve(prog, params, batches):
+    """Losses of len(batches) optimizer steps from `params` (model layout)."""
+    params = in_layout(prog, params)
+    state = step.TrainState(step=np.int32(0), params=params, opt_state=prog.tx.init(params),
+                            reducer_state=(), skipped=np.int32(0))
+    state = jax.device_put(state, prog.state_shardings)
+    train_step = prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile(FAST_COMPILE)
+    curve = []
     for b in batches:
-        state, m = prog.train_step(state, jax.device_put(b, prog.batch_sharding))
+        state, m = train_step(state, jax.device_put(b, prog.batch_sharding))
         curve.append(float(m["loss"]))
     return curve
 
@@ -71,19 +88,30 @@ def reference(cfg, batches):
     prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
     params = jax.device_get(prog.init_state(0).params)
     grads, loss = compiled_gradients(prog)(params, batches[0])
-    return params, float(loss), jax.device_get(grads), loss_curve(prog, batches)
+    return params, float(loss), jax.device_get(grads), loss_curve(prog, params, batches)
+
+
+@pytest.fixture(scope="module")
+def build(cfg, reference, batches):
+    """case id -> (program, compiled gradient program, loss, gradients in the model's layout); memoised."""
+    cache = {}
+
+    def get(case_id):
+        if case_id not in cache:
+            mesh_text, n, pipe, train = CASES[case_id]
+            prog = step.build_program(cfg.replace(pipeline=pipe, train=train),
+                                      mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
+            compiled = compiled_gradients(prog)
+            params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
+            grads, loss = compiled(params, jax.device_put(batches[0], prog.batch_sharding))
+            cache[case_id] = prog, compiled, float(loss), pipeline.from_stages(jax.device_get(grads), prog.pipeline)
+        return cache[case_id]
+    return get
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, cfg, reference, batches):
-    """(program, plan, compiled gradient program, its loss and gradients in the model's layout)."""
-    mesh_text, n, pipe, train = CASES[request.param]
-    prog = step.build_program(cfg.replace(pipeline=pipe, train=train),
-                              mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
-    compiled = compiled_gradients(prog)
-    params = jax.device_put(pipeline.to_stages(reference[0], prog.pipeline), prog.state_shardings.params)
-    grads, loss = compiled(params, jax.device_put(batches[0], prog.batch_sharding))
-    return prog, compiled, float(loss), pipeline.from_stages(jax.device_get(grads), prog.pipeline)
+def case(request, build):
+    return build(request.param)
 
 
 def test_loss_and_gradients_match_single_device(case, reference):
@@ -110,20 +138,18 @@ def test_schedule_length_and_permute_bytes(case):
     assert len(in_loop) == 2 and all(c.result_bytes == microbatch_bytes for c in in_loop), in_loop
 
 
-def test_loss_curve_matches_single_device(cfg, reference, batches):
+def test_loss_curve_matches_single_device(build, reference, batches):
     """Ten optimizer steps of the most composed case (dp, fsdp, pp and gradient accumulation)."""
-    mesh_text, _, pipe, train = CASES["pp=2,fsdp=2,dp=2"]
-    prog = step.build_program(cfg.replace(pipeline=pipe, train=train), mesh_mod.mesh_from_string(mesh_text))
-    curve = loss_curve(prog, batches)
+    prog = build("pp=2,fsdp=2,dp=2")[0]
+    curve = loss_curve(prog, reference[0], batches)
     np.testing.assert_allclose(curve, reference[3], rtol=1e-5)
     assert curve[-1] < curve[0]
 
 
-def test_stage_weights_live_on_their_stage(cfg):
+def test_stage_weights_live_on_their_stage(build, cfg):
     """pp=4: each device holds 1/4 of the layer stack (plus the replicated embedding, head and final
     norm, and its batch shard), read from the compiled program's argument bytes."""
-    prog = step.build_program(cfg, mesh_mod.mesh_from_string("pp=4", jax.devices()[:4]))
-    compiled = compiled_gradients(prog)
+    prog, compiled, _, _ = build("pp=4")
     params = prog.abstract_state.params
     nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
     stack = nbytes(params["blocks"])
