@@ -202,7 +202,9 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
 
 
 def setup_platform(cpu_devices: int) -> None:
-    """Simulated CPU devices must be configured before any JAX work."""
+    """Simulated CPU devices and GPU overlap flags must be configured before any JAX work."""
+    from jaxdist import xla_flags
+    xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/xla_flags.py)
     import jax
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in \
             os.environ.get("XLA_FLAGS", ""):
