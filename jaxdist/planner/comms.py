@@ -20,11 +20,10 @@ every backend):
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
-- embedding lookup on an fsdp-sharded table: tokens all-gathered over fsdp, then an all-to-all of the
-  B·T·D activations forward and backward; the table's gradient is complete on its shard, so it is only
-  all-reduced over dp. With tp the lookup is a masked gather + all-reduce over tp.
-- head (and a tied embedding used as head): all-gathered over fsdp once per pass (twice for a tied table
-  with tp > 1, observed); gradient reduced like a layer's; with tp the input gradient is all-reduced.
+- embedding table, head and final norm: gathered over fsdp once per pass (the norm twice; the head of a
+  tied table twice when tp > 1, observed) and their gradients reduced like a layer's. A tied table is
+  gathered and reduced once per use (lookup, head). With tp the lookup of the vocab-sharded table is a
+  masked gather + all-reduce of B·T·D over tp, and the head's input gradient is all-reduced over tp.
 - pp (jaxdist.parallel.pipeline): per pipeline iteration one collective-permute of the micro-batch's
   B·T·D activations forward and one backward; stage weights are gathered per iteration.
 """
@@ -51,7 +50,7 @@ class Traffic:
     @property
     def overlappable(self) -> bool:
         """Weight gathers and gradient reductions do not block the next matmul; activation collectives
-        (tp all-reduces, pp permutes, embedding all-to-alls) sit on the critical path."""
+        (tp all-reduces, pp permutes) sit on the critical path."""
         return self.axis in OVERLAPPED and self.kind != "all-to-all"
 
 
@@ -97,21 +96,17 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     per_layer_tp = 7 + (m.remat == "full")
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
 
-    # Embedding lookup, head, final norm: once per pass, on every pp rank.
-    tied = m.tie_embeddings
-    for g in param_table(m):
-        if g.role == "layer":
-            continue
+    # Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two uses,
+    # each gathered and with its gradient reduced separately (as compiled).
+    tables = {g.role: g for g in param_table(m) if g.role != "layer"}
+    uses = [("embedding lookup", tables["embed"]), ("head", tables["embed" if m.tie_embeddings else "head"]),
+            ("final norm", tables["norm"])]
+    for what, g in uses:
         full = g.size * PARAM_BYTES / lay.tp_shards(g)  # after the fsdp gather
-        if g.role in ("head", "norm") or (g.role == "embed" and tied):
-            gathers = 2 if g.role == "norm" or (tied and tp > 1) else 1
-            add("fsdp", "all-gather", f"{g.path} weights", full, gathers * passes)
-            reduce_grads(f"{g.path} gradient", full, passes, dp_syncs)
-        if g.role == "embed":
-            add("dp", "all-reduce", "embedding lookup gradient", full / fsdp, dp_syncs)
+        gathers = 2 if what == "final norm" or (what == "head" and m.tie_embeddings and tp > 1) else 1
+        add("fsdp", "all-gather", f"{what} weights", full, gathers * passes)
+        reduce_grads(f"{what} gradient", full, passes, dp_syncs)
     rows = pass_batch * T
-    add("fsdp", "all-gather", "tokens for the embedding lookup", rows * fsdp * 4, passes)
-    add("fsdp", "all-to-all", "embedding activations (fwd + bwd)", rows * D * PARAM_BYTES, 2 * passes)
     add("tp", "all-reduce", "embedding lookup (vocab-sharded)", rows * D * PARAM_BYTES, passes)
     add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
 

@@ -59,9 +59,10 @@ class Estimate:
                 "tokens_per_s": self.tokens_per_s}
 
 
-def compute_flops(lay: Layout) -> tuple[float, float]:
-    """(model FLOPs per step in all, hardware FLOPs per device). Layers split over every device; the
-    head is split over dp, fsdp and tp only (each pp rank computes it, jaxdist.parallel.pipeline)."""
+def compute_flops(lay: Layout) -> tuple[float, float, float]:
+    """(model FLOPs per step in all, hardware FLOPs per device for the layers, for the head). Layers split
+    over every device; the head over dp, fsdp and tp only (each pp rank computes it, as in
+    jaxdist.parallel.pipeline)."""
     m, mesh = lay.cfg.model, lay.mesh
     tokens = lay.cfg.train.global_batch * m.seq_len
     model = flops_per_token(m) * tokens
@@ -69,19 +70,19 @@ def compute_flops(lay: Layout) -> tuple[float, float]:
     layer_params = sum(g.size for g in param_table(m) if g.role == "layer")
     recompute = m.remat == "full" or mesh["pp"] > 1
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
-    hardware = layers / lay.devices + head / (mesh["dp"] * mesh["fsdp"] * mesh["tp"])
-    return model, hardware
+    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["tp"])
 
 
 def estimate(lay: Layout, family: str = "") -> Estimate:
     lay.validate()
     hw = lay.hw
     peak = hw.flops(lay.compute_dtype)
-    model_flops, device_flops = compute_flops(lay)
-    compute = device_flops / (peak * hw.matmul_efficiency)
+    model_flops, layer_flops, head_flops = compute_flops(lay)
+    rate = peak * hw.matmul_efficiency
+    compute = (layer_flops + head_flops) / rate
     bubble = 0.0
-    if lay.mesh["pp"] > 1:
-        bubble = compute * (lay.mesh["pp"] - 1) / (lay.repeats * lay.pipe_micro)
+    if lay.mesh["pp"] > 1:  # the pipelined layers take (V M + P - 1) / (V M) of their compute time
+        bubble = layer_flops / rate * (lay.mesh["pp"] - 1) / (lay.repeats * lay.pipe_micro)
     traffic = comms.step_traffic(lay)
     times = [(t, comms.traffic_time(lay, t)) for t in traffic]
     comm = sum(s for _, s in times)
