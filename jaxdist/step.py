@@ -201,11 +201,17 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     state_specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
                              reducer_state=reducer_specs, skipped=P())
     state_shardings = sharding.named(mesh, state_specs)
+    opt_on_device = state_shardings.opt_state
+    if cfg.optim.offload == "host":  # optimizer state lives in pinned host memory between steps
+        state_shardings = dataclasses.replace(state_shardings, opt_state=jax.tree.map(
+            lambda s: s.with_memory_kind("pinned_host"), opt_on_device))
     batch_sharding = NamedSharding(mesh, sharding.batch_spec(rules))
     scalar = NamedSharding(mesh, P())
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
+        if cfg.optim.offload == "host":  # stream it in for the update only; out_shardings send it back
+            state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, opt_on_device))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
