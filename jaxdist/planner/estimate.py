@@ -114,10 +114,10 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     out = [("DP", dict(dp=devices)), ("FSDP", dict(fsdp=devices))]
     out += [("HSDP", dict(dp=devices // f, fsdp=f)) for f in _powers_of_two(devices // 2, 2)
             if devices % f == 0 and f >= node // 2]
-    out += [("TPxFSDP", dict(tp=t, fsdp=devices // t)) for t in tps if devices // t > 1]
+    out += [("TPxFSDP", dict(tp=t, fsdp=devices // t)) for t in tps]
     out += [("PPxFSDP", dict(pp=p, fsdp=devices // p)) for p in pps if devices // p > 1]
     out += [("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps
-            if devices % (p * t) == 0 and devices // (p * t) > 1]
+            if devices % (p * t) == 0]
     if devices == 1:
         out = [("single", {})]
     full = lambda m: {a: m.get(a, 1) for a in ("dp", "pp", "fsdp", "tp")}  # noqa: E731
@@ -155,9 +155,9 @@ def best_for_mesh(cfg: Config, mesh: dict[str, int], hw: Hardware, family: str) 
 
 
 def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
-    """Best setting of every candidate mesh, fitting ones first, fastest first."""
+    """Best setting of every candidate mesh: fitting ones fastest first, then the rest by memory."""
     out = [e for name, mesh in candidate_meshes(cfg, devices, hw) if (e := best_for_mesh(cfg, mesh, hw, name))]
-    return sorted(out, key=lambda e: (not e.memory.fits, e.step_s))
+    return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
 
 
 def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
@@ -180,9 +180,12 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
         reason += (f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
                    f"({comms.traffic_time(lay, slowest):.3g} s, {'hidden behind' if slowest.overlappable else 'added to'}"
                    f" compute)")
-    fast, slow = 2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth, 2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth
-    reason += (f". {tokens_dev:.0f} tokens per device per step vs the FSDP compute-bound threshold 2C/W of "
-               f"{fast:.0f} (fast links) / {slow:.0f} (across nodes)")
+    hidden = sum(comms.traffic_time(lay, t) for t in best.traffic if t.overlappable)
+    bound = "compute-bound" if best.compute_s >= hidden else "communication-bound"
+    reason += (f". Compute {best.compute_s:.3g} s vs {hidden:.3g} s of weight gathers and gradient reductions "
+               f"that overlap it: {bound} ({tokens_dev:.0f} tokens per device per step; the scaling book's "
+               f"FSDP threshold 2C/W is {2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth:.0f} tokens across "
+               f"nodes, {2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth:.0f} inside one)")
     if len(fitting) > 1:
         nxt = fitting[1]
         reason += f"; next: {nxt.family} {nxt.layout.name} ({nxt.step_s / best.step_s - 1:+.0%} step time)"
