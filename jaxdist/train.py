@@ -109,7 +109,7 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
     import numpy as np
     from tqdm import tqdm
 
-    from jaxdist import config as config_mod, data, mesh as mesh_mod, metrics, step
+    from jaxdist import config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
 
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     prog = step.build_program(cfg, mesh)
@@ -142,12 +142,14 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
         sums = [prog.eval_step(params, b) for b in eval_arrays]
         return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
 
+    trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
     bar = tqdm(total=cfg.train.steps, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
     pending = None  # metrics of the previous step: read one step late so the device never waits on us
     last_loss, eval_loss, skipped_total, rates = float("nan"), None, 0, []
     t_log, steps_since_log = time.perf_counter(), 0
     batch = first
     for s in range(cfg.train.steps):
+        trace.at_step(s, state)
         state, m = compiled(state, batch)
         batch = next(loader) if s + 1 < cfg.train.steps else None
         done = [pending] if pending is not None else []
@@ -186,6 +188,7 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
             if record is not None:
                 writer.write(record)
             bar.update(1)
+    trace.close(state)
     bar.close()
 
     tps = float(np.median(rates)) if rates else 0.0
