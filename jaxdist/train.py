@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -26,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--run-dir", default=None, help="output folder (default: a new folder under runs/)")
+    p.add_argument("--restore", default=None, metavar="PATH",
+                   help="start from another run's checkpoint (its run dir or checkpoints/STEP); with "
+                        "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="simulated devices when running on CPU (default 8)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
@@ -103,13 +107,17 @@ class RunResult:
     steps: int
 
 
-def run(cfg, run_dir: Path, log=print) -> RunResult:
-    """Train `cfg` and write the run folder. Everything that can fail on input fails before writing."""
+def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
+    """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
+
+    Starts from this run dir's latest checkpoint if it has one, else from `restore` (another run's
+    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint.
+    """
     import jax
     import numpy as np
     from tqdm import tqdm
 
-    from jaxdist import config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
+    from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
 
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     prog = step.build_program(cfg, mesh)
@@ -120,6 +128,21 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg)), cfg.train.peak_flops)
 
+    resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
+    if not resuming:
+        checkpoint.check_run_dir_model(run_dir, cfg)
+    restored = None
+    if resuming or restore:
+        if resuming and restore and is_main:
+            log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
+        restored = checkpoint.restore(run_dir if resuming else Path(restore), prog, loader, cfg,
+                                      params_only=cfg.checkpoint.params_only and not resuming, log=log)
+    start = restored.step if restored else 0
+    if start >= cfg.train.steps:
+        log(f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
+            "(raise --steps to train further)")
+        return RunResult(run_dir, float("nan"), None, 0.0, start)
+
     # Input is valid: from here on we write.
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
@@ -127,9 +150,15 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
         for line in summary_lines(cfg, prog, flops_tok):
             log(line)
     writer = metrics.MetricWriter(run_dir, enabled=is_main)
+    if restored is not None:
+        if resuming:
+            checkpoint.set_aside_newer(run_dir, restored.step, log)
+        log(f"restored {'parameters' if cfg.checkpoint.params_only and not resuming else 'step ' + str(start)} "
+            f"from {restored.path} in {restored.seconds:.1f}s")
+    saver = checkpoint.Saver(run_dir, cfg, log=log if is_main else lambda *a: None)
 
     t0 = time.perf_counter()
-    state = prog.init_state(cfg.train.seed)
+    state = restored.state if restored else prog.init_state(cfg.train.seed)
     first = next(loader)
     compiled = prog.train_step.lower(state, first).compile()
     compile_s = time.perf_counter() - t0
@@ -143,65 +172,79 @@ def run(cfg, run_dir: Path, log=print) -> RunResult:
         return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
 
     trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
-    bar = tqdm(total=cfg.train.steps, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
     pending = None  # metrics of the previous step: read one step late so the device never waits on us
     last_loss, eval_loss, skipped_total, rates = float("nan"), None, 0, []
     t_log, steps_since_log = time.perf_counter(), 0
-    batch = first
-    for s in range(cfg.train.steps):
-        trace.at_step(s, state)
-        state, m = compiled(state, batch)
-        batch = next(loader) if s + 1 < cfg.train.steps else None
-        done = [pending] if pending is not None else []
-        pending = (s, m)
-        if s + 1 == cfg.train.steps:
-            done.append(pending)
-        for ds, dm in done:
-            vals = {k: float(v) for k, v in dm.items()}
-            skipped_total += int(vals["skipped"])
-            last_loss = vals["loss"] if not vals["skipped"] else last_loss
-            steps_since_log += 1
-            if int(jax.device_get(state.skipped)) >= cfg.train.max_skipped_steps:
-                raise JaxdistError(
-                    f"{cfg.train.max_skipped_steps} consecutive steps had non-finite loss or gradients "
-                    f"(last at step {ds}); lower optim.lr or check the data")
-            logged = (ds + 1) % cfg.train.log_every == 0 or ds + 1 == cfg.train.steps
-            record = None
-            if logged:
-                jax.block_until_ready(state.step)
-                dt = time.perf_counter() - t_log
-                step_time = dt / steps_since_log
-                tps = tokens_per_step / step_time
-                if ds > 0:
-                    rates.append(tps)
-                record = {"step": ds + 1, "loss": vals["loss"], "lr": vals["lr"], "grad_norm": vals["grad_norm"],
-                          "tokens_per_sec": tps, "step_time_s": step_time,
-                          "mfu": tps * flops_tok / peak if peak else 0.0, "skipped_steps": skipped_total,
-                          **{k: v for k, v in vals.items() if k not in ("loss", "lr", "grad_norm", "skipped")}}
-                bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.1%}")
-                t_log, steps_since_log = time.perf_counter(), 0
-            if cfg.train.eval_every and ((ds + 1) % cfg.train.eval_every == 0 or ds + 1 == cfg.train.steps):
-                eval_loss = evaluate(state.params)
-                record = record or {"step": ds + 1}
-                record["eval_loss"] = eval_loss
-                t_log = time.perf_counter()  # eval time does not count as training throughput
-            if record is not None:
-                writer.write(record)
-            bar.update(1)
+    batch, steps_done, stopper = first, start, checkpoint.StopSignal()
+    consecutive = int(jax.device_get(state.skipped))  # non-finite steps in a row (carried by checkpoints)
+    with stopper, contextlib.closing(saver):
+        for s in range(start, cfg.train.steps):
+            trace.at_step(s, state)
+            state, m = compiled(state, batch)
+            steps_done = s + 1
+            stop = stopper.requested()
+            last = stop or steps_done == cfg.train.steps
+            if stop or saver.due(steps_done, last):
+                saver.save(state, steps_done, loader)  # before the next batch is drawn: the iterator is at this step
+            saver.poll()
+            batch = next(loader) if not last else None
+            done = [pending] if pending is not None else []
+            pending = (s, m)
+            if last:
+                done.append(pending)
+            for ds, dm in done:
+                vals = {k: float(v) for k, v in dm.items()}
+                skipped_total += int(vals["skipped"])
+                consecutive = consecutive + 1 if vals["skipped"] else 0
+                last_loss = vals["loss"] if not vals["skipped"] else last_loss
+                steps_since_log += 1
+                if consecutive >= cfg.train.max_skipped_steps:
+                    raise JaxdistError(
+                        f"{cfg.train.max_skipped_steps} consecutive steps had non-finite loss or gradients "
+                        f"(last at step {ds + 1}); lower optim.lr or check the data")
+                logged = (ds + 1) % cfg.train.log_every == 0 or (last and ds == s)
+                record = None
+                if logged:
+                    jax.block_until_ready(state.step)
+                    dt = time.perf_counter() - t_log
+                    step_time = dt / steps_since_log
+                    tps = tokens_per_step / step_time
+                    if ds > 0:
+                        rates.append(tps)
+                    record = {"step": ds + 1, "loss": vals["loss"], "lr": vals["lr"], "grad_norm": vals["grad_norm"],
+                              "tokens_per_sec": tps, "step_time_s": step_time,
+                              "mfu": tps * flops_tok / peak if peak else 0.0, "skipped_steps": skipped_total,
+                              **{k: v for k, v in vals.items() if k not in ("loss", "lr", "grad_norm", "skipped")}}
+                    bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.1%}")
+                    t_log, steps_since_log = time.perf_counter(), 0
+                if cfg.train.eval_every and ((ds + 1) % cfg.train.eval_every == 0 or ds + 1 == cfg.train.steps):
+                    eval_loss = evaluate(state.params)
+                    record = record or {"step": ds + 1}
+                    record["eval_loss"] = eval_loss
+                    t_log = time.perf_counter()  # eval time does not count as training throughput
+                if record is not None:
+                    writer.write(record)
+                bar.update(1)
+            if stop:
+                break
     trace.close(state)
     bar.close()
 
     tps = float(np.median(rates)) if rates else 0.0
-    summary = {"summary": True, "steps": cfg.train.steps, "final_loss": last_loss, "eval_loss": eval_loss,
+    summary = {"summary": True, "steps": steps_done, "final_loss": last_loss, "eval_loss": eval_loss,
                "tokens_per_sec": tps, "mfu": tps * flops_tok / peak if peak else 0.0,
                "compile_s": compile_s, "skipped_steps": skipped_total}
     writer.write(summary)
     writer.close()
     if is_main:
         ev = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
-        log(f"done: {cfg.train.steps} steps, loss {last_loss:.4f}{ev}, {tps:,.0f} tokens/s, "
+        log(f"done: {steps_done} steps, loss {last_loss:.4f}{ev}, {tps:,.0f} tokens/s, "
             f"MFU {summary['mfu']:.1%}, run dir {run_dir}")
-    return RunResult(run_dir, last_loss, eval_loss, tps, cfg.train.steps)
+        if stopper.received:
+            log(f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
+                f"in {saver.directory}; run the same command to resume")
+    return RunResult(run_dir, last_loss, eval_loss, tps, steps_done)
 
 
 def setup_platform(cpu_devices: int) -> None:
@@ -212,6 +255,10 @@ def setup_platform(cpu_devices: int) -> None:
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in \
             os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    # Persistent compilation cache: a re-run of the same program skips XLA compilation (~10x faster
+    # start). JAX_COMPILATION_CACHE_DIR, when set, wins.
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,10 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
         distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
         print(distributed.topology_line(), flush=True)
-        run(cfg, run_dir)
+        run(cfg, run_dir, restore=args.restore)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("aborted (second interrupt): no checkpoint written for the current step", file=sys.stderr)
+        return 130
     return 0
 
 
