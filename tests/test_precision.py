@@ -1,0 +1,68 @@
+"""Mixed precision: bfloat16 compute over float32 master weights, optimizer state, gradients and loss;
+the explicit data-parallel reduction runs in `reduce.dtype`."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import mesh as mesh_mod, step
+
+SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16,
+             compute_dtype="bfloat16")
+FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+
+
+def op_dtypes(hlo_text: str, op: str) -> list[str]:
+    """Result dtype of each `op` instruction in HLO text (`name = bf16[2,64]{1,0} all-reduce(...)`)."""
+    return re.findall(rf"=\s*(bf16|f32|f16)\[[\d,]*\]\S*\s{op}\(", hlo_text)
+
+
+def build(tiny_cfg, reduce_dtype: str):
+    """dp=2 with the dense explicit reduction in `reduce_dtype`, bfloat16 compute."""
+    cfg = tiny_cfg.replace(model=SMALL, train=dict(global_batch=4), reduce=dict(method="dense", dtype=reduce_dtype))
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("dp=2", jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((4, SMALL["seq_len"] + 1), jnp.int32, sharding=prog.batch_sharding)
+    return prog, prog.train_step.lower(prog.abstract_state, tokens)
+
+
+@pytest.fixture(scope="module")
+def bf16_program(tiny_cfg):
+    prog, lowered = build(tiny_cfg, "float32")
+    return prog, lowered, lowered.compile(FAST_COMPILE)
+
+
+def test_master_weights_and_optimizer_state_stay_float32(bf16_program):
+    prog, _, compiled = bf16_program
+    assert step.compute_dtype(prog.cfg) == jnp.bfloat16
+    floats = [x.dtype for x in jax.tree.leaves((prog.abstract_state.params, prog.abstract_state.opt_state))
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and set(floats) == {jnp.dtype(jnp.float32)}
+    tokens = jax.device_put(np.random.default_rng(0).integers(0, 256, (4, 17), dtype=np.int32), prog.batch_sharding)
+    state, metrics = compiled(prog.init_state(0), tokens)
+    assert metrics["loss"].dtype == jnp.float32 and metrics["grad_norm"].dtype == jnp.float32
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 0
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_matmuls_run_in_bfloat16(bf16_program):
+    # The program as written (XLA's CPU compiler then upcasts bf16 dots to f32; GPUs run them as is).
+    dots = [line for line in bf16_program[1].as_text(dialect="hlo").splitlines() if " dot(" in line]
+    # Scanned layers: the body's 9 matmuls (7 weights + 2 attention) forward, twice that backward.
+    assert len(dots) >= 27
+    # Every one takes bfloat16 operands: a bf16 result, or attention's bf16 x bf16 -> f32 accumulation.
+    assert all(re.search(r"= bf16\[|algorithm=dot_bf16_bf16_f32", line) for line in dots)
+
+
+def test_reduction_runs_in_reduce_dtype(tiny_cfg, bf16_program, monkeypatch):
+    n_params = len(jax.tree.leaves(bf16_program[0].abstract_state.params))
+    # float32: one all-reduce per gradient tensor plus the (loss, token count) one, all float32.
+    assert op_dtypes(bf16_program[1].as_text(dialect="hlo"), "all-reduce") == ["f32"] * (n_params + 1)
+    # bfloat16: XLA's CPU compiler crashes on it (reduce.py refuses it on CPU), so build as for GPU and
+    # read the lowered program: every gradient is summed in bfloat16, the loss still in float32.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _, lowered = build(tiny_cfg, "bfloat16")
+    monkeypatch.undo()
+    assert sorted(op_dtypes(lowered.as_text(dialect="hlo"), "all-reduce")) == ["bf16"] * n_params + ["f32"]
