@@ -21,13 +21,13 @@ from jaxdist.planner.layout import Layout
 from jaxdist.step import build_program
 
 SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=float32"]
-PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp mixes, accumulation, explicit dp reduction, tied head
+PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp / pp mixes, accumulation, explicit dp reduction, tied head
     (None, "dp=8", []),
-    (None, "fsdp=8", []),
     (None, "fsdp=4,tp=2", []),
     (None, "dp=4,tp=2", ["train.microbatches=2", "reduce.method=dense"]),
+    (None, "pp=2,fsdp=4", ["pipeline.microbatches=2"]),
+    (None, "pp=2,dp=2,tp=2", []),
     ("configs/125m.yaml", "fsdp=8", SMALL_125M),
-    ("configs/125m.yaml", "fsdp=4,tp=2", SMALL_125M),
     ("configs/125m.yaml", "dp=2,fsdp=2,tp=2", SMALL_125M),
     ("configs/125m.yaml", "dp=2,tp=4", SMALL_125M),
 ]
@@ -114,8 +114,8 @@ def test_pipeline_memory_and_permutes():
     b = 64 // (2 * 8)  # per-device micro-batch rows: batch over fsdp=2, 8 micro-batches
     expected_inputs = (8 + 4 - 1) * b * cfg.model.seq_len * cfg.model.d_model * 2
     assert memory.activation_bytes(piped) >= expected_inputs
-    permutes = [t for t in comms.step_traffic(piped) if t.kind == "collective-permute"]
-    assert sum(t.count for t in permutes) == 2 * (8 + 4 - 1)
+    stage_permutes = [t for t in comms.step_traffic(piped) if t.what.startswith("stage activations")]
+    assert [t.count for t in stage_permutes] == [2 * (8 + 4 - 1)]  # one per iteration, forward and backward
 
 
 def test_recommendation_and_candidates_70b():

@@ -25,7 +25,10 @@ every backend):
   gathered and reduced once per use (lookup, head). With tp the lookup of the vocab-sharded table is a
   masked gather + all-reduce of B·T·D over tp, and the head's input gradient is all-reduced over tp.
 - pp (jaxdist.parallel.pipeline): per pipeline iteration one collective-permute of the micro-batch's
-  B·T·D activations forward and one backward; stage weights are gathered per iteration.
+  B·T·D activations forward and one backward; per pass one permute of the whole pass's activations each
+  way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are
+  rematerialised, so stage weights are gathered three times per iteration (forward, recompute,
+  gradient) and the forward tp all-reduces happen twice.
 """
 
 from __future__ import annotations
@@ -91,9 +94,10 @@ def step_traffic(lay: Layout) -> list[Traffic]:
 
     # Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces.
     layer = gathered_layer_bytes(lay)
-    add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer, 2 * layer_steps)
+    # The pipeline rematerialises each stage: its backward gathers again for the recompute.
+    add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer, (3 if pp > 1 else 2) * layer_steps)
     reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
-    per_layer_tp = 7 + (m.remat == "full")
+    per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
 
     # Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two uses,
@@ -114,6 +118,8 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         iters = passes * lay.pipe_iterations
         add("pp", "collective-permute", "stage activations (fwd + bwd)",
             lay.micro_batch * T * D * lay.act_bytes, 2 * iters)
+        add("pp", "collective-permute", "micro-batches into / out of the pipeline (fwd + bwd)",
+            rows * D * lay.act_bytes, 2 * passes)
         add("pp", "all-reduce", "pipeline output to every stage (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
     return out
 
