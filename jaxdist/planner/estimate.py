@@ -178,7 +178,7 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
               f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable")
     if slowest:
         reason += (f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
-                   f"({comms.traffic_time(lay, slowest):.3g} s, {'hidden behind' if slowest.overlappable else 'added to'}"
+                   f"({comms.traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"
                    f" compute)")
     hidden = sum(comms.traffic_time(lay, t) for t in best.traffic if t.overlappable)
     bound = "compute-bound" if best.compute_s >= hidden else "communication-bound"
