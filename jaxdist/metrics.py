@@ -17,17 +17,11 @@ import jax.numpy as jnp
 from jaxdist import hlo
 from jaxdist.config import ModelConfig
 from jaxdist.models.llama import count_params
+from jaxdist.planner import hardware
 
-# Dense peak FLOP/s per device (bf16 tensor core / fp32 where no bf16 is used), from vendor datasheets.
-PEAK_FLOPS = {
-    "h200": {"bfloat16": 989e12, "float32": 67e12},
-    "h100": {"bfloat16": 989e12, "float32": 67e12},
-    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
-    "l4": {"bfloat16": 121e12, "float32": 30e12},
-    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},
-    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
-    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
-}
+# device_kind substring -> the planner's hardware entry (its datasheet peak FLOP/s per device).
+DEVICE_KINDS = {"h200": "h200-141gb", "h100": "h100-80gb", "a100": "a100-80gb",
+                "tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -65,9 +59,9 @@ def peak_flops_total(devices, dtype: str, override_per_device: float = 0.0) -> f
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
         return cpu_matmul_peak() * len({d.process_index for d in devices})
-    for name, peaks in PEAK_FLOPS.items():
+    for name, hardware_name in DEVICE_KINDS.items():
         if name in kind:
-            return peaks.get(dtype, peaks["bfloat16"]) * len(devices)
+            return hardware.get(hardware_name).flops(dtype) * len(devices)
     return 0.0  # unknown accelerator: MFU reported as 0 rather than guessed
 
 
