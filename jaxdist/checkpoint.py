@@ -197,19 +197,21 @@ def _restore_step(manager, directory: Path, step: int, prog: Program, loader, cf
     where = directory / str(step)
     metadata = manager.item_metadata(step)
     check_model(metadata["params"], prog.abstract_state.params, where)
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not params_only:
+        check_resume(meta, cfg, where)
     abstract = _abstract(prog.abstract_state, prog.state_shardings)
-    items = {"params": ocp.args.StandardRestore(abstract.params), "meta": ocp.args.JsonRestore()}
+    items = {"params": ocp.args.StandardRestore(abstract.params)}
     if not params_only:
         items["train"] = ocp.args.StandardRestore(_train_part(abstract))
     restored = manager.restore(step, args=ocp.args.Composite(**items))
     if params_only:
         fresh = prog.init_state(cfg.train.seed)  # new optimizer, step 0: fine-tuning starts here
         return dataclasses.replace(fresh, params=restored["params"])
-    check_resume(restored["meta"], cfg, where)
     try:  # this process's iterator file; absent when the process count changed
         manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
     except ValueError:
-        loader.set_state(restored["meta"]["data_state"])  # batches are step-indexed: same for every process
+        loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
     return TrainState(params=restored["params"], **restored["train"])
 
 

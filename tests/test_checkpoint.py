@@ -1,0 +1,276 @@
+"""Checkpoints: bit-exact resume after SIGKILL, a save killed half-way, SIGTERM, restore onto another
+mesh / device count, params-only, an unreadable latest checkpoint, the non-finite guard.
+
+Resume, kill and signal tests run `python -m jaxdist.train` as real subprocesses on a very small model.
+All runs share one schedule (40 steps, a checkpoint every 10) so they are comparable step by step:
+  A  straight 40 steps on fsdp=8 (the reference)
+  B  same, SIGKILLed while the step-30 save is in flight (so after the step-20 save completed)
+  C  B's command again: resumes from step 20, must equal A bitwise (losses 21-40 and parameters)
+  T  same, SIGTERM once the step-10 save is under way: saves at the current step and exits 0
+  T4 T's command again on 4 devices: resumes, loss curve within 1e-5 of A
+  R  --restore A's step 20 into a new run dir on dp=2,fsdp=4: loss curve within 1e-5 of A
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import checkpoint, config, data, step
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import mesh_from_string
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
+         "optim.warmup_steps=2", "train.eval_every=0", "train.log_every=1"]
+SCHEDULE = ["train.steps=40", "checkpoint.every=10", "checkpoint.keep=2"]
+
+
+class Train:
+    """`python -m jaxdist.train` in a subprocess; stdout is read by a thread as lines come. `signal_on=(regex,
+    signal)` sends the signal the moment a matching line appears (from the reader thread, so another
+    run's wait cannot delay it)."""
+
+    def __init__(self, run_dir: Path, *args: str, signal_on: tuple[str, int] | None = None):
+        self.run_dir, self.signal_on, self.signalled_at = run_dir, signal_on, None
+        self.stderr = open(f"{run_dir}.stderr", "w")
+        cmd = [sys.executable, "-u", "-m", "jaxdist.train", "--run-dir", str(run_dir), *SMALL, *SCHEDULE, *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if self.signal_on and self.signalled_at is None and re.search(self.signal_on[0], line):
+                self.proc.send_signal(self.signal_on[1])
+                self.signalled_at = time.monotonic()
+            self.out.append(line)
+
+    def finish(self, timeout: float = 300) -> int:
+        rc = self.proc.wait(timeout)
+        self.reader.join(timeout)
+        self.stderr.close()
+        return rc
+
+    def text(self) -> str:
+        return "".join(self.out) + Path(f"{self.run_dir}.stderr").read_text()[-3000:]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; after a resume, a step's later line wins."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def listing(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    started: list[Train] = []
+    try:
+        yield _run_all(root, started)
+    finally:
+        for proc in started:
+            if proc.proc.poll() is None:
+                proc.proc.kill()
+
+
+def _run_all(root: Path, started: list) -> dict:
+    def train(*args, **kwargs):
+        started.append(Train(*args, **kwargs))
+        return started[-1]
+
+    a = train(root / "a", "checkpoint.keep=3")
+    b = train(root / "b", signal_on=(r"checkpoint step 30: writing in background", signal.SIGKILL))
+    t = train(root / "t", signal_on=(r"checkpoint step 10: writing in background", signal.SIGTERM))
+    out = {"root": root}
+
+    out["b_rc"] = b.finish()
+    out["b_listing"] = listing(root / "b")
+    out["b_text"] = b.text()
+
+    out["t_rc"] = t.finish()
+    out["t_exit_s"] = time.monotonic() - t.signalled_at
+    out["t_text"] = t.text()
+
+    assert a.finish() == 0, a.text()
+    c = train(root / "b")  # the same command again resumes B
+    t4 = train(root / "t", "--cpu-devices", "4")
+    r = train(root / "r", "--restore", str(root / "a" / "checkpoints" / "20"), "--mesh", "dp=2,fsdp=4")
+    for name, proc in (("c", c), ("t4", t4), ("r", r)):
+        assert proc.finish() == 0, proc.text()
+        out[f"{name}_text"] = proc.text()
+    return out
+
+
+def test_sigkill_mid_save_resumes_bit_exact(runs):
+    root = runs["root"]
+    assert runs["b_rc"] == -signal.SIGKILL
+    # The step-30 save was in flight: only its tmp folder exists, it is not a step, and step 10 (which
+    # keep=2 would drop once 30 is complete) was not deleted early.
+    assert runs["b_listing"] == ["10", "20", "30.orbax-checkpoint-tmp"], runs["b_listing"]
+    assert re.search(r"restored step 20 from .*checkpoints/20", runs["c_text"]), runs["c_text"]
+    ref, resumed = losses(root / "a"), losses(root / "b")
+    assert sorted(ref) == list(range(1, 41))
+    assert [resumed[s] for s in range(21, 41)] == [ref[s] for s in range(21, 41)]  # exact floats
+    want = checkpoint.load_params(root / "a" / "checkpoints" / "40")
+    got = checkpoint.load_params(root / "b" / "checkpoints" / "40")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+    assert listing(root / "b") == ["30", "40"]  # the stale tmp folder was cleaned, keep=2 applied
+
+
+def test_sigterm_saves_current_step_and_resumes_on_4_devices(runs):
+    root = runs["root"]
+    assert runs["t_rc"] == 0, runs["t_text"]
+    assert runs["t_exit_s"] < 30, runs["t_exit_s"]  # generous: the CI machine is shared and slow
+    m = re.search(r"stopped by SIGTERM at step (\d+); latest checkpoint: step (\d+)", runs["t_text"])
+    assert m and m.group(1) == m.group(2), runs["t_text"]
+    stopped = int(m.group(1))
+    assert 10 < stopped < 40
+    assert re.search(rf"restored step {stopped} from .*checkpoints/{stopped}", runs["t4_text"])
+    assert "over 4 cpu devices" in runs["t4_text"]
+    ref, resumed = losses(root / "a"), losses(root / "t")
+    steps = range(stopped + 1, 41)
+    np.testing.assert_allclose([resumed[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
+
+
+def test_restore_from_another_run_onto_another_mesh(runs):
+    root = runs["root"]
+    assert "dp=2,pp=1,fsdp=4,tp=1" in runs["r_text"]
+    ref, other = losses(root / "a"), losses(root / "r")
+    assert min(other) == 21  # started at step 20 of run A, not from scratch
+    steps = range(21, 41)
+    np.testing.assert_allclose([other[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
+
+
+# ---- in-process: restore paths on run A's checkpoints ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_program():
+    cfg = config.load(None, SMALL + SCHEDULE)
+    prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
+    return cfg, prog, data.Loader(cfg, prog.batch_sharding)
+
+
+def test_unreadable_latest_is_reported_and_previous_used(runs, small_program, tmp_path):
+    import shutil
+    cfg, prog, loader = small_program
+    copy = tmp_path / "run"
+    shutil.copytree(runs["root"] / "a", copy)
+    for f in (copy / "checkpoints" / "40" / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    messages = []
+    restored = checkpoint.restore(copy, prog, loader, cfg, log=messages.append)
+    assert restored.step == 30 and restored.path == copy / "checkpoints" / "30"
+    assert any("checkpoints/40 could not be restored" in m for m in messages), messages
+    assert loader.get_state() == {"next_index": 30}
+    want = checkpoint.load_params(runs["root"] / "a" / "checkpoints" / "30")
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(restored.state.params)):
+        assert x.tobytes() == np.asarray(y).tobytes()
+
+
+def test_params_only_starts_a_fresh_optimizer(runs, small_program):
+    cfg, prog, loader = small_program
+    source = runs["root"] / "a" / "checkpoints" / "20"
+    restored = checkpoint.restore(source, prog, loader, cfg, params_only=True)
+    assert restored.step == 0 and int(restored.state.step) == 0
+    want = checkpoint.load_params(source)
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(restored.state.params)):
+        assert x.tobytes() == np.asarray(y).tobytes()
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(restored.state.opt_state))
+
+
+def test_different_model_names_the_tensor(runs):
+    cfg = config.load(None, SMALL + SCHEDULE + ["model.mlp_dim=256"])
+    prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
+    with pytest.raises(JaxdistError, match=r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) "
+                                           r"there but \(2, 256, 64\)"):
+        checkpoint.restore(runs["root"] / "a", prog, None, cfg)
+
+
+# ---- the non-finite guard ------------------------------------------------------------------------------
+
+def test_nonfinite_step_leaves_state_unchanged(small_program):
+    cfg, prog, loader = small_program
+    state = prog.init_state(0)
+    good = next(loader)
+    bad = jnp.full(good.shape, cfg.model.vocab_size, jnp.int32)  # out-of-vocab ids: NaN loss
+    bad = jax.device_put(bad, prog.batch_sharding)
+    before = jax.tree.map(np.asarray, state)
+    state, m = prog.train_step(state, bad)
+    assert int(m["skipped"]) == 1 and not np.isfinite(float(m["grad_norm"]))
+    assert int(state.step) == 1 and int(state.skipped) == 1
+    for x, y in zip(jax.tree.leaves((before.params, before.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
+        assert x.tobytes() == np.asarray(y).tobytes()
+    state, m = prog.train_step(state, good)
+    assert int(m["skipped"]) == 0 and int(state.skipped) == 0 and np.isfinite(float(m["loss"]))
+
+
+def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path):
+    from jaxdist.train import run
+    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "data.poison_step=4"])
+    run(cfg, tmp_path / "run", log=lambda *a: None)
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in records if "loss" in r}
+    assert [by_step[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not np.isfinite(by_step[5]["grad_norm"])
+    assert all(np.isfinite(by_step[s]["loss"]) and np.isfinite(by_step[s]["grad_norm"]) for s in (6, 7, 8))
+    assert by_step[8]["loss"] < by_step[4]["loss"]  # still learning after the skipped step
+    assert by_step[8]["skipped_steps"] == 1 and records[-1]["skipped_steps"] == 1
+    assert listing(tmp_path / "run") == ["2", "4", "6", "8"][-cfg.checkpoint.keep:]
+
+
+def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path):
+    from jaxdist.train import run
+    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "data.poison_step=5",
+                                     "train.max_skipped_steps=1"])
+    messages = []
+    with pytest.raises(JaxdistError, match="1 consecutive steps had non-finite"):
+        run(cfg, tmp_path / "run", log=messages.append)
+    # Step 6 is the poisoned one (index 5): its state is not saved; 4 stays the latest.
+    assert listing(tmp_path / "run") == ["2", "4"]
+    assert any("checkpoint step 6: not saved" in m for m in messages), messages
+
+
+def test_reducer_state_is_saved_and_restored(tmp_path):
+    """Error-feedback residuals (reduce.method=topk) travel with the train state: restored bitwise, and
+    the next step from the restored state equals the next step from the original."""
+    cfg = config.load(None, SMALL + SCHEDULE + ["reduce.method=topk", "reduce.ratio=0.05"])
+    prog = step.build_program(cfg, mesh_from_string("dp=2,fsdp=4"))
+    loader = data.Loader(cfg, prog.batch_sharding)
+    state = prog.init_state(0)
+    for _ in range(2):
+        state, _ = prog.train_step(state, next(loader))
+    assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(state.reducer_state))
+    saver = checkpoint.Saver(tmp_path, cfg, log=lambda *a: None)
+    saver.save(state, 2, loader)
+    saver.close()
+    restored = checkpoint.restore(tmp_path, prog, loader, cfg).state
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert x.sharding == y.sharding and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    batch = next(loader)
+    (a, _), (b, _) = prog.train_step(state, batch), prog.train_step(restored, batch)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
