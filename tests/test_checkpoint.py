@@ -14,6 +14,7 @@ All runs share one schedule (40 steps, a checkpoint every 10) so they are compar
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -274,3 +275,15 @@ def test_reducer_state_is_saved_and_restored(tmp_path):
     (a, _), (b, _) = prog.train_step(state, batch), prog.train_step(restored, batch)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_first_signal_requests_a_stop_second_sigint_aborts():
+    with checkpoint.StopSignal() as stopper:
+        assert not stopper.requested()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        assert stopper.requested() and stopper.received == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGTERM) is not stopper._handle  # previous handlers are back
