@@ -56,28 +56,16 @@ def run_method(label, base, mesh, out: Path):
 def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
     """dp bytes of the reduction alone (dense vs top-k), compiled for each N on the first N devices."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
 
-    from jaxdist import mesh as mesh_mod, sharding
+    from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import reduce
 
-    abstract, bdims = reduce.param_layout(base, sharding.make_rules(base.mesh.rules))
     rows = []
     for n in replicas:
         mesh = mesh_mod.mesh_from_string(f"dp={n}", jax.devices()[:n])
 
         def bytes_of(knobs):
-            cfg = base.replace(reduce=knobs)
-            reducer = reduce.make_reducer(cfg, mesh, abstract, bdims)
-            state = jax.eval_shape(reducer.init, abstract)
-
-            def body(g, s):
-                total, s = reducer.update(g, s, jnp.int32(10 ** 6))
-                return total, s
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()),
-                                       axis_names={"dp"}, check_vma=False))
-            return reduce.dp_bytes_per_step(fn.lower(abstract, state).compile().as_text(), mesh)
+            return reduce.dp_bytes_per_step(reduce.compile_reduction(base.replace(reduce=knobs), mesh).as_text(), mesh)
 
         dense = bytes_of(dict(method="dense"))
         for r in ratios:

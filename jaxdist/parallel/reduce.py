@@ -50,6 +50,9 @@ class Reducer(NamedTuple):
 
 def dense(axis: str, dtype=jnp.float32) -> Reducer:
     """`psum` in `dtype` (bfloat16 halves the bytes; the sum is then rounded to bfloat16)."""
+    if jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu":
+        raise JaxdistError(f"reduce.dtype={jnp.dtype(dtype).name} crashes XLA's CPU compiler (its all-reduce "
+                           "promotion pass, jax 0.10.2); use reduce.dtype=float32 on CPU")
     def update(grads, state, step=None):
         return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), axis).astype(g.dtype), grads), state
     return Reducer(init=lambda params: (), update=update, state_specs=lambda specs: ())
@@ -202,6 +205,18 @@ def compile_train_step(cfg: Config, mesh: Mesh):
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
                                   sharding=prog.batch_sharding)
     return prog.train_step.lower(prog.abstract_state, tokens).compile()
+
+
+def compile_reduction(cfg: Config, mesh: Mesh):
+    """The reducer of `cfg` compiled alone, on abstract gradients (no model: quick). Its dp bytes
+    are the train step's less the (loss, token count) psum."""
+    axis = cfg.reduce.axis
+    abstract, batch_dims = param_layout(cfg, sharding.make_rules(cfg.mesh.rules))
+    reducer = make_reducer(cfg, mesh, abstract, batch_dims)
+    state = jax.eval_shape(reducer.init, abstract)
+    fn = jax.shard_map(lambda g, s, step: reducer.update(g, s, step), mesh=mesh, in_specs=(P(), P(), P()),
+                       out_specs=(P(), P()), axis_names={axis}, check_vma=False)
+    return jax.jit(fn).lower(abstract, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
 
 
 def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) -> float:
