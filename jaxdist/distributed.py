@@ -69,15 +69,15 @@ def _tasks_on_first_node(text: str) -> int:
 
 
 def from_slurm(env: Mapping[str, str]) -> dict | None:
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+    # Only inside an `srun` step (which sets the step's node list): the batch script itself also sees
+    # SLURM_NTASKS and SLURM_PROCID=0, but it is one process.
+    if not all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NODELIST")):
         return None
+    # Port from the job id (as JAX does) so two jobs sharing a node do not collide.
+    port = env.get("JAX_COORDINATOR_PORT") or 61440 + _int(env.get("SLURM_JOB_ID", 0), "SLURM_JOB_ID") % 4096
     found = {"num_processes": _int(env["SLURM_NTASKS"], "SLURM_NTASKS"),
-             "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID")}
-    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if nodes:
-        # Port from the job id (as JAX does) so two jobs sharing a node do not collide.
-        port = env.get("JAX_COORDINATOR_PORT") or 61440 + _int(env.get("SLURM_JOB_ID", 0), "SLURM_JOB_ID") % 4096
-        found["coordinator"] = f"{first_host(nodes)}:{port}"
+             "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
+             "coordinator": f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}"}
     if _tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")) > 1:
         found["local_device_ids"] = (_int(env.get("SLURM_LOCALID", 0), "SLURM_LOCALID"),)  # one GPU per task
     return found

@@ -1,0 +1,229 @@
+"""Multi-process training: cluster detection (pure), and real local processes talking through
+jax.distributed (gloo between CPU processes).
+
+The equivalence runs share one small model and a constant learning-rate schedule, so a run restored
+from step 5 must reproduce steps 6..10 of the uninterrupted run."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxdist import distributed
+from jaxdist.errors import JaxdistError
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "scripts" / "launch_local.sh"
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
+         "train.log_every=1", "train.eval_every=0", "optim.schedule=constant", "optim.warmup_steps=2",
+         "checkpoint.every=5", "checkpoint.async_save=false"]
+RTOL = 1e-5
+WAIT = 400  # seconds: a hung run fails the test instead of hanging it
+
+
+# ---- detection: which source supplies coordinator, count and id --------------------------------------
+
+def test_no_source_means_single_process():
+    assert distributed.detect(env={}) is None
+
+
+def test_flags_beat_jax_variables_beat_the_cluster():
+    env = {"JAX_COORDINATOR_ADDRESS": "envhost:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "1",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_ID": "5"}
+    assert distributed.detect("flaghost:9", None, 2, env=env) == distributed.Launch("flaghost:9", 4, 2, "flags+env")
+    launch = distributed.detect(env={k: v for k, v in env.items() if not k.startswith("JAX_NUM")})
+    assert (launch.coordinator, launch.num_processes, launch.process_id) == ("envhost:1", 2, 1)
+    assert launch.source == "env+slurm"
+
+
+def test_slurm():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "4097", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NODELIST": "gpu[003-004,9],cpu1", "SLURM_STEP_TASKS_PER_NODE": "1(x4)"}
+    assert distributed.detect(env=env) == distributed.Launch("gpu003:61441", 4, 3, "slurm")
+    # two tasks on a node: each takes the GPU of its local rank; JAX_COORDINATOR_PORT sets the port
+    shared = distributed.detect(env={**env, "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "JAX_COORDINATOR_PORT": "777"})
+    assert (shared.coordinator, shared.local_device_ids) == ("gpu003:777", (1,))
+    assert distributed.first_host("a-1") == "a-1" and distributed.first_host("n[10-12]") == "n10"
+    # the batch script outside srun is one process, whatever SLURM_NTASKS says
+    assert distributed.detect(env={k: v for k, v in env.items() if k != "SLURM_STEP_NODELIST"}) is None
+
+
+def test_openmpi():
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+           "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"}
+    assert distributed.detect(env=env) == distributed.Launch(f"10.96.0.1:{distributed.DEFAULT_PORT}", 2, 1, "openmpi")
+    with pytest.raises(JaxdistError, match="lacks coordinator; pass --coordinator"):  # OpenMPI 5: no URI
+        distributed.detect(env={k: v for k, v in env.items() if k != "OMPI_MCA_orte_hnp_uri"})
+
+
+def test_kubernetes_jobset():
+    env = {"JOB_COMPLETION_INDEX": "2", "JOBSET_NAME": "llama", "REPLICATED_JOB_NAME": "workers",
+           "JAX_NUM_PROCESSES": "4"}
+    launch = distributed.detect(env=env)
+    assert launch == distributed.Launch(f"llama-workers-0-0.llama:{distributed.DEFAULT_PORT}", 4, 2, "env+kubernetes")
+    with pytest.raises(JaxdistError, match="lacks num_processes; pass --num-processes N"):
+        distributed.detect(env={k: v for k, v in env.items() if k != "JAX_NUM_PROCESSES"})
+
+
+@pytest.mark.parametrize("args, env, match", [
+    (("h:1", 2, 2), {}, r"process id 2 \(flags\) must be in 0..1"),
+    (("nohostport", 2, 0), {}, "must be HOST:PORT"),
+    ((None, None, None), {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' is not an integer"),
+    ((None, 2, 0), {}, "lacks coordinator"),
+])
+def test_bad_input_names_the_problem(args, env, match):
+    with pytest.raises(JaxdistError, match=match):
+        distributed.detect(*args, env=env)
+
+
+# ---- real processes ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(devices: int) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}
+
+
+def train_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "jaxdist.train", *args]
+
+
+def start(cmd, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def finish(procs: dict[str, subprocess.Popen], logs: Path) -> None:
+    for name, p in procs.items():
+        rc = p.wait(timeout=WAIT)
+        assert rc == 0, f"{name} failed ({rc}):\n{(logs / f'{name}.log').read_text()[-3000:]}"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and not r.get("summary")}
+
+
+def assert_same_curve(got: dict[int, float], want: dict[int, float], steps) -> None:
+    assert sorted(got) == list(steps)
+    for s in steps:
+        assert got[s] == pytest.approx(want[s], rel=RTOL), f"step {s}: {got[s]} vs {want[s]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """10 steps on 1 process x 8 devices and on 2 processes x 4 devices (fsdp=8, dp=2,fsdp=4), all at once;
+    then both directions of restore from step 5: 2-process checkpoint into 1 process, and the reverse."""
+    tmp = tmp_path_factory.mktemp("dist")
+    common = ["--steps", "10", *SMALL]
+    first = {
+        "1x8": start(train_cmd("--mesh", "fsdp=8", "--run-dir", str(tmp / "1x8"), *common), cpu_env(8),
+                     tmp / "1x8.log"),
+        "2x4_fsdp": start([str(LAUNCH), "2", "--mesh", "fsdp=8", "--run-dir", str(tmp / "2x4_fsdp"), *common],
+                          cpu_env(4), tmp / "2x4_fsdp.log"),
+        "2x4_dp": start([str(LAUNCH), "2", "--mesh", "dp=2,fsdp=4", "--run-dir", str(tmp / "2x4_dp"), *common],
+                        cpu_env(4), tmp / "2x4_dp.log"),
+    }
+    t0 = time.perf_counter()
+    finish(first, tmp)
+    first_s = time.perf_counter() - t0
+    second = {
+        "2to1": start(train_cmd("--mesh", "fsdp=8", "--run-dir", str(tmp / "2to1"),
+                                "--restore", str(tmp / "2x4_dp" / "checkpoints" / "5"), *common),
+                      cpu_env(8), tmp / "2to1.log"),
+        "1to2": start([str(LAUNCH), "2", "--mesh", "dp=2,fsdp=4", "--run-dir", str(tmp / "1to2"),
+                       "--restore", str(tmp / "1x8" / "checkpoints" / "5"), *common], cpu_env(4), tmp / "1to2.log"),
+    }
+    finish(second, tmp)
+    return tmp, first_s
+
+
+def test_two_processes_match_one(runs):
+    tmp, _ = runs
+    want = losses(tmp / "1x8")
+    assert len(want) == 10 and want[10] < want[1]  # it trains
+    for name in ("2x4_fsdp", "2x4_dp"):
+        assert_same_curve(losses(tmp / name), want, range(1, 11))
+
+
+def test_only_process_zero_speaks(runs):
+    tmp, _ = runs
+    log = (tmp / "2x4_dp.log").read_text()
+    for i in (0, 1):  # every process reports its place ...
+        assert f"[p{i}] process {i}/2 on " in log and f"[p{i}] process {i}/2: joining coordinator" in log
+    assert "4 local cpu device(s)" in log and "8 global" in log
+    assert "[p0] mesh dp=2,pp=1,fsdp=4,tp=1 over 8 cpu devices" in log  # ... but only process 0 the run
+    assert "[p1] mesh" not in log and "[p1] done" not in log and "[p0] done: 10 steps" in log
+
+
+def test_checkpoint_moves_between_process_counts(runs):
+    tmp, _ = runs
+    want = losses(tmp / "1x8")
+    assert_same_curve(losses(tmp / "2to1"), want, range(6, 11))  # saved by 2 processes, restored in 1
+    assert_same_curve(losses(tmp / "1to2"), want, range(6, 11))  # saved by 1 process, restored in 2
+
+
+def test_killed_process_stops_the_other(tmp_path):
+    port = free_port()
+    procs = [start(train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                             "--heartbeat-timeout", "10", "--steps", "100000", "--run-dir", str(tmp_path / "run"),
+                             "--mesh", "fsdp=8", *SMALL), cpu_env(4), tmp_path / f"p{i}.log")
+             for i in (0, 1)]
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + WAIT
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # mid-run
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "p0.log").read_text()
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = procs[0].wait(timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = (tmp_path / "p0.log").read_text()
+    assert rc != 0 and waited < 60
+    assert "heartbeat" in out and "another task died" in out  # JAX names the silent task
+
+
+def test_unreachable_coordinator_is_named(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    r = subprocess.run(train_cmd("--coordinator", address, "--num-processes", "2", "--process-id", "1",
+                                 "--init-timeout", "3", "--run-dir", str(tmp_path / "run"), *SMALL),
+                       env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 2 and time.monotonic() - t0 < 60
+    assert f"error: cannot reach the coordinator {address} within 3s (Connection refused)" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_mismatched_process_counts_stop_in_bounded_time(tmp_path):
+    """Process 0 serves the coordinator, so its count is the run's. A peer told more processes gets our
+    error; one told fewer never completes registration, and JAX aborts everyone at the init timeout."""
+    cases = {"more": (2, 3), "fewer": (3, 2)}  # (count given to process 0, to process 1)
+    procs = {}
+    for case, counts in cases.items():
+        port = free_port()
+        for i, n in enumerate(counts):
+            procs[case, i] = start(train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+                                             "--process-id", str(i), "--init-timeout", "10", "--heartbeat-timeout",
+                                             "5", "--run-dir", str(tmp_path / case), *SMALL),
+                                   cpu_env(4), tmp_path / f"{case}{i}.log")
+    t0 = time.monotonic()
+    rcs = {k: p.wait(timeout=WAIT) for k, p in procs.items()}
+    assert time.monotonic() - t0 < 90 and all(rc != 0 for rc in rcs.values()), rcs
+    more = (tmp_path / "more1.log").read_text()
+    assert "error: this process was told 3 processes but the coordinator" in more and "runs 2" in more
+    fewer = (tmp_path / "fewer0.log").read_text()
+    assert "all 3 processes must join within 10s" in fewer and "DEADLINE_EXCEEDED" in fewer
