@@ -172,6 +172,13 @@ def test_checkpoint_moves_between_process_counts(runs):
     assert_same_curve(losses(tmp / "1to2"), want, range(6, 11))  # saved by 1 process, restored in 2
 
 
+def test_launcher_fails_when_a_process_fails(tmp_path):
+    r = subprocess.run([str(LAUNCH), "2", "--run-dir", str(tmp_path / "run"), "train.stepz=1"], env=cpu_env(4),
+                       cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 2
+    assert "error: unknown config key 'train.stepz'" in r.stderr and "launch_local: process" in r.stderr
+
+
 def test_killed_process_stops_the_other(tmp_path):
     port = free_port()
     procs = [start(train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
