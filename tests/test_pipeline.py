@@ -24,15 +24,17 @@ STEPS = 10
 
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
-# id: (mesh, devices, pipeline overrides, train overrides)
+# id: (mesh, devices, config overrides)
 CASES = {
-    "pp=2": ("pp=2", 2, {}, {}),
-    "pp=4": ("pp=4", 4, {}, {}),
+    "pp=2": ("pp=2", 2, {}),
+    "pp=4": ("pp=4", 4, {}),
     # with gradient accumulation: 2 accumulation micro-batches, each split into 2 pipeline micro-batches
-    "pp=2,fsdp=2,dp=2": ("dp=2,pp=2,fsdp=2", 8, {"microbatches": 2}, {"microbatches": 2}),
-    "pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, {"microbatches": 4}, {}),
+    "pp=2,fsdp=2,dp=2": ("dp=2,pp=2,fsdp=2", 8, dict(pipeline=dict(microbatches=2), train=dict(microbatches=2))),
+    "pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, dict(pipeline=dict(microbatches=4))),
     # M = 4 > P = 2: micro-batches wait at stage 0 between repeats
-    "circular V=2": ("pp=2,fsdp=2", 4, {"schedule": "circular", "repeats": 2, "microbatches": 4}, {}),
+    "circular V=2": ("pp=2,fsdp=2", 4, dict(pipeline=dict(schedule="circular", repeats=2, microbatches=4))),
+    # inside the explicit data-parallel gradient stage (shard_map manual over dp around this one)
+    "pp=2,dp=2 reduce=dense": ("dp=2,pp=2", 4, dict(reduce=dict(method="dense"))),
 }
 
 
@@ -98,8 +100,8 @@ def build(cfg, reference, batches):
 
     def get(case_id):
         if case_id not in cache:
-            mesh_text, n, pipe, train = CASES[case_id]
-            prog = step.build_program(cfg.replace(pipeline=pipe, train=train),
+            mesh_text, n, overrides = CASES[case_id]
+            prog = step.build_program(cfg.replace(**overrides),
                                       mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
             compiled = compiled_gradients(prog)
             params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
