@@ -89,7 +89,8 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
         **metrics.compiled_stats(compiled),
     }
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
-    from jaxdist.parallel import reduce
+    from jaxdist.parallel import pipeline, reduce
+    record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction
     record["dp_bytes_per_step"] = reduce.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     record["compression_ratio"] = reduce.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record

@@ -6,7 +6,8 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "model.h
 
 
 def test_bench_prints_one_json_line_per_mesh(capsys):
-    assert bench.main(["--mesh", "fsdp=1", "--mesh", "fsdp=8", "--warmup", "1", "--steps", "2", *SMALL]) == 0
+    assert bench.main(["--mesh", "fsdp=1", "--mesh", "pp=2,fsdp=4", "--warmup", "1", "--steps", "2", *SMALL,
+                       "pipeline.microbatches=2"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [r["devices"] for r in lines] == [1, 8]
     for r in lines:
@@ -16,5 +17,9 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
         assert r["tokens_per_sec"] > 0 and r["bytes_per_device"]["arguments"] > 0
     one, eight = lines
     assert one["collectives"] == {}  # one device communicates nothing
+    assert one["pipeline"]["schedule"] == "none"
     assert "all-gather" in eight["collectives"]  # fsdp gathers parameters
-    assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 7
+    assert eight["collectives"]["collective-permute"]["bytes"] > 0  # stages pass activations
+    assert eight["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 2, "repeats": 1,
+                                 "iterations": 3, "bubble_fraction": 1 / 3}
+    assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 4
