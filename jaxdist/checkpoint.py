@@ -48,7 +48,10 @@ def _handlers() -> dict:
 def open_manager(directory: Path, keep: int = 1, async_save: bool = True,
                  read_only: bool = False) -> ocp.CheckpointManager:
     if read_only:  # only reads: no deletion, no tmp cleanup, nothing created
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+        # save_root_metadata=False: even read-only, orbax would enter a cross-process barrier, and the
+        # processes that open a manager here need not be all of them (a folder another process just made).
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                               save_root_metadata=False)
     else:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=True)
