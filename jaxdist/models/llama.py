@@ -6,6 +6,8 @@ N query heads, K kv heads, H head_dim, F mlp, V vocab, L layers.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,6 +37,14 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...]).astype(x_BTD.dtype)
 
 
+def token_matmul(x, w):
+    """x[..., I] @ w[I, ...] with the leading (token) dims flattened into one: a plain 2-D matmul. Its
+    weight gradient contracts one token dim, which XLA's CPU backend computes without the transposing
+    copies of activations it makes for a (batch, seq) contraction (2.5x faster MLP step on CPU)."""
+    out = x.reshape(-1, x.shape[-1]) @ w.reshape(x.shape[-1], -1)
+    return out.reshape(*x.shape[:-1], *w.shape[1:])
+
+
 def rotary(x_BTNH, positions_T, theta: float):
     """Rotate pairs (first half, second half) of each head by position-dependent angles."""
     half = x_BTNH.shape[-1] // 2
@@ -43,6 +53,17 @@ def rotary(x_BTNH, positions_T, theta: float):
     sin, cos = jnp.sin(angle_TH)[None, :, None, :], jnp.cos(angle_TH)[None, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+def causal_attention(q_BTNH, k_BTKH, v_BTKH):
+    """Grouped-query causal attention: cuDNN's fused flash attention on GPU in bf16/fp16 (JAX's
+    default is XLA's, which materialises the T x T scores), else XLA's."""
+    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
+            warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
 
 
 class Attention(nnx.Module):
@@ -58,14 +79,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_T):
         dt = x_BTD.dtype
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt))
-        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk_DKH[...].astype(dt))
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv_DKH[...].astype(dt))
+        q_BTNH = token_matmul(x_BTD, self.wq_DNH[...].astype(dt))
+        k_BTKH = token_matmul(x_BTD, self.wk_DKH[...].astype(dt))
+        v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
         q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
         k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
-        # jax.nn.dot_product_attention handles GQA and lets GPUs pick cuDNN flash attention.
-        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
-        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.wo_NHD[...].astype(dt))
+        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        B, T, N, H = o_BTNH.shape
+        return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(dt).reshape(N * H, -1))
 
 
 class MLP(nnx.Module):
@@ -79,10 +100,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD):
         dt = x_BTD.dtype
-        gate_BTF = x_BTD @ self.w_gate_DF[...].astype(dt)
-        up_BTF = x_BTD @ self.w_up_DF[...].astype(dt)
+        gate_BTF = token_matmul(x_BTD, self.w_gate_DF[...].astype(dt))
+        up_BTF = token_matmul(x_BTD, self.w_up_DF[...].astype(dt))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"), self.rules)
-        return h_BTF @ self.w_down_FD[...].astype(dt)
+        return token_matmul(h_BTF, self.w_down_FD[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -140,7 +161,7 @@ class Llama(nnx.Module):
     def logits(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)
         head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(x_BTD.dtype))
+        logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
 
     def __call__(self, tokens_BT):
