@@ -88,6 +88,9 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
         "loss": float(m["loss"]),
         **metrics.compiled_stats(compiled),
     }
+    stats = devices[0].memory_stats()  # None on CPU; on GPU the allocator's high-water mark
+    if stats and "peak_bytes_in_use" in stats:
+        record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
     from jaxdist.parallel import pipeline, reduce
     record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction

@@ -22,6 +22,8 @@ def op_dtypes(hlo_text: str, op: str) -> list[str]:
 
 def build(tiny_cfg, reduce_dtype: str):
     """dp=2 with the dense explicit reduction in `reduce_dtype`, bfloat16 compute."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices for dp=2 (scripts/gpu_check.sh runs on one GPU)")
     cfg = tiny_cfg.replace(model=SMALL, train=dict(global_batch=4), reduce=dict(method="dense", dtype=reduce_dtype))
     prog = step.build_program(cfg, mesh_mod.mesh_from_string("dp=2", jax.devices()[:2]))
     tokens = jax.ShapeDtypeStruct((4, SMALL["seq_len"] + 1), jnp.int32, sharding=prog.batch_sharding)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run on one GPU (an H200 here), at most ~8 minutes (run it with timeout_s=540).
+#
+#   bash scripts/gpu_check.sh fetch     # on the CPU machine first: wheels the GPU image lacks -> .whl/
+#   bash scripts/gpu_check.sh           # on the GPU machine (carry .whl): device info, GPU tests, 1B bench
+#
+# The GPU image has jax/jaxlib with the CUDA plugin, optax, orbax, pytest, but not grain, array-record,
+# portpicker or tensorboardX; flax is pinned to the version tested here. Wheels in .whl/ are installed
+# into /tmp/site (nothing else on the machine changes). Every result is one JSON line on stdout and,
+# when $OUT is set, in $OUT/gpu_check.jsonl (the full log in $OUT/gpu_check.log).
+#
+# Bench: configs/1b.yaml (Llama 3.2 1B shape, seq 8192) in bfloat16 on one GPU, global_batch 2
+# (16K tokens a step), with and without remat, with and without optimizer-state host offload.
+# MFU is against the datasheet dense bf16 peak (989 TFLOP/s); target 55%.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5 flax==0.12.8)
+
+if [[ "${1:-}" == "fetch" ]]; then
+  mkdir -p .whl
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+  exit $?
+fi
+
+OUT_DIR="${OUT:-}"
+LOG=/dev/null
+if [[ -n "$OUT_DIR" ]]; then
+  LOG="$OUT_DIR/gpu_check.log"
+  exec > >(tee -a "$LOG") 2>&1
+fi
+emit() {  # one JSON line to stdout and $OUT/gpu_check.jsonl
+  echo "$1"
+  [[ -n "$OUT_DIR" ]] && echo "$1" >> "$OUT_DIR/gpu_check.jsonl"
+  return 0
+}
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95  # the bench is alone on the GPU
+export PYTHONUNBUFFERED=1
+
+echo "== device"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
+emit "$(python3 - <<'EOF'
+import json, os
+from jaxdist.train import setup_platform
+setup_platform(1)  # applies jaxdist's GPU XLA flags (jaxdist/xla_flags.py) before the backend starts
+import jax, flax, optax
+d = jax.devices()[0]
+stats = d.memory_stats() or {}
+print(json.dumps({"check": "device", "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                  "backend": jax.default_backend(), "devices": [str(x) for x in jax.devices()],
+                  "device_kind": d.device_kind, "memory_gib": round(stats.get("bytes_limit", 0) / 2**30, 1),
+                  "memories": [m.kind for m in d.addressable_memories()], "xla_flags": os.environ.get("XLA_FLAGS", "")}))
+EOF
+)"
+
+echo "== tests (GPU-relevant subset, on the GPU) [$(elapsed)s]"
+# conftest defaults JAX_PLATFORMS to cpu: name the GPU explicitly. Multi-device tests skip on one GPU.
+JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_gpu.py tests/test_offload.py tests/test_precision.py 2>&1 | tail -15
+emit "{\"check\": \"tests\", \"rc\": ${PIPESTATUS[0]}, \"elapsed_s\": $(elapsed)}"
+
+echo "== bench: 1B, bf16, one GPU [$(elapsed)s]"
+bench() {  # name, then config overrides; skipped past the 8-minute budget's last safe start
+  local name=$1; shift
+  local line
+  if (( $(elapsed) > 380 )); then
+    emit "{\"check\": \"bench\", \"variant\": \"$name\", \"skipped\": \"time budget\"}"
+    return
+  fi
+  line=$(timeout 100 python3 -m jaxdist.bench --config configs/1b.yaml --mesh fsdp=1 --warmup 2 --steps 5 \
+         model.compute_dtype=bfloat16 train.global_batch=2 "$@" 2>"/tmp/bench_$name.err" | tail -1)
+  if [[ "$line" == \{* ]]; then
+    emit "{\"check\": \"bench\", \"variant\": \"$name\", \"overrides\": \"$*\", \"result\": $line}"
+  else
+    emit "{\"check\": \"bench\", \"variant\": \"$name\", \"overrides\": \"$*\", \"error\": $(tail -c 600 "/tmp/bench_$name.err" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"
+  fi
+}
+bench remat_dots model.remat=dots_saveable
+bench remat_none model.remat=none
+bench remat_dots_offload model.remat=dots_saveable optim.offload=host
+bench remat_full_offload model.remat=full optim.offload=host
+emit "{\"check\": \"done\", \"elapsed_s\": $(elapsed)}"
