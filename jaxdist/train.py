@@ -89,13 +89,20 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     p_bytes, o_bytes = param_and_state_bytes(prog)
     n = count_params(cfg.model)["total"]
     mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
-    return [
+    lines = [
         f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
         f"model {n / 1e6:.2f}M params; per device: params {p_bytes / 2**20:.1f} MiB, "
         f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg)}",
     ]
+    if prog.pipeline is not None:
+        from jaxdist.parallel import pipeline
+        d = pipeline.describe(cfg, prog.mesh)
+        lines.append(f"pipeline {d['schedule']}: {d['stages']} stages x {d['repeats']} repeats, "
+                     f"{d['microbatches']} micro-batches, {d['iterations']} iterations, "
+                     f"bubble {d['bubble_fraction']:.1%}")
+    return lines
 
 
 @dataclasses.dataclass
@@ -255,9 +262,18 @@ def setup_platform(cpu_devices: int) -> None:
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in \
             os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", cpu_devices)
-    # Persistent compilation cache: a re-run of the same program skips XLA compilation (~10x faster
-    # start). JAX_COMPILATION_CACHE_DIR, when set, wins.
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+
+
+def enable_compilation_cache() -> None:
+    """Persistent compilation cache for single-process runs: a re-run of the same program loads it
+    instead of compiling (~10x faster start on CPU). JAX_COMPILATION_CACHE_DIR, when set, wins — except
+    for several CPU processes: two that both loaded their step from the cache hung in the first gloo
+    collective (jax 0.10.2), so there the cache is off."""
+    import jax
+    if jax.process_count() > 1:
+        if jax.default_backend() == "cpu":
+            jax.config.update("jax_compilation_cache_dir", None)
+    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
 
 
@@ -269,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_platform(args.cpu_devices)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
         distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        enable_compilation_cache()
         print(distributed.topology_line(), flush=True)
         run(cfg, run_dir, restore=args.restore)
     except JaxdistError as e:
