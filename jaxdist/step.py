@@ -177,11 +177,11 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
                                      decay_mask(param_names))
 
-    def apply_fn(params, tokens_BT):
-        return nnx.merge(graphdef, params)(tokens_BT)
-
-    if layout:
+    if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout)
+    else:
+        def apply_fn(params, tokens_BT):
+            return nnx.merge(graphdef, params)(tokens_BT)
     if gradient_stage is None:
         gradient_stage = select_gradient_stage
     stage = gradient_stage(apply_fn, cfg, mesh, rules, param_specs)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jaxdist import distributed
 from jaxdist.errors import JaxdistError
+from jaxdist.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,7 +122,6 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint.
     """
     import jax
-    import numpy as np
     from tqdm import tqdm
 
     from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
@@ -178,13 +178,14 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         sums = [prog.eval_step(params, b) for b in eval_arrays]
         return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
 
+    def eval_due(done: int) -> bool:
+        return bool(cfg.train.eval_every) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+
     trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
-    pending = None  # metrics of the previous step: read one step late so the device never waits on us
-    last_loss, eval_loss, skipped_total, rates = float("nan"), None, 0, []
-    t_log, steps_since_log = time.perf_counter(), 0
-    batch, steps_done, stopper = first, start, checkpoint.StopSignal()
-    consecutive = int(jax.device_get(state.skipped))  # non-finite steps in a row (carried by checkpoints)
+    progress = Progress(cfg, writer, bar, tokens_per_step, flops_tok, peak,
+                        skipped_in_a_row=int(jax.device_get(state.skipped)))
+    batch, steps_done, pending, stopper = first, start, None, checkpoint.StopSignal()
     with stopper, contextlib.closing(saver):
         for s in range(start, cfg.train.steps):
             trace.at_step(s, state)
@@ -196,62 +197,29 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
                 saver.save(state, steps_done, loader)  # before the next batch is drawn: the iterator is at this step
             saver.poll()
             batch = next(loader) if not last else None
-            done = [pending] if pending is not None else []
+            if pending is not None:
+                progress.record(*pending)  # the previous step, read while this one runs
             pending = (s, m)
-            if last:
-                done.append(pending)
-            for ds, dm in done:
-                vals = {k: float(v) for k, v in dm.items()}
-                skipped_total += int(vals["skipped"])
-                consecutive = consecutive + 1 if vals["skipped"] else 0
-                last_loss = vals["loss"] if not vals["skipped"] else last_loss
-                steps_since_log += 1
-                if consecutive >= cfg.train.max_skipped_steps:
-                    raise JaxdistError(
-                        f"{cfg.train.max_skipped_steps} consecutive steps had non-finite loss or gradients "
-                        f"(last at step {ds + 1}); lower optim.lr or check the data")
-                logged = (ds + 1) % cfg.train.log_every == 0 or (last and ds == s)
-                record = None
-                if logged:
-                    jax.block_until_ready(state.step)
-                    dt = time.perf_counter() - t_log
-                    step_time = dt / steps_since_log
-                    tps = tokens_per_step / step_time
-                    if ds > 0:
-                        rates.append(tps)
-                    record = {"step": ds + 1, "loss": vals["loss"], "lr": vals["lr"], "grad_norm": vals["grad_norm"],
-                              "tokens_per_sec": tps, "step_time_s": step_time,
-                              "mfu": tps * flops_tok / peak if peak else 0.0, "skipped_steps": skipped_total,
-                              **{k: v for k, v in vals.items() if k not in ("loss", "lr", "grad_norm", "skipped")}}
-                    bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.1%}")
-                    t_log, steps_since_log = time.perf_counter(), 0
-                if cfg.train.eval_every and ((ds + 1) % cfg.train.eval_every == 0 or ds + 1 == cfg.train.steps):
-                    eval_loss = evaluate(state.params)
-                    record = record or {"step": ds + 1}
-                    record["eval_loss"] = eval_loss
-                    t_log = time.perf_counter()  # eval time does not count as training throughput
-                if record is not None:
-                    writer.write(record)
-                bar.update(1)
+            if last or eval_due(steps_done):  # evaluate the state this step produced: read it now
+                params = state.params
+                progress.record(s, m, evaluate=(lambda: evaluate(params)) if eval_due(steps_done) else None,
+                                final=last)
+                pending = None
             if stop:
                 break
     trace.close(state)
     bar.close()
 
-    tps = float(np.median(rates)) if rates else 0.0
-    summary = {"summary": True, "steps": steps_done, "final_loss": last_loss, "eval_loss": eval_loss,
-               "tokens_per_sec": tps, "mfu": tps * flops_tok / peak if peak else 0.0,
-               "compile_s": compile_s, "skipped_steps": skipped_total}
+    summary = progress.summary(steps_done, compile_s)
     writer.write(summary)
     writer.close()
-    if is_main:
-        ev = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
-        log(f"done: {steps_done} steps, loss {last_loss:.4f}{ev}, {tps:,.0f} tokens/s, "
-            f"MFU {summary['mfu']:.1%}, run dir {run_dir}")
-        if stopper.received:
-            log(f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
-                f"in {saver.directory}; run the same command to resume")
-    return RunResult(run_dir, last_loss, eval_loss, tps, steps_done)
+    ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+    log(f"done: {steps_done} steps, loss {summary['final_loss']:.4f}{ev}, {summary['tokens_per_sec']:,.0f} "
+        f"tokens/s, MFU {summary['mfu']:.1%}, run dir {run_dir}")
+    if stopper.received:
+        log(f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
+            f"in {saver.directory}; run the same command to resume")
+    return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
 
 
 def setup_platform(cpu_devices: int) -> None:

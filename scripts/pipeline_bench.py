@@ -35,7 +35,6 @@ def main(argv=None) -> int:
 
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
     import numpy as np
 
     from jaxdist import config, hlo, mesh as mesh_mod, step

@@ -1,4 +1,3 @@
-import jax
 import numpy as np
 import pytest
 

@@ -70,8 +70,8 @@ def ring_bytes(kind: str, n: int, full_bytes: float) -> float:
 def step_traffic(lay: Layout) -> list[Traffic]:
     """Every collective of one optimizer step (see the module docstring for where each comes from)."""
     m, mesh, cfg = lay.cfg.model, lay.mesh, lay.cfg
-    dp, fsdp, tp, pp = mesh["dp"], mesh["fsdp"], mesh["tp"], mesh["pp"]
-    T, D, V = m.seq_len, m.d_model, m.vocab_size
+    fsdp, tp, pp = mesh["fsdp"], mesh["tp"], mesh["pp"]
+    T, D = m.seq_len, m.d_model
     passes = lay.accum
     dp_syncs = passes if cfg.reduce.method == "implicit" else 1
     # Layer applications per device per step: each pipeline iteration runs L / (P V) layers.
