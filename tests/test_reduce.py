@@ -109,8 +109,8 @@ def test_compressed_dp_bytes(small_cfg, dp8, dense_dp8_bytes, knobs, min_ratio):
     assert ratio >= min_ratio, f"{knobs}: {ratio:.2f}x"
 
 
-def test_dense_dp_bytes_follow_ring_model(small_cfg, dense_dp8_bytes):
-    abstract, _ = reduce.param_layout(small_cfg, step.sharding.DEFAULT_RULES)
+def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
+    abstract, _ = reduce.param_layout(small_cfg, step.sharding.DEFAULT_RULES, dp8)
     n, params = 8, sum(x.size for x in jax.tree.leaves(abstract))
     assert dense_dp8_bytes == pytest.approx(2 * (n - 1) / n * 4 * params)
 
@@ -249,3 +249,14 @@ def test_reducer_state_checkpoint_round_trip(small_cfg, dp8, tmp_path, method):
 def test_bfloat16_dense_on_cpu_is_refused(small_cfg, dp8):
     with pytest.raises(step.JaxdistError, match="reduce.dtype=float32 on CPU"):
         step.build_program(small_cfg.replace(reduce=dict(method="dense", dtype="bfloat16")), dp8)
+
+
+def test_reducer_sees_the_staged_layout_under_pipeline(small_cfg):
+    """With pp > 1 the train state stores the layer stack by stage; reducers (PowerSGD's per-layer
+    matrices, residuals) must be built for those shapes, not the model's plain stack."""
+    cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=2), train=dict(global_batch=16))
+    mesh = mesh_from_string("dp=2,pp=2,fsdp=2")
+    prog = step.build_program(cfg, mesh)
+    abstract, batch_dims = reduce.param_layout(cfg, prog.rules, mesh)
+    assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(lambda a: a.shape, prog.abstract_state.params)
+    assert batch_dims["blocks"]["mlp"]["w_up_DF"] == 2  # (stage, layers, embed, mlp)

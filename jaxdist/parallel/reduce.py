@@ -33,7 +33,7 @@ from jaxdist import hlo, sharding
 from jaxdist import step as step_lib
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import compress
+from jaxdist.parallel import compress, pipeline
 
 # The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
 # `dp_bytes_per_step` leaves its collectives out, to report the steady state.
@@ -145,7 +145,7 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param
         if cfg.reduce.method != "dense":
             warn_one_replica(cfg)
         return step_lib.implicit_gradients(apply_fn, cfg.train.microbatches)
-    abstract_params, batch_dims = param_layout(cfg, rules)
+    abstract_params, batch_dims = param_layout(cfg, rules, mesh)
     reducer = make_reducer(cfg, mesh, abstract_params, batch_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
 
@@ -173,13 +173,19 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param
                                   name=f"explicit-{cfg.reduce.method}")
 
 
-def param_layout(cfg: Config, rules):
-    """Abstract parameters and, per tensor, how many leading dims stack layers (from logical names)."""
+def param_layout(cfg: Config, rules, mesh: Mesh):
+    """Abstract parameters as the train state stores them (staged when pp > 1) and, per tensor, how many
+    leading dims stack layers (from logical names)."""
     params = nnx.state(nnx.eval_shape(lambda: step_lib.make_model(cfg, rules)), nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(params))
+    params = nnx.to_pure_dict(params)
+    layout = pipeline.plan(cfg, mesh)
+    if layout:
+        names = pipeline.stage_names(names)
+        params = jax.eval_shape(lambda p: pipeline.to_stages(p, layout), params)
     batch_dims = jax.tree.map(lambda n: next((i for i, a in enumerate(n) if a not in STACKED_AXES), len(n)),
                               names, is_leaf=lambda x: isinstance(x, tuple))
-    return nnx.to_pure_dict(params), batch_dims
+    return params, batch_dims
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,7 +217,7 @@ def compile_reduction(cfg: Config, mesh: Mesh):
     """The reducer of `cfg` compiled alone, on abstract gradients (no model: quick). Its dp bytes
     are the train step's less the (loss, token count) psum."""
     axis = cfg.reduce.axis
-    abstract, batch_dims = param_layout(cfg, sharding.make_rules(cfg.mesh.rules))
+    abstract, batch_dims = param_layout(cfg, sharding.make_rules(cfg.mesh.rules), mesh)
     reducer = make_reducer(cfg, mesh, abstract, batch_dims)
     state = jax.eval_shape(reducer.init, abstract)
     fn = jax.shard_map(lambda g, s, step: reducer.update(g, s, step), mesh=mesh, in_specs=(P(), P(), P()),
