@@ -20,6 +20,7 @@ Integrity, as orbax 0.12.8 implements it (checked in its source and in tests/tes
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import sys
 import threading
@@ -166,6 +167,11 @@ def check_model(saved_params, abstract_params, where: Path) -> None:
     for name, shape in wanted.items():
         if name not in saved:
             raise JaxdistError(f"checkpoint {where} is of a different model: it has no tensor params/{name}; {fix}")
+        if saved[name] != shape and _restaged(saved[name], shape):
+            raise JaxdistError(
+                f"checkpoint {where} stores the layer stack in another pipeline layout: params/{name} is "
+                f"{saved[name]} there but {shape} here; resume with the pp and pipeline.repeats it was saved "
+                "with (moving a checkpoint across pipeline layouts is not supported yet)")
         if saved[name] != shape:
             raise JaxdistError(f"checkpoint {where} is of a different model: tensor params/{name} has shape "
                                f"{saved[name]} there but {shape} in this config; {fix}")
@@ -173,6 +179,17 @@ def check_model(saved_params, abstract_params, where: Path) -> None:
     if extra:
         raise JaxdistError(f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that "
                            f"this config lacks; {fix}")
+
+
+def _restaged(saved: tuple, wanted: tuple) -> bool:
+    """The same layer stack laid out (layers, ...) vs (stage, layers/stage, ...), or staged differently."""
+    def stack(shape):  # leading dims that hold layers: one, or two when staged
+        return [shape[:1], shape[:2]]
+    for a in stack(saved):
+        for b in stack(wanted):
+            if (a != b and math.prod(a) == math.prod(b) and saved[len(a):] == wanted[len(b):]):
+                return True
+    return False
 
 
 def check_resume(meta: dict, cfg: Config, where: Path) -> None:

@@ -287,3 +287,13 @@ def test_first_signal_requests_a_stop_second_sigint_aborts():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGTERM) is not stopper._handle  # previous handlers are back
+
+
+def test_pipeline_layout_change_is_named():
+    """A checkpoint saved with pp=2 (stack stored (stage, layers/stage, ...)) restored on pp=1 says so."""
+    saved = {"blocks": {"w": jax.ShapeDtypeStruct((2, 2, 8, 16), jnp.float32)}}
+    wanted = {"blocks": {"w": jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}
+    with pytest.raises(JaxdistError, match="another pipeline layout: params/blocks/w"):
+        checkpoint.check_model(saved, wanted, Path("ckpt"))
+    with pytest.raises(JaxdistError, match="different model: tensor params/blocks/w"):
+        checkpoint.check_model({"blocks": {"w": jax.ShapeDtypeStruct((4, 8, 32), jnp.float32)}}, wanted, Path("c"))
