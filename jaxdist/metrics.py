@@ -75,15 +75,26 @@ def compiled_stats(compiled) -> dict:
     return {"bytes_per_device": memory, "collectives": hlo.summarize(hlo.collectives(compiled.as_text()))}
 
 
+def _kept_on_resume(record: dict, resume_step: int) -> bool:
+    return not record.get("summary") and record.get("step", 0) <= resume_step
+
+
 class MetricWriter:
     """metrics.jsonl (every logged step) and TensorBoard events, written by process 0 only."""
 
-    def __init__(self, run_dir: Path | None, enabled: bool = True):
+    def __init__(self, run_dir: Path | None, enabled: bool = True, resume_step: int | None = None):
+        """`resume_step`: a run resumed from that step drops the records logged after it by the attempt
+        that was interrupted (they are about to be logged again), and that attempt's summary line."""
         self.enabled = enabled and run_dir is not None
         self.file = None
         self.tb = None
         if self.enabled:
-            self.file = open(Path(run_dir) / "metrics.jsonl", "a")
+            path = Path(run_dir) / "metrics.jsonl"
+            if resume_step is not None and path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and _kept_on_resume(json.loads(line), resume_step)]
+                path.write_text("".join(line + "\n" for line in kept))
+            self.file = open(path, "a")
             try:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"))

@@ -156,7 +156,7 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
         for line in summary_lines(cfg, prog, flops_tok):
             log(line)
-    writer = metrics.MetricWriter(run_dir, enabled=is_main)
+    writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None)
     if restored is not None:
         if resuming:
             checkpoint.set_aside_newer(run_dir, restored.step, log)
