@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
 
 def mesh_devices(text: str, devices: list) -> list:

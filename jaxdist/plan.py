@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
 
 def gb(x: float) -> str:

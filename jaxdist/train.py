@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     multi.add_argument("--heartbeat-timeout", type=int, default=30,
                        help="seconds of silence after which a process counts as dead and the others stop (default 30)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 train.global_batch=16")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
 
 def resolve_config(args: argparse.Namespace):

@@ -45,3 +45,11 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     assert out.stderr.strip() == "error: mesh dp=3,pp=1,fsdp=1,tp=1 needs 3 devices but there are 8; " \
                                  "make the sizes multiply to 8 (or use -1 on one axis)"
     assert not (tmp_path / "r").exists()
+
+
+def test_overrides_may_come_before_and_after_flags():
+    from jaxdist import train
+    args = train.parse_args(["model.num_layers=2", "--steps", "3", "optim.lr=1e-3", "--mesh", "dp=2,fsdp=4"])
+    assert args.overrides == ["model.num_layers=2", "optim.lr=1e-3"] and args.steps == 3
+    cfg = train.resolve_config(args)
+    assert (cfg.model.num_layers, cfg.train.steps, cfg.optim.lr, cfg.mesh.shape) == (2, 3, 1e-3, "dp=2,fsdp=4")
