@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
+from jaxdist.mesh import axis_size
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -64,22 +65,12 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules, what: str = "ar
     return P(*spec)
 
 
-def _spec_size(mesh: Mesh, entry) -> int:
-    if entry is None:
-        return 1
-    entries = (entry,) if isinstance(entry, str) else entry
-    size = 1
-    for axis in entries:
-        size *= mesh.shape[axis]
-    return size
-
-
 def check_divisible(shape: tuple[int, ...], spec: P, mesh: Mesh, what: str) -> None:
     for dim, entry in zip(shape, spec):
-        if dim % _spec_size(mesh, entry):
+        if dim % axis_size(mesh, entry):
             raise JaxdistError(
                 f"{what}: dimension {dim} cannot be split over mesh axes {entry} "
-                f"(size {_spec_size(mesh, entry)}); choose a mesh whose axis sizes divide it"
+                f"(size {axis_size(mesh, entry)}); choose a mesh whose axis sizes divide it"
             )
 
 

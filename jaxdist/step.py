@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.mesh import axis_size
 from jaxdist.models.llama import Llama
 from jaxdist.optim import decay_mask, make_optimizer
 from jaxdist.parallel import pipeline
@@ -126,19 +127,8 @@ class Program:
     apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; pipelined when pp > 1 (then trace it under jax.set_mesh)
     pipeline: Any = None  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
 
-    def apply(self, params, tokens_BT):
-        return self.apply_fn(params, tokens_BT)
-
     def batch_shards(self) -> int:
-        return mesh_size(self.mesh, self.batch_sharding.spec[0])
-
-
-def mesh_size(mesh: Mesh, entry) -> int:
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    return size
+        return axis_size(self.mesh, self.batch_sharding.spec[0])
 
 
 def make_model(cfg: Config, rules, seed: int = 0) -> Llama:
@@ -146,7 +136,7 @@ def make_model(cfg: Config, rules, seed: int = 0) -> Llama:
 
 
 def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
-    shards = mesh_size(mesh, sharding.batch_spec(rules)[0])
+    shards = axis_size(mesh, sharding.batch_spec(rules)[0])
     per_step = cfg.train.microbatches * shards
     if cfg.train.global_batch % per_step:
         raise JaxdistError(
