@@ -73,7 +73,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     step_time = statistics.median(times)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     flops_tok = metrics.flops_per_token(cfg.model)
-    peak = metrics.peak_flops_total(devices, str(step.compute_dtype(cfg)), cfg.train.peak_flops)
+    peak = metrics.peak_flops_total(devices, str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)
     tps = tokens_per_step / step_time
     record = {
         "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
@@ -92,10 +92,11 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     if stats and "peak_bytes_in_use" in stats:
         record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
-    from jaxdist.parallel import pipeline, reduce
+    from jaxdist import measure
+    from jaxdist.parallel import pipeline
     record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction
-    record["dp_bytes_per_step"] = reduce.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
-    record["compression_ratio"] = reduce.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
+    record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
+    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 
 

@@ -22,9 +22,10 @@ from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
-from jaxdist.models.llama import Llama
+from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import pipeline
+from jaxdist.parallel import pipeline, reduce
+from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
 @jax.tree_util.register_dataclass
@@ -35,71 +36,6 @@ class TrainState:
     opt_state: Any
     reducer_state: Any  # state of the gradient stage (error-feedback residuals, ...); () if none
     skipped: jax.Array  # int32: consecutive steps skipped for non-finite loss or gradients
-
-
-def compute_dtype(cfg: Config):
-    name = cfg.model.compute_dtype
-    if name == "auto":
-        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    return jnp.dtype(name)
-
-
-def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean)."""
-    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    logits_BTV = apply_fn(params, inputs_BT)
-    # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
-    # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
-    labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-    losses_BT = optax.softmax_cross_entropy(logits_BTV, labels_BTV)
-    return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
-
-
-def split_microbatches(tokens_BT1, microbatches: int):
-    """(B, T+1) -> (M, B/M, T+1) taking rows m, m+M, ...: each device keeps its own rows (no resharding)."""
-    B = tokens_BT1.shape[0]
-    return tokens_BT1.reshape(B // microbatches, microbatches, -1).swapaxes(0, 1)
-
-
-def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int):
-    """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
-    Returns (grad_sum, loss_sum, token_count)."""
-    grad_fn = jax.value_and_grad(lambda p, t: token_loss_sums(apply_fn, p, t), has_aux=True)
-    if microbatches == 1:
-        (loss, count), grads = grad_fn(params, tokens_BT1)
-        return grads, loss, count
-
-    def body(carry, tokens):
-        g_acc, l_acc, n_acc = carry
-        (loss, count), grads = grad_fn(params, tokens)
-        return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, n_acc + count), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss, count), _ = jax.lax.scan(body, init, split_microbatches(tokens_BT1, microbatches))
-    return grads, loss, count
-
-
-@dataclasses.dataclass(frozen=True)
-class GradientStage:
-    """How gradients are computed and reduced over data-parallel replicas.
-
-    `init(params) -> state`; `apply(params, tokens, state, step) -> (mean_grads, mean_loss, state, metrics)`;
-    `state_specs(param_specs) -> PartitionSpecs of that state` (residuals are sharded like parameters).
-    """
-    init: Callable
-    apply: Callable
-    state_specs: Callable = lambda param_specs: ()
-    name: str = "implicit"
-
-
-def implicit_gradients(apply_fn: Callable, microbatches: int) -> GradientStage:
-    """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
-    def apply(params, tokens, state, step):
-        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
-        return jax.tree.map(lambda g: g / count, grads), loss / count, state, {}
-    return GradientStage(init=lambda params: (), apply=apply)
 
 
 def tree_where(pred, on_true, on_false):
@@ -125,14 +61,14 @@ class Program:
     eval_step: Callable  # (params, tokens) -> (loss_sum, count)
     abstract_state: TrainState
     apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; pipelined when pp > 1 (then trace it under jax.set_mesh)
-    pipeline: Any = None  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
+    model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
+
+    @property
+    def pipeline(self):  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
+        return self.model.pipeline
 
     def batch_shards(self) -> int:
         return axis_size(self.mesh, self.batch_sharding.spec[0])
-
-
-def make_model(cfg: Config, rules, seed: int = 0) -> Llama:
-    return Llama(cfg.model, rules, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg))
 
 
 def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
@@ -148,21 +84,13 @@ def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
 def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None) -> Program:
     """Resolve shardings, build the optimizer and jit the steps for `cfg` on `mesh`.
 
-    `gradient_stage(apply_fn, cfg, mesh, rules, param_specs) -> GradientStage` overrides the default
+    `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the default
     choice made from `cfg.reduce.method`.
     """
     rules = sharding.make_rules(cfg.mesh.rules)
     check_batch(cfg, mesh, rules)
-    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rules))
-    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    param_names = nnx.to_pure_dict(sharding.logical_names(abstract_params))
-    param_specs = nnx.to_pure_dict(sharding.state_specs(abstract_params, rules, mesh))
-    abstract_params = nnx.to_pure_dict(abstract_params)
-    layout = pipeline.plan(cfg, mesh)  # pp > 1: the layer stack is stored (stage, layers, ...)
-    if layout:
-        param_names = pipeline.stage_names(param_names)
-        abstract_params = jax.eval_shape(lambda p: pipeline.to_stages(p, layout), abstract_params)
-        param_specs = pipeline.stage_specs(param_names, abstract_params, rules, mesh)
+    model = resolve(cfg, mesh, rules)
+    graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
                                      decay_mask(param_names))
@@ -172,14 +100,10 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     else:
         def apply_fn(params, tokens_BT):
             return nnx.merge(graphdef, params)(tokens_BT)
-    if gradient_stage is None:
-        gradient_stage = select_gradient_stage
-    stage = gradient_stage(apply_fn, cfg, mesh, rules, param_specs)
+    stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
 
     def init_state(seed):
-        params = nnx.to_pure_dict(nnx.state(make_model(cfg, rules, seed), nnx.Param))
-        if layout:
-            params = pipeline.to_stages(params, layout)
+        params = model.init_params(cfg, rules, seed)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           reducer_state=stage.init(params), skipped=jnp.zeros((), jnp.int32))
 
@@ -228,14 +152,14 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
                    param_specs=param_specs, state_shardings=state_shardings, batch_sharding=batch_sharding,
                    tx=tx, lr_schedule=lr_schedule, gradients=stage, init_state=_in_mesh(mesh, jit_init),
                    train_step=_in_mesh(mesh, jit_train), eval_step=_in_mesh(mesh, jit_eval),
-                   abstract_state=abstract_state, apply_fn=apply_fn, pipeline=layout)
+                   abstract_state=abstract_state, apply_fn=apply_fn, model=model)
 
 
-def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, rules, param_specs) -> GradientStage:
+def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
         return implicit_gradients(apply_fn, cfg.train.microbatches)
-    from jaxdist.parallel import reduce  # explicit data-parallel reduction (dense or compressed)
-    return reduce.explicit_gradients(apply_fn, cfg, mesh, rules, param_specs)
+    return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 
 class _in_mesh:

@@ -95,7 +95,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"model {n / 1e6:.2f}M params; per device: params {p_bytes / 2**20:.1f} MiB, "
         f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
-        f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg)}",
+        f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
     ]
     if prog.pipeline is not None:
         from jaxdist.parallel import pipeline
@@ -133,7 +133,7 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
     flops_tok = metrics.flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg)), cfg.train.peak_flops)
+    peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)
 
     resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
     if not resuming:

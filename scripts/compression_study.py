@@ -41,10 +41,10 @@ def parse_args(argv=None):
 
 def run_method(label, base, mesh, out: Path):
     from jaxdist import train
-    from jaxdist.parallel import reduce
+    from jaxdist import measure
 
     cfg = base.replace(reduce=METHODS[label])
-    compiled_bytes = reduce.dp_bytes_per_step(reduce.compile_train_step(cfg, mesh).as_text(), mesh)
+    compiled_bytes = measure.dp_bytes_per_step(measure.compile_train_step(cfg, mesh).as_text(), mesh)
     run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "")
     result = train.run(cfg, run_dir, log=lambda *a, **k: None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -58,14 +58,14 @@ def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
     import jax
 
     from jaxdist import mesh as mesh_mod
-    from jaxdist.parallel import reduce
+    from jaxdist import measure
 
     rows = []
     for n in replicas:
         mesh = mesh_mod.mesh_from_string(f"dp={n}", jax.devices()[:n])
 
         def bytes_of(knobs):
-            return reduce.dp_bytes_per_step(reduce.compile_reduction(base.replace(reduce=knobs), mesh).as_text(), mesh)
+            return measure.dp_bytes_per_step(measure.compile_reduction(base.replace(reduce=knobs), mesh).as_text(), mesh)
 
         dense = bytes_of(dict(method="dense"))
         for r in ratios:

@@ -38,7 +38,7 @@ def bf16_program(tiny_cfg):
 
 def test_master_weights_and_optimizer_state_stay_float32(bf16_program):
     prog, _, compiled = bf16_program
-    assert step.compute_dtype(prog.cfg) == jnp.bfloat16
+    assert step.compute_dtype(prog.cfg.model) == jnp.bfloat16
     floats = [x.dtype for x in jax.tree.leaves((prog.abstract_state.params, prog.abstract_state.opt_state))
               if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and set(floats) == {jnp.dtype(jnp.float32)}

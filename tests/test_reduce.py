@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdist import hlo, step
+from jaxdist import hlo, measure, step
 from jaxdist.mesh import mesh_from_string
 from jaxdist.parallel import compress, reduce
 
@@ -81,7 +81,7 @@ def test_microbatches_reduce_once(small_cfg, mesh3d, batches, dense_run):
     assert '"known_trip_count":{"n":"4"}' in text
     dp = [c for c in hlo.collectives(text) if hlo.spans_axis(c, dict(mesh3d.shape), mesh3d.axis_names, "dp")]
     assert dp and all(c.count == 1 for c in dp), [(c.kind, c.count, c.computation) for c in dp]
-    assert reduce.dp_bytes_per_step(text, mesh3d) == reduce.dp_bytes_per_step(dense_text, mesh3d) > 0
+    assert measure.dp_bytes_per_step(text, mesh3d) == measure.dp_bytes_per_step(dense_text, mesh3d) > 0
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def dp8():
 
 
 def reduction_bytes(cfg, mesh, **knobs):
-    return reduce.dp_bytes_per_step(reduce.compile_reduction(cfg.replace(reduce=knobs), mesh).as_text(), mesh)
+    return measure.dp_bytes_per_step(measure.compile_reduction(cfg.replace(reduce=knobs), mesh).as_text(), mesh)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_compressed_dp_bytes(small_cfg, dp8, dense_dp8_bytes, knobs, min_ratio):
 
 
 def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
-    abstract, _ = reduce.param_layout(small_cfg, step.sharding.DEFAULT_RULES, dp8)
+    abstract = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES).abstract
     n, params = 8, sum(x.size for x in jax.tree.leaves(abstract))
     assert dense_dp8_bytes == pytest.approx(2 * (n - 1) / n * 4 * params)
 
@@ -118,7 +118,7 @@ def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
 def test_train_step_dp_bytes_are_the_reduction_and_the_loss(small_cfg, dp8):
     """The whole compiled step sends across dp exactly the reduction plus one (loss, count) psum."""
     cfg = small_cfg.replace(reduce=dict(method="topk", ratio=0.01))
-    whole = reduce.dp_bytes_per_step(reduce.compile_train_step(cfg, dp8).as_text(), dp8)
+    whole = measure.dp_bytes_per_step(measure.compile_train_step(cfg, dp8).as_text(), dp8)
     assert whole == pytest.approx(reduction_bytes(small_cfg, dp8, method="topk", ratio=0.01) + 2 * 7 / 8 * 8)
 
 
@@ -257,6 +257,6 @@ def test_reducer_sees_the_staged_layout_under_pipeline(small_cfg):
     cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=2), train=dict(global_batch=16))
     mesh = mesh_from_string("dp=2,pp=2,fsdp=2")
     prog = step.build_program(cfg, mesh)
-    abstract, batch_dims = reduce.param_layout(cfg, prog.rules, mesh)
+    abstract, batch_dims = prog.model.abstract, prog.model.stacked_dims
     assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(lambda a: a.shape, prog.abstract_state.params)
     assert batch_dims["blocks"]["mlp"]["w_up_DF"] == 2  # (stage, layers, embed, mlp)

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.gradients import split_microbatches
 from jaxdist.mesh import axis_size
 
 AXIS = "pp"
@@ -144,11 +145,6 @@ def stage_specs(names: dict, abstract_params: dict, rules, mesh) -> dict:
 
 # ---- the schedule -----------------------------------------------------------------------------------
 
-def to_microbatches(x_BTD, m: int):
-    """(B, ...) -> (M, B/M, ...) taking rows m, m+M, ...: each device keeps its own rows."""
-    return x_BTD.reshape(x_BTD.shape[0] // m, m, *x_BTD.shape[1:]).swapaxes(0, 1)
-
-
 def from_microbatches(x_MbTD):
     return x_MbTD.swapaxes(0, 1).reshape(-1, *x_MbTD.shape[2:])
 
@@ -207,7 +203,7 @@ def pipelined_apply(graphdef, pl: Plan) -> Callable:
             local = jax.tree.map(lambda a: a[0], stage_params)  # (1, V G, ...) -> (V G, ...)
             return run_schedule(stage_fn, local, x_MbTD, pl)[None]
 
-        x_MbTD = to_microbatches(model.embed(tokens_BT), pl.microbatches)
+        x_MbTD = split_microbatches(model.embed(tokens_BT), pl.microbatches)
         params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
         out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS),
                                   axis_names={AXIS})(params[STACK], x_MbTD)

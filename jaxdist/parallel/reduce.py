@@ -12,33 +12,27 @@ Reducers are optax-style transformations of the per-replica gradient tree, run i
 each replica's state under a leading replica axis (`P('dp', *param_spec)`), so it is part of the
 train state and is checkpointed like any other array.
 
-Communication is measured, not assumed: `dp_bytes_per_step` reads the compiled program's collectives
-whose replica groups span the axis, costed with hlo.py's ring model (N = group size, S = the full,
-gathered size in bytes): all-reduce 2(N-1)/N·S; all-gather, reduce-scatter, all-to-all (N-1)/N·S;
-collective-permute S; a collective in a loop counts once per iteration.
+Its bytes across the reduce axis are read from the compiled program: `jaxdist.measure`.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdist import hlo, sharding
-from jaxdist import step as step_lib
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import compress, pipeline
+from jaxdist.gradients import GradientStage, accumulate_gradients, implicit_gradients
+from jaxdist.parallel import compress
+from jaxdist.resolve import ResolvedModel
 
 # The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
 # `dp_bytes_per_step` leaves its collectives out, to report the steady state.
 WARMUP_SCOPE = "reduce_warmup"
-STACKED_AXES = ("layers", "stage")  # leading logical axes that stack independent per-layer tensors
 
 
 class Reducer(NamedTuple):
@@ -129,14 +123,14 @@ def warn_one_replica(cfg: Config) -> None:
                   "nothing to compress); reducing dense", stacklevel=3)
 
 
-def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param_specs) -> step_lib.GradientStage:
+def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
     `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
     axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
     axis = cfg.reduce.axis
     if axis not in mesh.shape:
         raise JaxdistError(f"reduce.axis={axis!r} is not a mesh axis {tuple(mesh.shape)}; set reduce.axis=dp")
-    for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
+    for spec in jax.tree.leaves(model.specs, is_leaf=lambda x: isinstance(x, P)):
         if axis in {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}:
             raise JaxdistError(f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
                                f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
@@ -144,13 +138,12 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param
     if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
         if cfg.reduce.method != "dense":
             warn_one_replica(cfg)
-        return step_lib.implicit_gradients(apply_fn, cfg.train.microbatches)
-    abstract_params, batch_dims = param_layout(cfg, rules, mesh)
-    reducer = make_reducer(cfg, mesh, abstract_params, batch_dims)
+        return implicit_gradients(apply_fn, cfg.train.microbatches)
+    reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count = step_lib.accumulate_gradients(apply_fn, params, tokens, microbatches)
+        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
         loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
         mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
         summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)
@@ -169,70 +162,5 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, rules, param
         return jax.tree.map(lambda s: P(axis, *s), reducer.state_specs(param_specs),
                             is_leaf=lambda x: isinstance(x, P))
 
-    return step_lib.GradientStage(init=init, apply=apply, state_specs=state_specs,
+    return GradientStage(init=init, apply=apply, state_specs=state_specs,
                                   name=f"explicit-{cfg.reduce.method}")
-
-
-def param_layout(cfg: Config, rules, mesh: Mesh):
-    """Abstract parameters as the train state stores them (staged when pp > 1) and, per tensor, how many
-    leading dims stack layers (from logical names)."""
-    params = nnx.state(nnx.eval_shape(lambda: step_lib.make_model(cfg, rules)), nnx.Param)
-    names = nnx.to_pure_dict(sharding.logical_names(params))
-    params = nnx.to_pure_dict(params)
-    layout = pipeline.plan(cfg, mesh)
-    if layout:
-        names = pipeline.stage_names(names)
-        params = jax.eval_shape(lambda p: pipeline.to_stages(p, layout), params)
-    batch_dims = jax.tree.map(lambda n: next((i for i, a in enumerate(n) if a not in STACKED_AXES), len(n)),
-                              names, is_leaf=lambda x: isinstance(x, tuple))
-    return params, batch_dims
-
-
-# ---------------------------------------------------------------------------------------------------
-# Measuring it: bytes across the reduce axis, from the compiled step
-
-_COLLECTIVE_OP = re.compile(r"\b(?:%s)(?:-start|-done)?\(" % "|".join(hlo.KINDS))
-
-
-def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp") -> float:
-    """Bytes each device sends across `axis` per optimizer step: every collective whose replica
-    groups span the axis, times its executions, costed with the ring model (module docstring).
-    The dense warm-up branch of a reducer (WARMUP_SCOPE) is left out: this is the steady state."""
-    text = "\n".join(line for line in compiled_hlo_text.splitlines()
-                     if not (WARMUP_SCOPE in line and _COLLECTIVE_OP.search(line)))
-    shape = dict(mesh.shape)
-    return float(sum(c.count * c.sent_bytes for c in hlo.collectives(text)
-                     if hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis)))
-
-
-def compile_train_step(cfg: Config, mesh: Mesh):
-    """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
-    prog = step_lib.build_program(cfg, mesh)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=prog.batch_sharding)
-    return prog.train_step.lower(prog.abstract_state, tokens).compile()
-
-
-def compile_reduction(cfg: Config, mesh: Mesh):
-    """The reducer of `cfg` compiled alone, on abstract gradients (no model: quick). Its dp bytes
-    are the train step's less the (loss, token count) psum."""
-    axis = cfg.reduce.axis
-    abstract, batch_dims = param_layout(cfg, sharding.make_rules(cfg.mesh.rules), mesh)
-    reducer = make_reducer(cfg, mesh, abstract, batch_dims)
-    state = jax.eval_shape(reducer.init, abstract)
-    fn = jax.shard_map(lambda g, s, step: reducer.update(g, s, step), mesh=mesh, in_specs=(P(), P(), P()),
-                       out_specs=(P(), P()), axis_names={axis}, check_vma=False)
-    return jax.jit(fn).lower(abstract, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-
-
-def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) -> float:
-    """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh
-    (compiles the dense program; 1.0 without compiling when nothing crosses the axis or it is dense)."""
-    axis = cfg.reduce.axis
-    if mesh.shape[axis] == 1 or (cfg.reduce.method == "dense" and cfg.reduce.dtype == "float32"):
-        return 1.0
-    if dp_bytes is None:
-        dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis)
-    dense_cfg = cfg.replace(reduce=dict(method="dense", dtype="float32"))
-    dense_bytes = dp_bytes_per_step(compile_train_step(dense_cfg, mesh).as_text(), mesh, axis)
-    return dense_bytes / dp_bytes if dp_bytes else float("inf")
