@@ -23,7 +23,7 @@ from jaxdist.errors import JaxdistError
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxdist.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")
     p.add_argument("--mesh", action="append", default=None, help="mesh to measure; repeat for several")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
     p.add_argument("--steps", type=int, default=10, help="timed steps")

@@ -8,109 +8,162 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import re
 
 import yaml
 
 from jaxdist.errors import JaxdistError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+class _Loader(yaml.SafeLoader):
+    """YAML without 1.1's base-60 numbers (`10:15` stays the string it looks like, not 615), and with
+    `1e-3` read as the float it looks like (PyYAML wants `1.0e-3`)."""
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+# The shipped configs: configs/ of a source checkout, else the copy installed as jaxdist/configs.
+CONFIGS_DIR = (_SOURCE_ROOT / "configs" if (_SOURCE_ROOT / "pyproject.toml").is_file()
+               else Path(__file__).resolve().parent / "configs")
+DEFAULT_CONFIG = "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A field's allowed interval, checked by `validate` (floats must also be finite)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def holds(self, v) -> bool:
+        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
+
+    def __str__(self) -> str:
+        lo = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        hi = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return " and ".join(x for x in (lo, hi) if x)
+
+
+Positive = Annotated[int, Range(1)]
+NonNegative = Annotated[int, Range(0)]
+PositiveFloat = Annotated[float, Range(0, lo_open=True)]
+NonNegativeFloat = Annotated[float, Range(0)]
+Fraction = Annotated[float, Range(0, 1)]  # [0, 1]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 4
-    d_model: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    mlp_dim: int = 1024
-    seq_len: int = 128
-    vocab_size: int = 256
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    compute_dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
-    remat: str = "none"  # none | full | dots_saveable
+    num_layers: Positive = 4  # decoder blocks
+    d_model: Positive = 256  # residual stream width
+    num_heads: Positive = 4  # query heads
+    num_kv_heads: Positive = 2  # key/value heads (grouped-query attention; divides num_heads)
+    head_dim: Positive = 64  # per-head width (even: rotary embeddings)
+    mlp_dim: Positive = 1024  # SwiGLU hidden width
+    seq_len: Positive = 128  # training window in tokens
+    vocab_size: Positive = 256  # 256 = bytes
+    tie_embeddings: bool = False  # the output head reuses the embedding table
+    rope_theta: PositiveFloat = 10000.0  # rotary base frequency
+    norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
+    init_std: PositiveFloat = 0.02  # normal init of weights
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
+    remat: Literal["none", "full", "dots_saveable"] = "none"  # activation recomputation per block
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    shape: str = "fsdp=-1"  # --mesh overrides; e.g. "dp=2,fsdp=4"
-    dcn: str = ""  # axes spanning hosts, e.g. "dp=2"; default: dp spans hosts when multi-process
-    # Logical axis -> mesh axes. Empty list means replicated. Overrides merge into the defaults.
-    rules: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    shape: str = "fsdp=-1"  # mesh axis sizes, e.g. "dp=2,fsdp=4"; one -1 fills (--mesh)
+    dcn: str = ""  # axes spanning hosts, e.g. "dp=2"; default: dp spans hosts when multi-process (--dcn-mesh)
+    rules: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes ([] = replicated); merged into the defaults
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "text"  # text | tokens
+    source: Literal["text", "tokens"] = "text"  # text: UTF-8 files as bytes; tokens: flat token-id files
     path: str = ""  # glob; empty with source=text: the Python standard library of this interpreter
-    token_dtype: str = "uint16"  # tokens source: uint16 | uint32
-    eval_fraction: float = 0.02  # tail of the stream held out for eval
-    separator: int = 0  # byte placed between documents (text source)
-    prefetch: int = 2  # batches prepared ahead by background threads
-    poison_step: int = -1  # testing aid: the batch of this step gets out-of-vocab tokens (NaN loss)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of token-id files (source=tokens)
+    eval_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.02  # tail of the stream held out for eval
+    separator: Annotated[int, Range(0, 255)] = 0  # byte placed between documents (text source)
+    prefetch: Positive = 2  # batches prepared ahead by background threads
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    schedule: str = "cosine"  # cosine | linear | constant
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0  # 0 disables clipping
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    lr_scaling: str = "none"  # none | linear | sqrt: scale lr by global_batch / reference_batch
-    reference_batch: int = 8
-    offload: str = "none"  # none | host: optimizer state in pinned host memory
+    lr: PositiveFloat = 3e-3  # peak learning rate
+    warmup_steps: NonNegative = 50  # linear warm-up from 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warm-up
+    min_lr_ratio: Fraction = 0.1  # final lr / peak lr
+    weight_decay: NonNegativeFloat = 0.1  # AdamW decoupled decay (not on norms)
+    clip_norm: NonNegativeFloat = 1.0  # global gradient-norm clip; 0 disables clipping
+    b1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # AdamW first-moment decay
+    b2: Annotated[float, Range(0, 1, hi_open=True)] = 0.95  # AdamW second-moment decay
+    eps: PositiveFloat = 1e-8  # AdamW epsilon
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by global_batch / reference_batch
+    reference_batch: Positive = 8  # the batch the lr was tuned for (lr_scaling)
+    offload: Literal["none", "host"] = "none"  # host: optimizer state in pinned host memory
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
-    global_batch: int = 8  # sequences per optimizer step
-    microbatches: int = 1  # gradient accumulation steps per optimizer step
-    seed: int = 0
-    eval_every: int = 100  # 0 disables eval
-    eval_batches: int = 4
-    log_every: int = 10
-    peak_flops: float = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
-    max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops
+    steps: Positive = 300  # optimizer steps (--steps)
+    global_batch: Positive = 8  # sequences per optimizer step
+    microbatches: Positive = 1  # gradient accumulation steps per optimizer step
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 0  # parameter init and data order
+    eval_every: NonNegative = 100  # steps between evals; 0 disables eval
+    eval_batches: Positive = 4  # held-out batches per eval
+    log_every: Positive = 10  # steps between metric lines
+    peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
+    max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops
     profile_steps: str = ""  # "10:15" writes a profiler trace for those steps
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "gpipe"  # gpipe | circular
-    microbatches: int = 0  # 0 = pp (the minimum)
-    repeats: int = 1  # circular: virtual stages per device
+    schedule: Literal["gpipe", "circular"] = "gpipe"  # pipeline schedule (with pp > 1)
+    microbatches: NonNegative = 0  # pipeline micro-batches per step; 0 = pp (the minimum)
+    repeats: Positive = 1  # circular: virtual stages per device
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    method: str = "implicit"  # implicit (XLA inserts it) | dense | topk | powersgd | int8
-    dtype: str = "float32"  # dense: float32 | bfloat16
-    ratio: float = 0.01  # topk: fraction of entries kept per tensor
-    rank: int = 4  # powersgd
-    start_step: int = 10  # powersgd: dense before this step
-    error_feedback: bool = True
-    block_size: int = 256  # int8: entries per scale
+    method: Literal["implicit", "dense", "topk", "powersgd", "int8"] = "implicit"  # implicit: XLA inserts it
+    dtype: Literal["float32", "bfloat16"] = "float32"  # dense: the all-reduce's dtype
+    ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per tensor
+    rank: Positive = 4  # powersgd: rank of the low-rank factors
+    start_step: NonNegative = 10  # powersgd: dense before this step
+    error_feedback: bool = True  # keep what was not sent and add it next step
+    block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100  # 0 disables periodic saves
-    keep: int = 3
+    every: NonNegative = 100  # steps between saves; 0 disables periodic saves
+    keep: Positive = 3  # newest checkpoints kept
     params_only: bool = False  # with --restore: load parameters alone (fine-tuning)
-    async_save: bool = True
+    async_save: bool = True  # write in the background while training goes on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,34 +188,32 @@ class Config:
         return from_dict(raw)
 
 
-CHOICES = {
-    "model.compute_dtype": ("auto", "float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots_saveable"),
-    "data.source": ("text", "tokens"),
-    "data.token_dtype": ("uint16", "uint32"),
-    "optim.schedule": ("cosine", "linear", "constant"),
-    "optim.lr_scaling": ("none", "linear", "sqrt"),
-    "optim.offload": ("none", "host"),
-    "pipeline.schedule": ("gpipe", "circular"),
-    "reduce.method": ("implicit", "dense", "topk", "powersgd", "int8"),
-    "reduce.dtype": ("float32", "bfloat16"),
-}
-
-POSITIVE = (
-    "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.head_dim",
-    "model.mlp_dim", "model.seq_len", "model.vocab_size", "train.steps", "train.global_batch",
-    "train.microbatches", "train.log_every", "optim.reference_batch", "pipeline.repeats",
-    "reduce.rank", "reduce.block_size", "checkpoint.keep", "data.prefetch",
-)
+def _base(tp: Any) -> tuple[Any, Range | None]:
+    """(underlying type, its Range) of a field type: Annotated[int, Range(1)] -> (int, Range(1))."""
+    if typing.get_origin(tp) is Annotated:
+        base, *meta = typing.get_args(tp)
+        return base, next((m for m in meta if isinstance(m, Range)), None)
+    return tp, None
 
 
 def _type_name(tp: Any) -> str:
+    tp = _base(tp)[0]
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(str, typing.get_args(tp)))
     return getattr(tp, "__name__", str(tp))
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the field type; ints are accepted for floats."""
+    tp, _ = _base(tp)
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise JaxdistError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}{hint}")
+        return value
     if origin is dict:
         if not isinstance(value, dict):
             raise JaxdistError(f"{key} must be a mapping, got {value!r}; write it as {{name: [axes]}} in YAML")
@@ -181,7 +232,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         except ValueError:
             pass
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # e.g. mesh.dcn=2 is meaningless, but a path like 123 is fine
+        return str(value)  # e.g. a path like 123 is fine
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise JaxdistError(
             f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}); "
@@ -195,10 +246,19 @@ def _section_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
 def _unknown(key: str, known: list[str]) -> JaxdistError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
     return JaxdistError(f"unknown config key '{key}': {hint}")
+
+
+def _not_a_section(name: str, values: Any, where: str = "") -> JaxdistError:
+    return JaxdistError(f"config section '{name}'{where} must be a mapping of keys to values (e.g. "
+                        f"{name}: {{key: value}}), got {values!r}")
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -207,13 +267,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
     section_types = _section_types()
     for name, values in raw.items():
         if name not in section_types:
-            raise _unknown(name, list(section_types))
+            raise _unknown(str(name), list(section_types))
         if values is None:
             values = {}
         if not isinstance(values, dict):
-            raise JaxdistError(f"config section '{name}' must be a mapping of keys to values, got {values!r}")
+            raise _not_a_section(name, values)
         cls = section_types[name]
-        hints = typing.get_type_hints(cls)
+        hints = _field_types(cls)
         kwargs = {}
         for key, value in values.items():
             if key not in hints:
@@ -231,28 +291,54 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     key, value = text.split("=", 1)
     section, name = key.split(".", 1)
     try:
-        parsed = yaml.safe_load(value) if value != "" else ""
+        parsed = yaml_load(value) if value != "" else ""
     except yaml.YAMLError:
         parsed = value
     return section, name, parsed
 
 
+def find(name_or_path: str | Path | None) -> Path:
+    """A config file: an existing path, or the name of a shipped config (`llama3-8b`), from anywhere."""
+    if name_or_path is None or name_or_path == "":
+        name_or_path = DEFAULT_CONFIG
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
+    if path.parent == Path(".") or path.parts[:1] == ("configs",):
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(shipped_configs())
+    raise JaxdistError(f"config file {name_or_path} not found; pass --config with an existing YAML path or "
+                       f"a shipped config name ({names})")
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """defaults <- YAML at `path` (default configs/tiny.yaml) <- overrides like 'train.steps=10'."""
-    path = Path(path) if path else DEFAULT_CONFIG
-    if not path.is_file():
-        raise JaxdistError(f"config file {path} not found; pass --config with an existing YAML (see configs/)")
+    """defaults <- YAML at `path` (a path or a shipped config name; default tiny) <- overrides like
+    'train.steps=10'."""
+    path = find(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise JaxdistError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise JaxdistError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax")
     if not isinstance(raw, dict):
         raise JaxdistError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
+    for name, values in raw.items():
+        if name in _section_types() and values is not None and not isinstance(values, dict):
+            raise _not_a_section(name, values, f" in {path}")
     for text in overrides:
         section, name, value = parse_override(text)
+        if section not in _section_types():
+            raise _unknown(f"{section}.{name}", [k for k, _ in iter_keys()])
         raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise _unknown(section, list(_section_types()))
+        if raw[section] is None:
+            raw[section] = {}
         raw[section][name] = value
     return from_dict(raw)
 
@@ -262,14 +348,17 @@ def dump(cfg: Config) -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Value checks that need no devices. Mesh/device checks live in mesh.py and train.py."""
-    flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
-    for key, allowed in CHOICES.items():
-        if flat[key] not in allowed:
-            raise JaxdistError(f"{key}={flat[key]!r} is not one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if flat[key] <= 0:
-            raise JaxdistError(f"{key} must be positive, got {flat[key]}")
+    """Value checks that need no devices, in one place: each field's Literal choices and Range (at
+    the field), finiteness of every float, then the checks that relate fields. Mesh/device checks
+    live in mesh.py and train.py."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for key, tp in _field_types(type(values)).items():
+            v, (base, rng) = getattr(values, key), _base(tp)
+            if base is float and not math.isfinite(v):
+                raise JaxdistError(f"{section.name}.{key}={v} must be a finite number")
+            if rng is not None and not rng.holds(v):
+                raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
     m = cfg.model
     if m.num_heads % m.num_kv_heads:
         raise JaxdistError(
@@ -283,14 +372,23 @@ def validate(cfg: Config) -> None:
             f"train.global_batch={cfg.train.global_batch} is not divisible by "
             f"train.microbatches={cfg.train.microbatches}; pick a divisor"
         )
-    if not 0 <= cfg.data.eval_fraction < 1:
-        raise JaxdistError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    if not 0 < cfg.reduce.ratio <= 1:
-        raise JaxdistError(f"reduce.ratio must be in (0, 1], got {cfg.reduce.ratio}")
-    if cfg.optim.lr <= 0 or cfg.optim.warmup_steps < 0 or not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise JaxdistError("optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1]")
+    _validate_rules(cfg.mesh.rules)
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
+
+
+def _validate_rules(rules: dict[str, list[str]]) -> None:
+    from jaxdist.mesh import AXES
+    from jaxdist.sharding import DEFAULT_RULES
+
+    for name, axes in rules.items():
+        if name not in DEFAULT_RULES:
+            close = difflib.get_close_matches(name, list(DEFAULT_RULES), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(DEFAULT_RULES)}"
+            raise JaxdistError(f"mesh.rules names unknown logical axis '{name}'; {hint}")
+        for axis in axes:
+            if axis not in AXES:
+                raise JaxdistError(f"mesh.rules.{name} names unknown mesh axis '{axis}'; use {', '.join(AXES)}")
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -303,3 +401,51 @@ def parse_step_range(text: str) -> tuple[int, int]:
         raise JaxdistError(f"train.profile_steps={text!r} needs 0 <= START < STOP")
     return start, stop
 
+
+# ---- documentation generated from the dataclasses (--help, the README's key reference) ----------------
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's trailing `# comment` in the class source: the one place a key is documented."""
+    import inspect
+
+    docs = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): .*?#\s*(.*)$", line)
+        if m:
+            docs[m.group(1)] = m.group(2).replace("noqa", "").strip()
+    return docs
+
+
+def iter_keys():
+    """(section.key, field type, default, doc) for every config key, in declaration order."""
+    for section in dataclasses.fields(Config):
+        cls = _section_types()[section.name]
+        docs, defaults = field_docs(cls), cls()
+        for key, tp in _field_types(cls).items():
+            yield f"{section.name}.{key}", (tp, getattr(defaults, key), docs.get(key, ""))
+
+
+def _describe_type(tp) -> str:
+    base, rng = _base(tp)
+    return _type_name(base) + (f" ({rng})" if rng else "")
+
+
+def keys_help() -> str:
+    """Every config key with its type, default and doc, for `--help`."""
+    lines = ["config keys (override as section.key=value):"]
+    for key, (tp, default, doc) in iter_keys():
+        lines.append(f"  {key} = {default!r}  [{_describe_type(tp)}]  {doc}".rstrip())
+    return "\n".join(lines)
+
+
+def keys_markdown() -> str:
+    """The README's key reference table."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, (tp, default, doc) in iter_keys():
+        t = _describe_type(tp).replace("|", "\\|")
+        rows.append(f"| `{key}` | {t} | `{default!r}` | {doc.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m jaxdist.config: print the README's key reference
+    print(keys_markdown())

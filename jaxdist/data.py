@@ -159,6 +159,12 @@ def eval_batches(source, global_batch: int, count: int, rows: tuple[int, int]) -
             for s in range(count)]
 
 
+def test_poison_step() -> int:
+    """Test hook, not a user setting: JAXDIST_TEST_POISON_STEP=s fills step s's batch with out-of-vocabulary
+    ids (NaN loss), to exercise the non-finite guard end to end."""
+    return int(os.environ.get("JAXDIST_TEST_POISON_STEP", "-1"))
+
+
 class Loader:
     """Training batches as global sharded arrays, prefetched by grain threads; checkpointable."""
 
@@ -168,7 +174,7 @@ class Loader:
         self.rows = local_rows(batch_sharding, *self.global_shape)
         self.train, self.held_out = load_windows(cfg)
         dataset = batches(self.train, cfg.train.global_batch, cfg.train.seed, self.rows,
-                          cfg.data.poison_step, cfg.model.vocab_size)
+                          test_poison_step(), cfg.model.vocab_size)
         options = grain.ReadOptions(num_threads=cfg.data.prefetch, prefetch_buffer_size=cfg.data.prefetch)
         self.iterator = iter(dataset.to_iter_dataset(options))
         self._eval = eval_batches(self.held_out, cfg.train.global_batch, cfg.train.eval_batches, self.rows)

@@ -62,6 +62,11 @@ def format_mesh(shape: dict[str, int]) -> str:
     return ",".join(f"{a}={shape[a]}" for a in AXES if a in shape)
 
 
+def resolved_text(shape: dict[str, int]) -> str:
+    """The mesh as a user writes it, sizes resolved: {'fsdp': 8, others 1} -> 'fsdp=8'."""
+    return ",".join(f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) > 1) or "dp=1"
+
+
 def make_mesh(shape: dict[str, int], devices=None, dcn: dict[str, int] | None = None) -> Mesh:
     """Build the mesh. With several processes, `dcn` gives how many hosts each axis spans."""
     devices = list(jax.devices() if devices is None else devices)

@@ -28,7 +28,7 @@ SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxdist.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
     p.add_argument("--hardware", default="h100-80gb", help=f"one of {', '.join(hardware.HARDWARE)}")
     p.add_argument("--mesh", default=None, help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "

@@ -21,9 +21,13 @@ from jaxdist.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxdist.train", description=__doc__,
+    from jaxdist import config
+    p = argparse.ArgumentParser(prog="python -m jaxdist.train", description=__doc__, epilog=config.keys_help(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--config", default=None, help="YAML path or shipped config name "
+                   f"({', '.join(config.shipped_configs())}; default: tiny)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (mesh sizes resolved) as YAML and exit")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=2,fsdp=4 (default: all devices on fsdp)")
     p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
@@ -55,6 +59,19 @@ def resolve_config(args: argparse.Namespace):
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     return config.load(args.config, overrides)
+
+
+def with_resolved_mesh(cfg, num_devices: int):
+    """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
+    from jaxdist import mesh as mesh_mod
+    return cfg.replace(mesh=dict(shape=mesh_mod.resolved_text(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
+
+
+def print_config(cfg) -> str:
+    import jax
+
+    from jaxdist import config
+    return config.dump(with_resolved_mesh(cfg, jax.device_count()))
 
 
 def prepare_run_dir(run_dir: str | None) -> Path:
@@ -127,6 +144,7 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
 
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
+    cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     prog = step.build_program(cfg, mesh)
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
@@ -249,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
+        if args.print_config:
+            setup_platform(args.cpu_devices)
+            print(print_config(cfg), end="")
+            return 0
         run_dir = prepare_run_dir(args.run_dir)
         setup_platform(args.cpu_devices)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)

@@ -228,9 +228,10 @@ def test_nonfinite_step_leaves_state_unchanged(small_program):
     assert int(m["skipped"]) == 0 and int(state.skipped) == 0 and np.isfinite(float(m["loss"]))
 
 
-def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path):
+def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monkeypatch):
     from jaxdist.train import run
-    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "data.poison_step=4"])
+    monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "4")
+    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2"])
     run(cfg, tmp_path / "run", log=lambda *a: None)
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if "loss" in r}
@@ -242,10 +243,10 @@ def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path):
     assert listing(tmp_path / "run") == ["2", "4", "6", "8"][-cfg.checkpoint.keep:]
 
 
-def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path):
+def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path, monkeypatch):
     from jaxdist.train import run
-    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "data.poison_step=5",
-                                     "train.max_skipped_steps=1"])
+    monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "5")
+    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "train.max_skipped_steps=1"])
     messages = []
     with pytest.raises(JaxdistError, match="1 consecutive steps had non-finite"):
         run(cfg, tmp_path / "run", log=messages.append)

@@ -1,7 +1,16 @@
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 
 from jaxdist import config
 from jaxdist.errors import JaxdistError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_load_and_overrides_apply():
@@ -20,12 +29,12 @@ def test_dump_roundtrips(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "did you mean 'train.steps'"),
-    ("trian.steps=3", "unknown config key 'trian'"),
+    ("trian.steps=3", "unknown config key 'trian.steps': did you mean 'train.steps'"),
     ("train.steps=abc", "train.steps must be int"),
     ("train.steps=2.5", "train.steps must be int"),
     ("model.tie_embeddings=3", "model.tie_embeddings must be bool"),
     ("optim.schedule=exp", "not one of cosine, linear, constant"),
-    ("train.global_batch=0", "must be positive"),
+    ("train.global_batch=0", "train.global_batch=0 is out of range: it must be >= 1"),
     ("train.microbatches=3", "not divisible by train.microbatches=3"),
     ("model.num_kv_heads=3", "not a multiple of model.num_kv_heads"),
     ("train.profile_steps=5", "START:STOP"),
@@ -55,4 +64,107 @@ def test_replace_validates():
 
 @pytest.mark.parametrize("name", ["tiny", "125m", "1b", "llama2-7b", "llama3-8b", "llama2-70b"])
 def test_shipped_configs_load(name):
-    assert config.load(config.DEFAULT_CONFIG.parent / f"{name}.yaml").model.num_layers > 0
+    assert name in config.shipped_configs()
+    assert config.load(name) == config.load(config.CONFIGS_DIR / f"{name}.yaml")
+    assert config.load(f"configs/{name}.yaml").model.num_layers > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+    ("optim.lr=.nan", "optim.lr=nan must be a finite number"),
+    ("optim.lr=0", "optim.lr=0.0 is out of range: it must be > 0"),
+    ("train.eval_every=-1", "train.eval_every=-1 is out of range: it must be >= 0"),
+    ("checkpoint.every=-5", "checkpoint.every=-5 is out of range: it must be >= 0"),
+    ("optim.b2=1", "optim.b2=1.0 is out of range: it must be >= 0 and < 1"),
+    ("optim.clip_norm=-1", "optim.clip_norm=-1.0 is out of range: it must be >= 0"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps=0 is out of range: it must be >= 1"),
+    ("data.separator=256", "data.separator=256 is out of range: it must be >= 0 and <= 255"),
+    ("train.seed=-1", "train.seed=-1 is out of range: it must be >= 0"),
+    ("reduce.ratio=0", "reduce.ratio=0.0 is out of range: it must be > 0 and <= 1"),
+    ("model.remat=ful", "model.remat='ful' is not one of none, full, dots_saveable; did you mean 'full'"),
+    ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
+    ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
+    ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
+])
+def test_ranges_and_names_are_checked_in_one_place(override, message):
+    with pytest.raises(JaxdistError, match="^" + re.escape(message)) as err:
+        config.load(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_reads_values_as_written(tmp_path):
+    """YAML 1.1 reads `10:15` as the base-60 integer 615 and `1e-3` as a string; we read what is written."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  profile_steps: 10:15\noptim:\n  lr: 1e-3\n")
+    cfg = config.load(path)
+    assert cfg.train.profile_steps == "10:15" and cfg.optim.lr == 1e-3
+    assert config.load(None, ["train.profile_steps=10:15"]).train.profile_steps == "10:15"
+    assert config.parse_step_range(cfg.train.profile_steps) == (10, 15)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train: 5\n", "config section 'train' in .* must be a mapping of keys to values"),
+    ("- a\n- b\n", "must be a mapping of sections"),
+    ("model:\n  d_model: 64\n  num_heads: [4]\n", "model.num_heads must be int"),
+])
+def test_malformed_sections(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(JaxdistError, match=message):
+        config.load(path)
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes("train:\n  steps: 5 # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(JaxdistError, match="is not UTF-8 text .*save it as UTF-8"):
+        config.load(path)
+
+
+def test_help_lists_every_key_with_its_doc():
+    text = config.keys_help()
+    for key, (_, _, doc) in config.iter_keys():
+        assert f"  {key} = " in text
+        assert doc, f"{key} has no doc comment in jaxdist/config.py"
+    assert "model.remat = 'none'  [none | full | dots_saveable]" in text
+
+
+def test_readme_key_reference_is_generated_from_the_dataclasses():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config-keys:start -->\n", "\n<!-- config-keys:end -->"
+    assert start in readme and end in readme, "README.md lacks the generated key reference markers"
+    table = readme.split(start, 1)[1].split(end, 1)[0]
+    assert table == config.keys_markdown(), "README key reference is stale: run python -m jaxdist.config"
+
+
+def test_every_package_is_listed_in_pyproject():
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "jaxdist").rglob("__init__.py")}
+    assert found <= listed and "jaxdist.configs" in listed
+
+
+def test_print_config_from_another_directory(tmp_path):
+    """A shipped config by name from any directory; --print-config resolves the mesh and exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--config", "llama3-8b", "--print-config",
+                          "--cpu-devices", "8", "train.steps=3"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cfg = config.from_dict(yaml.safe_load(out.stdout))
+    assert cfg.mesh.shape == "fsdp=8" and cfg.model.vocab_size == 128256 and cfg.train.steps == 3
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.slow
+def test_shipped_configs_from_a_non_editable_install(tmp_path):
+    """`pip install .` (not -e) ships configs/ as package data: found by name outside the checkout."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=300)
+    code = "from jaxdist import config; print(config.CONFIGS_DIR); print(config.load('llama3-8b').model.d_model)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    where, d_model = out.stdout.split()
+    assert where.startswith(str(target)) and d_model == "4096"
