@@ -54,6 +54,8 @@ class DataConfig:
     separator: int = 0  # byte placed between documents (text source)
     prefetch: int = 2  # batches prepared ahead by background threads
     poison_step: int = -1  # testing aid: the batch of this step gets out-of-vocab tokens (NaN loss)
+    tokenizer: str = ""  # tokenizer.json or HF model folder (text source); empty: byte tokens
+    document_mask: bool = False  # attention stays inside each EOS-ended document; positions restart
 
 
 @dataclasses.dataclass(frozen=True)
