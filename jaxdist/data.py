@@ -40,9 +40,11 @@ def expand_path(pattern: str, what: str = "data.path") -> list[str]:
     """A folder (every file under it, sorted, hidden ones skipped) or a glob -> sorted file list."""
     path = os.path.expanduser(pattern)
     if os.path.isdir(path):
-        files = sorted(os.path.join(root, f) for root, dirs, names in os.walk(path) for f in names
-                       if not f.startswith(".") and not any(d.startswith(".") for d in
-                                                            os.path.relpath(root, path).split(os.sep)))
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .cache, ...
+            files += [os.path.join(root, f) for f in names if not f.startswith(".")]
+        files.sort()
     else:
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:

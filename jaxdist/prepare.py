@@ -299,8 +299,9 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
                "val": ShardWriter(tmp / "val", dtype, args.shard_tokens)}
     t0 = time.perf_counter()
     tasks = chunks(documents(files, args.format, args.field), args.val_fraction)
+    # A terminal shows the bar (cleared at the end, so an error stays one line); logs do not.
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", dynamic_ncols=True,
-              mininterval=1.0) as bar:
+              mininterval=1.0, leave=False, disable=None) as bar:
         for train, val, n_train, n_val, nbytes in encoded(tasks, tok, tmp, args.workers):
             writers["train"].write(train, n_train)
             writers["val"].write(val, n_val)
