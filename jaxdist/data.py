@@ -16,10 +16,8 @@ Sources:
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
-import sysconfig
 from pathlib import Path
 
 import grain
@@ -28,32 +26,7 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-
-
-def stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                  if "site-packages" not in f and "dist-packages" not in f)
-
-
-def expand_path(pattern: str, what: str = "data.path") -> list[str]:
-    """A folder (every file under it, sorted, hidden ones skipped) or a glob -> sorted file list."""
-    path = os.path.expanduser(pattern)
-    if os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .cache, ...
-            files += [os.path.join(root, f) for f in names if not f.startswith(".")]
-        files.sort()
-    else:
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-    if not files:
-        raise JaxdistError(f"{what}={pattern!r} matches no files; give a folder or a glob of existing files"
-                           + (" (or leave data.path empty for the built-in corpus)" if what == "data.path" else ""))
-    return files
-
-
-_files = expand_path
+from jaxdist.files import expand_path, stdlib_files
 
 
 def prepared(path: str) -> dict | None:
@@ -173,7 +146,7 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
     if d.tokenizer:
         from jaxdist import tokenizer
         tokenizer.check_vocab(tokenizer.load(d.tokenizer), cfg.model.vocab_size, f"data.tokenizer={d.tokenizer}")
-    arrays = read_tokens(_files(d.path), d.token_dtype)
+    arrays = read_tokens(expand_path(d.path), d.token_dtype)
     sample_max = max((int(a[: 1 << 20].max()) for a in arrays), default=0)
     if sample_max >= cfg.model.vocab_size:
         raise JaxdistError(f"token id {sample_max} in data.path is >= model.vocab_size="
@@ -190,7 +163,7 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
         if cfg.model.vocab_size < 256 and not d.tokenizer:
             raise JaxdistError(f"data.source=text uses byte tokens (256) but model.vocab_size="
                                f"{cfg.model.vocab_size}; set model.vocab_size=256 or more (or data.tokenizer)")
-        files = _files(d.path) if d.path else stdlib_files()
+        files = expand_path(d.path) if d.path else stdlib_files()
         if d.tokenizer:
             arrays = [read_documents(files, d.tokenizer, cfg.model.vocab_size)]
         else:

@@ -70,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------- inputs
 
 def input_files(patterns: list[str]) -> list[str]:
-    from jaxdist.data import expand_path, stdlib_files
+    from jaxdist.files import expand_path, stdlib_files
     if not patterns:
         return stdlib_files()
     files: list[str] = []
@@ -185,8 +185,11 @@ def encoded(tasks: Iterator, tok, tokenizer_dir: Path, workers: int) -> Iterator
         for task in tasks:
             yield _encode(task, tok)
         return
-    # fork: workers inherit nothing but this module; no JAX backend has started in this command.
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_dir),)) as pool:
+    # Workers fork from a fresh server process that has imported only this module: safe even when the
+    # caller is multithreaded (JAX, a trained tokenizer's thread pool) and fast to start.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["jaxdist.prepare"])
+    with context.Pool(workers, _init_worker, (str(tokenizer_dir),)) as pool:
         pending = collections.deque()
         for task in tasks:
             pending.append(pool.apply_async(_encode, (task,)))
