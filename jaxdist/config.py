@@ -48,7 +48,7 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "text"  # text | tokens
-    path: str = ""  # glob; empty with source=text: the Python standard library of this interpreter
+    path: str = ""  # glob or folder (a prepare output: train/ + val/); empty with source=text: the stdlib
     token_dtype: str = "uint16"  # tokens source: uint16 | uint32
     eval_fraction: float = 0.02  # tail of the stream held out for eval
     separator: int = 0  # byte placed between documents (text source)

@@ -122,10 +122,14 @@ def _field(record, field: str, where: str) -> str:
 
 def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise JaxdistError("reading Parquet needs pyarrow: pip install 'jaxdist[parquet]'") from None
-    pf = pq.ParquetFile(f)
+    try:
+        pf = pq.ParquetFile(f)
+    except pa.ArrowException as e:
+        raise JaxdistError(f"{f} is not a readable Parquet file ({str(e).splitlines()[0][:120]})") from None
     if field not in pf.schema_arrow.names:
         raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                            "pass --field")

@@ -1,5 +1,6 @@
 """Tokenizers, `python -m jaxdist.data prepare`, prepared folders and directory paths, document masking."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def documents_of(row: np.ndarray, eos: int = 1) -> list[tuple[int, int]]:
     """(start, stop) of each document among the 24 input positions of a packed row."""
     ends = [i + 1 for i in range(24) if row[i] == eos]
     bounds = [0, *ends] + ([24] if not ends or ends[-1] != 24 else [])
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 @pytest.fixture(scope="module")
