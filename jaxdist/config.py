@@ -101,12 +101,14 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["text", "tokens"] = "text"  # text: UTF-8 files as bytes; tokens: flat token-id files
-    path: str = ""  # glob; empty with source=text: the Python standard library of this interpreter
+    source: Literal["text", "tokens"] = "text"  # text: UTF-8 files as bytes (or data.tokenizer); tokens: flat token-id files
+    path: str = ""  # glob or folder (a prepare output: train/ + val/); empty with source=text: the stdlib
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of token-id files (source=tokens)
     eval_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.02  # tail of the stream held out for eval
     separator: Annotated[int, Range(0, 255)] = 0  # byte placed between documents (text source)
     prefetch: Positive = 2  # batches prepared ahead by background threads
+    tokenizer: str = ""  # tokenizer.json or HF model folder (text source); empty: byte tokens
+    document_mask: bool = False  # attention stays inside each EOS-ended document; positions restart
 
 
 @dataclasses.dataclass(frozen=True)

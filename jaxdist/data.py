@@ -6,16 +6,18 @@ process reads only the rows its devices hold and the global array is assembled w
 `jax.make_array_from_process_local_data`. Iteration state (grain's `get_state`) is checkpointable.
 
 Sources:
-- `text`: UTF-8 files from a glob, byte-level tokens, documents joined by a separator byte. With no path,
-  the running interpreter's standard library source (present on every machine with Python).
-- `tokens`: flat binary token files (uint16/uint32), memory-mapped (nanoGPT / Megatron style).
+- `text`: UTF-8 files from a glob or folder, one document per file: byte-level tokens joined by a
+  separator byte, or with `data.tokenizer` real tokens with the tokenizer's BOS/EOS rule
+  (jaxdist/tokenizer.py). With no path, the running interpreter's standard library source.
+- `tokens`: flat binary token files (uint16/uint32), memory-mapped (nanoGPT / Megatron style), from a
+  glob or folder; a folder made by `python -m jaxdist.data prepare` (jaxdist/prepare.py) trains on its
+  train/ shards and evaluates on its val/ shards, with the dtype its manifest records.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
+import sys
 from pathlib import Path
 
 import grain
@@ -24,20 +26,43 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.files import expand_path, stdlib_files
 
 
-def stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                  if "site-packages" not in f and "dist-packages" not in f)
+def prepared(path: str) -> dict | None:
+    """The manifest when `path` is a folder made by `python -m jaxdist.data prepare`."""
+    from jaxdist.prepare import read_manifest
+    return read_manifest(Path(path).expanduser()) if path and os.path.isdir(os.path.expanduser(path)) else None
 
 
-def _files(pattern: str) -> list[str]:
-    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
-    if not files:
-        raise JaxdistError(f"data.path={pattern!r} matches no files; give a glob of existing files "
-                           "(or leave data.path empty for the built-in corpus)")
-    return files
+def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np.ndarray:
+    """Tokens of all files, one document each, `[BOS] tokens EOS` by the tokenizer's rule."""
+    from jaxdist import tokenizer
+    tok = tokenizer.load(tokenizer_path)
+    tokenizer.check_vocab(tok, vocab_size, f"data.tokenizer={tokenizer_path}")
+    texts = []
+    for f in files:
+        try:
+            texts.append(Path(f).read_bytes().decode("utf-8", errors="replace"))
+        except OSError as e:
+            raise JaxdistError(f"cannot read data file {f} ({e.strerror}); fix its permissions or data.path")
+    ids = tok.encode_documents(texts)
+    return np.concatenate(ids).astype(tok.dtype) if ids else np.zeros(0, tok.dtype)
+
+
+def document_eos(cfg: Config) -> int:
+    """The id that ends a document in this config's token stream (for `data.document_mask`)."""
+    from jaxdist import tokenizer
+    d = cfg.data
+    if d.source == "text" and not d.tokenizer:
+        return d.separator
+    manifest = prepared(d.path) if d.source == "tokens" else None
+    if manifest is not None:
+        return int(manifest["eos_id"])
+    if d.tokenizer:
+        return tokenizer.load(d.tokenizer).eos_id
+    raise JaxdistError("data.document_mask=true needs the end-of-document id of these token files: set "
+                       "data.tokenizer, or make them with python -m jaxdist.data prepare")
 
 
 def read_text(files: list[str], separator: int) -> np.ndarray:
@@ -95,23 +120,60 @@ class Subset:
         return self.source[self.start + int(i)]
 
 
+def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A prepared folder's (train/, val/) shards, with the dtype and vocabulary its manifest records."""
+    from jaxdist import tokenizer
+    d, folder = cfg.data, Path(cfg.data.path).expanduser()
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise JaxdistError(f"{folder} was prepared with {manifest['vocab_size']} token ids but model.vocab_size="
+                           f"{cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more)")
+    if d.tokenizer and tokenizer.load(d.tokenizer).sha256 != manifest["tokenizer"]["sha256"]:
+        raise JaxdistError(f"data.tokenizer={d.tokenizer} is not the tokenizer {folder} was prepared with "
+                           f"(sha256 differs); use data.tokenizer={folder} or re-run prepare")
+    train, val = (read_tokens([str(folder / f) for f in manifest["splits"][name]["files"]], manifest["dtype"])
+                  for name in ("train", "val"))
+    return train, val
+
+
+def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(training arrays, held-out arrays or []) of `data.source=tokens`."""
+    d = cfg.data
+    if not d.path:
+        raise JaxdistError("data.source=tokens needs data.path, a folder or glob of binary token files")
+    manifest = prepared(d.path)
+    if manifest is not None:
+        return prepared_arrays(cfg, manifest)
+    if d.tokenizer:
+        from jaxdist import tokenizer
+        tokenizer.check_vocab(tokenizer.load(d.tokenizer), cfg.model.vocab_size, f"data.tokenizer={d.tokenizer}")
+    arrays = read_tokens(expand_path(d.path), d.token_dtype)
+    sample_max = max((int(a[: 1 << 20].max()) for a in arrays), default=0)
+    if sample_max >= cfg.model.vocab_size:
+        raise JaxdistError(f"token id {sample_max} in data.path is >= model.vocab_size="
+                           f"{cfg.model.vocab_size}; set model.vocab_size to the tokenizer's size")
+    return arrays, []
+
+
 def load_windows(cfg: Config) -> tuple[Subset, Subset]:
-    """(train, eval) window sources; eval is the tail `data.eval_fraction` of the stream."""
+    """(train, eval) window sources; eval is a prepared folder's val/ split, else the tail
+    `data.eval_fraction` of the stream."""
     d, length = cfg.data, cfg.model.seq_len + 1
+    held_out: list[np.ndarray] = []
     if d.source == "text":
-        if cfg.model.vocab_size < 256:
+        if cfg.model.vocab_size < 256 and not d.tokenizer:
             raise JaxdistError(f"data.source=text uses byte tokens (256) but model.vocab_size="
-                               f"{cfg.model.vocab_size}; set model.vocab_size=256 or more")
-        files = _files(d.path) if d.path else stdlib_files()
-        arrays = [read_text(files, d.separator)]
+                               f"{cfg.model.vocab_size}; set model.vocab_size=256 or more (or data.tokenizer)")
+        files = expand_path(d.path) if d.path else stdlib_files()
+        if d.tokenizer:
+            arrays = [read_documents(files, d.tokenizer, cfg.model.vocab_size)]
+        else:
+            arrays = [read_text(files, d.separator)]
     else:
-        if not d.path:
-            raise JaxdistError("data.source=tokens needs data.path, a glob of binary token files")
-        arrays = read_tokens(_files(d.path), d.token_dtype)
-        sample_max = max((int(a[: 1 << 20].max()) for a in arrays), default=0)
-        if sample_max >= cfg.model.vocab_size:
-            raise JaxdistError(f"token id {sample_max} in data.path is >= model.vocab_size="
-                               f"{cfg.model.vocab_size}; set model.vocab_size to the tokenizer's size")
+        arrays, held_out = token_arrays(cfg)
+    if held_out:  # a prepared val/ split (shorter than one window: fall back to the tail below)
+        train, val = Windows(arrays, length), Windows(held_out, length)
+        if len(train) >= 1 and len(val) >= 1:
+            return Subset(train, 0, len(train)), Subset(val, 0, len(val))
     windows = Windows(arrays, length)
     n = len(windows)
     n_eval = int(n * d.eval_fraction)
@@ -196,3 +258,8 @@ class Loader:
 
     def set_state(self, state: dict) -> None:
         self.iterator.set_state(state)
+
+
+if __name__ == "__main__":  # python -m jaxdist.data prepare ... (jaxdist/prepare.py)
+    from jaxdist.prepare import main
+    sys.exit(main())

@@ -23,6 +23,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
+from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
 from jaxdist.parallel import pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
@@ -95,11 +96,13 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
                                      decay_mask(param_names))
 
+    eos_id = document_eos(cfg, layout)
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout)
     else:
         def apply_fn(params, tokens_BT):
-            return nnx.merge(graphdef, params)(tokens_BT)
+            segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
+            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
 
     def init_state(seed):
@@ -153,6 +156,17 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
                    tx=tx, lr_schedule=lr_schedule, gradients=stage, init_state=_in_mesh(mesh, jit_init),
                    train_step=_in_mesh(mesh, jit_train), eval_step=_in_mesh(mesh, jit_eval),
                    abstract_state=abstract_state, apply_fn=apply_fn, model=model)
+
+
+def document_eos(cfg: Config, layout) -> int | None:
+    """The EOS id that `data.document_mask` cuts attention at, or None when it is off."""
+    if not cfg.data.document_mask:
+        return None
+    if layout:
+        raise JaxdistError("data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
+                           "use pp=1 or turn the mask off")
+    from jaxdist import data  # reads the tokenizer or the prepared folder's manifest
+    return data.document_eos(cfg)
 
 
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:

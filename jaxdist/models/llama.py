@@ -46,24 +46,51 @@ def token_matmul(x, w):
 
 
 def rotary(x_BTNH, positions_T, theta: float):
-    """Rotate pairs (first half, second half) of each head by position-dependent angles."""
+    """Rotate pairs (first half, second half) of each head by position-dependent angles. Positions are
+    (T,), shared by the batch, or (B, T) (packed documents: each restarts at 0)."""
     half = x_BTNH.shape[-1] // 2
     freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_TH = positions_T[:, None].astype(jnp.float32) * freq_H[None, :]
-    sin, cos = jnp.sin(angle_TH)[None, :, None, :], jnp.cos(angle_TH)[None, :, None, :]
+    angle_BTH = jnp.asarray(positions_T)[..., None].astype(jnp.float32) * freq_H
+    angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
+    sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
 
 
-def causal_attention(q_BTNH, k_BTKH, v_BTKH):
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None):
     """Grouped-query causal attention: cuDNN's fused flash attention on GPU in bf16/fp16 (JAX's
-    default is XLA's, which materialises the T x T scores), else XLA's."""
+    default is XLA's, which materialises the T x T scores), else XLA's. With `segment_ids_BT`, a token
+    attends only within its own segment (packed documents)."""
+    mask = document_mask(segment_ids_BT)
     if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True,
+                                                implementation="cudnn")
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
             warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
+
+
+def document_segments(tokens_BT, eos_id: int):
+    """Segment ids of packed documents (MaxText's decoder_segment_ids): a new document starts after
+    each EOS; the EOS belongs to the document it ends."""
+    is_eos = (tokens_BT == eos_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=1) - is_eos
+
+
+def document_positions(segment_ids_BT):
+    """Positions that restart at 0 where the segment id changes (RoPE sees each document alone)."""
+    idx_BT = jnp.broadcast_to(jnp.arange(segment_ids_BT.shape[1]), segment_ids_BT.shape)
+    starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
+
+
+def document_mask(segment_ids_BT):
+    """(B, 1, T, T) True where query and key are in the same segment; None without segments."""
+    if segment_ids_BT is None:
+        return None
+    return (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
 
 
 class Attention(nnx.Module):
@@ -77,14 +104,14 @@ class Attention(nnx.Module):
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
         self.theta, self.rules = cfg.rope_theta, rules
 
-    def __call__(self, x_BTD, positions_T):
+    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         dt = x_BTD.dtype
         q_BTNH = token_matmul(x_BTD, self.wq_DNH[...].astype(dt))
         k_BTKH = token_matmul(x_BTD, self.wk_DKH[...].astype(dt))
         v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
         q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
         k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
-        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         B, T, N, H = o_BTNH.shape
         return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(dt).reshape(N * H, -1))
 
@@ -114,8 +141,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rules, rngs)
         self.rules = rules
 
-    def __call__(self, x_BTD, positions_T):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T)
+    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T, segment_ids_BT)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
 
@@ -145,13 +172,18 @@ class Llama(nnx.Module):
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
 
-    def run_layers(self, x_BTD, blocks: Block | None = None):
-        """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them)."""
+    def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None):
+        """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
+        `segment_ids_BT` (packed documents), attention stays inside a segment and positions restart."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
-        positions_T = jnp.arange(x_BTD.shape[1])
+        if segment_ids_BT is None:
+            positions_T = jnp.arange(x_BTD.shape[1])
+        else:
+            segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"), self.rules)
+            positions_T = document_positions(segment_ids_BT)
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions_T), None
+            return nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -164,8 +196,8 @@ class Llama(nnx.Module):
         logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
 
-    def __call__(self, tokens_BT):
-        return self.logits(self.run_layers(self.embed(tokens_BT)))
+    def __call__(self, tokens_BT, segment_ids_BT=None):
+        return self.logits(self.run_layers(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT))
 
 
 def _freeze(rules):

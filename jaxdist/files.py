@@ -1,0 +1,32 @@
+"""Which files a data path names: a folder, a glob, or the standard library (a leaf module)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+
+from jaxdist.errors import JaxdistError
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                  if "site-packages" not in f and "dist-packages" not in f)
+
+
+def expand_path(pattern: str, what: str = "data.path") -> list[str]:
+    """A folder (every file under it, sorted, hidden ones skipped) or a glob -> sorted file list."""
+    path = os.path.expanduser(pattern)
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .cache, ...
+            files += [os.path.join(root, f) for f in names if not f.startswith(".")]
+        files.sort()
+    else:
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise JaxdistError(f"{what}={pattern!r} matches no files; give a folder or a glob of existing files"
+                           + (" (or leave data.path empty for the built-in corpus)" if what == "data.path" else ""))
+    return files
