@@ -31,6 +31,11 @@ class ModelConfig:
     vocab_size: int = 256
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1/3.2 frequency rescale; factors below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192  # llama3: original_max_position_embeddings
     norm_eps: float = 1e-5
     init_std: float = 0.02
     compute_dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
@@ -138,6 +143,7 @@ class Config:
 CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable"),
+    "model.rope_scaling": ("none", "llama3"),
     "data.source": ("text", "tokens"),
     "data.token_dtype": ("uint16", "uint32"),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -276,6 +282,10 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
             "grouped-query attention needs whole groups"
         )
+    if m.rope_scaling == "llama3" and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                           and m.rope_original_max_len > 0):
+        raise JaxdistError("model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+                           "rope_high_freq_factor and rope_original_max_len > 0")
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if cfg.train.global_batch % cfg.train.microbatches:
