@@ -154,23 +154,31 @@ def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxdist.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="Hugging Face Llama directory -> jaxdist run dir")
-    a.add_argument("hf_dir")
-    a.add_argument("out_run_dir")
-    a.add_argument("--mesh", default=None, help="mesh to load onto, e.g. fsdp=4,tp=2 (default fsdp=-1)")
-    a.add_argument("--config", default=None, help="YAML for the non-model sections (default configs/tiny.yaml)")
-    a.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
-    a.add_argument("overrides", nargs="*", help="section.key=value written into the run's config.yaml")
-    b = sub.add_parser("to-hf", help="jaxdist run dir or checkpoint -> Hugging Face Llama directory")
-    b.add_argument("path")
-    b.add_argument("hf_dir")
-    b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
-    b.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
-    return p.parse_intermixed_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="python -m jaxdist.convert", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", choices=("from-hf", "to-hf"))
+    if not argv or argv[0] not in ("from-hf", "to-hf"):
+        top.parse_args(argv[:1])  # prints usage / the choices, exits 2
+    command, rest = argv[0], argv[1:]
+    p = argparse.ArgumentParser(prog=f"python -m jaxdist.convert {command}")
+    if command == "from-hf":
+        p.description = "Hugging Face Llama directory -> jaxdist run dir (parameters only)"
+        p.add_argument("hf_dir")
+        p.add_argument("out_run_dir")
+        p.add_argument("--mesh", default=None, help="mesh to load onto, e.g. fsdp=4,tp=2 (default fsdp=-1)")
+        p.add_argument("--config", default=None, help="YAML for the non-model sections (default configs/tiny.yaml)")
+        p.add_argument("overrides", nargs="*", help="section.key=value written into the run's config.yaml")
+    else:
+        p.description = "jaxdist run dir or checkpoint -> Hugging Face Llama directory"
+        p.add_argument("path")
+        p.add_argument("hf_dir")
+        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+        p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    args = p.parse_intermixed_args(rest)
+    args.command = command
+    return args
 
 
 def model_overrides(overrides: list[str]) -> dict:
