@@ -141,6 +141,12 @@ def eos_ids(source: Path) -> set[int]:
     return ids
 
 
+def cut_at_eos(tokens: list[int], logprobs: list[float], stop: set[int]):
+    """Keep the tokens up to and including the first EOS."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:cut], logprobs[:cut]
+
+
 def generate(cfg, params, graphdef, mesh, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0):
     """-> (new tokens (B, N), logprobs (B, N), seconds compiling, seconds running) as numpy."""
@@ -207,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                                args.temperature, args.top_p, args.seed)
         stop = set() if args.ignore_eos else eos_ids(source)
         for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
-            cut = next((i + 1 for i, t in enumerate(toks) if t in stop), len(toks))
-            toks, lps = toks[:cut], lps[:cut]
+            toks, lps = cut_at_eos(toks, lps, stop)
             if args.json:
                 print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps,
                                   "text": text.decode(toks)}))
