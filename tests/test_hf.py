@@ -241,3 +241,21 @@ def test_cli_missing_or_corrupt_shard_exit_2_and_good_import(sharded, tmp_path):
     ok = cli("from-hf", str(broken), str(tmp_path / "good"), "--mesh", "fsdp=8")
     assert ok.returncode == 0, ok.stderr
     assert checkpoint.has_checkpoints(tmp_path / "good")
+
+
+def test_import_onto_a_pipeline_layout(sharded):
+    """With pp > 1 the stack is stored (stage, layers, ...): the loader fills it directly, layer by layer."""
+    from jaxdist.parallel import pipeline
+    _, _, params, _, _ = sharded
+    cfg, mesh, staged, model = imported(FIXTURE, "pp=2,fsdp=4")
+    assert model.pipeline is not None and staged["blocks"]["attn"]["wq_DNH"].shape[:2] == (2, 1)
+    a, b = flat(params), flat(pipeline.from_stages(jax.device_get(staged), model.pipeline))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_layer_ids_follow_the_circular_stage_layout():
+    from jaxdist.parallel import pipeline
+    plan = pipeline.Plan("circular", stages=2, microbatches=2, repeats=2, layers_per_group=2)
+    staged = pipeline.to_stages({"blocks": np.arange(8)}, plan)["blocks"]  # (stage, position) -> layer
+    assert hf_io._layer_ids([range(2), range(4)], 8, 2, 2) == staged.tolist()
+    assert hf_io._layer_ids([range(1, 2), range(2, 4)], 8, 2, 2) == staged[1:2, 2:4].tolist()
