@@ -1,8 +1,9 @@
 """Hugging Face safetensors <-> sharded jaxdist parameters, one tensor at a time.
 
-Import: every device's shard is read as a slice (`safe_open(...).get_slice`) straight into
-`jax.make_array_from_callback`, so a process reads only what its devices hold, and host memory stays
-near one tensor (each file is opened per tensor, so its memory map never holds more than that tensor).
+Import: every device's shard is read as a slice (`safe_open(...).get_slice`) and put on its device
+before the next is read (`make_array_from_callback`, one device at a time), so a process reads only
+what its devices hold and host memory stays near one device's slice of one tensor (each file is opened
+per read, so its memory map never holds more than that).
 Export: parameters are restored onto the mesh, then gathered and written tensor by tensor into
 safetensors shards of at most `max_shard_bytes` (one shard's tensors are on the host at once).
 """
@@ -149,8 +150,18 @@ def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: 
         node = params
         for k in t.path[:-1]:
             node = node.setdefault(k, {})
-        node[t.path[-1]] = jax.make_array_from_callback(target.shape, hf.get_path(shardings, t.path), callback)
+        node[t.path[-1]] = _from_slices(target.shape, hf.get_path(shardings, t.path), callback)
     return params
+
+
+def _from_slices(shape, sharding, callback):
+    """`jax.make_array_from_callback`, but each device's slice is transferred (and its host copy freed)
+    before the next is read: host memory holds one device's slice, not all of this process's at once."""
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        arrays.append(jax.device_put(callback(index), device))
+        arrays[-1].block_until_ready()
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _layer_ids(stack: list[range], num_layers: int, stages: int, repeats: int) -> list[list[int]]:
