@@ -259,3 +259,16 @@ def test_layer_ids_follow_the_circular_stage_layout():
     staged = pipeline.to_stages({"blocks": np.arange(8)}, plan)["blocks"]  # (stage, position) -> layer
     assert hf_io._layer_ids([range(2), range(4)], 8, 2, 2) == staged.tolist()
     assert hf_io._layer_ids([range(1, 2), range(2, 4)], 8, 2, 2) == staged[1:2, 2:4].tolist()
+
+
+def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):
+    """from-hf onto pp=2 writes a (stage, layers) checkpoint; reading it back for export or generation
+    on a pp=1 mesh gives the plain stack, bit for bit."""
+    _, mesh, params, _, _ = sharded
+    cfg = convert.hf_config(None, [], FIXTURE, "pp=2,fsdp=4")
+    convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
+    _, back, _ = convert.load_run_params(tmp_path / "run", mesh)
+    a, b = flat(params), flat(back)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(JaxdistError, match="already holds a run"):
+        convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
