@@ -87,7 +87,8 @@ def generation_rules(cfg) -> dict:
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
-    from jaxdist import convert, mesh as mesh_mod
+    from jaxdist import convert
+    from jaxdist import mesh as mesh_mod
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")

@@ -69,7 +69,7 @@ def _rope(hf: dict, where: Path) -> dict[str, Any]:
         raise JaxdistError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}; add them to config.json")
     unknown = set(params) - set(ROPE_FIELDS) - {"rope_type", "type", "rope_theta"}
     if unknown:
-        raise JaxdistError(f"{where}: rope field {sorted(unknown)[0]!r} is not supported; remove it or "
+        raise JaxdistError(f"{where}: rope field {min(unknown)!r} is not supported; remove it or "
                            "convert another model")
     return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
             "rope_low_freq_factor": float(params["low_freq_factor"]),

@@ -51,7 +51,7 @@ class Weights:
             self.map = dict(weight_map)
         elif single.is_file():
             with self.open(single.name) as f:
-                self.map = {k: single.name for k in f.keys()}
+                self.map = dict.fromkeys(f.keys(), single.name)
         else:
             raise JaxdistError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; "
                                "pass a Hugging Face model directory with safetensors weights")

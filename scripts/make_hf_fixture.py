@@ -34,14 +34,16 @@ SEQUENCES_SEED = 1234
 PROMPTS = [[5, 17, 42, 8, 99], [3, 1, 4, 1, 5, 9, 2, 6, 53]]
 NEW_TOKENS = 12
 
-MAIN = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=128,
-            rope_theta=50000.0, tie_word_embeddings=False, initializer_range=0.15, bos_token_id=1,
-            eos_token_id=2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-TIED = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
-            tie_word_embeddings=True, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+MAIN = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128, "rope_theta": 50000.0, "tie_word_embeddings": False,
+        "initializer_range": 0.15, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}}
+TIED = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64, "tie_word_embeddings": True, "initializer_range": 0.15,
+        "bos_token_id": 1, "eos_token_id": 2}
 
 
 def build(fields: dict, seed: int) -> LlamaForCausalLM:
