@@ -71,3 +71,25 @@ def test_sampling_nucleus_seed_and_pre_temperature_logprobs():
     assert set(np.asarray(full).tolist()) > {0, 1}  # without top-p the tail is drawn too
     greedy, glogp = generate.sample(logits[:1], jax.random.key(0), 0.0, 1.0)
     assert int(greedy[0]) == 0 and abs(float(glogp[0]) - float(jax.nn.log_softmax(logits[0])[0])) < 1e-6
+
+
+def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxdist import config, hf_io
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world", "hello there"] * 10, trainers.BpeTrainer(vocab_size=40,
+                                                                                     special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    byte_cfg = config.load(None, [])
+    text = generate.Text(byte_cfg, tmp_path / "nowhere")
+    assert text.encode("hé") == list("hé".encode()) and text.decode(text.encode("hé")) == "hé"
+    small = config.load(None, ["model.vocab_size=64"])
+    with_tok = generate.Text(small, tmp_path)  # an imported model's tokenizer.json (hf_source/)
+    ids = with_tok.encode("hello world")
+    assert ids == tok.encode("hello world").ids and with_tok.decode(ids) == tok.decode(ids)
+    # The export copies the run's tokenizer (data.tokenizer) next to the weights.
+    (tmp_path / "out").mkdir()
+    hf_io.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
