@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from jaxdist import checkpoint, config, convert, data, hf, hf_io, train
+from jaxdist import config, convert, data, hf, hf_io, train
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import token_loss_sums
 from jaxdist.mesh import mesh_from_string
@@ -219,7 +219,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_cli_missing_or_corrupt_shard_exit_2_and_good_import(sharded, tmp_path):
+def test_cli_missing_or_corrupt_shard_exit_2(sharded, tmp_path):
     cfg, _, params, _, _ = sharded
     broken = tmp_path / "sharded"
     hf_io.export(params, cfg.model, broken, "float32", max_shard_bytes=100_000, log=lambda *a: None)
@@ -239,9 +239,6 @@ def test_cli_missing_or_corrupt_shard_exit_2_and_good_import(sharded, tmp_path):
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
         assert not (tmp_path / f"out-{hf_dir.name}").exists()  # nothing written
-    ok = cli("from-hf", str(broken), str(tmp_path / "good"), "--mesh", "fsdp=8")
-    assert ok.returncode == 0, ok.stderr
-    assert checkpoint.has_checkpoints(tmp_path / "good")
 
 
 def test_import_onto_a_pipeline_layout(sharded):
