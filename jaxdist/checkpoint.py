@@ -217,6 +217,9 @@ def _restore_step(manager, directory: Path, step: int, prog: Program, loader, cf
     where = directory / str(step)
     metadata = manager.item_metadata(step)
     check_model(metadata["params"], prog.abstract_state.params, where)
+    if not params_only and metadata.get("train") is None:
+        raise JaxdistError(f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
+                           f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if not params_only:
         check_resume(meta, cfg, where)

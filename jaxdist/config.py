@@ -86,6 +86,11 @@ class ModelConfig:
     vocab_size: Positive = 256  # 256 = bytes
     tie_embeddings: bool = False  # the output head reuses the embedding table
     rope_theta: PositiveFloat = 10000.0  # rotary base frequency
+    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below)
+    rope_factor: PositiveFloat = 8.0  # llama3: slow-down of long wavelengths
+    rope_low_freq_factor: PositiveFloat = 1.0  # llama3: low_freq_factor
+    rope_high_freq_factor: PositiveFloat = 4.0  # llama3: high_freq_factor
+    rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
@@ -367,6 +372,10 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
             "grouped-query attention needs whole groups"
         )
+    if m.rope_scaling == "llama3" and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                           and m.rope_original_max_len > 0):
+        raise JaxdistError("model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+                           "rope_high_freq_factor and rope_original_max_len > 0")
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if cfg.train.global_batch % cfg.train.microbatches:

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="output folder (default: a new folder under runs/)")
     p.add_argument("--restore", default=None, metavar="PATH",
                    help="start from another run's checkpoint (its run dir or checkpoints/STEP); with "
-                        "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them")
+                        "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them. "
+                        "hf:HF_DIR fine-tunes a Hugging Face Llama (model shape from its config.json)")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="simulated devices when running on CPU (default 8)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
@@ -157,7 +158,11 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     if not resuming:
         checkpoint.check_run_dir_model(run_dir, cfg)
     restored = None
-    if resuming or restore:
+    from_hf = bool(restore and restore.startswith("hf:")) and not resuming
+    if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
+        from jaxdist import convert
+        restored = convert.restore_for_training(restore[3:], prog, cfg)
+    elif resuming or restore:
         if resuming and restore and is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(run_dir if resuming else Path(restore), prog, loader, cfg,
@@ -178,7 +183,10 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     if restored is not None:
         if resuming:
             checkpoint.set_aside_newer(run_dir, restored.step, log)
-        log(f"restored {'parameters' if cfg.checkpoint.params_only and not resuming else 'step ' + str(start)} "
+        if from_hf and is_main:
+            from jaxdist import hf_io
+            hf_io.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
+        log(f"restored {'parameters' if (cfg.checkpoint.params_only or from_hf) and not resuming else 'step ' + str(start)} "
             f"from {restored.path} in {restored.seconds:.1f}s")
     saver = checkpoint.Saver(run_dir, cfg, log=log if is_main else lambda *a: None)
 
@@ -267,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
+        if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
+            from jaxdist import convert, hf
+            cfg = hf.apply(cfg, Path(args.restore[3:]), convert.model_overrides(args.overrides))
         if args.print_config:
             setup_platform(args.cpu_devices)
             print(print_config(cfg), end="")

@@ -45,11 +45,34 @@ def token_matmul(x, w):
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-def rotary(x_BTNH, positions_T, theta: float):
-    """Rotate pairs (first half, second half) of each head by position-dependent angles. Positions are
-    (T,), shared by the batch, or (B, T) (packed documents: each restarts at 0)."""
-    half = x_BTNH.shape[-1] // 2
+def rope_frequencies(half: int, theta: float, scaling: tuple = ()):
+    """Per-pair rotation frequencies; `scaling` = (factor, low_freq_factor, high_freq_factor,
+    original_max_len) applies Llama 3.1's rescale: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend between (as transformers' `_compute_llama3_parameters`)."""
     freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if not scaling:
+        return freq_H
+    factor, low, high, original = scaling
+    wavelen_H = 2 * jnp.pi / freq_H
+    slowed_H = jnp.where(wavelen_H > original / low, freq_H / factor, freq_H)
+    smooth_H = (original / wavelen_H - low) / (high - low)
+    blended_H = (1 - smooth_H) * slowed_H / factor + smooth_H * slowed_H
+    medium_H = (wavelen_H >= original / high) & (wavelen_H <= original / low)
+    return jnp.where(medium_H, blended_H, slowed_H)
+
+
+def rope_scaling(cfg: ModelConfig) -> tuple:
+    """The static llama3 rescale parameters of `cfg` (() for none): hashable, so NNX keeps it static."""
+    if cfg.rope_scaling == "none":
+        return ()
+    return (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, float(cfg.rope_original_max_len))
+
+
+def rotary(x_BTNH, positions_T, theta: float, scaling: tuple = ()):
+    """Rotate pairs (first half, second half) of each head by position-dependent angles. Positions are
+    (T,), shared by the batch, or (B, T) per row (packed documents restarting at 0; left-padded decoding)."""
+    half = x_BTNH.shape[-1] // 2
+    freq_H = rope_frequencies(half, theta, scaling)
     angle_BTH = jnp.asarray(positions_T)[..., None].astype(jnp.float32) * freq_H
     angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
     sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
@@ -103,17 +126,35 @@ class Attention(nnx.Module):
         self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
         self.theta, self.rules = cfg.rope_theta, rules
+        self.scaling = rope_scaling(cfg)
 
-    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
+    def qkv(self, x_BTD, positions_T):
         dt = x_BTD.dtype
         q_BTNH = token_matmul(x_BTD, self.wq_DNH[...].astype(dt))
         k_BTKH = token_matmul(x_BTD, self.wk_DKH[...].astype(dt))
         v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
-        q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
-        k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
-        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+        q_BTNH = rotary(q_BTNH, positions_T, self.theta, self.scaling)
+        k_BTKH = rotary(k_BTKH, positions_T, self.theta, self.scaling)
+        q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None), self.rules)
+        k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", None), self.rules)
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def out(self, o_BTNH):
         B, T, N, H = o_BTNH.shape
-        return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(dt).reshape(N * H, -1))
+        return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(o_BTNH.dtype).reshape(N * H, -1))
+
+    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
+        return self.out(causal_attention(*self.qkv(x_BTD, positions_T), segment_ids_BT))
+
+    def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
+        """Decoding: write this chunk's keys/values at cache slot `index`, attend to the cache under
+        `mask_BTS` (causal and not padding). Returns (output, new k cache, new v cache)."""
+        q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_BT)
+        k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
+        v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
+        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                                              mask=mask_BTS[:, None])
+        return self.out(o_BTNH), k_BSKH, v_BSKH
 
 
 class MLP(nnx.Module):
@@ -145,6 +186,13 @@ class Block(nnx.Module):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T, segment_ids_BT)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
+
+    def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
+        a_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH, index,
+                                                 mask_BTS)
+        x_BTD = x_BTD + a_BTD
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return constrain(x_BTD, ("batch", "seq", None), self.rules), k_BSKH, v_BSKH
 
 
 class Llama(nnx.Module):
@@ -198,6 +246,19 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BT, segment_ids_BT=None):
         return self.logits(self.run_layers(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT))
+
+    def decode(self, tokens_BT, positions_BT, cache_k_LBSKH, cache_v_LBSKH, index, mask_BTS):
+        """KV-cache forward of a chunk of tokens (the prompt, then one token at a time) written at cache
+        slot `index`: -> (logits_BTV, new caches). The caches are stacked by layer like the weights."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x, layer):
+            state, k, v = layer
+            x, k, v = nnx.merge(graphdef, state).cached(x, positions_BT, k, v, index, mask_BTS)
+            return x, (k, v)
+
+        x_BTD, (cache_k, cache_v) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, cache_k_LBSKH, cache_v_LBSKH))
+        return self.logits(x_BTD), cache_k, cache_v
 
 
 def _freeze(rules):

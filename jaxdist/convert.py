@@ -1,0 +1,220 @@
+"""`python -m jaxdist.convert`: Hugging Face Llama checkpoints in and out.
+
+    python -m jaxdist.convert from-hf HF_DIR OUT_RUN_DIR [--mesh fsdp=8] [section.key=value ...]
+    python -m jaxdist.convert to-hf RUN_DIR_OR_CHECKPOINT HF_DIR [--dtype bfloat16|float32]
+
+from-hf writes a run dir (config.yaml + checkpoints/0 with parameters only) that
+`python -m jaxdist.train --config OUT_RUN_DIR/config.yaml --restore OUT_RUN_DIR checkpoint.params_only=true`
+fine-tunes; `--restore hf:HF_DIR` on the train command does the same without the intermediate folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+
+def import_params(hf_dir: Path, cfg, mesh, rules=None):
+    """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
+    from jaxdist import hf_io, sharding
+    from jaxdist.resolve import resolve
+    rules = rules or sharding.make_rules(cfg.mesh.rules)
+    model = resolve(cfg, mesh, rules)
+    plan = model.pipeline
+    params = hf_io.load(hf_dir, cfg.model, model.abstract, sharding.named(mesh, model.specs),
+                        stages=plan.stages if plan else 1, repeats=plan.repeats if plan else 1)
+    return params, model
+
+
+def restore_for_training(hf_dir: str, prog, cfg):
+    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.checkpoint import Restored
+    from jaxdist.step import TrainState
+    start = time.perf_counter()
+    params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
+
+    def state(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=prog.tx.init(p),
+                          reducer_state=prog.gradients.init(p), skipped=jnp.zeros((), jnp.int32))
+    with jax.set_mesh(prog.mesh):
+        st = jax.jit(state, out_shardings=prog.state_shardings)(params)
+    return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)
+
+
+def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxdist import checkpoint, hf_io
+    from jaxdist import config as config_mod
+    from jaxdist import mesh as mesh_mod
+    if checkpoint.has_checkpoints(out) or (out / "config.yaml").exists():
+        raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
+    mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
+    start = time.perf_counter()
+    params, _ = import_params(hf_dir, cfg, mesh)
+    jax.block_until_ready(params)
+    log(f"read {hf_dir} onto mesh {dict(mesh.shape)} in {time.perf_counter() - start:.1f}s")
+    out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (out / "config.yaml").write_text(config_mod.dump(cfg))
+        hf_io.keep_source(hf_dir, out)
+    manager = checkpoint.open_manager(out / checkpoint.SUBDIR, keep=1, async_save=False)
+    meta = {"step": 0, "seed": cfg.train.seed, "config": cfg.to_dict(), "source": f"hf:{Path(hf_dir).resolve()}"}
+    manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+    log(f"wrote {out / checkpoint.SUBDIR / '0'} (parameters only) and {out / 'config.yaml'}")
+    return out
+
+
+def latest_step_dir(path: Path) -> Path:
+    from jaxdist import checkpoint
+    directory, step = checkpoint.checkpoint_dir(Path(path))
+    if step is None:
+        steps = checkpoint.open_manager(directory, read_only=True).all_steps() if directory.is_dir() else []
+        if not steps:
+            raise JaxdistError(f"{path} holds no checkpoint; pass a run dir or its checkpoints/<step>")
+        step = max(steps)
+    return directory / str(step)
+
+
+def run_config(step_dir: Path):
+    """The resolved config a checkpoint was saved with (its meta item)."""
+    import orbax.checkpoint as ocp
+
+    from jaxdist import checkpoint
+    from jaxdist import config as config_mod
+    manager = checkpoint.open_manager(step_dir.parent, read_only=True)
+    meta = manager.restore(int(step_dir.name), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return config_mod.from_dict(meta["config"])
+
+
+def load_run_params(path: Path, mesh, rules=None):
+    """A jaxdist checkpoint's parameters on `mesh` as the plain (unstaged) layer stack -> (cfg, params, model).
+    A pipelined checkpoint is read in its (stage, layers) layout and restacked on the devices."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import checkpoint, sharding
+    from jaxdist.parallel import pipeline
+    from jaxdist.resolve import resolve
+    step_dir = latest_step_dir(path)
+    cfg = run_config(step_dir)
+    cfg = cfg.replace(mesh={"shape": ",".join(f"{a}={s}" for a, s in mesh.shape.items()), "dcn": ""})
+    rules = rules or sharding.make_rules(cfg.mesh.rules)
+    model = resolve(cfg, mesh, rules)
+    manager = checkpoint.open_manager(step_dir.parent, read_only=True)
+    saved = manager.item_metadata(int(step_dir.name))["params"]
+    layers = cfg.model.num_layers
+    staged = any(len(s.shape) == len(a.shape) + 1 for s, a in zip(jax.tree.leaves(saved[pipeline.STACK]),
+                                                                 jax.tree.leaves(model.abstract[pipeline.STACK])))
+    shardings = sharding.named(mesh, model.specs)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, shardings)
+    if staged:  # (stage, layers/stage, ...): read with the layer sharding, one more unsharded dim in front
+        stages = jax.tree.leaves(saved[pipeline.STACK])[0].shape[0]
+        repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+        plan = pipeline.Plan(cfg.pipeline.schedule, stages, 1, repeats, layers // (stages * repeats))
+        stack = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
+            (stages, a.shape[0] // stages, *a.shape[1:]), a.dtype,
+            sharding=NamedSharding(mesh, P(None, *s.spec))), model.abstract[pipeline.STACK],
+            shardings[pipeline.STACK])
+        target = {**target, pipeline.STACK: stack}
+    checkpoint.check_model(saved, target, step_dir)
+    params = manager.restore(int(step_dir.name), args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(target)))["params"]
+    if staged:
+        with jax.set_mesh(mesh):
+            params = jax.jit(lambda p: pipeline.from_stages(p, plan), out_shardings=shardings)(params)
+    return cfg, params, model
+
+
+def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
+    from jaxdist import hf_io
+    from jaxdist import mesh as mesh_mod
+    if (out / "config.json").exists() or list(out.glob("*.safetensors")):
+        raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
+    mesh = mesh_mod.mesh_from_string("fsdp=-1")
+    step_dir = latest_step_dir(path)
+    cfg, params, _ = load_run_params(step_dir, mesh)
+    run_dir = step_dir.parent.parent
+    source = run_dir / hf_io.SOURCE
+    return hf_io.export(params, cfg.model, out, dtype, source if source.is_dir() else None,
+                        getattr(cfg.data, "tokenizer", ""), max_shard_bytes, log)
+
+
+def parse_args(argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="python -m jaxdist.convert", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", choices=("from-hf", "to-hf"))
+    if not argv or argv[0] not in ("from-hf", "to-hf"):
+        top.parse_args(argv[:1])  # prints usage / the choices, exits 2
+    command, rest = argv[0], argv[1:]
+    p = argparse.ArgumentParser(prog=f"python -m jaxdist.convert {command}")
+    if command == "from-hf":
+        p.description = "Hugging Face Llama directory -> jaxdist run dir (parameters only)"
+        p.add_argument("hf_dir")
+        p.add_argument("out_run_dir")
+        p.add_argument("--mesh", default=None, help="mesh to load onto, e.g. fsdp=4,tp=2 (default fsdp=-1)")
+        p.add_argument("--config", default=None, help="YAML for the non-model sections (default configs/tiny.yaml)")
+        p.add_argument("overrides", nargs="*", help="section.key=value written into the run's config.yaml")
+    else:
+        p.description = "jaxdist run dir or checkpoint -> Hugging Face Llama directory"
+        p.add_argument("path")
+        p.add_argument("hf_dir")
+        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+        p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    args = p.parse_intermixed_args(rest)
+    args.command = command
+    return args
+
+
+def model_overrides(overrides: list[str]) -> dict:
+    """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
+    from jaxdist.config import parse_override
+    out = {}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section == "model":
+            out[name] = value
+    return out
+
+
+def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
+    """The run config for an HF model: a config file and overrides, the model shape from config.json."""
+    from jaxdist import config, hf
+    overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
+    return hf.apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxdist.train import setup_platform
+    try:
+        args = parse_args(argv)
+        setup_platform(args.cpu_devices)
+        if args.command == "from-hf":
+            cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
+            from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)
+        else:
+            files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9))
+            print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

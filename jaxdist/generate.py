@@ -1,0 +1,235 @@
+"""`python -m jaxdist.generate`: KV-cache decoding with sharded weights (fsdp/tp), several prompts at once.
+
+    python -m jaxdist.generate --run-dir runs/X --prompt "def main(" --max-new-tokens 64
+    python -m jaxdist.generate --hf HF_DIR --prompt-tokens "1 450 4996" --max-new-tokens 16 --json
+
+Prompts are left-padded to one length; each row's positions start at its first real token and its
+padding is masked out, so a batched prompt decodes exactly as it would alone. One jitted program
+runs the prefill (the whole prompt into the cache) and a `lax.scan` of single-token steps.
+`--json` prints one object per prompt: `tokens` (the new ids) and `logprobs` (each chosen token's
+log-probability under the model, before temperature). `--temperature 0` (the default) is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+
+def sample(logits_BV, key, temperature: float, top_p: float):
+    """-> (token_B, logprob_B): the chosen token and its log-probability before temperature."""
+    import jax
+    import jax.numpy as jnp
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    if temperature == 0:
+        token_B = jnp.argmax(logits_BV, axis=-1)
+    else:
+        scaled_BV = logits_BV / temperature
+        if top_p < 1:  # nucleus: the smallest set of most likely tokens whose probability reaches top_p
+            probs_BV = jax.nn.softmax(scaled_BV, axis=-1)
+            sorted_BV = jnp.sort(probs_BV, axis=-1)[:, ::-1]
+            before_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV  # mass of strictly likelier tokens
+            cutoff_B = jnp.min(jnp.where(before_BV < top_p, sorted_BV, 1.0), axis=-1, keepdims=True)
+            scaled_BV = jnp.where(probs_BV >= cutoff_B, scaled_BV, -jnp.inf)
+        token_B = jax.random.categorical(key, scaled_BV, axis=-1)
+    return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
+
+
+def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: float):
+    """(params, tokens_BP, pad_B, key) -> (new_BN, logprobs_BN), jitted."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.resolve import compute_dtype
+    m = cfg.model
+    dtype = compute_dtype(m)
+
+    @jax.jit
+    def run(params, tokens_BP, pad_B, key):
+        model = nnx.merge(graphdef, params)
+        B, P = tokens_BP.shape
+        S = P + new_tokens
+        slots_S = jnp.arange(S)
+        valid_BS = slots_S[None, :] >= pad_B[:, None]  # padding never attended to
+        cache = jnp.zeros((m.num_layers, B, S, m.num_kv_heads, m.head_dim), dtype)
+        positions_BP = jnp.maximum(jnp.arange(P)[None, :] - pad_B[:, None], 0)
+        mask_BPS = valid_BS[:, None, :] & (slots_S[None, None, :] <= jnp.arange(P)[None, :, None])
+        logits_BPV, ck, cv = model.decode(tokens_BP, positions_BP, cache, cache, 0, mask_BPS)
+        keys = jax.random.split(key, new_tokens)
+        token_B, logp_B = sample(logits_BPV[:, -1], keys[0], temperature, top_p)
+
+        def step(carry, i):
+            token_B, ck, cv = carry
+            slot = P + i
+            mask_B1S = (valid_BS & (slots_S[None, :] <= slot))[:, None, :]
+            logits_B1V, ck, cv = model.decode(token_B[:, None], (slot - pad_B)[:, None], ck, cv, slot, mask_B1S)
+            nxt_B, logp_B = sample(logits_B1V[:, 0], keys[i + 1], temperature, top_p)
+            return (nxt_B, ck, cv), (nxt_B, logp_B)
+
+        _, (rest_NB, rest_logp_NB) = jax.lax.scan(step, (token_B, ck, cv), jnp.arange(new_tokens - 1))
+        new_BN = jnp.concatenate([token_B[:, None], rest_NB.T], axis=1)
+        return new_BN, jnp.concatenate([logp_B[:, None], rest_logp_NB.T], axis=1)
+
+    return run
+
+
+def generation_rules(cfg) -> dict:
+    """The run's rules with the batch replicated: a few prompts need not divide the data axes."""
+    from jaxdist import sharding
+    return {**sharding.make_rules(cfg.mesh.rules), "batch": ()}
+
+
+def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
+    """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
+    from jaxdist import convert
+    from jaxdist import mesh as mesh_mod
+    mesh = mesh_mod.mesh_from_string(mesh_text)
+    if mesh.shape["pp"] > 1:
+        raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
+    if hf_dir:
+        cfg = convert.hf_config(None, [], Path(hf_dir), mesh_text)
+        params, model = convert.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
+        return cfg, params, model.graphdef, mesh, Path(hf_dir)
+    step_dir = convert.latest_step_dir(Path(run_dir))
+    rules = generation_rules(convert.run_config(step_dir))
+    cfg, params, model = convert.load_run_params(step_dir, mesh, rules)
+    return cfg, params, model.graphdef, mesh, step_dir.parent.parent / "hf_source"
+
+
+class Text:
+    """Prompt text <-> token ids: the run's tokenizer (data.tokenizer or the imported model's
+    tokenizer.json), else bytes (the byte-level model)."""
+
+    def __init__(self, cfg, source: Path):
+        path = getattr(cfg.data, "tokenizer", "") or ""
+        path = Path(path) if path else source
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        self.tokenizer = None
+        if path.is_file():
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(path))
+        self.usable = self.tokenizer is not None or cfg.model.vocab_size >= 256  # bytes need 256 ids
+        self.vocab = cfg.model.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if not self.usable:
+            raise JaxdistError(f"--prompt needs a tokenizer: the model has {self.vocab} tokens (fewer than "
+                               "bytes) and no tokenizer.json was found; pass --prompt-tokens")
+        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str | None:
+        if not self.usable:
+            return None
+        if self.tokenizer:
+            return self.tokenizer.decode(ids)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def eos_ids(source: Path) -> set[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = source / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(value if isinstance(value, list) else [] if value is None else [value])
+    return ids
+
+
+def cut_at_eos(tokens: list[int], logprobs: list[float], stop: set[int]):
+    """Keep the tokens up to and including the first EOS."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:cut], logprobs[:cut]
+
+
+def generate(cfg, params, graphdef, mesh, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0):
+    """-> (new tokens (B, N), logprobs (B, N), seconds compiling, seconds running) as numpy."""
+    import jax
+    import numpy as np
+    V = cfg.model.vocab_size
+    for p in prompts:
+        if not p or min(p) < 0 or max(p) >= V:
+            raise JaxdistError(f"prompt {p[:8]}... must be non-empty with token ids in [0, {V}); check the prompt")
+    P = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), P), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, P - len(p):] = p
+    pad = np.array([P - len(p) for p in prompts], np.int32)
+    run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
+    key = jax.random.key(seed)
+    with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        compiled = run.lower(params, tokens, pad, key).compile()
+        t1 = time.perf_counter()
+        new, logp = jax.device_get(compiled(params, tokens, pad, key))
+        t2 = time.perf_counter()
+    return np.asarray(new), np.asarray(logp), t1 - t0, t2 - t1
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxdist.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="a jaxdist run dir or checkpoints/STEP (its latest checkpoint)")
+    src.add_argument("--hf", help="a Hugging Face Llama directory")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    p.add_argument("--prompt-tokens", action="append", default=[], help='token ids "ID ID ..." (repeatable)')
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default="fsdp=-1", help="mesh for the weights, e.g. fsdp=4,tp=2")
+    p.add_argument("--ignore-eos", action="store_true", help="do not cut the output after an EOS token")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, logprobs, text")
+    p.add_argument("--cpu-devices", type=int, default=8)
+    args = p.parse_args(argv)
+    if not args.prompt and not args.prompt_tokens:
+        raise JaxdistError("give at least one --prompt TEXT or --prompt-tokens \"ID ID ...\"")
+    if args.max_new_tokens <= 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise JaxdistError("--max-new-tokens must be > 0, --temperature >= 0 and --top-p in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxdist.train import setup_platform
+    try:
+        args = parse_args(argv)
+        setup_platform(args.cpu_devices)
+        cfg, params, graphdef, mesh, source = load(args.run_dir, args.hf, args.mesh)
+        text = Text(cfg, source)
+        prompts = [text.encode(t) for t in args.prompt]
+        for ids in args.prompt_tokens:
+            try:
+                prompts.append([int(x) for x in ids.replace(",", " ").split()])
+            except ValueError:
+                raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
+        new, logp, compile_s, run_s = generate(cfg, params, graphdef, mesh, prompts, args.max_new_tokens,
+                                               args.temperature, args.top_p, args.seed)
+        stop = set() if args.ignore_eos else eos_ids(source)
+        for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
+            toks, lps = cut_at_eos(toks, lps, stop)
+            if args.json:
+                print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps,
+                                  "text": text.decode(toks)}))
+            elif text.usable:
+                print(text.decode(prompt) + text.decode(toks))
+            else:
+                print(f"{prompt} -> {toks}")
+        n = new.size
+        print(f"generated {len(prompts)} x {args.max_new_tokens} tokens in {run_s:.2f}s "
+              f"({n / run_s:,.0f} tokens/s; compiled in {compile_s:.1f}s)", file=sys.stderr)
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

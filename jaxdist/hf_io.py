@@ -1,0 +1,262 @@
+"""Hugging Face safetensors <-> sharded jaxdist parameters, one tensor at a time.
+
+Import: every device's shard is read as a slice (`safe_open(...).get_slice`) and put on its device
+before the next is read (`make_array_from_callback`, one device at a time), so a process reads only
+what its devices hold and host memory stays near one device's slice of one tensor (each file is opened
+per read, so its memory map never holds more than that).
+Export: parameters are restored onto the mesh, then gathered and written tensor by tensor into
+safetensors shards of at most `max_shard_bytes` (one shard's tensors are on the host at once).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxdist import hf
+from jaxdist.config import ModelConfig
+from jaxdist.errors import JaxdistError
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+SOURCE = "hf_source"  # run-dir folder keeping the imported model's config, generation config, tokenizer
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = SIDE_FILES[2:]
+
+
+class Weights:
+    """The safetensors files of a Hugging Face directory: which file holds which tensor."""
+
+    def __init__(self, hf_dir: Path):
+        self.dir = Path(hf_dir)
+        index, single = self.dir / "model.safetensors.index.json", self.dir / "model.safetensors"
+        if index.is_file():
+            weight_map = hf.read_json(index, "model.safetensors.index.json").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise JaxdistError(f"{index} has no weight_map; re-download the model")
+            for name in sorted(set(weight_map.values())):
+                if not (self.dir / name).is_file():
+                    raise JaxdistError(f"shard {self.dir / name} listed in {index.name} is missing; "
+                                       "download every model-*.safetensors file")
+            self.map = dict(weight_map)
+        elif single.is_file():
+            with self.open(single.name) as f:
+                self.map = dict.fromkeys(f.keys(), single.name)
+        else:
+            raise JaxdistError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; "
+                               "pass a Hugging Face model directory with safetensors weights")
+
+    def open(self, file: str):
+        try:
+            return safe_open(str(self.dir / file), framework="np")
+        except (SafetensorError, OSError) as e:
+            raise JaxdistError(f"shard {self.dir / file} is unreadable ({str(e).splitlines()[0]}); "
+                               "it is corrupt or truncated: download it again") from None
+
+    def check(self, m: ModelConfig) -> None:
+        """Every tensor present, with the shape and a dtype we read; nothing unexpected."""
+        expected = {}
+        for t in hf.tensors(m):
+            shape = hf.hf_shape(layer_shape(t, m), t.n_in)
+            for name in names(t, m):
+                expected[name] = shape
+        ignored = {"lm_head.weight"} if m.tie_embeddings else set()  # some tied exports keep the copy
+        extra = sorted(k for k in set(self.map) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise JaxdistError(f"{self.dir}: unexpected tensor {extra[0]} (not part of a Llama with this "
+                               "config.json); is config.json from the same model?")
+        by_file: dict[str, list[str]] = {}
+        for name in expected:
+            if name not in self.map:
+                raise JaxdistError(f"{self.dir}: tensor {name} is missing from the checkpoint; download "
+                                   "every shard (or fix config.json)")
+            by_file.setdefault(self.map[name], []).append(name)
+        for file, wanted in by_file.items():
+            with self.open(file) as f:
+                present = set(f.keys())
+                for name in wanted:
+                    if name not in present:
+                        raise JaxdistError(f"shard {self.dir / file} lacks tensor {name} that the index names "
+                                           "there; download the shard again")
+                    sl = f.get_slice(name)
+                    if sl.get_dtype() not in DTYPES:
+                        raise JaxdistError(f"{name} is {sl.get_dtype()}; jaxdist imports float32, float16 "
+                                           "and bfloat16 weights (dequantize first)")
+                    if tuple(sl.get_shape()) != expected[name]:
+                        raise JaxdistError(f"{name} has shape {tuple(sl.get_shape())} but config.json implies "
+                                           f"{expected[name]}; is config.json from the same model?")
+
+
+def layer_shape(t: hf.Tensor, m: ModelConfig) -> tuple[int, ...]:
+    """The jaxdist shape of one layer of `t` (no stacking dims)."""
+    D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
+    return {"embed_VD": (V, D), "scale": (D,), "wq_DNH": (D, N, H), "wk_DKH": (D, K, H), "wv_DKH": (D, K, H),
+            "wo_NHD": (N, H, D), "w_gate_DF": (D, F), "w_up_DF": (D, F), "w_down_FD": (F, D),
+            "head_DV": (D, V)}[t.path[-1]]
+
+
+def names(t: hf.Tensor, m: ModelConfig) -> list[str]:
+    return [t.hf.format(i=i) for i in range(m.num_layers)] if t.stacked else [t.hf]
+
+
+def read_block(sl, idx: tuple[slice, ...], shape: tuple[int, ...], n_in: int) -> np.ndarray:
+    """Our slice `idx` of one layer of jaxdist shape `shape`, read from HF's (out, in) tensor `sl`.
+    A split head dim reads its whole heads' rows, then selects (heads split elsewhere stay exact)."""
+    if n_in == 0:
+        return sl[idx]
+    ins, outs = shape[:n_in], shape[n_in:]
+    i_idx, o_idx = idx[:n_in], idx[n_in:]
+    r_inner, c_inner = hf._prod(outs[1:]), hf._prod(ins[1:])
+    raw = sl[o_idx[0].start * r_inner:o_idx[0].stop * r_inner, i_idx[0].start * c_inner:i_idx[0].stop * c_inner]
+    raw = raw.reshape(o_idx[0].stop - o_idx[0].start, *outs[1:], i_idx[0].stop - i_idx[0].start, *ins[1:])
+    raw = raw[(slice(None), *o_idx[1:], slice(None), *i_idx[1:])]
+    return raw.transpose(*range(len(outs), len(outs) + len(ins)), *range(len(outs)))
+
+
+def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: int = 1, repeats: int = 1) -> dict:
+    """The HF weights as jaxdist parameters (float32) laid out as `abstract` with `shardings`: global
+    arrays built from per-device slices. `stages`/`repeats`: the pipeline's (stage, layers) stacking."""
+    weights = Weights(hf_dir)
+    weights.check(m)
+    params: dict = {}
+    for t in hf.tensors(m):
+        target = hf.get_path(abstract, t.path)
+        shape, lead = layer_shape(t, m), len(target.shape) - len(layer_shape(t, m))
+        file_names = names(t, m)
+
+        def callback(index, t=t, shape=shape, lead=lead, file_names=file_names, target=target):
+            idx = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, target.shape))
+            per_layer, stack = idx[lead:], [range(s.start, s.stop) for s in idx[:lead]]
+            layers = [[0]] if lead == 0 else _layer_ids(stack, len(file_names), stages, repeats)
+            out = []
+            for group in layers:
+                for i in group:
+                    name = file_names[i]
+                    with weights.open(weights.map[name]) as f:
+                        out.append(np.asarray(read_block(f.get_slice(name), per_layer, shape, t.n_in), np.float32))
+            block = np.stack(out) if lead else out[0]
+            return block.reshape(tuple(len(r) for r in stack) + block.shape[1 if lead else 0:])
+
+        node = params
+        for k in t.path[:-1]:
+            node = node.setdefault(k, {})
+        node[t.path[-1]] = _from_slices(target.shape, hf.get_path(shardings, t.path), callback)
+    return params
+
+
+def _from_slices(shape, sharding, callback):
+    """`jax.make_array_from_callback`, but each device's slice is transferred (and its host copy freed)
+    before the next is read: host memory holds one device's slice, not all of this process's at once."""
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        arrays.append(jax.device_put(callback(index), device))
+        arrays[-1].block_until_ready()
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _layer_ids(stack: list[range], num_layers: int, stages: int, repeats: int) -> list[list[int]]:
+    """Layer indices for the stacked dims' ranges: (layers,) or, pipelined, (stage, position) where
+    position v G + j of stage s holds layer (v P + s) G + j (see parallel/pipeline.py)."""
+    if len(stack) == 1:
+        return [list(stack[0])]
+    group = num_layers // (stages * repeats)
+    return [[((p // group) * stages + s) * group + p % group for p in stack[1]] for s in stack[0]]
+
+
+# ------------------------------------------------------------------------------------------- export
+
+def _host(x) -> np.ndarray:
+    """A global array gathered onto this host (every process takes part)."""
+    if jax.process_count() > 1:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def export(params: dict, m: ModelConfig, out_dir: Path, dtype: str, source_dir: Path | None = None,
+           tokenizer: str = "", max_shard_bytes: int = 5 * 10**9, log: Callable = print) -> list[Path]:
+    """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes."""
+    np_dtype = EXPORT_DTYPES[dtype]
+    entries = []  # (hf name, tensor, layer or None, bytes)
+    for t in hf.tensors(m):
+        size = hf._prod(layer_shape(t, m)) * np.dtype(np_dtype).itemsize
+        entries += [(name, t, i if t.stacked else None, size) for i, name in enumerate(names(t, m))]
+    shards: list[list] = [[]]
+    for e in entries:
+        if shards[-1] and sum(x[3] for x in shards[-1]) + e[3] > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(e)
+    writer = jax.process_index() == 0
+    out_dir = Path(out_dir)
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    files, weight_map = [], {}
+    take = jax.jit(lambda a, i: a[i])  # one layer of a stack, still sharded; gathered after
+    for k, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, t, layer, _ in shard:
+            a = hf.get_path(params, t.path)
+            host = _host(take(a, layer) if layer is not None else a)
+            tensors[name] = np.ascontiguousarray(hf.to_hf(host, t.n_in).astype(np_dtype))
+            weight_map[name] = file
+        if writer:
+            save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+            log(f"wrote {out_dir / file} ({len(tensors)} tensors)")
+        files.append(out_dir / file)
+        del tensors
+    if not writer:
+        return files
+    if len(shards) > 1:
+        total = sum(e[3] for e in entries)
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    source = _source_config(source_dir)
+    (out_dir / "config.json").write_text(json.dumps(hf.to_hf_config(m, dtype, source), indent=2))
+    generation = source_dir / "generation_config.json" if source_dir else None
+    if generation is not None and generation.is_file():
+        shutil.copyfile(generation, out_dir / "generation_config.json")
+    else:
+        gen = {k: source.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if source.get(k) is not None}
+        (out_dir / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **gen}, indent=2))
+    copy_tokenizer(tokenizer, source_dir, out_dir)
+    return files
+
+
+def _source_config(source_dir: Path | None) -> dict:
+    path = source_dir / "config.json" if source_dir else None
+    return hf.read_json(path, "config.json") if path is not None and path.is_file() else {}
+
+
+def copy_tokenizer(tokenizer: str, source_dir: Path | None, out_dir: Path) -> None:
+    """The run's tokenizer (`data.tokenizer`: a tokenizer.json or an HF directory), else the imported one."""
+    if tokenizer:
+        path = Path(tokenizer)
+        if path.is_file():
+            shutil.copyfile(path, out_dir / "tokenizer.json")
+            return
+        if not path.is_dir():
+            raise JaxdistError(f"data.tokenizer={tokenizer} does not exist; the export needs the run's tokenizer")
+        source_dir = path
+    for name in TOKENIZER_FILES:
+        if source_dir is not None and (source_dir / name).is_file():
+            shutil.copyfile(source_dir / name, out_dir / name)
+
+
+def keep_source(hf_dir: Path, run_dir: Path) -> None:
+    """Copy the HF model's config, generation config and tokenizer into `run_dir/hf_source/`, so an
+    export gets the same token ids and tokenizer back."""
+    target = Path(run_dir) / SOURCE
+    target.mkdir(parents=True, exist_ok=True)
+    for name in SIDE_FILES:
+        if (Path(hf_dir) / name).is_file():
+            shutil.copyfile(Path(hf_dir) / name, target / name)

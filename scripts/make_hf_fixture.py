@@ -1,0 +1,153 @@
+"""Make the Hugging Face fixtures the tests compare against, with the real reference (transformers).
+
+    pip install torch==2.13.0+cpu transformers     # not needed by the test suite
+    python scripts/make_hf_fixture.py              # writes tests/fixtures/hf_llama{,_tied}/
+    python scripts/make_hf_fixture.py --check-export   # also: jaxdist's own export read by transformers
+
+Fixture: a tiny random LlamaForCausalLM (GQA, untied head, rope_theta 50000, rope_scaling llama3 whose
+three frequency bands all occur at head_dim 16, init std 0.15 so next-token logits are well
+separated), saved with `save_pretrained` (fp32), plus `reference.npz`: logits for fixed token
+sequences and the greedy continuation `generate` gives for two prompts (tokens and the log-probability
+of each under the model). A small tied-embedding variant beside it.
+
+--check-export runs `jaxdist.convert from-hf` then `to-hf` on the fixture, and on a freshly trained
+jaxdist tiny run, loads each export with `LlamaForCausalLM.from_pretrained` (missing / unexpected keys
+must be none) and prints the largest logit difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+SEQUENCES_SEED = 1234
+PROMPTS = [[5, 17, 42, 8, 99], [3, 1, 4, 1, 5, 9, 2, 6, 53]]
+NEW_TOKENS = 12
+
+MAIN = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128, "rope_theta": 50000.0, "tie_word_embeddings": False,
+        "initializer_range": 0.15, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}}
+TIED = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64, "tie_word_embeddings": True, "initializer_range": 0.15,
+        "bos_token_id": 1, "eos_token_id": 2}
+
+
+def build(fields: dict, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**fields)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms at ones are a special case: make them random too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def reference(model: LlamaForCausalLM) -> dict:
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(SEQUENCES_SEED)
+    seqs = rng.integers(0, vocab, size=(3, 16))
+    with torch.no_grad():
+        logits = model(torch.tensor(seqs)).logits.numpy()
+    out = {"sequences": seqs.astype(np.int32), "logits": logits.astype(np.float32)}
+    margins = []
+    for k, prompt in enumerate(PROMPTS):
+        prompt = [t % vocab for t in prompt]
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                                 output_logits=True)
+        new = gen.sequences[0, len(prompt):].numpy()
+        step_logits = torch.stack(gen.logits)[:, 0].float()
+        logp = torch.log_softmax(step_logits, -1)
+        out[f"prompt{k}"] = np.array(prompt, np.int32)
+        out[f"greedy{k}"] = new.astype(np.int32)
+        out[f"logprobs{k}"] = logp[torch.arange(len(new)), torch.tensor(new)].numpy().astype(np.float32)
+        top2 = torch.topk(step_logits, 2, -1).values
+        margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+    print(f"  smallest top-1/top-2 logit margin along the greedy paths: {min(margins):.4f}")
+    return out
+
+
+def make(name: str, fields: dict, seed: int) -> Path:
+    model = build(fields, seed)
+    path = FIXTURES / name
+    model.save_pretrained(path, safe_serialization=True)
+    np.savez(path / "reference.npz", **reference(model))
+    size = sum(f.stat().st_size for f in path.iterdir())
+    print(f"wrote {path} ({size / 1024:.0f} KiB)")
+    return path
+
+
+def python(*args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, *args], cwd=REPO, env=env, check=True)
+
+
+def jaxdist(*args: str) -> None:
+    python("-m", *args)
+
+
+def compare(exported: Path, reference_logits: np.ndarray, seqs: np.ndarray, what: str) -> float:
+    model, info = LlamaForCausalLM.from_pretrained(exported, output_loading_info=True, attn_implementation="eager")
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise SystemExit(f"{what}: transformers reports {bad}")
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(seqs, dtype=torch.long)).logits.float().numpy()
+    diff = float(np.abs(logits - reference_logits).max())
+    print(f"{what}: loaded by transformers with no missing/unexpected keys; max |logit diff| = {diff:.3g}")
+    return diff
+
+
+def check_export(fixture: Path) -> None:
+    ref = np.load(fixture / "reference.npz")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        jaxdist("jaxdist.convert", "from-hf", str(fixture), str(tmp / "run"), "--mesh", "fsdp=4,tp=2")
+        jaxdist("jaxdist.convert", "to-hf", str(tmp / "run"), str(tmp / "hf"))
+        compare(tmp / "hf", ref["logits"], ref["sequences"], "fixture -> jaxdist -> HF (fp32)")
+        jaxdist("jaxdist.convert", "to-hf", str(tmp / "run"), str(tmp / "hf16"), "--dtype", "bfloat16")
+        compare(tmp / "hf16", ref["logits"], ref["sequences"], "fixture -> jaxdist -> HF (bf16)")
+        # A model jaxdist trained itself: its own logits against transformers' on the export.
+        jaxdist("jaxdist.train", "--run-dir", str(tmp / "tiny"), "--steps", "20", "train.eval_every=0",
+                "checkpoint.every=20")
+        jaxdist("jaxdist.convert", "to-hf", str(tmp / "tiny"), str(tmp / "tiny_hf"))
+        seqs = np.random.default_rng(0).integers(0, 256, size=(2, 64))
+        np.save(tmp / "seqs.npy", seqs)
+        code = ("import sys, numpy as np; from pathlib import Path; from jaxdist.train import setup_platform; "
+                "setup_platform(1); from jaxdist import convert, mesh; import jax; "
+                "cfg, p, m = convert.load_run_params(Path(sys.argv[1]), mesh.mesh_from_string('fsdp=-1')); "
+                "from flax import nnx; model = nnx.merge(m.graphdef, p); "
+                "np.save(sys.argv[2], np.asarray(model(np.load(sys.argv[3]))))")
+        python("-c", code, str(tmp / "tiny"), str(tmp / "tiny_logits.npy"), str(tmp / "seqs.npy"))
+        compare(tmp / "tiny_hf", np.load(tmp / "tiny_logits.npy"), seqs, "jaxdist-trained tiny -> HF (fp32)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check-export", action="store_true", help="also load jaxdist's exports with transformers")
+    args = p.parse_args()
+    torch.set_default_dtype(torch.float32)
+    main_dir = make("hf_llama", MAIN, seed=0)
+    make("hf_llama_tied", TIED, seed=1)
+    if args.check_export:
+        check_export(main_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""KV-cache generation against transformers' `generate` (the committed fixture, no torch needed):
+greedy tokens exactly and logprobs to 1e-4, two prompts of different lengths batched (left-padded) on
+fsdp=4,tp=2; the `--json` CLI; sampling (top-p nucleus, pre-temperature logprobs, seeded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import generate
+from jaxdist.errors import JaxdistError
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "fixtures" / "hf_llama"
+
+
+@pytest.mark.slow
+def test_greedy_cli_matches_transformers_batched_and_sharded():
+    ref = np.load(FIXTURE / "reference.npz")
+    n = len(ref["greedy0"])
+    prompts = [" ".join(map(str, ref[f"prompt{k}"])) for k in (0, 1)]
+    cmd = [sys.executable, "-m", "jaxdist.generate", "--hf", str(FIXTURE), "--mesh", "fsdp=4,tp=2",
+           "--prompt-tokens", prompts[0], "--prompt-tokens", prompts[1], "--max-new-tokens", str(n),
+           "--ignore-eos", "--json"]
+    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and "tokens/s" in r.stderr
+    for k, row in enumerate(rows):
+        assert row["prompt_tokens"] == ref[f"prompt{k}"].tolist()
+        assert row["tokens"] == ref[f"greedy{k}"].tolist()  # exactly transformers' greedy continuation
+        assert np.abs(np.array(row["logprobs"]) - ref[f"logprobs{k}"]).max() <= 1e-4
+
+
+def test_output_stops_after_eos():
+    assert generate.cut_at_eos([5, 2, 7, 2], [-1.0, -2.0, -3.0, -4.0], {2}) == ([5, 2], [-1.0, -2.0])
+    assert generate.cut_at_eos([5, 7], [-1.0, -2.0], {2}) == ([5, 7], [-1.0, -2.0])
+    assert generate.cut_at_eos([2, 7], [-1.0, -2.0], set()) == ([2, 7], [-1.0, -2.0])
+    assert generate.eos_ids(FIXTURE) == {2}
+
+
+def test_sampling_nucleus_seed_and_pre_temperature_logprobs():
+    sample = jax.jit(generate.sample, static_argnums=(2, 3))
+    logits = jnp.array([[3.0, 2.5, 0.0, -1.0, -5.0]] * 4000)
+    probs = jax.nn.softmax(logits[0] / 0.8)
+    tok, logp = sample(logits, jax.random.key(0), 0.8, 0.7)
+    tok = np.asarray(tok)
+    # top_p=0.7 at T=0.8: tokens 0 and 1 hold 0.60 then 0.32 -> the nucleus is {0, 1}.
+    assert float(probs[0]) < 0.7 <= float(probs[0] + probs[1])
+    assert set(tok.tolist()) == {0, 1}
+    share = (tok == 0).mean()  # renormalised within the nucleus
+    assert abs(share - float(probs[0] / (probs[0] + probs[1]))) < 0.03
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(logits[0]))[tok], rtol=1e-6)
+    again, _ = sample(logits, jax.random.key(0), 0.8, 0.7)
+    assert np.array_equal(np.asarray(again), tok)  # same seed, same draw
+    full, _ = sample(logits, jax.random.key(0), 0.8, 1.0)
+    assert set(np.asarray(full).tolist()) > {0, 1}  # without top-p the tail is drawn too
+    greedy, glogp = sample(logits[:1], jax.random.key(0), 0.0, 1.0)
+    assert int(greedy[0]) == 0 and abs(float(glogp[0]) - float(jax.nn.log_softmax(logits[0])[0])) < 1e-6
+
+
+def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxdist import config, hf_io
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world", "hello there"] * 10, trainers.BpeTrainer(vocab_size=40,
+                                                                                     special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    byte_cfg = config.load(None, [])
+    text = generate.Text(byte_cfg, tmp_path / "nowhere")
+    assert text.encode("hé") == list("hé".encode()) and text.decode(text.encode("hé")) == "hé"
+    small = config.load(None, ["model.vocab_size=64"])
+    with pytest.raises(JaxdistError, match="needs a tokenizer") as e:  # fewer ids than bytes, no tokenizer
+        generate.Text(small, tmp_path / "nowhere").encode("hello")
+    assert "\n" not in str(e.value)
+    with_tok = generate.Text(small, tmp_path)  # an imported model's tokenizer.json (hf_source/)
+    ids = with_tok.encode("hello world")
+    assert ids == tok.encode("hello world").ids and with_tok.decode(ids) == tok.decode(ids)
+    # The export copies the run's tokenizer (data.tokenizer) next to the weights.
+    (tmp_path / "out").mkdir()
+    hf_io.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
