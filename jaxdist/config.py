@@ -84,6 +84,8 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops
     profile_steps: str = ""  # "10:15" writes a profiler trace for those steps
+    # Experiment trackers, several at once: tensorboard | wandb | mlflow (the last two are extras).
+    trackers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 raise JaxdistError(f"{key}.{k} must be a list of mesh axis names, got {v!r}")
             out[str(k)] = list(v)
         return out
+    if origin is list:
+        value = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise JaxdistError(f"{key} must be a list of names, got {value!r}; write it as [a, b]")
+        return list(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float) and isinstance(value, str):
@@ -267,6 +274,10 @@ def validate(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise JaxdistError(f"{key}={flat[key]!r} is not one of {', '.join(allowed)}")
+    from jaxdist.trackers import TRACKERS
+    for name in cfg.train.trackers:
+        if name not in TRACKERS:
+            raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
     for key in POSITIVE:
         if flat[key] <= 0:
             raise JaxdistError(f"{key} must be positive, got {flat[key]}")
