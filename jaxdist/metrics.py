@@ -43,12 +43,13 @@ def cache_dir() -> Path:
 
 
 def machine_key() -> str:
-    """What the CPU matmul rate depends on: host, CPU model, cores, XLA version."""
+    """What the CPU matmul rate depends on: host, CPU model, cores, XLA version and flags."""
     model = ""
     with contextlib.suppress(OSError):
         model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), "")
-    return f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jaxlib {jax.__version__}"
+    return (f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jax {jax.__version__}"
+            f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
 
 
 def cpu_matmul_peak(n: int = 1024, repeats: int = 5, seconds: float = 1.0) -> float:

@@ -47,9 +47,10 @@ def duration(seconds: float) -> str:
 class Progress:
     def __init__(self, cfg, writer, tokens_per_step: int, flops_per_token: float, peak_flops: float,
                  skipped_in_a_row: int = 0, start: int = 0, enabled: bool = True, mfu_approx: bool = False,
-                 memory=None):
-        """`memory() -> dict | None`: the device allocator's figures, logged with every record."""
-        self.cfg, self.writer, self.enabled = cfg, writer, enabled
+                 memory=None, log=print):
+        """`memory() -> dict | None`: the device allocator's figures, logged with every record.
+        `log`: where messages and plain lines go (above the bar when there is one)."""
+        self.cfg, self.writer, self.enabled, self.log = cfg, writer, enabled, log
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
         self.mfu_mark = "~" if mfu_approx else ""  # CPU: a measured matmul rate, not a datasheet peak
         self.memory = memory or (lambda: None)
@@ -68,7 +69,8 @@ class Progress:
     def say(self, message: str) -> None:
         """A message that does not break the progress bar (process 0 only)."""
         if self.enabled:
-            tqdm.write(message) if not self.bar.disable else print(message, flush=True)
+            tqdm.write(message) if not self.bar.disable else self.log(message)
+            sys.stdout.flush()  # a log file (SLURM, nohup) sees each line when it is written
 
     def restart_clock(self) -> None:
         """Throughput counts from here (after compilation, after an evaluation)."""

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdist import distributed, plot
+from jaxdist import distributed, plot, trackers
 from jaxdist.errors import JaxdistError
 from jaxdist.progress import Progress
 
@@ -124,7 +124,7 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     import jax
 
     from jaxdist import checkpoint, config as config_mod, data, hooks, mesh as mesh_mod, metrics, profiling, step
-    from jaxdist import report, trackers
+    from jaxdist import report
 
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
@@ -188,7 +188,7 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     progress = Progress(cfg, writer, tokens_per_step, flops_tok, peak, start=start, enabled=is_main,
                         skipped_in_a_row=int(jax.device_get(state.skipped)), mfu_approx=mfu_approx,
-                        memory=lambda: metrics.device_memory(local))
+                        memory=lambda: metrics.device_memory(local), log=log)
     saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
     batches = hooks.Batches(loader, first)
     per_step = [hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
+        trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
         run_dir = prepare_run_dir(args.run_dir)
         setup_platform(args.cpu_devices)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
