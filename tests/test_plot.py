@@ -2,25 +2,46 @@
 pytest); `python -m jaxdist.plot` overlays runs labelled by the config keys in which they differ."""
 
 import json
+import os
 import shutil
+import signal
 
 import matplotlib.image
 import pytest
 
 from jaxdist import config, plot, progress, train
 
-SMALL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
+SMALL = {"num_layers": 1, "d_model": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "mlp_dim": 64, "seq_len": 16}
+
+
+def five_step_config():
+    return config.load(None, ["train.steps=5", "optim.warmup_steps=2", "train.eval_every=4", "train.log_every=2",
+                              "checkpoint.every=0"]).replace(model=SMALL)
 
 
 @pytest.fixture(scope="module")
 def five_steps(tmp_path_factory):
     """(run dir, every line the run logged)."""
     run_dir = tmp_path_factory.mktemp("plot") / "run"
-    cfg = config.load(None, ["train.steps=5", "optim.warmup_steps=2", "train.eval_every=4", "train.log_every=2",
-                             "checkpoint.every=0"]).replace(model=SMALL)
     lines = []
-    train.run(cfg, run_dir, log=lines.append)
+    train.run(five_step_config(), run_dir, log=lines.append)
     return run_dir, lines
+
+
+def test_sigterm_still_writes_loss_png(tmp_path):
+    """SIGTERM arrives when step 2 is logged: the run stops after the next step, saves, and draws loss.png
+    (the same program as five_steps: loaded from the compilation cache)."""
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("step 2/5"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = train.run(five_step_config(), tmp_path / "run", log=log)
+    assert result.steps == 4 and any(x.startswith("stopped by SIGTERM at step 4") for x in lines), lines
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 20_000
+    assert plot.read_metrics(tmp_path / "run")[-1]["step"] == 4
 
 
 def test_run_writes_a_decodable_loss_png(five_steps):
@@ -53,9 +74,9 @@ def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
     skipped (non-finite) step leaves it unchanged; a noisy loss smooths to within its range."""
     from jaxdist import metrics
     lines = []
-    p = progress.Progress(tiny_cfg.replace(train=dict(log_every=1)), metrics.MetricWriter(None), 100, 1.0, 0.0,
+    p = progress.Progress(tiny_cfg.replace(train={"log_every": 1}), metrics.MetricWriter(None), 100, 1.0, 0.0,
                           log=lines.append)
-    step = lambda i, loss, skipped=0.0: p.record(i, {"loss": loss, "lr": 1e-3, "grad_norm": 1.0, "skipped": skipped})  # noqa: E731
+    step = lambda i, loss, skipped=0.0: p.record(i, {"loss": loss, "lr": 1e-3, "grad_norm": 1.0, "skipped": skipped})
     step(0, 2.0)
     assert p.smoothed == pytest.approx(2.0, rel=1e-12)
     step(1, 2.0)
@@ -104,4 +125,5 @@ def test_tqdm_disable_and_non_terminals_get_plain_lines(monkeypatch):
     assert progress.plain_output(Tty())
     monkeypatch.setenv("TQDM_DISABLE", "0")
     assert not progress.plain_output(Tty())
-    assert progress.plain_output(open("/dev/null", "w"))
+    with open(os.devnull, "w") as null:
+        assert progress.plain_output(null)
