@@ -28,6 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    p.add_argument("--table", action="store_true", help="after the JSON lines, print them as a table with notes")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
@@ -107,8 +108,13 @@ def main(argv=None) -> int:
         from jaxdist.train import setup_platform
         cfg = config.load(args.config, args.overrides)
         setup_platform(args.cpu_devices)
+        records = []
         for mesh_text in args.mesh or [cfg.mesh.shape]:
-            print(json.dumps(measure(cfg, mesh_text, args.warmup, args.steps)), flush=True)
+            records.append(measure(cfg, mesh_text, args.warmup, args.steps))
+            print(json.dumps(records[-1]), flush=True)
+        if args.table:
+            from jaxdist.bench_table import table
+            print("\n" + table(records))
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -144,6 +144,7 @@ class TrainConfig:
     peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
     max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops
     profile_steps: str = ""  # "10:15" writes a profiler trace for those steps
+    trackers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # several at once: tensorboard, wandb, mlflow (extras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +232,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 raise JaxdistError(f"{key}.{k} must be a list of mesh axis names, got {v!r}")
             out[str(k)] = list(v)
         return out
+    if origin is list:
+        value = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise JaxdistError(f"{key} must be a list of names, got {value!r}; write it as [a, b]")
+        return list(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float) and isinstance(value, str):
@@ -366,6 +372,10 @@ def validate(cfg: Config) -> None:
                 raise JaxdistError(f"{section.name}.{key}={v} must be a finite number")
             if rng is not None and not rng.holds(v):
                 raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
+    from jaxdist.trackers import TRACKERS
+    for name in cfg.train.trackers:
+        if name not in TRACKERS:
+            raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
     m = cfg.model
     if m.num_heads % m.num_kv_heads:
         raise JaxdistError(

@@ -1,4 +1,4 @@
-"""FLOPs, MFU, throughput; memory and collectives of a compiled step; metric writers.
+"""FLOPs, MFU, throughput; peak FLOP/s; device memory; memory and collectives of a compiled step; metric writer.
 
 Model FLOPs per token (PaLM appendix B convention): 6·N for the matmul parameters (the input embedding
 is a lookup and does not count; the output head does) plus 12·L·T·(heads·head_dim) for attention
@@ -7,7 +7,10 @@ scores and values, forward + backward, without halving for the causal mask.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -34,35 +37,110 @@ def flops_per_token(cfg: ModelConfig) -> float:
 _cpu_peak: float | None = None
 
 
-def cpu_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of an fp32 n×n matmul on the first device, best of a few runs (measured once per process)."""
+def cache_dir() -> Path:
+    """Per-user cache of measurements that belong to the machine (JAXDIST_CACHE_DIR overrides)."""
+    return Path(os.environ.get("JAXDIST_CACHE_DIR") or Path.home() / ".cache" / "jaxdist")
+
+
+def machine_key() -> str:
+    """What the CPU matmul rate depends on: host, CPU model, cores, XLA version and flags."""
+    model = ""
+    with contextlib.suppress(OSError):
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    return (f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jax {jax.__version__}"
+            f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+
+def cpu_matmul_peak(n: int = 1024, repeats: int = 5, seconds: float = 1.0) -> float:
+    """FLOP/s of an fp32 n×n matmul on the first device: the best of at least `repeats` runs, repeated for
+    up to `seconds` (on a shared host the best run is the one least disturbed). Once per process."""
     global _cpu_peak
     if _cpu_peak is None:
         device = jax.local_devices()[0]  # devices()[0] belongs to process 0 in a multi-process run
         a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
         f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()
-        best = float("inf")
-        for _ in range(repeats):
+        best, until, i = float("inf"), time.perf_counter() + seconds, 0
+        while i < repeats or (time.perf_counter() < until and i < 20 * repeats):
             t = time.perf_counter()
             f(a).block_until_ready()
-            best = min(best, time.perf_counter() - t)
+            best, i = min(best, time.perf_counter() - t), i + 1
         _cpu_peak = 2 * n**3 / best
     return _cpu_peak
 
 
-def peak_flops_total(devices, dtype: str, override_per_device: float = 0.0) -> float:
-    """Peak FLOP/s of all `devices` together. CPU 'devices' share the host's cores, so the CPU peak is
-    the measured matmul rate of the whole host, however many devices are simulated."""
+def host_load() -> float:
+    """Runnable processes per core over the last minute (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def cached_cpu_peak() -> tuple[float, str]:
+    """The CPU matmul peak measured once per machine and kept in cache_dir()/cpu_peak.json, so every run
+    on this machine divides by the same number (a fresh probe varied by ~20% between runs here). A probe
+    taken while the host was overloaded (load > 1 per core) measures the other jobs too: it is measured
+    again by a later run on a quieter host, keeping the higher figure."""
+    path, key = cache_dir() / "cpu_peak.json", machine_key()
+    table = {}
+    with contextlib.suppress(OSError, ValueError):
+        table = json.loads(path.read_text())
+    entry, load = table.get(key), host_load()
+    valid = isinstance(entry, dict) and entry.get("flops", 0) > 0
+    if valid and not (entry.get("load", 0) > 1.0 and load < entry["load"]):
+        return float(entry["flops"]), f"CPU matmul probe cached in {path}"
+    peak = cpu_matmul_peak()
+    if valid and entry["flops"] > peak:
+        peak, load = entry["flops"], entry.get("load", load)
+    table[key] = {"flops": peak, "load": round(load, 2)}
+    note = f" (host load {load:.1f} per core: measured again on a quieter host)" if load > 1.0 else ""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)  # atomic: two runs starting together do not corrupt it
+        return peak, f"CPU matmul probe, measured now and cached in {path}{note}"
+    except OSError:
+        return peak, f"CPU matmul probe, measured now (cache not writable){note}"
+
+
+def peak_flops(devices, dtype: str, override_per_device: float = 0.0) -> tuple[float, str, bool]:
+    """(peak FLOP/s of all `devices` together, where the figure comes from, whether MFU is approximate).
+    CPU 'devices' share the host's cores, so the CPU peak is the matmul rate of the whole host, however
+    many devices are simulated; it is a measured rate, not a datasheet peak, hence approximate."""
+    n = len(devices)
     if override_per_device > 0:
-        return override_per_device * len(devices)
+        return override_per_device * n, f"train.peak_flops={override_per_device:.4g} per device", False
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
-        return cpu_matmul_peak() * len({d.process_index for d in devices})
+        peak, source = cached_cpu_peak()
+        return peak * len({d.process_index for d in devices}), source, True
     for name, hardware_name in DEVICE_KINDS.items():
         if name in kind:
-            return hardware.get(hardware_name).flops(dtype) * len(devices)
-    return 0.0  # unknown accelerator: MFU reported as 0 rather than guessed
+            return hardware.get(hardware_name).flops(dtype) * n, f"{hardware_name} datasheet ({dtype})", False
+    return 0.0, f"unknown device {devices[0].device_kind!r}: set train.peak_flops for MFU", False
+
+
+def peak_flops_total(devices, dtype: str, override_per_device: float = 0.0) -> float:
+    """Peak FLOP/s of all `devices` together (see peak_flops); 0 for an unknown accelerator."""
+    return peak_flops(devices, dtype, override_per_device)[0]
+
+
+def device_memory(devices) -> dict | None:
+    """The allocator's bytes in use / peak / limit of the most loaded local device (GPU, TPU); None on
+    CPU, whose devices report no memory_stats()."""
+    stats = [st for d in devices if d.process_index == jax.process_index() and (st := d.memory_stats())]
+    if not stats:
+        return None
+    out = {}
+    for key, name in (("bytes_in_use", "memory_in_use"), ("peak_bytes_in_use", "memory_peak"),
+                      ("bytes_limit", "memory_limit")):
+        values = [int(st[key]) for st in stats if key in st]
+        if values:
+            out[name] = max(values)
+    return out or None
 
 
 def compiled_stats(compiled) -> dict:
@@ -80,14 +158,17 @@ def _kept_on_resume(record: dict, resume_step: int) -> bool:
 
 
 class MetricWriter:
-    """metrics.jsonl (every logged step) and TensorBoard events, written by process 0 only."""
+    """metrics.jsonl (every logged step), and the same records to the experiment trackers
+    (jaxdist.trackers); process 0 only."""
 
-    def __init__(self, run_dir: Path | None, enabled: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path | None, enabled: bool = True, resume_step: int | None = None,
+                 trackers=None):
         """`resume_step`: a run resumed from that step drops the records logged after it by the attempt
-        that was interrupted (they are about to be logged again), and that attempt's summary line."""
+        that was interrupted (they are about to be logged again), and that attempt's summary line.
+        `trackers`: a jaxdist.trackers.Trackers (or None)."""
         self.enabled = enabled and run_dir is not None
         self.file = None
-        self.tb = None
+        self.trackers = trackers if self.enabled else None
         if self.enabled:
             path = Path(run_dir) / "metrics.jsonl"
             if resume_step is not None and path.exists():
@@ -95,24 +176,22 @@ class MetricWriter:
                         if line.strip() and _kept_on_resume(json.loads(line), resume_step)]
                 path.write_text("".join(line + "\n" for line in kept))
             self.file = open(path, "a")
-            try:
-                from tensorboardX import SummaryWriter
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
-            except ImportError:  # TensorBoard output is optional
-                self.tb = None
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None and "step" in record:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+        if self.trackers is not None:
+            if record.get("summary"):
+                self.trackers.finish(record)
+            else:
+                self.trackers.log(record)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
-        if self.tb:
-            self.tb.close()
+            self.file = None
+        if self.trackers is not None:
+            self.trackers.finish({})  # no-op once the summary has closed them
+            self.trackers = None

@@ -44,6 +44,14 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+MEMORY_LEGEND = """columns: family = kind of mesh; mesh = axis sizes (>1); acc = gradient-accumulation micro-batches
+  (train.microbatches); pipe = pipeline micro-batches per accumulation step (pipeline.microbatches; '-' without
+  pp); params, grads, optim (AdamW moments), activ (saved for backward), temp (largest scratch), total: GB per
+  device; fits = total within 90% of the device's memory; step s / no-ovl s = predicted step time with / without
+  communication overlapping compute; bubble = share of the step idle in the pipeline bubble; MFU = model FLOPs /
+  peak; tok/s = predicted tokens per second (all devices)"""
+
+
 def memory_table(ests: list[Estimate]) -> str:
     head = (f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'params':>7} {'grads':>7} {'optim':>7} "
             f"{'activ':>7} {'temp':>7} {'total':>7} {'fits':>4} {'step s':>8} {'no-ovl s':>8} {'bubble':>6} "
@@ -56,7 +64,7 @@ def memory_table(ests: list[Estimate]) -> str:
                     f"{gb(mem.temporary):>7} {gb(mem.total):>7} {'yes' if mem.fits else 'NO':>4} "
                     f"{e.step_s:>8.3g} {e.step_no_overlap_s:>8.3g} {e.bubble_s / e.step_s:>6.1%} "
                     f"{e.mfu:>5.0%} {e.tokens_per_s:>9.3g}")
-    return "\n".join(rows) + "\n(memory in GB per device; step with / without overlapping communication)"
+    return "\n".join(rows + [MEMORY_LEGEND])
 
 
 def comm_table(e: Estimate) -> str:
@@ -78,41 +86,23 @@ def scaling_table(curves: dict) -> str:
     rows = []
     for mode, pts in curves.items():
         rows.append(f"{mode} scaling (best fitting mesh per device count):")
-        rows.append(f"  {'devices':>7} {'batch':>6} {'mesh':<22} {'tok/s':>10} {'MFU':>5} {'vs first':>8}")
+        rows.append(f"  {'devices':>7} {'batch':>6} {'mesh':<22} {'acc':>4} {'pipe':>4} {'tok/s':>10} {'MFU':>5} "
+                    f"{'vs first':>8}")
         for p in pts:
             if not p["fits"]:
                 rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {'(does not fit)':<22}")
                 continue
-            rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['tokens_per_s']:>10.3g} "
+            rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['microbatches']:>4} "
+                        f"{p['pipeline_microbatches'] or '-':>4} {p['tokens_per_s']:>10.3g} "
                         f"{p['mfu']:>5.0%} {p['scaling_efficiency']:>8.0%}")
-    rows.append("  ('vs first': tokens/s per device relative to the smallest device count that fits)")
+    rows.append("  (strong: the config's global batch at every size; weak: the batch per device kept; acc / pipe as "
+                "above; 'vs first': tokens/s per device relative to the smallest device count that fits)")
     return "\n".join(rows)
 
 
-def plot(curves: dict, path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, pts in curves.items():
-        pts = [p for p in pts if p["fits"]]
-        if not pts:
-            continue
-        n = [p["devices"] for p in pts]
-        ax.plot(n, [p["tokens_per_s"] for p in pts], "o-", label=f"{mode} scaling")
-        first = pts[0]
-        ax.plot(n, [first["tokens_per_s"] / first["devices"] * d for d in n], ":", color="grey",
-                label="linear" if mode == "strong" else None)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("devices")
-    ax.set_ylabel("tokens / s (predicted)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(curves: dict, path: str, title: str) -> list[str]:
+    from jaxdist.planner.picture import scaling_png
+    return scaling_png(curves, path, title)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdist import distributed
+from jaxdist import distributed, plot, trackers
 from jaxdist.errors import JaxdistError
 from jaxdist.progress import Progress
 
@@ -140,10 +140,11 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint.
     """
     import jax
-    from tqdm import tqdm
 
-    from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
+    from jaxdist import checkpoint, config as config_mod, data, hooks, mesh as mesh_mod, metrics, profiling, step
+    from jaxdist import report
 
+    trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     prog = step.build_program(cfg, mesh)
@@ -152,7 +153,8 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
     flops_tok = metrics.flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)
+    peak, peak_source, mfu_approx = metrics.peak_flops(list(mesh.devices.flat), str(step.compute_dtype(cfg.model)),
+                                                       cfg.train.peak_flops)
 
     resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
     if not resuming:
@@ -177,9 +179,12 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
-        for line in summary_lines(cfg, prog, flops_tok):
+        for line in [*summary_lines(cfg, prog, flops_tok), report.data_line(cfg, loader), report.units_line(cfg),
+                     report.peak_line(peak, peak_source, mfu_approx), *report.artefact_lines(cfg, run_dir)]:
             log(line)
-    writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None)
+    tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None
+    writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None,
+                                  trackers=tracked)
     if restored is not None:
         if resuming:
             checkpoint.set_aside_newer(run_dir, restored.step, log)
@@ -195,8 +200,10 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     first = next(loader)
     compiled = prog.train_step.lower(state, first).compile()
     compile_s = time.perf_counter() - t0
+    predicted = report.predicted_bytes(cfg, mesh)
     if is_main:
-        log(f"compiled in {compile_s:.1f}s")
+        log(f"compiled in {compile_s:.1f}s; {report.compiled_line(compiled)}"
+            + (f"; planner predicts {predicted / 2**20:,.1f} MiB per device" if predicted else ""))
 
     eval_arrays = loader.eval_arrays()
 
@@ -204,44 +211,36 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         sums = [prog.eval_step(params, b) for b in eval_arrays]
         return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
 
-    def eval_due(done: int) -> bool:
-        return bool(cfg.train.eval_every) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-
-    trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
-    progress = Progress(cfg, writer, bar, tokens_per_step, flops_tok, peak,
-                        skipped_in_a_row=int(jax.device_get(state.skipped)))
-    batch, steps_done, pending, stopper = first, start, None, checkpoint.StopSignal()
-    with stopper, contextlib.closing(saver):
-        for s in range(start, cfg.train.steps):
-            trace.at_step(s, state)
-            state, m = compiled(state, batch)
-            steps_done = s + 1
-            stop = stopper.requested()
-            last = stop or steps_done == cfg.train.steps
-            if stop or saver.due(steps_done, last):
-                saver.save(state, steps_done, loader)  # before the next batch is drawn: the iterator is at this step
-            saver.poll()
-            batch = next(loader) if not last else None
-            if pending is not None:
-                progress.record(*pending)  # the previous step, read while this one runs
-            pending = (s, m)
-            if last or eval_due(steps_done):  # evaluate the state this step produced: read it now
-                params = state.params
-                progress.record(s, m, evaluate=(lambda: evaluate(params)) if eval_due(steps_done) else None,
-                                final=last)
-                pending = None
-            if stop:
-                break
-    trace.close(state)
-    bar.close()
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    progress = Progress(cfg, writer, tokens_per_step, flops_tok, peak, start=start, enabled=is_main,
+                        skipped_in_a_row=int(jax.device_get(state.skipped)), mfu_approx=mfu_approx,
+                        memory=lambda: metrics.device_memory(local), log=log)
+    saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
+    batches = hooks.Batches(loader, first)
+    per_step = [hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
+                hooks.Checkpoint(saver, loader), batches, hooks.Metrics(progress, evaluate, cfg.train.eval_every)]
+    stopper, steps_done = checkpoint.StopSignal(), start
+    try:
+        with stopper, contextlib.closing(saver):
+            state, steps_done = hooks.run_steps(lambda st: compiled(st, batches.current), state, start,
+                                                cfg.train.steps, stopper.requested, per_step)
+        for h in per_step:
+            h.close(state)
+    finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
+        progress.close()
+        if is_main:
+            with contextlib.suppress(Exception):  # a picture must never hide the real error
+                plot.loss_png(run_dir)
 
     summary = progress.summary(steps_done, compile_s)
+    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local)))
     writer.write(summary)
     writer.close()
     ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
-    log(f"done: {steps_done} steps, loss {summary['final_loss']:.4f}{ev}, {summary['tokens_per_sec']:,.0f} "
-        f"tokens/s, MFU {summary['mfu']:.1%}, run dir {run_dir}")
+    log(report.memory_line(summary))
+    log(f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
+        f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, MFU {progress.mfu_mark}{summary['mfu']:.1%}, "
+        f"run dir {run_dir}, loss plot {run_dir / 'loss.png'}")
     if stopper.received:
         log(f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
             f"in {saver.directory}; run the same command to resume")
@@ -282,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_platform(args.cpu_devices)
             print(print_config(cfg), end="")
             return 0
+        trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
         run_dir = prepare_run_dir(args.run_dir)
         setup_platform(args.cpu_devices)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)

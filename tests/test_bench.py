@@ -7,8 +7,9 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "model.h
 
 def test_bench_prints_one_json_line_per_mesh(capsys):
     assert bench.main(["--mesh", "fsdp=1", "--mesh", "pp=2,fsdp=4", "--warmup", "1", "--steps", "2", *SMALL,
-                       "pipeline.microbatches=2"]) == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+                       "pipeline.microbatches=2", "--table"]) == 0
+    out = capsys.readouterr().out
+    lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
     assert [r["devices"] for r in lines] == [1, 8]
     for r in lines:
         for key in ("tokens_per_sec", "step_time_s", "mfu", "flops_per_token", "compile_s",
@@ -23,3 +24,10 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert eight["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 2, "repeats": 1,
                                  "iterations": 3, "bubble_fraction": 1 / 3}
     assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 4
+    # --table: one row per mesh after the JSON lines, then the legend and the CPU all-reduce note
+    rows = out.split("\n\n", 1)[1].splitlines()
+    assert rows[2].startswith("dp=1,pp=1,fsdp=1,tp=1") and rows[2].endswith("none")
+    permutes = eight["collectives"]["collective-permute"]["count"]
+    assert rows[3].startswith("dp=1,pp=2,fsdp=4,tp=1") and f"CP {permutes}x " in rows[3] and " AG " in rows[3]
+    assert f"{eight['tokens_per_sec']:,.0f}" in rows[3]
+    assert rows[-1].startswith("note: on CPU, XLA's partitioner reduces FSDP gradients with an all-reduce")

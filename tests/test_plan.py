@@ -151,3 +151,21 @@ def test_cli_given_mesh_and_errors(capsys):
     assert plan.main(["--hardware", "h100-40gb"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
     assert plan.main(["--devices", "8", "--mesh", "fsdp=3"]) == 2
+
+
+def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(tmp_path, capsys):
+    """Every fitting point of the picture names the mesh chosen there and its accumulation; one A100-40GB
+    cannot hold 125m's 256 x 2048 batch at once, so the single-device point must show accumulation > 1."""
+    import matplotlib.image
+    assert plan.main(["--config", "configs/125m.yaml", "--devices", "16", "--hardware", "a100-40gb", "--json"]) == 0
+    curves = json.loads(capsys.readouterr().out)["scaling"]
+    png = tmp_path / "s.png"
+    labels = plan.plot(curves, str(png), "125m")
+    points = [p for mode in ("strong", "weak") for p in curves[mode] if p["fits"]]
+    assert len(labels) == len(points)
+    for label, p in zip(labels, points):
+        assert label.startswith(p["mesh"] + " acc") and f"acc{p['microbatches']}" in label
+    single = curves["strong"][0]
+    assert single["devices"] == 1 and single["microbatches"] > 1 and labels[0] == f"single device acc{single['microbatches']}"
+    assert matplotlib.image.imread(png).shape[1] > 1000
+    assert "acc = gradient-accumulation micro-batches" in plan.memory_table([])

@@ -36,6 +36,10 @@ def test_cli_trains_on_the_default_corpus(tmp_path):
     # Bytes of Python source: from ln(256) = 5.55 at the start to well below in 60 small steps.
     assert steps[0]["loss"] > 3.5 and summary["final_loss"] < 3.0 and summary["eval_loss"] < 3.0
     assert any((run_dir / "tb").iterdir())  # TensorBoard events
+    # stdout is a pipe: one plain line per log interval (no tqdm stream), and the loss picture at the end
+    plain = [x for x in out.stdout.splitlines() if x.startswith("step ")]
+    assert [x.split(" | ")[0] for x in plain] == [f"step {s}/60" for s in range(5, 61, 5)]
+    assert "\r" not in out.stdout + out.stderr and (run_dir / "loss.png").stat().st_size > 20_000
 
 
 def test_cli_bad_input_exits_2_without_traceback(tmp_path):

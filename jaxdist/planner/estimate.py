@@ -208,6 +208,8 @@ def scaling(cfg: Config, hw: Hardware, device_counts: list[int], per_device_batc
             per_dev = best.tokens_per_s / n
             base = base or (n, per_dev)
             out[mode].append({"devices": n, "global_batch": batch, "fits": True, "mesh": best.layout.name,
+                              "family": best.family, "microbatches": best.layout.accum,
+                              "pipeline_microbatches": best.layout.pipe_micro if best.layout.mesh["pp"] > 1 else 0,
                               "tokens_per_s": best.tokens_per_s, "step_s": best.step_s, "mfu": best.mfu,
                               "efficiency": best.efficiency, "scaling_efficiency": per_dev / base[1],
                               "relative_to_devices": base[0]})

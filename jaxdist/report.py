@@ -1,0 +1,133 @@
+"""What the run says about itself at start-up and at the end, beyond the mesh and model lines: where each
+artefact goes, what the data is, the loss unit and its uniform baseline, where the MFU peak comes from,
+and device memory beside the planner's prediction for the same config.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+MiB = 2**20
+
+
+def artefact_lines(cfg, run_dir: Path) -> list[str]:
+    r = Path(run_dir)
+    where = [f"config {r / 'config.yaml'}", f"metrics {r / 'metrics.jsonl'}"]
+    for name in cfg.train.trackers:
+        where.append({"tensorboard": f"events {r / 'tb'} (tensorboard --logdir {r / 'tb'})",
+                      "wandb": f"W&B files {r / 'wandb'}",
+                      "mlflow": "MLflow run (MLFLOW_TRACKING_URI, else sqlite " f"{r / 'mlflow.db'})"}[name])
+    ck = cfg.checkpoint
+    where.append(f"checkpoints {r / 'checkpoints'} every {ck.every} steps, keep {ck.keep}" if ck.every
+                 else f"checkpoints {r / 'checkpoints'} off (checkpoint.every=0)")
+    where.append(f"loss plot {r / 'loss.png'} at the end (python -m jaxdist.plot {r})")
+    if cfg.train.profile_steps:
+        where.append(f"profile of steps {cfg.train.profile_steps} in {r / 'profile'}")
+    return ["writes: " + "; ".join(where)]
+
+
+def data_line(cfg, loader) -> str:
+    """Files, tokens, windows, and how many passes over the training windows the run will make."""
+    from jaxdist import data
+    d = cfg.data
+    if d.source == "text":
+        files = data._files(d.path) if d.path else data.stdlib_files()
+        what = (f"{len(files):,} text files ({d.path or 'the Python standard library'}), byte tokens")
+    else:
+        files = data._files(d.path)
+        what = f"{len(files):,} token files ({d.path}, {d.token_dtype})"
+    tokens = sum(len(a) for a in loader.train.source.arrays)
+    train, held = len(loader.train), len(loader.held_out)
+    read = cfg.train.steps * cfg.train.global_batch
+    return (f"data: {what}, {tokens:,} tokens; {train:,} train windows of {cfg.model.seq_len + 1} tokens "
+            f"+ {held:,} held out; {cfg.train.steps} steps x {cfg.train.global_batch} windows = "
+            f"{read / max(train, 1):.3g} epochs")
+
+
+def units_line(cfg) -> str:
+    v = cfg.model.vocab_size
+    line = f"loss in nats/token; uniform baseline ln {v} = {math.log(v):.3f}"
+    if cfg.data.source == "text":
+        line += (f" nats/token = {math.log(v) / math.log(2):.2f} bits/byte "
+                 "(byte tokens: bits/byte = nats / ln 2)")
+    return line
+
+
+def peak_line(peak: float, source: str, approximate: bool) -> str:
+    if not peak:
+        return f"MFU: not reported ({source})"
+    return (f"MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source})"
+            + ("; approximate (~): a measured CPU matmul rate, not a datasheet peak" if approximate else ""))
+
+
+def hardware_for(device):
+    """The planner's hardware entry for this device, or None."""
+    from jaxdist.metrics import DEVICE_KINDS
+    from jaxdist.planner import hardware
+    if device.platform == "cpu":
+        return hardware.get("cpu")
+    kind = device.device_kind.lower()
+    return next((hardware.get(h) for k, h in DEVICE_KINDS.items() if k in kind), None)
+
+
+def predicted_bytes(cfg, mesh) -> float | None:
+    """The planner's per-device memory for this config on this mesh (None if it cannot model it)."""
+    from jaxdist.planner import memory
+    from jaxdist.planner.layout import Layout
+    hw = hardware_for(mesh.devices.flat[0])
+    if hw is None:
+        return None
+    try:
+        return float(memory.estimate(Layout(cfg, {a: int(s) for a, s in mesh.shape.items()}, hw)).total)
+    except (JaxdistError, KeyError, ValueError):
+        return None
+
+
+def compiled_bytes(compiled) -> dict | None:
+    """Per-device bytes of the compiled step (XLA's memory_analysis): what it is given, returns, and
+    needs as scratch; `total` counts donated (aliased) buffers once."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return None
+    out = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
+           "temp": int(mem.temp_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["outputs"] + out["temp"] - out["aliased"]
+    return out
+
+
+def memory_summary(compiled, predicted: float | None, device_memory: dict | None) -> dict:
+    """Memory figures for metrics.jsonl's summary: the compiled step's, the device's, the planner's."""
+    out = {}
+    c = compiled_bytes(compiled)
+    if c:
+        out["memory_compiled"] = c["total"]
+    if predicted:
+        out["memory_predicted"] = predicted
+    if device_memory:
+        out.update(device_memory)
+    return out
+
+
+def memory_line(figures: dict) -> str:
+    parts = []
+    if "memory_peak" in figures:
+        limit = figures.get("memory_limit")
+        parts.append(f"device peak {figures['memory_peak'] / MiB:,.0f} MiB"
+                     + (f" of {limit / MiB:,.0f} MiB ({figures['memory_peak'] / limit:.0%})" if limit else ""))
+    if "memory_compiled" in figures:
+        parts.append(f"compiled step {figures['memory_compiled'] / MiB:,.1f} MiB")
+    if "memory_predicted" in figures:
+        parts.append(f"planner predicted {figures['memory_predicted'] / MiB:,.1f} MiB")
+    return "memory per device: " + (", ".join(parts) if parts else "not available")
+
+
+def compiled_line(compiled) -> str:
+    c = compiled_bytes(compiled)
+    if not c:
+        return "compiled step memory: not reported by this backend"
+    return (f"compiled step per device: arguments {c['arguments'] / MiB:.1f} MiB, outputs {c['outputs'] / MiB:.1f}"
+            f" MiB, temporaries {c['temp'] / MiB:.1f} MiB, donated {c['aliased'] / MiB:.1f} MiB "
+            f"-> {c['total'] / MiB:.1f} MiB")

@@ -1,0 +1,143 @@
+"""Experiment trackers: TensorBoard (default), Weights & Biases, MLflow — several at once.
+
+`train.trackers=[tensorboard,wandb,mlflow]`. Only process 0 opens them (the caller decides). Each gets
+the resolved config once, then the numeric values of every metrics.jsonl record at its step, then the
+run's summary. W&B follows its own environment (`WANDB_MODE=offline`, `WANDB_PROJECT`); its files go
+under the run dir. MLflow logs to `MLFLOW_TRACKING_URI`, or to a file store in `RUN_DIR/mlruns`.
+A resumed run continues the same W&B / MLflow run (its id is kept in the run dir).
+
+A leaf module: imports nothing from jaxdist but the error type.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+# tracker name -> (module to import, the pyproject extra that installs it)
+TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow")}
+
+
+def check_installed(names: list[str]) -> None:
+    """At start-up: a tracker whose package is missing is a one-line error naming the extra."""
+    for name in names:
+        module, extra = TRACKERS[name]
+        try:
+            __import__(module)
+        except ImportError:
+            raise JaxdistError(f"train.trackers includes {name} but {module} is not installed; "
+                               f"pip install -e \".[{extra}]\" or remove {name} from train.trackers") from None
+
+
+def _numeric(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _run_id(run_dir: Path, name: str, new) -> str:
+    """The tracker's run id for this run dir: created once, reused when the run resumes."""
+    path = run_dir / f".{name}_run_id"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = new()
+    path.write_text(run_id)
+    return run_id
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, config: dict, config_text: str):
+        from tensorboardX import SummaryWriter
+        self.writer = SummaryWriter(str(run_dir / "tb"))
+        self.writer.add_text("config", "```\n" + config_text + "\n```")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        self.writer.add_text("summary", "\n".join(f"{k}: {v:.6g}" for k, v in summary.items()))
+        self.writer.close()
+
+
+class WandB:
+    def __init__(self, run_dir: Path, config: dict, config_text: str):
+        import wandb
+        run_id = _run_id(run_dir, "wandb", lambda: uuid.uuid4().hex[:12])
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxdist"), dir=str(run_dir),
+                              name=run_dir.name, id=run_id, resume="allow", config=config)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
+class MLflow:
+    def __init__(self, run_dir: Path, config: dict, config_text: str):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "jaxdist")
+        found = self.client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.run_id = _run_id(run_dir, "mlflow",
+                              lambda: self.client.create_run(exp_id, run_name=run_dir.name).info.run_id)
+        self.client.update_run(self.run_id, status="RUNNING")
+        if not self.client.get_run(self.run_id).data.params:  # params are write-once: not again on resume
+            params = [Param(k, str(v)[:500]) for k, v in _flat(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_text(self.run_id, config_text, "config.yaml")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def finish(self, summary: dict[str, float]) -> None:
+        from mlflow.entities import RunTag
+        self.client.log_batch(self.run_id, tags=[RunTag(f"summary.{k}", f"{v:.6g}") for k, v in summary.items()])
+        self.client.set_terminated(self.run_id)
+
+
+CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+
+
+class Trackers:
+    """All configured trackers behind one `log` / `finish`."""
+
+    def __init__(self, names: list[str], run_dir: Path, config: dict, config_text: str):
+        check_installed(names)
+        self.names = list(names)
+        self.open = [CLASSES[n](Path(run_dir), config, config_text) for n in names]
+
+    def log(self, record: dict) -> None:
+        values = _numeric(record)
+        if "step" in record and values:
+            for t in self.open:
+                t.log(int(record["step"]), values)
+
+    def finish(self, summary: dict) -> None:
+        values = _numeric({k: v for k, v in summary.items() if k != "summary"})
+        for t in self.open:
+            t.finish(values)
+        self.open = []

@@ -1,0 +1,53 @@
+"""The loop as a list of per-step hooks: order, stopping, metrics one step late, eval decided once."""
+
+import types
+
+from jaxdist import hooks
+
+
+class Recorder(hooks.Hook):
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def before_step(self, index, state):
+        self.events.append((self.name, "before", index))
+
+    def after_step(self, end):
+        self.events.append((self.name, "after", end.done, end.last))
+
+
+def test_hooks_run_in_list_order_around_each_step():
+    events = []
+    state, done = hooks.run_steps(lambda s: (s + 1, {}), 0, 2, 5, lambda: False,
+                                  [Recorder("a", events), Recorder("b", events)])
+    assert (state, done) == (3, 5)
+    assert events == [("a", "before", 2), ("b", "before", 2), ("a", "after", 3, False), ("b", "after", 3, False),
+                      ("a", "before", 3), ("b", "before", 3), ("a", "after", 4, False), ("b", "after", 4, False),
+                      ("a", "before", 4), ("b", "before", 4), ("a", "after", 5, True), ("b", "after", 5, True)]
+
+
+def test_a_stop_makes_this_step_the_last():
+    events, asks = [], iter([False, True, False])
+    state, done = hooks.run_steps(lambda s: (s + 1, {}), 0, 0, 10, lambda: next(asks), [Recorder("a", events)])
+    assert (state, done) == (2, 2) and events[-1] == ("a", "after", 2, True)
+
+
+def test_metrics_are_read_one_step_late_and_eval_steps_at_once():
+    recorded = []
+    progress = types.SimpleNamespace(record=lambda i, m, final=False, evaluate=None: recorded.append(
+        (i, final, evaluate() if evaluate else None)))
+    evaluations = []
+    metrics = hooks.Metrics(progress, lambda params: evaluations.append(params) or len(evaluations), eval_every=3)
+    batches = hooks.Batches(iter(range(100, 110)), first=99)
+    seen = []
+
+    def step_fn(s):
+        seen.append(batches.current)
+        return types.SimpleNamespace(params=f"p{s.params}", n=s.n + 1), {"n": s.n}
+    start = types.SimpleNamespace(params="0", n=0)
+    hooks.run_steps(step_fn, start, 0, 5, lambda: False, [batches, metrics])
+    assert seen == [99, 100, 101, 102, 103]  # each step gets the batch drawn after the previous one
+    # step 0 read when step 1 runs; step 2 (done=3, eval due) at once with its own state; the last at once
+    assert [(i, final) for i, final, _ in recorded] == [(0, False), (1, False), (2, False), (3, False), (4, True)]
+    assert [e for _, _, e in recorded] == [None, None, 1, None, 2]  # eval at done=3 and at the end (done=5)
+    assert evaluations == ["ppp0", "ppppp0"]  # the params each eval step produced

@@ -1,0 +1,129 @@
+"""Seeing a run: a 5-step run writes RUN_DIR/loss.png and plain log lines (stdout is not a terminal under
+pytest); `python -m jaxdist.plot` overlays runs labelled by the config keys in which they differ."""
+
+import json
+import os
+import shutil
+import signal
+
+import matplotlib.image
+import pytest
+
+from jaxdist import config, plot, progress, train
+
+SMALL = {"num_layers": 1, "d_model": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "mlp_dim": 64, "seq_len": 16}
+
+
+def five_step_config():
+    return config.load(None, ["train.steps=5", "optim.warmup_steps=2", "train.eval_every=4", "train.log_every=2",
+                              "checkpoint.every=0"]).replace(model=SMALL)
+
+
+@pytest.fixture(scope="module")
+def five_steps(tmp_path_factory):
+    """(run dir, every line the run logged)."""
+    run_dir = tmp_path_factory.mktemp("plot") / "run"
+    lines = []
+    train.run(five_step_config(), run_dir, log=lines.append)
+    return run_dir, lines
+
+
+def test_sigterm_still_writes_loss_png(tmp_path):
+    """SIGTERM arrives when step 2 is logged: the run stops after the next step, saves, and draws loss.png
+    (the same program as five_steps: loaded from the compilation cache)."""
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("step 2/5"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = train.run(five_step_config(), tmp_path / "run", log=log)
+    assert result.steps == 4 and any(x.startswith("stopped by SIGTERM at step 4") for x in lines), lines
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 20_000
+    assert plot.read_metrics(tmp_path / "run")[-1]["step"] == 4
+
+
+def test_run_writes_a_decodable_loss_png(five_steps):
+    run_dir, _ = five_steps
+    png = run_dir / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 500
+    assert pixels[..., :3].std() > 0.05  # curves and text, not a blank canvas
+
+
+def test_plain_log_lines_with_units_smoothing_eval_and_eta(five_steps):
+    _, lines = five_steps
+    steps = [x for x in lines if x.startswith("step ")]
+    assert [x.split(" | ")[0] for x in steps] == ["step 2/5", "step 4/5", "step 5/5"]  # log_every, eval, last
+    for x in steps:
+        assert " nats/token (" in x and " bits/byte)" in x and "| smoothed " in x and " tok/s | MFU ~" in x
+    assert "| eval loss " in steps[1] and "| eval loss " in steps[2] and "eval" not in steps[0]
+    assert "ETA " in steps[0] and steps[2].endswith("| done")
+    text = "\n".join(lines)
+    assert "uniform baseline ln 256 = 5.545 nats/token = 8.00 bits/byte" in text
+    assert "; approximate (~)" in text and "CPU matmul probe" in text
+    assert "epochs" in text and "text files (the Python standard library)" in text
+    assert f"loss plot {five_steps[0] / 'loss.png'}" in text
+    assert any(x.startswith("memory per device: compiled step ") and "planner predicted" in x for x in lines)
+
+
+def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
+    """A constant loss smooths to itself from the first step (bias-corrected EMA, not 0.1 x loss); a
+    skipped (non-finite) step leaves it unchanged; a noisy loss smooths to within its range."""
+    from jaxdist import metrics
+    lines = []
+    p = progress.Progress(tiny_cfg.replace(train={"log_every": 1}), metrics.MetricWriter(None), 100, 1.0, 0.0,
+                          log=lines.append)
+    step = lambda i, loss, skipped=0.0: p.record(i, {"loss": loss, "lr": 1e-3, "grad_norm": 1.0, "skipped": skipped})
+    step(0, 2.0)
+    assert p.smoothed == pytest.approx(2.0, rel=1e-12)
+    step(1, 2.0)
+    step(2, float("nan"), skipped=1.0)
+    assert p.smoothed == pytest.approx(2.0, rel=1e-12) and "skipped steps [3]" in lines[-1]
+    for i, loss in enumerate([3.0, 1.0] * 20, start=3):
+        step(i, loss)
+    assert 1.8 < p.smoothed < 2.2  # the mean of the alternation, not its last value
+    assert p.summary(43, 0.0)["final_loss_smooth"] == p.smoothed
+    p.close()
+
+
+def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path, capsys):
+    run_a, _ = five_steps
+    run_b = tmp_path / "run_b"
+    shutil.copytree(run_a, run_b, ignore=shutil.ignore_patterns("checkpoints", "tb"))
+    cfg_b = config.load(run_a / "config.yaml", ["optim.lr=0.01"])
+    (run_b / "config.yaml").write_text(config.dump(cfg_b))
+    out = tmp_path / "cmp.png"
+    assert plot.main([str(run_a), str(run_b), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "runs: optim.lr=0.003; optim.lr=0.01"
+    assert matplotlib.image.imread(out).shape[0] > 300
+    assert plot.main([str(run_a), str(run_b), "--metric", "eval_loss", "--out", str(tmp_path / "e.png")]) == 0
+
+
+def test_plot_cli_errors_are_one_line(tmp_path, capsys):
+    assert plot.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'metrics.jsonl'} not found; pass a run dir " \
+                                              "written by python -m jaxdist.train"
+
+
+def test_resumed_segments_are_joined_by_step(tmp_path):
+    lines = [{"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}, {"summary": True, "steps": 4},
+             {"step": 4, "loss": 2.4}, {"step": 6, "loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "lo')
+    assert [(r["step"], r["loss"]) for r in plot.read_metrics(tmp_path)] == [(2, 3.0), (4, 2.4), (6, 2.0)]
+
+
+def test_tqdm_disable_and_non_terminals_get_plain_lines(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert not progress.plain_output(Tty())
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert progress.plain_output(Tty())
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    assert not progress.plain_output(Tty())
+    with open(os.devnull, "w") as null:
+        assert progress.plain_output(null)
