@@ -56,7 +56,8 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     from jaxdist import checkpoint, hf_io
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
-    if checkpoint.has_checkpoints(out) or (out / "config.yaml").exists():
+    # Decided together: process 0 must not write before every process has looked.
+    if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
         raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     start = time.perf_counter()
@@ -140,9 +141,9 @@ def load_run_params(path: Path, mesh, rules=None):
 
 
 def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
-    from jaxdist import hf_io
+    from jaxdist import checkpoint, hf_io
     from jaxdist import mesh as mesh_mod
-    if (out / "config.json").exists() or list(out.glob("*.safetensors")):
+    if not checkpoint.all_agree(not ((out / "config.json").exists() or list(out.glob("*.safetensors")))):
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
     step_dir = latest_step_dir(path)
@@ -176,6 +177,10 @@ def parse_args(argv):
         p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
+    multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
+    multi.add_argument("--num-processes", type=int, default=None)
+    multi.add_argument("--process-id", type=int, default=None)
     args = p.parse_intermixed_args(rest)
     args.command = command
     return args
@@ -200,10 +205,12 @@ def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxdist import distributed
     from jaxdist.train import setup_platform
     try:
         args = parse_args(argv)
         setup_platform(args.cpu_devices)
+        distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
         if args.command == "from-hf":
             cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
             from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)
