@@ -17,36 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.errors import JaxdistError
-
-
-def import_params(hf_dir: Path, cfg, mesh, rules=None):
-    """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
-    from jaxdist import hf_io, sharding
-    from jaxdist.resolve import resolve
-    rules = rules or sharding.make_rules(cfg.mesh.rules)
-    model = resolve(cfg, mesh, rules)
-    plan = model.pipeline
-    params = hf_io.load(hf_dir, cfg.model, model.abstract, sharding.named(mesh, model.specs),
-                        stages=plan.stages if plan else 1, repeats=plan.repeats if plan else 1)
-    return params, model
-
-
-def restore_for_training(hf_dir: str, prog, cfg):
-    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.checkpoint import Restored
-    from jaxdist.step import TrainState
-    start = time.perf_counter()
-    params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
-
-    def state(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=prog.tx.init(p),
-                          reducer_state=prog.gradients.init(p), skipped=jnp.zeros((), jnp.int32))
-    with jax.set_mesh(prog.mesh):
-        st = jax.jit(state, out_shardings=prog.state_shardings)(params)
-    return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)
+from jaxdist.hf import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
+from jaxdist.hf_io import import_params
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
@@ -184,24 +156,6 @@ def parse_args(argv):
     args = p.parse_intermixed_args(rest)
     args.command = command
     return args
-
-
-def model_overrides(overrides: list[str]) -> dict:
-    """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
-    from jaxdist.config import parse_override
-    out = {}
-    for text in overrides:
-        section, name, value = parse_override(text)
-        if section == "model":
-            out[name] = value
-    return out
-
-
-def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
-    """The run config for an HF model: a config file and overrides, the model shape from config.json."""
-    from jaxdist import config, hf
-    overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
-    return hf.apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
 
 
 def main(argv: list[str] | None = None) -> int:

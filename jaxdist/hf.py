@@ -117,6 +117,24 @@ def apply(cfg: Config, hf_dir: Path, explicit: dict[str, Any] | None = None) -> 
     return cfg.replace(model=fields)
 
 
+def model_overrides(overrides: list[str]) -> dict:
+    """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
+    from jaxdist.config import parse_override
+    out = {}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section == "model":
+            out[name] = value
+    return out
+
+
+def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
+    """The run config for an HF model: a config file and overrides, the model shape from config.json."""
+    from jaxdist import config
+    overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
+    return apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
+
+
 def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict:
     """ModelConfig -> config.json (Hub spelling: rope_theta + rope_scaling, which transformers 5 reads too).
     Token ids and the context length come from the imported model's config when there was one."""
