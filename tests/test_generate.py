@@ -88,3 +88,17 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     (tmp_path / "out").mkdir()
     hf_io.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+
+
+def test_run_dir_generation_equals_hf_generation(tmp_path):
+    """--run-dir: a converted run decodes exactly as the HF directory it came from (and keeps its EOS)."""
+    from jaxdist import convert
+    ref = np.load(FIXTURE / "reference.npz")
+    convert.from_hf(FIXTURE, tmp_path / "run", convert.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None)
+    cfg, params, graphdef, mesh, source = generate.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")
+    prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
+    new, logp, _, _ = generate.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))
+    for k in (0, 1):
+        assert new[k].tolist() == ref[f"greedy{k}"].tolist()
+        assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
+    assert generate.eos_ids(source) == {2}
