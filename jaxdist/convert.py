@@ -17,36 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.errors import JaxdistError
-
-
-def import_params(hf_dir: Path, cfg, mesh, rules=None):
-    """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
-    from jaxdist import hf_io, sharding
-    from jaxdist.resolve import resolve
-    rules = rules or sharding.make_rules(cfg.mesh.rules)
-    model = resolve(cfg, mesh, rules)
-    plan = model.pipeline
-    params = hf_io.load(hf_dir, cfg.model, model.abstract, sharding.named(mesh, model.specs),
-                        stages=plan.stages if plan else 1, repeats=plan.repeats if plan else 1)
-    return params, model
-
-
-def restore_for_training(hf_dir: str, prog, cfg):
-    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.checkpoint import Restored
-    from jaxdist.step import TrainState
-    start = time.perf_counter()
-    params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
-
-    def state(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=prog.tx.init(p),
-                          reducer_state=prog.gradients.init(p), skipped=jnp.zeros((), jnp.int32))
-    with jax.set_mesh(prog.mesh):
-        st = jax.jit(state, out_shardings=prog.state_shardings)(params)
-    return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)
+from jaxdist.hf import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
+from jaxdist.hf_io import import_params
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
@@ -56,7 +28,8 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     from jaxdist import checkpoint, hf_io
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
-    if checkpoint.has_checkpoints(out) or (out / "config.yaml").exists():
+    # Decided together: process 0 must not write before every process has looked.
+    if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
         raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     start = time.perf_counter()
@@ -140,9 +113,9 @@ def load_run_params(path: Path, mesh, rules=None):
 
 
 def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
-    from jaxdist import hf_io
+    from jaxdist import checkpoint, hf_io
     from jaxdist import mesh as mesh_mod
-    if (out / "config.json").exists() or list(out.glob("*.safetensors")):
+    if not checkpoint.all_agree(not ((out / "config.json").exists() or list(out.glob("*.safetensors")))):
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
     step_dir = latest_step_dir(path)
@@ -176,34 +149,22 @@ def parse_args(argv):
         p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
+    multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
+    multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
+    multi.add_argument("--num-processes", type=int, default=None)
+    multi.add_argument("--process-id", type=int, default=None)
     args = p.parse_intermixed_args(rest)
     args.command = command
     return args
 
 
-def model_overrides(overrides: list[str]) -> dict:
-    """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
-    from jaxdist.config import parse_override
-    out = {}
-    for text in overrides:
-        section, name, value = parse_override(text)
-        if section == "model":
-            out[name] = value
-    return out
-
-
-def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
-    """The run config for an HF model: a config file and overrides, the model shape from config.json."""
-    from jaxdist import config, hf
-    overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
-    return hf.apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
-
-
 def main(argv: list[str] | None = None) -> int:
+    from jaxdist import distributed
     from jaxdist.train import setup_platform
     try:
         args = parse_args(argv)
         setup_platform(args.cpu_devices)
+        distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
         if args.command == "from-hf":
             cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
             from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)

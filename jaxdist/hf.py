@@ -23,14 +23,15 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
 # Fields that must hold these values (anything else would be a different model than ours).
 REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "partial_rotary_factor": 1.0}
-# Fields that do not change the computation of the forward pass.
-IGNORED = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
-           "eos_token_id", "pad_token_id", "max_position_embeddings", "use_cache", "initializer_range",
-           "pretraining_tp", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
-           "id2label", "label2id", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
-           "head_dim", "num_key_value_heads", "chunk_size_feed_forward", "is_encoder_decoder", "_attn_implementation_autoset"}
+# Fields read into ModelConfig (model_type and architectures are checked separately).
 MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "rms_norm_eps"}
+          "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling",
+          "rope_parameters", "initializer_range", "model_type", "architectures"}
+# Fields that do not change the computation of the forward pass (token ids are kept for the export).
+IGNORED = {"transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+           "max_position_embeddings", "use_cache", "pretraining_tp", "_name_or_path", "output_attentions",
+           "output_hidden_states", "return_dict", "id2label", "label2id", "chunk_size_feed_forward",
+           "is_encoder_decoder", "_attn_implementation_autoset"}
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size",
               "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_low_freq_factor",
@@ -115,6 +116,24 @@ def apply(cfg: Config, hf_dir: Path, explicit: dict[str, Any] | None = None) -> 
             raise JaxdistError(f"model.{key}={value!r} conflicts with {hf_dir}/config.json ({fields[key]!r}); "
                                "drop the override: the model shape comes from the checkpoint")
     return cfg.replace(model=fields)
+
+
+def model_overrides(overrides: list[str]) -> dict:
+    """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
+    from jaxdist.config import parse_override
+    out = {}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section == "model":
+            out[name] = value
+    return out
+
+
+def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
+    """The run config for an HF model: a config file and overrides, the model shape from config.json."""
+    from jaxdist import config
+    overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
+    return apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
 
 
 def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict:

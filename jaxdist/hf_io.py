@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,6 +172,36 @@ def _layer_ids(stack: list[range], num_layers: int, stages: int, repeats: int) -
         return [list(stack[0])]
     group = num_layers // (stages * repeats)
     return [[((p // group) * stages + s) * group + p % group for p in stack[1]] for s in stack[0]]
+
+
+def import_params(hf_dir: Path, cfg, mesh, rules=None):
+    """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
+    from jaxdist import sharding
+    from jaxdist.resolve import resolve
+    rules = rules or sharding.make_rules(cfg.mesh.rules)
+    model = resolve(cfg, mesh, rules)
+    plan = model.pipeline
+    params = load(hf_dir, cfg.model, model.abstract, sharding.named(mesh, model.specs),
+                        stages=plan.stages if plan else 1, repeats=plan.repeats if plan else 1)
+    return params, model
+
+
+def restore_for_training(hf_dir: str, prog, cfg):
+    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.checkpoint import Restored
+    from jaxdist.step import TrainState
+    start = time.perf_counter()
+    params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
+
+    def state(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=prog.tx.init(p),
+                          reducer_state=prog.gradients.init(p), skipped=jnp.zeros((), jnp.int32))
+    with jax.set_mesh(prog.mesh):
+        st = jax.jit(state, out_shardings=prog.state_shardings)(params)
+    return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------- export

@@ -162,8 +162,8 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     restored = None
     from_hf = bool(restore and restore.startswith("hf:")) and not resuming
     if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
-        from jaxdist import convert
-        restored = convert.restore_for_training(restore[3:], prog, cfg)
+        from jaxdist import hf_io
+        restored = hf_io.restore_for_training(restore[3:], prog, cfg)
     elif resuming or restore:
         if resuming and restore and is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         cfg = resolve_config(args)
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
-            from jaxdist import convert, hf
-            cfg = hf.apply(cfg, Path(args.restore[3:]), convert.model_overrides(args.overrides))
+            from jaxdist import hf
+            cfg = hf.apply(cfg, Path(args.restore[3:]), hf.model_overrides(args.overrides))
         if args.print_config:
             setup_platform(args.cpu_devices)
             print(print_config(cfg), end="")

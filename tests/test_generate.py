@@ -5,9 +5,6 @@ fsdp=4,tp=2; the `--json` CLI; sampling (top-p nucleus, pre-temperature logprobs
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,19 +19,19 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "hf_llama"
 
 
-@pytest.mark.slow
-def test_greedy_cli_matches_transformers_batched_and_sharded():
+def test_greedy_cli_matches_transformers_batched_and_sharded(capsys, monkeypatch):
+    """`python -m jaxdist.generate --json` (in this process; its devices are set up already)."""
     ref = np.load(FIXTURE / "reference.npz")
     n = len(ref["greedy0"])
     prompts = [" ".join(map(str, ref[f"prompt{k}"])) for k in (0, 1)]
-    cmd = [sys.executable, "-m", "jaxdist.generate", "--hf", str(FIXTURE), "--mesh", "fsdp=4,tp=2",
-           "--prompt-tokens", prompts[0], "--prompt-tokens", prompts[1], "--max-new-tokens", str(n),
-           "--ignore-eos", "--json"]
-    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                       text=True, timeout=300, check=False)
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(rows) == 2 and "tokens/s" in r.stderr
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    capsys.readouterr()
+    rc = generate.main(["--hf", str(FIXTURE), "--mesh", "fsdp=4,tp=2", "--prompt-tokens", prompts[0],
+                        "--prompt-tokens", prompts[1], "--max-new-tokens", str(n), "--ignore-eos", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 2 and "tokens/s" in err
     for k, row in enumerate(rows):
         assert row["prompt_tokens"] == ref[f"prompt{k}"].tolist()
         assert row["tokens"] == ref[f"greedy{k}"].tolist()  # exactly transformers' greedy continuation
@@ -91,3 +88,17 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     (tmp_path / "out").mkdir()
     hf_io.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+
+
+def test_run_dir_generation_equals_hf_generation(tmp_path):
+    """--run-dir: a converted run decodes exactly as the HF directory it came from (and keeps its EOS)."""
+    from jaxdist import convert
+    ref = np.load(FIXTURE / "reference.npz")
+    convert.from_hf(FIXTURE, tmp_path / "run", convert.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None)
+    cfg, params, graphdef, mesh, source = generate.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")
+    prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
+    new, logp, _, _ = generate.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))
+    for k in (0, 1):
+        assert new[k].tolist() == ref[f"greedy{k}"].tolist()
+        assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
+    assert generate.eos_ids(source) == {2}
