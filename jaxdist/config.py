@@ -35,6 +35,18 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: str = "none"  # none | full | dots_saveable
+    # Mixture of experts (jaxdist.models.moe): 0 experts = dense. Every moe_every-th layer's MLP is a
+    # sparse block of moe_experts SwiGLU experts (inner dim moe_mlp_dim, 0 = mlp_dim), top-moe_topk routed.
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_every: int = 1
+    moe_shared_experts: int = 0  # always-on experts (DeepSeek), each of inner dim moe_mlp_dim
+    moe_mlp_dim: int = 0
+    moe_router: str = "softmax"  # softmax | sigmoid: gate scores before top-k; kept weights renormalised
+    moe_dispatch: str = "dropless"  # dropless | capacity (moe_capacity_factor; overflow tokens dropped)
+    moe_capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01  # Switch/GShard load-balancing loss weight
+    moe_z_weight: float = 0.001  # router z-loss weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +150,8 @@ class Config:
 CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable"),
+    "model.moe_router": ("softmax", "sigmoid"),
+    "model.moe_dispatch": ("dropless", "capacity"),
     "data.source": ("text", "tokens"),
     "data.token_dtype": ("uint16", "uint32"),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -291,6 +305,21 @@ def validate(cfg: Config) -> None:
         raise JaxdistError("optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1]")
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
+    validate_moe(m)
+
+
+def validate_moe(m: ModelConfig) -> None:
+    if m.moe_experts < 0 or m.moe_shared_experts < 0 or m.moe_mlp_dim < 0:
+        raise JaxdistError("model.moe_experts, model.moe_shared_experts and model.moe_mlp_dim must be >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_topk <= m.moe_experts:
+        raise JaxdistError(f"model.moe_topk={m.moe_topk} must be between 1 and model.moe_experts={m.moe_experts}")
+    if m.moe_every < 1 or m.num_layers % m.moe_every:
+        raise JaxdistError(f"model.moe_every={m.moe_every} must be >= 1 and divide model.num_layers="
+                           f"{m.num_layers} (every n-th layer is sparse)")
+    if m.moe_capacity_factor <= 0 or m.moe_aux_weight < 0 or m.moe_z_weight < 0:
+        raise JaxdistError("model.moe_capacity_factor must be > 0, model.moe_aux_weight and model.moe_z_weight >= 0")
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
