@@ -17,6 +17,8 @@ Both are averaged over the MoE layers and weighted by `model.moe_aux_weight` / `
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,22 +42,23 @@ def _matmul(x, w):  # tokens flattened: a 2-D matmul (see llama.token_matmul)
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
 
+def scores(logits_BTE, router: str):
+    return jax.nn.softmax(logits_BTE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_BTE)
+
+
 def route(logits_BTE, topk: int, router: str):
-    """-> (expert ids (B,T,K), renormalised gates (B,T,K), probabilities (B,T,E) for the balance loss)."""
-    scores = jax.nn.softmax(logits_BTE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_BTE)
-    top_BTK, idx_BTK = jax.lax.top_k(scores, topk)
-    gate_BTK = top_BTK / jnp.sum(top_BTK, axis=-1, keepdims=True)
-    probs_BTE = scores / jnp.sum(scores, axis=-1, keepdims=True)  # sigmoid scores normalised per token
-    return idx_BTK, gate_BTK, probs_BTE
+    """-> (expert ids (B,T,K), gates (B,T,K)): the K best scores, renormalised to sum to 1."""
+    top_BTK, idx_BTK = jax.lax.top_k(scores(logits_BTE, router), topk)
+    return idx_BTK, top_BTK / jnp.sum(top_BTK, axis=-1, keepdims=True)
 
 
-def balance_loss_sum(idx_BTK, probs_BTE):
-    """Per-sequence Switch loss E·sum_e f_e P_e, summed over sequences with weight T (token-weighted)."""
-    B, T, K = idx_BTK.shape
-    E = probs_BTE.shape[-1]
-    f_BE = jax.nn.one_hot(idx_BTK, E, dtype=jnp.float32).sum((1, 2)) / (T * K)
-    p_BE = probs_BTE.mean(1)
-    return T * E * jnp.sum(f_BE * p_BE)
+def balance_loss_sum(counts_BE, logits_BTE, topk: int, router: str):
+    """Per-sequence Switch loss E·sum_e f_e P_e, summed over sequences with weight T (token-weighted).
+    counts_BE: assignments per sequence and expert; P from the scores normalised per token."""
+    T, E = logits_BTE.shape[1], logits_BTE.shape[2]
+    s_BTE = scores(logits_BTE, router)
+    p_BE = (s_BTE / jnp.sum(s_BTE, axis=-1, keepdims=True)).mean(1)
+    return T * E * jnp.sum(counts_BE / (T * topk) * p_BE)
 
 
 class MoE(nnx.Module):
@@ -80,20 +83,20 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD):
         """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
-        idx_BTK, gate_BTK, probs_BTE = route(logits_BTE, self.topk, self.router)
-        y_BTD, dropped_B = expert_ffn(x_BTD, idx_BTK, gate_BTK, self.w_gate_EDF[...], self.w_up_EDF[...],
-                                      self.w_down_EFD[...], EXPERT_NAMES, self.rules, self.factor)
+        route_fn = functools.partial(route, topk=self.topk, router=self.router)
+        y_BTD, dropped_B, counts_BE = expert_ffn(x_BTD, logits_BTE, self.w_gate_EDF[...], self.w_up_EDF[...],
+                                                 self.w_down_EFD[...], EXPERT_NAMES, self.rules, self.factor,
+                                                 route_fn)
         if self.shared:
             dt = x_BTD.dtype
             h = jax.nn.silu(_matmul(x_BTD, self.shared_gate_DS[...].astype(dt)))
             h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"),
                           self.rules)
             y_BTD = y_BTD + _matmul(h, self.shared_down_SD[...].astype(dt))
-        lb = balance_loss_sum(idx_BTK, probs_BTE)
+        lb = balance_loss_sum(counts_BE, logits_BTE, self.topk, self.router)
         z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
-        load_E = jax.nn.one_hot(idx_BTK, logits_BTE.shape[-1], dtype=jnp.float32).sum((0, 1, 2))
         aux = {"objective": self.weights[0] * lb + self.weights[1] * z, "moe_aux_loss": lb, "moe_z_loss": z,
-               "moe_dropped": dropped_B.sum(), "moe_load": load_E}
+               "moe_dropped": dropped_B.sum(), "moe_load": counts_BE.sum(0)}
         return y_BTD, aux
 
 

@@ -85,8 +85,10 @@ def route_slots(idx_NK, experts: int, C: int):
     return jnp.where(keep, e * C + rank, experts * C).astype(jnp.int32), keep
 
 
-def _local(x_BTD, idx_BTK, gate_BTK, w_gate, w_up, w_down, *, experts, factor, ep_axes, gather, inner_axes):
-    """The per-device program (or the whole program without a mesh: ep_axes = ())."""
+def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes):
+    """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
+    on local tokens: left to the automatic partitioner it all-gathers the router scores."""
+    idx_BTK, gate_BTK = route(logits_BTE)
     B, T, D = x_BTD.shape
     K = idx_BTK.shape[-1]
     N = B * T
@@ -118,29 +120,31 @@ def _local(x_BTD, idx_BTK, gate_BTK, w_gate, w_up, w_down, *, experts, factor, e
     if inner_axes:  # each tp rank computed a slice of the experts' inner dim
         y_ND = jax.lax.psum(y_ND, inner_axes)
     dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
-    return y_ND.reshape(B, T, D), dropped_B
+    counts_BE = jax.nn.one_hot(idx_BTK, experts, dtype=jnp.float32).sum((1, 2))
+    return y_ND.reshape(B, T, D), dropped_B, counts_BE
 
 
-def expert_ffn(x_BTD, idx_BTK, gate_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None,
-               factor: float | None):
-    """Experts applied to routed tokens: y_BTD and dropped assignments per sequence (B,).
-    `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless."""
+def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None,
+               factor: float | None, route):
+    """Route tokens by their router logits and apply the experts. Returns y_BTD, dropped assignments
+    per sequence (B,) and assignments per sequence and expert (B, E).
+    `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless;
+    `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
     experts = w_gate_EDF.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
+    kw = dict(route=route, experts=experts, factor=factor)
     if rules is None or mesh.empty:
-        return _local(x_BTD, idx_BTK, gate_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, experts=experts,
-                      factor=factor, ep_axes=(), gather=(), inner_axes=())
+        return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(),
+                      inner_axes=(), **kw)
     rules = dict(rules)
     done = set(mesh.manual_axes)
     manual = frozenset(a for a in mesh.axis_names if a not in done)
     spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)  # noqa: E731
     x_spec, w_spec = spec(("batch", "seq", None)), spec(tuple(names))
     down_spec = P(w_spec[0], w_spec[2], w_spec[1])
-    ep_axes = _axes(w_spec[0])
-    inner_axes = _axes(w_spec[2])
-    gather = tuple((i, _axes(w_spec[i])) for i in (1,) if _axes(w_spec[i]))
-    body = lambda *a: _local(*a, experts=experts, factor=factor, ep_axes=ep_axes, gather=gather,  # noqa: E731
-                             inner_axes=inner_axes)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, down_spec),
-                       out_specs=(x_spec, P(x_spec[0])), axis_names=manual)
-    return fn(x_BTD, idx_BTK, gate_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    used = lambda i: _axes(w_spec[i])  # noqa: E731
+    gather = tuple((i, used(i)) for i in (1,) if used(i))
+    body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), **kw)  # noqa: E731
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
+                       out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])), axis_names=manual)
+    return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD)
