@@ -37,7 +37,7 @@ def test_parse_errors(text, message):
 
 def test_mesh_is_auto_and_keeps_tp_innermost():
     m = mesh.mesh_from_string("dp=2,fsdp=2,tp=2")
-    assert m.axis_names == ("dp", "pp", "fsdp", "tp")
+    assert m.axis_names == ("dp", "pp", "fsdp", "ep", "tp")
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
     ids = [[d.id for d in row] for row in m.devices.reshape(-1, 2)]
     assert all(b - a == 1 for a, b in ids)  # tp pairs are neighbouring devices
