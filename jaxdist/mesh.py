@@ -92,7 +92,7 @@ def default_dcn(shape: dict[str, int], num_processes: int) -> dict[str, int]:
     """Spread hosts over dp first, then pp, then fsdp: the slow network carries the least traffic."""
     dcn, left = {a: 1 for a in AXES}, num_processes
     for a in ("dp", "pp", "fsdp", "ep", "tp"):
-        take = math.gcd(shape[a], left)
+        take = math.gcd(shape.get(a, 1), left)
         dcn[a], left = take, left // take
     if left != 1:
         raise JaxdistError(
