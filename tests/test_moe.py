@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxdist import config, hlo, mesh as mesh_mod, sharding, step
+from jaxdist import config, hlo, sharding, step
+from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models import moe
 from jaxdist.models.llama import count_params
@@ -53,8 +55,10 @@ def grads_and_curve(prog, state, batches):
     """One compile: loss and gradients on batch 0, then the loss curve of STEPS train steps."""
     def fn(state, tokens):
         grads, loss = prog.gradients.apply(state.params, tokens[0], (), 0)[:2]
-        _, losses = jax.lax.scan(lambda s, t: (lambda s, m: (s, m["loss"]))(*prog.train_step.fn(s, t)),
-                                 state, tokens)
+        def one_step(s, t):
+            s, m = prog.train_step.fn(s, t)
+            return s, m["loss"]
+        _, losses = jax.lax.scan(one_step, state, tokens)
         return loss, grads, losses
     tokens = jax.device_put(batches, NamedSharding(prog.mesh, P(None, *prog.batch_sharding.spec)))
     with jax.set_mesh(prog.mesh):
@@ -90,6 +94,27 @@ def test_dropless_equals_single_device_reference(cfg, batches, reference, mesh_t
     assert curve[-1] < curve[0]
 
 
+def test_variants_under_explicit_dp_reduction_equal_reference(cfg, batches):
+    """Every other layer sparse, one shared expert, sigmoid router, on dp=2,ep=4 with the explicit dense
+    dp reduction (the expert shard_map nested in the dp-manual one): loss, gradients and 2 steps."""
+    variant = cfg.replace(model=dict(moe_every=2, moe_shared_experts=1, moe_router="sigmoid"),
+                          reduce=dict(method="dense"))
+    single = mesh_mod.mesh_from_string("fsdp=1", devices=jax.devices()[:1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "expert_ffn", masked_reference_ffn)
+        ref_prog = step.build_program(variant.replace(reduce=dict(method="implicit")), single)
+        state0 = jax.device_get(ref_prog.init_state(0))
+        ref_loss, ref_grads, ref_curve = grads_and_curve(ref_prog, state0, batches[:2])[0]
+    prog = step.build_program(variant, mesh_mod.mesh_from_string("dp=2,ep=4"))
+    assert prog.gradients.name == "explicit-dense"
+    state = jax.device_put(state0, prog.state_shardings)
+    loss, grads, curve = grads_and_curve(prog, state, batches[:2])[0]
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.abs(r).max()))
+    np.testing.assert_allclose(curve, ref_curve, rtol=1e-5)
+
+
 def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg):
     compiled = RESULTS.get("ep=8")
     if compiled is None:
@@ -102,6 +127,22 @@ def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg):
     assert sum(c.count for c in a2a) == (1 + STEPS) * cfg.model.num_layers * 4
     assert all(hlo.spans_axis(c, shape, order, "ep") for c in a2a)
     assert not [c for c in colls if c.kind == "all-gather" and hlo.spans_axis(c, shape, order, "ep")]
+
+
+def test_checkpoint_restores_onto_another_ep(cfg, reference, tmp_path):
+    """Saved from ep=8, restored onto ep=4,fsdp=2: the same values, in the new mesh's shardings."""
+    from jaxdist import checkpoint, data
+    state0 = reference[0]
+    progs = [step.build_program(cfg, mesh_mod.mesh_from_string(m)) for m in ("ep=8", "ep=4,fsdp=2")]
+    loaders = [data.Loader(cfg, p.batch_sharding) for p in progs]
+    saver = checkpoint.Saver(tmp_path, cfg, log=lambda *a: None)
+    saver.save(jax.device_put(state0, progs[0].state_shardings), 1, loaders[0])
+    saver.close()
+    restored = checkpoint.restore(tmp_path, progs[1], loaders[1], cfg, log=lambda *a: None).state
+    for x, y, s in zip(jax.tree.leaves(state0), jax.tree.leaves(restored), jax.tree.leaves(progs[1].state_shardings)):
+        assert y.sharding == s and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    w = restored.params["blocks"]["mlp"]["w_gate_EDF"]
+    assert w.sharding.spec == P(None, "ep", "fsdp", "tp") and w.addressable_shards[0].data.shape[1] == 8 // 4
 
 
 # ---- the dispatch alone --------------------------------------------------------------------------------
@@ -168,7 +209,7 @@ def test_capacity_large_factor_equals_dropless_and_reference(dispatch_inputs):
 @pytest.mark.parametrize("mesh_text", ["ep=8", "ep=4,fsdp=2"])
 def test_small_capacity_drops_match_numpy_routing(dispatch_inputs, mesh_text):
     factor = 0.5
-    (y, dropped), _ = run_dispatch(mesh_text, factor, dispatch_inputs)
+    (_, dropped), _ = run_dispatch(mesh_text, factor, dispatch_inputs)
     tokens_per_device = B * T // 8  # batch -> (dp, fsdp, ep): 8 shards either way
     C = moe_parallel.capacity(tokens_per_device, E, K, factor)
     expected = numpy_dropped(ROUTE(dispatch_inputs[1])[0], C, 8)
