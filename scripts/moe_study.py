@@ -23,11 +23,12 @@ RUNS = {"dense": ("configs/tiny.yaml", []), "moe": ("configs/tiny-moe.yaml", [])
         "moe_noaux": ("configs/tiny-moe.yaml", ["model.moe_aux_weight=0"])}
 
 
-def train(out: Path, steps: int, eval_every: int) -> None:
+def train(out: Path, steps: int, eval_every: int, warmup: int) -> None:
     procs = []
     for name, (config, extra) in RUNS.items():
         cmd = [sys.executable, "-m", "jaxdist.train", "--config", config, "--cpu-devices", "1", "--mesh", "fsdp=1",
                "--run-dir", str(out / name), f"train.steps={steps}", f"train.eval_every={eval_every}",
+               f"optim.warmup_steps={warmup}", f"train.log_every={max(1, eval_every // 2)}",
                "checkpoint.every=0", *extra]
         log = open(out / f"{name}.log", "w")
         procs.append(subprocess.Popen(["nice", "-n", "10", *cmd], stdout=log, stderr=subprocess.STDOUT, env=os.environ))
@@ -86,13 +87,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/moe_study")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=50, help="optim.warmup_steps")
     p.add_argument("--balance-step", type=int, default=200)
     p.add_argument("--report", action="store_true", help="only read existing run folders")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        train(out, args.steps, args.eval_every)
+        train(out, args.steps, args.eval_every, args.warmup)
     print(json.dumps(report(out, args.balance_step)))
     return 0
 
