@@ -95,6 +95,16 @@ class ModelConfig:
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: Literal["none", "full", "dots_saveable"] = "none"  # activation recomputation per block
+    moe_experts: NonNegative = 0  # mixture of experts (models/moe.py): experts per sparse layer; 0 = dense
+    moe_topk: Positive = 2  # experts each token is routed to
+    moe_every: Positive = 1  # every n-th layer's MLP is sparse (n divides num_layers)
+    moe_shared_experts: NonNegative = 0  # always-on experts (DeepSeek), each of inner dim moe_mlp_dim
+    moe_mlp_dim: NonNegative = 0  # expert SwiGLU inner dim; 0 = mlp_dim
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"  # gate scores before top-k; kept weights renormalised
+    moe_dispatch: Literal["dropless", "capacity"] = "dropless"  # capacity: overflow tokens dropped (counted)
+    moe_capacity_factor: PositiveFloat = 1.25  # capacity dispatch: slots per expert / (tokens x topk / experts)
+    moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight
+    moe_z_weight: NonNegativeFloat = 0.001  # router z-loss weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +406,21 @@ def validate(cfg: Config) -> None:
     _validate_rules(cfg.mesh.rules)
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
+    validate_moe(m)
+
+
+def validate_moe(m: ModelConfig) -> None:
+    if m.moe_experts < 0 or m.moe_shared_experts < 0 or m.moe_mlp_dim < 0:
+        raise JaxdistError("model.moe_experts, model.moe_shared_experts and model.moe_mlp_dim must be >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_topk <= m.moe_experts:
+        raise JaxdistError(f"model.moe_topk={m.moe_topk} must be between 1 and model.moe_experts={m.moe_experts}")
+    if m.moe_every < 1 or m.num_layers % m.moe_every:
+        raise JaxdistError(f"model.moe_every={m.moe_every} must be >= 1 and divide model.num_layers="
+                           f"{m.num_layers} (every n-th layer is sparse)")
+    if m.moe_capacity_factor <= 0 or m.moe_aux_weight < 0 or m.moe_z_weight < 0:
+        raise JaxdistError("model.moe_capacity_factor must be > 0, model.moe_aux_weight and model.moe_z_weight >= 0")
 
 
 def _validate_rules(rules: dict[str, list[str]]) -> None:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.models.moe import metrics_from_sums
+
 
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
@@ -26,6 +28,31 @@ def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, 
     return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
 
 
+def model_outputs(out):
+    """A model returns logits, or (logits, aux): aux['objective'] is a token-weighted sum added to the
+    training loss (MoE balance and z losses), the other entries are summed statistics for the logs."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def logits_fn(apply_fn: Callable) -> Callable:
+    return lambda params, x: model_outputs(apply_fn(params, x))[0]
+
+
+def objective_sums(apply_fn: Callable, params, tokens_BT1):
+    """The training objective: `token_loss_sums` plus the model's auxiliary objective. Returns
+    (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up."""
+    aux = {}
+
+    def logits_only(p, x):  # the aux outputs leave through `aux` within this same trace
+        logits, a = model_outputs(apply_fn(p, x))
+        aux.update(a)
+        return logits
+
+    loss, count = token_loss_sums(logits_only, params, tokens_BT1)
+    stats = {k: v for k, v in aux.items() if k != "objective"}
+    return loss + aux.get("objective", 0.0), (loss, count, stats)
+
+
 def split_microbatches(x_B, microbatches: int):
     """(B, ...) -> (M, B/M, ...) taking rows m, m+M, ...: each device keeps its own rows (no resharding).
     Used for gradient accumulation and for the pipeline's micro-batches."""
@@ -35,20 +62,27 @@ def split_microbatches(x_B, microbatches: int):
 def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int):
     """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
     Returns (grad_sum, loss_sum, token_count)."""
-    grad_fn = jax.value_and_grad(lambda p, t: token_loss_sums(apply_fn, p, t), has_aux=True)
+    return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches)[:3]
+
+
+def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int):
+    """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
+    Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy."""
+    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t), has_aux=True)
     if microbatches == 1:
-        (loss, count), grads = grad_fn(params, tokens_BT1)
-        return grads, loss, count
+        (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
+        return grads, loss, count, stats
 
     def body(carry, tokens):
-        g_acc, l_acc, n_acc = carry
-        (loss, count), grads = grad_fn(params, tokens)
-        return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, n_acc + count), None
+        (_, (loss, count, stats)), grads = grad_fn(params, tokens)
+        return jax.tree.map(jnp.add, carry, (grads, loss, count, stats)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss, count), _ = jax.lax.scan(body, init, split_microbatches(tokens_BT1, microbatches))
-    return grads, loss, count
+    micro = split_microbatches(tokens_BT1, microbatches)
+    shapes = jax.eval_shape(lambda p, t: grad_fn(p, t)[0][1][2], params, micro[0])
+    zeros = jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    init = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    (grads, loss, count, stats), _ = jax.lax.scan(body, init, micro)
+    return grads, loss, count, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +101,6 @@ class GradientStage:
 def implicit_gradients(apply_fn: Callable, microbatches: int) -> GradientStage:
     """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
     def apply(params, tokens, state, step):
-        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
-        return jax.tree.map(lambda g: g / count, grads), loss / count, state, {}
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches)
+        return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
     return GradientStage(init=lambda params: (), apply=apply)

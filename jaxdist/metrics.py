@@ -28,8 +28,9 @@ DEVICE_KINDS = {"h200": "h200-141gb", "h100": "h100-80gb", "a100": "a100-80gb",
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
+    """MoE models count the active parameters only (router + the K routed experts + shared ones)."""
     counts = count_params(cfg)
-    matmul_params = counts["total"] - counts["embed"] + (counts["embed"] if cfg.tie_embeddings else 0)
+    matmul_params = counts["active"] - counts["embed"] + (counts["embed"] if cfg.tie_embeddings else 0)
     attention = 12 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.head_dim
     return 6.0 * matmul_params + attention
 

@@ -19,7 +19,7 @@ from jaxdist.mesh import axis_size
 Rules = Mapping[str, tuple[str, ...]]
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp", "ep"),  # ep ranks hold different tokens (dense parts: data parallel)
     "seq": (),
     "embed": ("fsdp",),
     "mlp": ("tp",),
@@ -29,6 +29,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tp",),
     "layers": (),
     "stage": ("pp",),
+    "expert": ("ep",),
 }
 
 

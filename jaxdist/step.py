@@ -22,10 +22,10 @@ from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
-from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
+from jaxdist.gradients import GradientStage, implicit_gradients, logits_fn, token_loss_sums
 from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import pipeline, reduce
+from jaxdist.parallel import moe as moe_parallel, pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -78,7 +78,7 @@ def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
     if cfg.train.global_batch % per_step:
         raise JaxdistError(
             f"train.global_batch={cfg.train.global_batch} must be divisible by train.microbatches="
-            f"{cfg.train.microbatches} x {shards} batch shards (dp*fsdp); use a multiple of {per_step}"
+            f"{cfg.train.microbatches} x {shards} batch shards (dp*fsdp*ep); use a multiple of {per_step}"
         )
 
 
@@ -90,6 +90,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     """
     rules = sharding.make_rules(cfg.mesh.rules)
     check_batch(cfg, mesh, rules)
+    moe_parallel.check(cfg, mesh)
     model = resolve(cfg, mesh, rules)
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
@@ -142,7 +143,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return tree_where(ok, new, old), metrics
 
     def eval_step(params, tokens):
-        return token_loss_sums(apply_fn, params, tokens)
+        return token_loss_sums(logits_fn(apply_fn), params, tokens)  # eval: cross-entropy only
 
     with jax.set_mesh(mesh):
         jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)

@@ -106,11 +106,15 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     from jaxdist.mesh import format_mesh
     from jaxdist.models.llama import count_params
     p_bytes, o_bytes = param_and_state_bytes(prog)
-    n = count_params(cfg.model)["total"]
+    counts = count_params(cfg.model)
+    n = counts["total"]
     mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
+    active = (f" ({counts['active'] / 1e6:.2f}M active: {cfg.model.moe_experts} experts, top-"
+              f"{cfg.model.moe_topk}, {cfg.model.moe_dispatch}; FLOPs and MFU count active)"
+              if cfg.model.moe_experts else "")
     lines = [
         f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
-        f"model {n / 1e6:.2f}M params; per device: params {p_bytes / 2**20:.1f} MiB, "
+        f"model {n / 1e6:.2f}M params{active}; per device: params {p_bytes / 2**20:.1f} MiB, "
         f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",

@@ -6,9 +6,10 @@ from jaxdist.errors import JaxdistError
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("dp=4,fsdp=2", {"dp": 4, "pp": 1, "fsdp": 2, "tp": 1}),
-    ("fsdp=2,dp=4", {"dp": 4, "pp": 1, "fsdp": 2, "tp": 1}),
-    ("tp=2,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 4, "tp": 2}),
+    ("dp=4,fsdp=2", {"dp": 4, "pp": 1, "fsdp": 2, "ep": 1, "tp": 1}),
+    ("fsdp=2,dp=4", {"dp": 4, "pp": 1, "fsdp": 2, "ep": 1, "tp": 1}),
+    ("tp=2,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "tp": 2}),
+    ("ep=4,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 2, "ep": 4, "tp": 1}),
     ("", None),
 ])
 def test_parse(text, expected):
@@ -21,7 +22,7 @@ def test_parse(text, expected):
 
 @pytest.mark.parametrize("text, message", [
     ("dp=4,fsdp=8", "needs 32 devices but there are 8"),
-    ("dp=2,ep=4", "unknown mesh axis 'ep'"),
+    ("dp=2,xp=4", "unknown mesh axis 'xp'"),
     ("dp=-1,fsdp=-1", "only one mesh axis may be -1"),
     ("dp=0,fsdp=8", "must be positive"),
     ("dp=-2,fsdp=4", "must be positive"),
@@ -37,7 +38,7 @@ def test_parse_errors(text, message):
 
 def test_mesh_is_auto_and_keeps_tp_innermost():
     m = mesh.mesh_from_string("dp=2,fsdp=2,tp=2")
-    assert m.axis_names == ("dp", "pp", "fsdp", "tp")
+    assert m.axis_names == ("dp", "pp", "fsdp", "ep", "tp")
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
     ids = [[d.id for d in row] for row in m.devices.reshape(-1, 2)]
     assert all(b - a == 1 for a, b in ids)  # tp pairs are neighbouring devices

@@ -9,7 +9,8 @@ from jaxdist.errors import JaxdistError
 def test_rules_to_specs():
     rules = sharding.make_rules()
     assert sharding.logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tp")
-    assert sharding.logical_to_spec(("batch", None), rules) == P(("dp", "fsdp"), None)
+    assert sharding.logical_to_spec(("batch", None), rules) == P(("dp", "fsdp", "ep"), None)
+    assert sharding.logical_to_spec(("expert", "embed", "mlp"), rules) == P("ep", "fsdp", "tp")
     assert sharding.logical_to_spec(("layers", "embed"), rules) == P(None, "fsdp")
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.models import moe
 from jaxdist.sharding import Rules, constrain
 
 REMAT_POLICIES = {
@@ -175,24 +176,49 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs, sparse: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rules, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
-        self.mlp = MLP(cfg, rules, rngs)
-        self.rules = rules
+        self.mlp = moe.MoE(cfg, rules, rngs) if sparse else MLP(cfg, rules, rngs)
+        self.rules, self.sparse = rules, sparse
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
+        """-> x_BTD; a sparse (MoE) block returns (x_BTD, aux losses)."""
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T, segment_ids_BT)
-        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-        return constrain(x_BTD, ("batch", "seq", None), self.rules)
+        y_BTD, aux = self.mlp(self.mlp_norm(x_BTD)) if self.sparse else (self.mlp(self.mlp_norm(x_BTD)), None)
+        x_BTD = constrain(x_BTD + y_BTD, ("batch", "seq", None), self.rules)
+        return x_BTD if aux is None else (x_BTD, aux)
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
         a_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH, index,
                                                  mask_BTS)
         x_BTD = x_BTD + a_BTD
-        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        y_BTD = self.mlp(self.mlp_norm(x_BTD))
+        x_BTD = x_BTD + (y_BTD[0] if self.sparse else y_BTD)
         return constrain(x_BTD, ("batch", "seq", None), self.rules), k_BSKH, v_BSKH
+
+
+class SparseGroup(nnx.Module):
+    """model.moe_every = n > 1: the scanned unit is n layers, the last of them sparse."""
+
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+        n = cfg.moe_every
+        self.layers = nnx.List([Block(cfg, rules, rngs, sparse=i == n - 1) for i in range(n)])
+
+    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
+        for block in self.layers[:-1]:
+            x_BTD = block(x_BTD, positions_T, segment_ids_BT)
+        return self.layers[-1](x_BTD, positions_T, segment_ids_BT)
+
+
+def scanned_unit(cfg: ModelConfig):
+    """(module class, how many are stacked): Block per layer, or a SparseGroup per moe_every layers."""
+    if not cfg.moe_experts:
+        return Block, cfg.num_layers
+    if cfg.moe_every == 1:
+        return (lambda c, r, g: Block(c, r, g, sparse=True)), cfg.num_layers
+    return SparseGroup, cfg.num_layers // cfg.moe_every
 
 
 class Llama(nnx.Module):
@@ -203,11 +229,13 @@ class Llama(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         self.embed_VD = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
+        unit, stacked = scanned_unit(cfg)
+
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(key):
-            return Block(cfg, self.rules, nnx.Rngs(params=key))
+            return unit(cfg, self.rules, nnx.Rngs(params=key))
 
-        self.blocks = make_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        self.blocks = make_blocks(jax.random.split(rngs.params(), stacked))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -223,6 +251,10 @@ class Llama(nnx.Module):
     def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
         `segment_ids_BT` (packed documents), attention stays inside a segment and positions restart."""
+        return self.run_layers_aux(x_BTD, blocks, segment_ids_BT)[0]
+
+    def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None):
+        """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense)."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
         if segment_ids_BT is None:
             positions_T = jnp.arange(x_BTD.shape[1])
@@ -231,12 +263,12 @@ class Llama(nnx.Module):
             positions_T = document_positions(segment_ids_BT)
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT), None
+            out = nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT)
+            return out if isinstance(out, tuple) else (out, None)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
-        return x_BTD
+        return jax.lax.scan(body, x_BTD, stacked)
 
     def logits(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)
@@ -245,7 +277,10 @@ class Llama(nnx.Module):
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
 
     def __call__(self, tokens_BT, segment_ids_BT=None):
-        return self.logits(self.run_layers(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT))
+        """-> logits_BTV; with MoE layers (logits_BTV, aux) (jaxdist.gradients adds aux['objective'])."""
+        x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT)
+        logits_BTV = self.logits(x_BTD)
+        return logits_BTV if aux is None else (logits_BTV, moe.combine_layers(aux))
 
     def decode(self, tokens_BT, positions_BT, cache_k_LBSKH, cache_v_LBSKH, index, mask_BTS):
         """KV-cache forward of a chunk of tokens (the prompt, then one token at a time) written at cache
@@ -273,5 +308,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
     embed = V * D
     head = 0 if cfg.tie_embeddings else D * V
-    return {"embed": embed, "layers": L * per_layer, "head": head, "final_norm": D,
-            "total": embed + L * per_layer + head + D}
+    sparse = L // cfg.moe_every if cfg.moe_experts else 0  # MoE layers replace their MLP
+    moe_total, moe_active = moe.count_moe_layer(cfg) if sparse else (0, 0)
+    layers = L * per_layer + sparse * (moe_total - 3 * D * F)
+    total = embed + layers + head + D
+    return {"embed": embed, "layers": layers, "head": head, "final_norm": D, "total": total,
+            "active": total - sparse * (moe_total - moe_active)}

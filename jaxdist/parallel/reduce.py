@@ -26,7 +26,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import GradientStage, accumulate_gradients, implicit_gradients
+from jaxdist.gradients import GradientStage, accumulate_with_stats, implicit_gradients
+from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel import compress
 from jaxdist.resolve import ResolvedModel
 
@@ -143,17 +144,17 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches)
         loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
         mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
         summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)
-        return summed, loss / count, jax.tree.map(lambda s: s[None], state)
+        extra = metrics_from_sums(jax.lax.psum(stats, axis), count)  # model statistics (MoE), all replicas
+        return summed, loss / count, jax.tree.map(lambda s: s[None], state), extra
 
     def apply(params, tokens, state, step):
         fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P(axis), P(axis), P()),
-                           out_specs=(P(), P(), P(axis)), axis_names={axis}, check_vma=False)
-        grads, loss, state = fn(params, tokens, state, step)
-        return grads, loss, state, {}
+                           out_specs=(P(), P(), P(axis), P()), axis_names={axis}, check_vma=False)
+        return fn(params, tokens, state, step)
 
     def init(params):  # every replica starts from the same state
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), reducer.init(params))

@@ -24,6 +24,11 @@ every backend):
   tied table twice when tp > 1, observed) and their gradients reduced like a layer's. A tied table is
   gathered and reduced once per use (lookup, head). With tp the lookup of the vocab-sharded table is a
   masked gather + all-reduce of B·T·D over tp, and the head's input gradient is all-reduced over tp.
+- ep (jaxdist.parallel.moe): per MoE layer, an all-to-all of the E·C·D dispatch buffer to the experts
+  and one back, forward and backward (4; +2 with remat=full), C = the capacity of the local tokens
+  (dropless: all of them). Expert weights stay split over ep (gathered over fsdp only); the other
+  weights are replicated over ep, so their gradients are also reduced over ep (ep is data-parallel
+  for them: the batch is split over dp, fsdp and ep).
 - pp (jaxdist.parallel.pipeline): per pipeline iteration one collective-permute of the micro-batch's
   B·T·D activations forward and one backward; per pass one permute of the whole pass's activations each
   way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are
@@ -36,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from jaxdist.mesh import AXES
+from jaxdist.parallel.moe import a2a_bytes_per_direction
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes
 
@@ -70,7 +77,7 @@ def ring_bytes(kind: str, n: int, full_bytes: float) -> float:
 def step_traffic(lay: Layout) -> list[Traffic]:
     """Every collective of one optimizer step (see the module docstring for where each comes from)."""
     m, mesh, cfg = lay.cfg.model, lay.mesh, lay.cfg
-    fsdp, tp, pp = mesh["fsdp"], mesh["tp"], mesh["pp"]
+    fsdp, tp, pp, ep = mesh["fsdp"], mesh["tp"], mesh["pp"], mesh["ep"]
     T, D = m.seq_len, m.d_model
     passes = lay.accum
     dp_syncs = passes if cfg.reduce.method == "implicit" else 1
@@ -86,19 +93,23 @@ def step_traffic(lay: Layout) -> list[Traffic]:
             out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count))
 
     def reduce_grads(what, full_bytes, count_fsdp, count_dp):
-        if lay.hw.backend == "cpu":
-            add("fsdp", "all-reduce", what, full_bytes, count_fsdp)
+        if lay.hw.backend == "cpu":  # with ep > 1 one all-reduce over the fsdp x ep batch group
+            add("fsdp" if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=fsdp * ep)
         else:
             add("fsdp", "reduce-scatter", what, full_bytes, count_fsdp)
+            add("ep", "all-reduce", what, full_bytes / fsdp, count_fsdp)
         add("dp", "all-reduce", what, full_bytes / fsdp, count_dp)
 
-    # Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces.
-    layer = gathered_layer_bytes(lay)
+    # Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces. Expert weights apart.
+    experts = expert_layer_bytes(lay)
+    layer = gathered_layer_bytes(lay) - experts
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
     add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer, (3 if pp > 1 else 2) * layer_steps)
     reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
+    if experts:
+        expert_traffic(lay, add, experts, layer_steps, implicit=dp_syncs == passes)
 
     # Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two uses,
     # each gathered and with its gradient reduced separately (as compiled).
@@ -124,11 +135,37 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     return out
 
 
+def expert_layer_bytes(lay: Layout) -> float:
+    """One MoE layer's expert weights after the fsdp all-gather (split by ep and tp), float32, averaged
+    over all layers (moe_every), as `gathered_layer_bytes`."""
+    L = lay.cfg.model.num_layers
+    return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model)
+               if g.role == "layer" and "expert" in g.names)
+
+
+def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit: bool) -> None:
+    """ep collectives and the expert weights' fsdp ones (module docstring), through `add`. Expert
+    weights are gathered by hand inside the dispatch shard_map: once per application (the backward
+    reuses the gathered copy; remat=full gathers again), their gradients reduce-scattered (every backend)."""
+    m, ep = lay.cfg.model, lay.mesh["ep"]
+    remat, n = int(m.remat == "full"), m.moe_every
+    sparse_steps = layer_steps // n
+    per_sparse = experts * n  # `experts` is averaged over all layers
+    add("fsdp", "all-gather", "expert weights (fwd)", per_sparse, (1 + remat) * sparse_steps)
+    add("fsdp", "reduce-scatter", "expert gradients", per_sparse, sparse_steps)
+    add("dp", "all-reduce", "expert gradients", per_sparse / lay.mesh["fsdp"],
+        sparse_steps if implicit else m.num_layers // n)
+    if ep > 1:
+        tokens = lay.micro_batch * m.seq_len
+        buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
+        add("ep", "all-to-all", "MoE dispatch + combine (fwd + bwd)", buffer, (4 + 2 * remat) * sparse_steps)
+
+
 def link_bandwidth(lay: Layout, axis: str) -> float:
     """Fast links if the axis's device groups stay inside one node / slice, else the slow network.
-    Axes are laid out dp, pp, fsdp, tp from slowest to fastest (jaxdist.mesh), so an axis's group spans
+    Axes are laid out dp, pp, fsdp, ep, tp from slowest to fastest (jaxdist.mesh), so an axis's group spans
     its size times the sizes of the faster axes."""
-    order = ("dp", "pp", "fsdp", "tp")
+    order = AXES
     span = lay.mesh[axis]
     for inner in order[order.index(axis) + 1:]:
         span *= lay.mesh[inner]

@@ -22,8 +22,10 @@ import math
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.metrics import flops_per_token
+from jaxdist.models.llama import count_params
 from jaxdist.planner import comms, memory
 from jaxdist.planner.hardware import Hardware
+from jaxdist.mesh import AXES
 from jaxdist.planner.layout import Layout, param_table
 
 
@@ -67,10 +69,11 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     tokens = lay.cfg.train.global_batch * m.seq_len
     model = flops_per_token(m) * tokens
     head = 6 * m.d_model * m.vocab_size * tokens
-    layer_params = sum(g.size for g in param_table(m) if g.role == "layer")
+    counts = count_params(m)  # MoE: the recompute runs the active parameters only
+    layer_params = sum(g.size for g in param_table(m) if g.role == "layer") - (counts["total"] - counts["active"])
     recompute = m.remat == "full" or mesh["pp"] > 1
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
-    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["tp"])
+    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"])
 
 
 def estimate(lay: Layout, family: str = "") -> Estimate:
@@ -118,9 +121,17 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     out += [("PPxFSDP", dict(pp=p, fsdp=devices // p)) for p in pps if devices // p > 1]
     out += [("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps
             if devices % (p * t) == 0]
+    if cfg.model.moe_experts:  # expert parallelism: experts over ep (inside a node), fsdp or tp beside it
+        eps = [e for e in _powers_of_two(min(cfg.model.moe_experts, node), 2)
+               if devices % e == 0 and cfg.model.moe_experts % e == 0]
+        out = [(n, m) for n, m in out if not m.get("pp")]  # MoE runs without a pipeline (parallel/moe.py)
+        out += [("EP", dict(ep=e, dp=devices // e)) for e in eps]
+        out += [("EPxFSDP", dict(ep=e, fsdp=devices // e)) for e in eps if devices // e > 1]
+        out += [("EPxTPxFSDP", dict(ep=e, tp=t, fsdp=devices // (e * t))) for e in eps for t in tps
+                if devices % (e * t) == 0 and e * t <= node]
     if devices == 1:
         out = [("single", {})]
-    full = lambda m: {a: m.get(a, 1) for a in ("dp", "pp", "fsdp", "tp")}  # noqa: E731
+    full = lambda m: {a: m.get(a, 1) for a in AXES}  # noqa: E731
     return [(name, full(m)) for name, m in out]
 
 
@@ -138,7 +149,7 @@ def best_for_mesh(cfg: Config, mesh: dict[str, int], hw: Hardware, family: str) 
     with the fastest number of pipeline micro-batches; if nothing fits, the setting needing the least
     memory. None if the mesh cannot run this model and batch at all."""
     found = []
-    local = cfg.train.global_batch // max(1, math.prod(mesh[a] for a in ("dp", "fsdp")))
+    local = cfg.train.global_batch // max(1, math.prod(mesh[a] for a in ("dp", "fsdp", "ep")))
     pipe = _powers_of_two(max(local, 1), mesh["pp"]) if mesh["pp"] > 1 else [0]
     for accum in _powers_of_two(max(local, 1)):
         trials = []

@@ -134,8 +134,11 @@ class Layout:
         return n * (self.mesh["pp"] if group.role == "layer" else 1)
 
     def tp_shards(self, group: ParamGroup) -> int:
-        """How many ways tp splits `group` (its size after the fsdp all-gather is size / this)."""
-        return _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), "tp")
+        """How many ways tp (and, for expert weights, ep) splits `group`: its size after the fsdp
+        all-gather is size / this (experts stay split over ep: jaxdist.parallel.moe)."""
+        rules, mesh = tuple(self.rules.items()), tuple(self.mesh.items())
+        ep = _split(group, rules, mesh, "ep") if "expert" in group.names else 1
+        return _split(group, rules, mesh, "tp") * ep
 
     def validate(self) -> None:
         """Raise JaxdistError if this layout cannot run (divisibility of batch, layers, heads)."""

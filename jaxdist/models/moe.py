@@ -1,0 +1,128 @@
+"""Sparse mixture-of-experts feed-forward block: linear router, top-K gating, SwiGLU experts.
+
+Shapes: B batch, T sequence, D d_model, E experts, K chosen per token, F expert inner dim.
+The router scores each token (softmax, or sigmoid as in DeepSeek-V3), keeps its K best experts and
+renormalises their scores into gates that sum to 1. Expert weights carry the logical `expert` axis
+(rule `expert -> ep`); `jaxdist.parallel.moe` sends tokens to their experts and back.
+Optional shared experts (DeepSeek) see every token; S of them are one SwiGLU of inner dim S·F.
+
+Auxiliary losses, returned as token-weighted sums so that micro-batch / replica sums add up exactly:
+- load balancing (Switch, Fedus et al. 2021, eq. 4): E · sum_e f_e · P_e, with f_e the fraction of
+  the K·T assignments routed to e and P_e the mean router probability of e. It is computed per
+  sequence (as DeepSeek-V3's sequence-wise balance loss), which makes it independent of how the batch
+  is split over micro-batches or devices.
+- router z-loss (ST-MoE, Zoph et al. 2022): logsumexp of the router logits, squared, per token.
+Both are averaged over the MoE layers and weighted by `model.moe_aux_weight` / `model.moe_z_weight`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.parallel.moe import expert_ffn
+from jaxdist.sharding import Rules, constrain
+
+EXPERT_NAMES = ("expert", "embed", "mlp")
+
+
+def expert_dim(cfg: ModelConfig) -> int:
+    return cfg.moe_mlp_dim or cfg.mlp_dim
+
+
+def _param(rngs, init, shape, names):
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
+
+
+def _matmul(x, w):  # tokens flattened: a 2-D matmul (see llama.token_matmul)
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def scores(logits_BTE, router: str):
+    return jax.nn.softmax(logits_BTE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_BTE)
+
+
+def route(logits_BTE, topk: int, router: str):
+    """-> (expert ids (B,T,K), gates (B,T,K)): the K best scores, renormalised to sum to 1."""
+    top_BTK, idx_BTK = jax.lax.top_k(scores(logits_BTE, router), topk)
+    return idx_BTK, top_BTK / jnp.sum(top_BTK, axis=-1, keepdims=True)
+
+
+def balance_loss_sum(counts_BE, logits_BTE, topk: int, router: str):
+    """Per-sequence Switch loss E·sum_e f_e P_e, summed over sequences with weight T (token-weighted).
+    counts_BE: assignments per sequence and expert; P from the scores normalised per token."""
+    T, E = logits_BTE.shape[1], logits_BTE.shape[2]
+    s_BTE = scores(logits_BTE, router)
+    p_BE = (s_BTE / jnp.sum(s_BTE, axis=-1, keepdims=True)).mean(1)
+    return T * E * jnp.sum(counts_BE / (T * topk) * p_BE)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        E, D, F = cfg.moe_experts, cfg.d_model, expert_dim(cfg)
+        self.router_DE = _param(rngs, init, (D, E), ("embed", None))
+        self.w_gate_EDF = _param(rngs, init, (E, D, F), EXPERT_NAMES)
+        self.w_up_EDF = _param(rngs, init, (E, D, F), EXPERT_NAMES)
+        self.w_down_EFD = _param(rngs, out_init, (E, F, D), ("expert", "mlp", "embed"))
+        if cfg.moe_shared_experts:
+            S = cfg.moe_shared_experts * F
+            self.shared_gate_DS = _param(rngs, init, (D, S), ("embed", "mlp"))
+            self.shared_up_DS = _param(rngs, init, (D, S), ("embed", "mlp"))
+            self.shared_down_SD = _param(rngs, out_init, (S, D), ("mlp", "embed"))
+        self.topk, self.router, self.shared = cfg.moe_topk, cfg.moe_router, cfg.moe_shared_experts
+        self.factor = None if cfg.moe_dispatch == "dropless" else cfg.moe_capacity_factor
+        self.weights = (cfg.moe_aux_weight, cfg.moe_z_weight)
+        self.rules = rules
+
+    def __call__(self, x_BTD):
+        """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
+        logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
+        route_fn = functools.partial(route, topk=self.topk, router=self.router)
+        y_BTD, dropped_B, counts_BE = expert_ffn(x_BTD, logits_BTE, self.w_gate_EDF[...], self.w_up_EDF[...],
+                                                 self.w_down_EFD[...], EXPERT_NAMES, self.rules, self.factor,
+                                                 route_fn)
+        if self.shared:
+            dt = x_BTD.dtype
+            h = jax.nn.silu(_matmul(x_BTD, self.shared_gate_DS[...].astype(dt)))
+            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"),
+                          self.rules)
+            y_BTD = y_BTD + _matmul(h, self.shared_down_SD[...].astype(dt))
+        lb = balance_loss_sum(counts_BE, logits_BTE, self.topk, self.router)
+        z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+        aux = {"objective": self.weights[0] * lb + self.weights[1] * z, "moe_aux_loss": lb, "moe_z_loss": z,
+               "moe_dropped": dropped_B.sum(), "moe_load": counts_BE.sum(0)}
+        return y_BTD, aux
+
+
+def combine_layers(aux_L):
+    """Per-layer aux (leading layer axis) -> the model's: losses averaged over MoE layers, dropped
+    assignments summed, expert loads kept per layer (L, E)."""
+    out = {k: v.mean(0) for k, v in aux_L.items() if k in ("objective", "moe_aux_loss", "moe_z_loss")}
+    return {**out, "moe_dropped": aux_L["moe_dropped"].sum(), "moe_load": aux_L["moe_load"]}
+
+
+def metrics_from_sums(stats: dict, count) -> dict:
+    """Summed statistics of a step (over micro-batches and replicas) -> logged scalars: the two aux
+    losses per token, dropped assignments (count and fraction), and the expert-load coefficient of
+    variation (std/mean of tokens per expert, averaged over layers; 0 = perfectly balanced)."""
+    if "moe_load" not in stats:
+        return {}
+    load_LE = stats["moe_load"]
+    cv = jnp.mean(jnp.std(load_LE, axis=-1) / jnp.mean(load_LE, axis=-1))
+    assignments = jnp.sum(load_LE)  # over layers, like the dropped count
+    return {"moe_aux_loss": stats["moe_aux_loss"] / count, "moe_z_loss": stats["moe_z_loss"] / count,
+            "moe_dropped": stats["moe_dropped"], "moe_dropped_fraction": stats["moe_dropped"] / assignments,
+            "moe_load_cv": cv}
+
+
+def count_moe_layer(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of one MoE feed-forward block: router + experts (+ shared)."""
+    D, E, K, F = cfg.d_model, cfg.moe_experts, cfg.moe_topk, expert_dim(cfg)
+    shared = 3 * D * F * cfg.moe_shared_experts
+    return D * E + 3 * D * F * E + shared, D * E + 3 * D * F * K + shared

@@ -1,0 +1,150 @@
+"""Expert parallelism over the `ep` mesh axis: tokens go to their experts' devices and back by all-to-all.
+
+One `jax.shard_map`, manual over every mesh axis that is not manual already (the explicit dp
+reduction may have made dp manual outside). Expert weights (E, D, F) carry logical names
+('expert', 'embed', 'mlp'): the expert dim stays split over ep (each device owns E/ep experts), the
+fsdp shards of `embed` are all-gathered here by hand, and the tp-split inner dim `mlp` stays split
+(Megatron: each tp rank computes a slice of F, the output is summed over tp). Per device:
+
+  N local tokens, their top-K experts (N, K) and renormalised gates (N, K)
+  -> slot of each assignment in its expert's buffer: a stable sort by expert gives its rank in the
+     group; assignments are ordered all first choices, then all second ones (GShard), so when a buffer
+     overflows it is the weaker choices that drop
+  -> dispatch buffer (E, C, D), C slots per expert; assignments ranked past C are dropped (counted)
+  -> all_to_all over ep: split by destination device, received as (ep sources, E/ep, C, D)
+  -> SwiGLU of each local expert over its ep·C rows (one batched matmul per weight)
+  -> all_to_all back, combine: y_n = sum_k gate_nk * out[e_nk, slot_nk]
+
+Dispatch modes: capacity, C = ceil(factor · N·K / E); dropless (default), C = N: a token sends at most
+one row to any expert (its K choices are distinct), so no assignment can ever be dropped. Dropless
+pads every expert's buffer to that worst case because XLA:CPU cannot run a ragged all-to-all
+(`ragged-all-to-all` is UNIMPLEMENTED in its thunk emitter, jax 0.10.2): each direction sends E·N·D
+elements per device (capacity: E·C·D; a perfectly balanced ragged exchange would send K·N·D).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.sharding import Rules, drop_axes, logical_to_spec, make_rules
+
+EXPERT, INNER = "expert", "mlp"  # logical names of the expert dim and the tp-split inner dim
+
+
+def capacity(tokens: int, experts: int, topk: int, factor: float | None) -> int:
+    """Slots per expert for `tokens` local tokens: dropless (factor None) = tokens, the worst case."""
+    if factor is None:
+        return tokens
+    return max(1, min(tokens, math.ceil(factor * tokens * topk / experts)))
+
+
+def a2a_bytes_per_direction(tokens: int, cfg_model, dtype_bytes: int, ep: int) -> float:
+    """Bytes one device sends per all-to-all of one MoE layer (ring model, (ep-1)/ep of the buffer)."""
+    m = cfg_model
+    factor = None if m.moe_dispatch == "dropless" else m.moe_capacity_factor
+    C = capacity(tokens, m.moe_experts, m.moe_topk, factor)
+    return m.moe_experts * C * m.d_model * dtype_bytes * (ep - 1) / ep
+
+
+def check(cfg: Config, mesh) -> None:
+    """MoE constraints that need the mesh, as one-line errors."""
+    m = cfg.model
+    if not m.moe_experts:
+        return
+    if mesh.shape.get("pp", 1) > 1:
+        raise JaxdistError("model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
+                           "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models")
+    rules = make_rules(cfg.mesh.rules)
+    ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
+    if m.moe_experts % ep:
+        raise JaxdistError(f"model.moe_experts={m.moe_experts} experts cannot be split over ep={ep} devices; "
+                           f"use an ep that divides {m.moe_experts}")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def route_slots(idx_NK, experts: int, C: int):
+    """Slot (expert·C + rank) of each assignment, flattened first choices first: (K·N,) int32, with
+    E·C for dropped ones, and the keep mask. Rank = position among its expert's assignments in a
+    stable sort by expert."""
+    e = idx_NK.T.reshape(-1)  # (K·N,), k-major
+    order = jnp.argsort(e, stable=True)
+    counts = jnp.bincount(e, length=experts)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(e.shape[0], dtype=jnp.int32) - starts[e[order]].astype(jnp.int32)
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    keep = rank < C
+    return jnp.where(keep, e * C + rank, experts * C).astype(jnp.int32), keep
+
+
+def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes):
+    """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
+    on local tokens: left to the automatic partitioner it all-gathers the router scores."""
+    idx_BTK, gate_BTK = route(logits_BTE)
+    B, T, D = x_BTD.shape
+    K = idx_BTK.shape[-1]
+    N = B * T
+    for i, axes in gather:  # the fsdp shards of the expert weights (and their gradients' reduce-scatter)
+        w_gate, w_up = (jax.lax.all_gather(w, axes, axis=i, tiled=True) for w in (w_gate, w_up))
+    for i, axes in gather:
+        w_down = jax.lax.all_gather(w_down, axes, axis=2 if i == 1 else 1, tiled=True)
+    x_ND = x_BTD.reshape(N, D)
+    C = capacity(N, experts, K, factor)
+    slot, keep = route_slots(idx_BTK.reshape(N, K), experts, C)
+    token = jnp.tile(jnp.arange(N), K)
+    buf = jnp.zeros((experts * C, D), x_ND.dtype).at[slot].set(x_ND[token], mode="drop")
+    ep = math.prod(jax.lax.axis_size(a) for a in ep_axes) if ep_axes else 1
+    El = experts // ep
+    buf = buf.reshape(ep, El * C, D)
+    if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
+        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
+    rows_ERD = buf.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
+    dt = x_BTD.dtype
+    h = jax.nn.silu(jnp.einsum("erd,edf->erf", rows_ERD, w_gate.astype(dt)))
+    h = h * jnp.einsum("erd,edf->erf", rows_ERD, w_up.astype(dt))
+    out_ERD = jnp.einsum("erf,efd->erd", h, w_down.astype(dt))
+    out = out_ERD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, El * C, D)
+    if ep > 1:  # back to the devices the tokens came from
+        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+    picked = jnp.take(out.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
+    gate = gate_BTK.reshape(N, K).T.reshape(-1, 1).astype(dt)
+    y_ND = (picked * gate).reshape(K, N, D).sum(0)
+    if inner_axes:  # each tp rank computed a slice of the experts' inner dim
+        y_ND = jax.lax.psum(y_ND, inner_axes)
+    dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
+    counts_BE = jax.nn.one_hot(idx_BTK, experts, dtype=jnp.float32).sum((1, 2))
+    return y_ND.reshape(B, T, D), dropped_B, counts_BE
+
+
+def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None,
+               factor: float | None, route):
+    """Route tokens by their router logits and apply the experts. Returns y_BTD, dropped assignments
+    per sequence (B,) and assignments per sequence and expert (B, E).
+    `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless;
+    `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
+    experts = w_gate_EDF.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    kw = dict(route=route, experts=experts, factor=factor)
+    if rules is None or mesh.empty:
+        return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(),
+                      inner_axes=(), **kw)
+    rules = dict(rules)
+    done = set(mesh.manual_axes)
+    manual = frozenset(a for a in mesh.axis_names if a not in done)
+    spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)  # noqa: E731
+    x_spec, w_spec = spec(("batch", "seq", None)), spec(tuple(names))
+    down_spec = P(w_spec[0], w_spec[2], w_spec[1])
+    used = lambda i: _axes(w_spec[i])  # noqa: E731
+    gather = tuple((i, used(i)) for i in (1,) if used(i))
+    body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), **kw)  # noqa: E731
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
+                       out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])), axis_names=manual)
+    return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD)
