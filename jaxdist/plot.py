@@ -57,7 +57,7 @@ def differing_labels(configs: list[dict], names: list[str]) -> list[str]:
     return [", ".join(f"{k}={c.get(k)}" for k in differ) for c in configs]
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -70,7 +70,7 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
     recs, cfg = read_metrics(run_dir), read_config(run_dir)
     if not recs:
         raise JaxdistError(f"{run_dir / 'metrics.jsonl'} has no step records yet; nothing to plot")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     steps = [r["step"] for r in recs]
     ax.plot(steps, [r["loss"] for r in recs], color="tab:blue", alpha=0.35, lw=1, label="train loss")
@@ -112,7 +112,7 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
     """One metric of several runs on one axis; returns the labels used (the differing config keys)."""
     runs = [(Path(d), read_metrics(d), read_config(d)) for d in run_dirs]
     labels = differing_labels([c for _, _, c in runs], [str(d) for d, _, _ in runs])
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for (d, recs, _), label in zip(runs, labels):
         pts = [r for r in recs if r.get(metric) is not None]

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +150,8 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     from jaxdist import report
 
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
+    # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
+    threading.Thread(target=plot.pyplot, daemon=True).start()
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     prog = step.build_program(cfg, mesh)
