@@ -95,14 +95,20 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    method: str = "implicit"  # implicit (XLA inserts it) | dense | topk | powersgd | int8
+    method: str = "implicit"  # implicit (XLA inserts it) | dense | topk | powersgd | int8 | diloco
     dtype: str = "float32"  # dense: float32 | bfloat16
-    ratio: float = 0.01  # topk: fraction of entries kept per tensor
+    ratio: float = 0.01  # topk: fraction of entries kept per chunk of <= 65536
     rank: int = 4  # powersgd
-    start_step: int = 10  # powersgd: dense before this step
+    start_step: int = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)
     error_feedback: bool = True
     block_size: int = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
+    warmup_fraction: float = 0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
+    freeze_variance: bool = True  # topk, powersgd: Adam's second moment frozen after the dense warm-up
+    sync_every: int = 16  # diloco: local steps between outer steps (H)
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradient
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
+    outer_codec: str = "dense"  # diloco: how the pseudo-gradient crosses dp: dense | int8 | topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +150,8 @@ CHOICES = {
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "optim.offload": ("none", "host"),
     "pipeline.schedule": ("gpipe", "circular"),
-    "reduce.method": ("implicit", "dense", "topk", "powersgd", "int8"),
+    "reduce.method": ("implicit", "dense", "topk", "powersgd", "int8", "diloco"),
+    "reduce.outer_codec": ("dense", "int8", "topk"),
     "reduce.dtype": ("float32", "bfloat16"),
 }
 
@@ -152,7 +159,7 @@ POSITIVE = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.head_dim",
     "model.mlp_dim", "model.seq_len", "model.vocab_size", "train.steps", "train.global_batch",
     "train.microbatches", "train.log_every", "optim.reference_batch", "pipeline.repeats",
-    "reduce.rank", "reduce.block_size", "checkpoint.keep", "data.prefetch",
+    "reduce.rank", "reduce.block_size", "checkpoint.keep", "data.prefetch", "reduce.sync_every",
 )
 
 
@@ -287,6 +294,8 @@ def validate(cfg: Config) -> None:
         raise JaxdistError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if not 0 < cfg.reduce.ratio <= 1:
         raise JaxdistError(f"reduce.ratio must be in (0, 1], got {cfg.reduce.ratio}")
+    if not 0 <= cfg.reduce.warmup_fraction < 1 or not 0 <= cfg.reduce.outer_momentum < 1 or cfg.reduce.outer_lr <= 0:
+        raise JaxdistError("reduce.warmup_fraction and reduce.outer_momentum must be in [0, 1), reduce.outer_lr > 0")
     if cfg.optim.lr <= 0 or cfg.optim.warmup_steps < 0 or not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise JaxdistError("optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1]")
     if cfg.train.profile_steps:

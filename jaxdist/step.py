@@ -24,7 +24,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import pipeline, reduce
+from jaxdist.parallel import diloco, pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -93,7 +93,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
-                                     decay_mask(param_names))
+                                     decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh))
 
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout)
@@ -101,6 +101,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         def apply_fn(params, tokens_BT):
             return nnx.merge(graphdef, params)(tokens_BT)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
+    if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
+        tx = diloco.outer_optimizer()
 
     def init_state(seed):
         params = model.init_params(cfg, rules, seed)
@@ -159,6 +161,8 @@ def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedMode
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
         return implicit_gradients(apply_fn, cfg.train.microbatches)
+    if cfg.reduce.method == "diloco" and reduce.check_axis(cfg, mesh, model):
+        return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 
