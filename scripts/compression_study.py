@@ -15,6 +15,7 @@ OUT/table.md and eval loss against cumulative bytes sent to OUT/pareto.png. `--s
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -132,10 +133,12 @@ def main(argv=None) -> int:
     results = json.loads(stored.read_text()) if stored.exists() else []
     for label in [] if args.replot else args.methods:
         row = run_method(label, base, mesh, out)
-        results = [r for r in json.loads(stored.read_text()) if r["label"] != label] if stored.exists() else []
-        results.append(row)
-        results.sort(key=lambda r: list(METHODS).index(r["label"]) if r["label"] in METHODS else 99)
-        stored.write_text(json.dumps(results, indent=1))  # kept as each run ends
+        with open(out / ".lock", "w") as lock:  # methods may run in parallel processes
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            results = [r for r in json.loads(stored.read_text()) if r["label"] != label] if stored.exists() else []
+            results.append(row)
+            results.sort(key=lambda r: list(METHODS).index(r["label"]) if r["label"] in METHODS else 99)
+            stored.write_text(json.dumps(results, indent=1))  # kept as each run ends
         print(f"{label}: done, final loss {row['final_loss']:.4f}", file=sys.stderr, flush=True)
     dense = next((r for r in results if r["label"] == "dense"), None)
     lines = [f"tiny, mesh {args.mesh}, {args.steps} steps, seed {base.train.seed}; steady = after the dense "

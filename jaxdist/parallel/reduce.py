@@ -31,8 +31,8 @@ from jaxdist.gradients import GradientStage, accumulate_gradients, implicit_grad
 from jaxdist.parallel import compress
 from jaxdist.resolve import ResolvedModel
 
-# The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
-# `dp_bytes_per_step` leaves its collectives out, to report the steady state.
+# The dense warm-up branch (topk / powersgd's first `warmup_steps(cfg)` steps) runs under this name
+# scope; `measure.dp_bytes_per_step` leaves its collectives out to report the steady state.
 WARMUP_SCOPE = "reduce_warmup"
 COMPRESSED_SCOPE = "reduce_compressed"  # the branch that replaces it after the warm-up
 SYNC_SCOPE = "reduce_sync"  # collectives that run once per sync period (DiLoCo's outer step)

@@ -1,12 +1,10 @@
 """Communication of one training step: bytes per device, per mesh axis and collective, and its time.
 
-Cost per collective (the JAX scaling book, "Sharded matrices" / "Training" chapters,
-https://jax-ml.github.io/scaling-book/sharding/): over an axis of N devices with link bandwidth W
-(bytes/s out of one device), an all-gather or reduce-scatter of an array of V bytes takes about V/W
-(exactly (N-1)/N·V/W on a ring), an all-reduce 2V/W (a reduce-scatter plus an all-gather), an all-to-all
-(N-1)/N·V/W at best, a collective-permute V/W. We add a latency alpha per collective (alpha-beta model).
-Bytes here are those each device *sends*, costed by `jaxdist.hlo.ring_bytes` (the one ring model), so
-predictions compare directly with `hlo.summarize(hlo.collectives(compiled.as_text()))`.
+Cost per collective: the bytes each device *sends*, by `jaxdist.hlo.ring_bytes` (the one ring model:
+the compiled program's collectives are costed by the same function, so predictions compare directly
+with `hlo.summarize(hlo.collectives(compiled.as_text()))`), over the axis's link bandwidth (the JAX
+scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency alpha per collective
+(alpha-beta model).
 
 What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD partitioner is the same on
 every backend):
