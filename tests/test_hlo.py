@@ -129,3 +129,12 @@ def test_ring_model_is_one_function():
     assert hlo.ring_bytes("all-reduce", 8, 800) == 1400 and hlo.ring_bytes("all-gather", 4, 400) == 300
     assert hlo.ring_bytes("collective-permute", 2, 64) == 64 and hlo.ring_bytes("all-reduce", 1, 64) == 0
     assert hlo.dtype_bytes("bf16") == hlo.dtype_bytes("bfloat16") == 2 and hlo.dtype_bytes("float32") == 4
+
+
+def test_unknown_trip_count_is_refused_not_undercounted():
+    from jaxdist import measure
+    from jaxdist.errors import JaxdistError
+    from jaxdist.mesh import mesh_from_string
+    text = (FIXTURES / "gpu_async.txt").read_text()
+    with pytest.raises(JaxdistError, match="loop without a known trip count \\(body.unknown\\)"):
+        measure.dp_bytes_per_step(text, mesh_from_string("dp=8"))
