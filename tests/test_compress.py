@@ -85,17 +85,18 @@ def test_topk_costs_four_bytes_per_kept_entry(small_cfg, dp8):
     assert per_entry == pytest.approx(4.0, rel=1e-12)
 
 
-def test_train_step_bytes_and_run_average(small_cfg, dp8):
+def test_train_step_bytes_and_run_average(tiny_cfg, dp8):
     """The whole step: the reduction plus the (loss, count) psum; run average over train.steps mixes
     the warm-up's dense steps in: PowerSGD with a 5-step warm-up of 100 steps."""
-    cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=4))
+    base = tiny_cfg.replace(model=MINI_MODEL, train=dict(global_batch=16, steps=100))
+    cfg = base.replace(reduce=dict(method="powersgd", rank=4))
     text = measure.compile_train_step(cfg, dp8).as_text()
     loss_psum = 2 * 7 / 8 * 8
-    reduction = measure.dp_bytes_per_step(reduction_text(small_cfg, dp8, method="powersgd", rank=4), dp8)
+    reduction = measure.dp_bytes_per_step(reduction_text(base, dp8, method="powersgd", rank=4), dp8)
     steady, run = measure.run_bytes_per_step(cfg, dp8, text)
     assert steady == pytest.approx(reduction + loss_psum, rel=1e-12)
     warm = measure.dp_bytes_per_step(text, dp8, phase="warmup")
-    model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
+    model = step.resolve(base, dp8, step.sharding.DEFAULT_RULES)
     assert warm == pytest.approx(sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
                                  + loss_psum, rel=1e-12)
     assert reduce.warmup_steps(cfg) == 5
