@@ -161,8 +161,10 @@ def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedMode
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
         return implicit_gradients(apply_fn, cfg.train.microbatches)
-    if cfg.reduce.method == "diloco" and reduce.check_axis(cfg, mesh, model):
-        return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
+    if cfg.reduce.method == "diloco":  # one replica (warned): nothing to average, train as usual
+        if reduce.check_axis(cfg, mesh, model):
+            return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
+        return implicit_gradients(apply_fn, cfg.train.microbatches)
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 

@@ -272,3 +272,9 @@ def test_diloco_state_is_per_replica_and_refuses_another_dp(mini_cfg, dp8, tmp_p
     other = step.build_program(cfg, mesh_from_string("dp=4,fsdp=2"))
     with pytest.raises(JaxdistError, match=r"reduce.method=diloco state for dp=8, but this mesh has dp=4"):
         checkpoint.restore(tmp_path, other, data.Loader(cfg, other.batch_sharding), cfg)
+
+
+def test_diloco_on_one_replica_warns_and_trains_as_usual(mini_cfg):
+    with pytest.warns(UserWarning, match="reduce.method=diloco does nothing with dp=1") as caught:
+        prog = step.build_program(mini_cfg.replace(reduce=dict(method="diloco")), mesh_from_string("fsdp=8"))
+    assert len(caught) == 1 and prog.gradients.name == "implicit" and prog.abstract_state.reducer_state == ()
