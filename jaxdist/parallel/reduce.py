@@ -199,12 +199,16 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
                                   name=f"explicit-{cfg.reduce.method}")
 
 
-def check_replica_count(saved_state, abstract_state, cfg: Config, where) -> None:
+def check_replica_count(saved_metadata, abstract_state, cfg: Config, where) -> None:
     """Per-replica reducer state (error-feedback residuals, DiLoCo's replicas) is saved with a leading
     replica axis; restoring it onto another replica count is refused with the fix, before orbax fails
-    deep inside. `saved_state`: the checkpoint's metadata tree of the reducer state (shapes)."""
-    saved = [tuple(m.shape) for m in jax.tree.leaves(saved_state) if hasattr(m, "shape") and len(m.shape)]
+    deep inside. `saved_metadata`: the checkpoint's item metadata (shapes of what was saved)."""
     wanted = [tuple(a.shape) for a in jax.tree.leaves(abstract_state) if len(a.shape)]
+    try:
+        saved_state = saved_metadata["train"]["reducer_state"]
+    except (KeyError, TypeError, IndexError):  # nothing per replica was saved
+        return
+    saved = [tuple(m.shape) for m in jax.tree.leaves(saved_state) if hasattr(m, "shape") and len(m.shape)]
     if saved and wanted and saved[0][0] != wanted[0][0]:
         axis = cfg.reduce.axis
         raise JaxdistError(f"checkpoint {where} holds per-replica reduce.method={cfg.reduce.method} state for "
