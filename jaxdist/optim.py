@@ -44,10 +44,7 @@ def decay_mask(names_tree):
                         names_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-FROZEN_FLOOR = 0.01
-
-
-def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step: int):
+def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step: int, floor: float = 0.01):
     """Adam's scaling whose second moment stops updating after `freeze_step` updates (1-bit Adam,
     Tang et al. 2021): Adam is then linear in the gradients, so error-feedback compression telescopes
     through it. Same state as optax.scale_by_adam (checkpoints are interchangeable); identical to it
@@ -66,8 +63,8 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
         def scale(m, v):
             v = v / nu_c
             # A coordinate whose gradient was ~0 through the warm-up (a rare token's embedding row) would
-            # divide by ~eps once frozen: floor it at 1% of its tensor's mean second moment.
-            v = jnp.where(frozen, jnp.maximum(v, FROZEN_FLOOR * jnp.mean(v)), v)
+            # divide by ~eps once frozen: floor it at `floor` times its tensor's mean second moment.
+            v = jnp.where(frozen, jnp.maximum(v, floor * jnp.mean(v)), v)
             return (m / mu_c) / (jnp.sqrt(v) + eps)
         return jax.tree.map(scale, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
@@ -75,7 +72,7 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_mask_tree=None,
-                   freeze_variance_at: int | None = None):
+                   freeze_variance_at: int | None = None, variance_floor: float = 0.01):
     """Returns (optax transformation, schedule). `decay_mask_tree` marks tensors that get weight decay;
     `freeze_variance_at`: Adam's second moment is frozen after that many steps (compressed reducers)."""
     lr = schedule(cfg, total_steps, global_batch)
@@ -86,7 +83,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_
         parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                  mask=decay_mask_tree))
     else:  # optax.adamw's chain with the frozen-variance scaling
-        parts.append(optax.chain(scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at),
+        parts.append(optax.chain(scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at,
+                                                               variance_floor),
                                  optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
                                  optax.scale_by_learning_rate(lr)))
     return optax.chain(*parts), lr

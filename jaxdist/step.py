@@ -93,7 +93,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
-                                     decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh))
+                                     decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh),
+                                     cfg.reduce.variance_floor)
 
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout)
