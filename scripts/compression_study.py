@@ -30,6 +30,7 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "diloco H=16": dict(method="diloco", sync_every=16),
     "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
     "topk 1% Adam (no freeze)": dict(method="topk", ratio=0.01, freeze_variance=False),
+    "powersgd r=4 (no freeze)": dict(method="powersgd", rank=4, freeze_variance=False),
     "topk 1% floor=mean": dict(method="topk", ratio=0.01, variance_floor=1.0),
     "topk 0.1% floor=mean": dict(method="topk", ratio=0.001, variance_floor=1.0),
 }
