@@ -98,7 +98,7 @@ def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
     return rows
 
 
-def plot(results, path: Path):
+def plot(results, path: Path, title: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,7 +112,7 @@ def plot(results, path: Path):
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bytes sent per device across dp")
     ax.set_ylabel("eval loss")
-    ax.set_title("tiny, dp=8: eval loss against bytes sent (same seed, same data)")
+    ax.set_title(f"{title}: eval loss against bytes sent (same seed, same data)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -144,7 +144,10 @@ def main(argv=None) -> int:
             stored.write_text(json.dumps(results, indent=1))  # kept as each run ends
         print(f"{label}: done, final loss {row['final_loss']:.4f}", file=sys.stderr, flush=True)
     dense = next((r for r in results if r["label"] == "dense"), None)
-    lines = [f"tiny, mesh {args.mesh}, {args.steps} steps, seed {base.train.seed}; steady = after the dense "
+    m = base.model
+    title = (f"{args.config or 'tiny'} (d_model {m.d_model}, {m.num_layers} layers, seq {m.seq_len}), mesh {args.mesh}, "
+             f"{args.steps} steps, seed {base.train.seed}")
+    lines = [f"{title}; steady = after the dense "
              "warm-up (DiLoCo: averaged over a sync period), run = averaged over all steps, warm-up included",
              "| method | final train loss | eval loss | eval vs dense | dense warm-up steps | dp bytes/step steady "
              "| dp bytes/step run | ratio steady | ratio run |", "|---|---|---|---|---|---|---|---|---|"]
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    plot(results, out / "pareto.png")
+    plot(results, out / "pareto.png", title)
     print(f"wrote {out / 'table.md'} and {out / 'pareto.png'}")
     return 0
 
