@@ -96,8 +96,12 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     from jaxdist import measure
     from jaxdist.parallel import pipeline
     record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction
-    record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
-    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
+    # Steady state (after a dense warm-up; DiLoCo: averaged over its sync period), and the average over
+    # train.steps with the warm-up included (`_run`): what a whole run saves.
+    steady, run = measure.run_bytes_per_step(cfg, mesh, compiled.as_text())
+    record["dp_bytes_per_step"], record["dp_bytes_per_step_run"] = steady, run
+    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, steady)
+    record["compression_ratio_run"] = record["compression_ratio"] * steady / run if run else record["compression_ratio"]
     return record
 
 

@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.parallel import reduce
 from jaxdist.step import Program, TrainState
 
 SUBDIR = "checkpoints"
@@ -223,6 +224,7 @@ def _restore_step(manager, directory: Path, step: int, prog: Program, loader, cf
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if not params_only:
         check_resume(meta, cfg, where)
+        reduce.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
     abstract = _abstract(prog.abstract_state, prog.state_shardings)
     items = {"params": ocp.args.StandardRestore(abstract.params)}
     if not params_only:

@@ -166,14 +166,21 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    method: Literal["implicit", "dense", "topk", "powersgd", "int8"] = "implicit"  # implicit: XLA inserts it
+    method: Literal["implicit", "dense", "topk", "powersgd", "int8", "diloco"] = "implicit"  # implicit: XLA inserts it
     dtype: Literal["float32", "bfloat16"] = "float32"  # dense: the all-reduce's dtype
-    ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per tensor
+    ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per chunk of <= 65536
     rank: Positive = 4  # powersgd: rank of the low-rank factors
-    start_step: NonNegative = 10  # powersgd: dense before this step
+    start_step: NonNegative = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)
     error_feedback: bool = True  # keep what was not sent and add it next step
     block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
+    warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
+    freeze_variance: bool = True  # topk, powersgd: Adam's second moment frozen after the dense warm-up
+    variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
+    sync_every: Positive = 16  # diloco: local steps between outer steps (H)
+    outer_lr: PositiveFloat = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradient
+    outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
+    outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,15 @@
-"""Collectives read from a compiled program's HLO text: kind, bytes, replica groups, loop trip counts.
+"""Collectives read from a compiled program's HLO text: kind, bytes, replica groups, loop trip counts;
+and the ring model that costs them (the one home of that formula: the planner and the codecs use it).
 
-This is how jaxdist makes communication claims: exact and repeatable on CPU. Bytes sent per device
-use the standard ring model (N = group size, S = the full, gathered size in bytes):
-all-reduce 2(N-1)/N·S; all-gather and reduce-scatter (N-1)/N·S; all-to-all (N-1)/N·S;
-collective-permute S. A collective inside a `while` body counts once per iteration (XLA's
-`known_trip_count`).
+Bytes sent per device are ring-model costs of the compiled collectives (N = group size, S = the full,
+gathered / unreduced size in bytes): all-reduce 2(N-1)/N·S; all-gather, reduce-scatter and
+all-to-all (N-1)/N·S; collective-permute S. S is read from the collective's *operands*, so the
+synchronous form, XLA's asynchronous `-start`/`-done` pairs (`all-gather-start` returns (operands,
+results); `collective-permute-start` adds u32 contexts; reduce-scatter and all-to-all run wrapped in
+`async-start(..., calls=%wrapped)`) and combined collectives over several arrays all count every array
+once. `replica_groups={}` means one group of all devices (read from the module header). A collective
+inside a `while` body counts once per iteration (XLA's `known_trip_count`); one in a loop without a
+known trip count is flagged (`Collective.trips_known`), never silently counted once.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import defaultdict
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Bytes per element by HLO type name; `dtype_bytes` also takes numpy / jax names ("bfloat16").
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 
@@ -25,31 +31,49 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((
 _SHAPE_RE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _CALLS_RE = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# async-done / async-update repeat the start's `calls=`: following them would count its collective twice.
+_NOT_A_CALL = ("async-done", "async-update")
+
+
+def ring_bytes(kind: str, n: int, full_bytes: float) -> float:
+    """Bytes one device sends in a ring collective over n devices on an array of `full_bytes` (S: the
+    gathered / unreduced size): all-reduce 2(N-1)/N·S, all-gather / reduce-scatter / all-to-all
+    (N-1)/N·S, collective-permute S."""
+    if kind == "collective-permute":
+        return float(full_bytes)
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * full_bytes
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of an HLO type name (f32, bf16, s8, ...) or a numpy / jax dtype name."""
+    if name in DTYPE_BYTES:
+        return DTYPE_BYTES[name]
+    import jax.numpy as jnp  # numpy names, bfloat16 included
+    return jnp.dtype(name).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str
-    result_bytes: int  # bytes of the (per-device) result buffer
+    full_bytes: int  # S of the ring model: the full (gathered / unscattered) size, all operands together
     group_size: int
     groups: tuple[tuple[int, ...], ...]  # device ids per group; () if unknown
     count: int  # executions per program run (loop trip counts multiplied in)
     computation: str
+    trips_known: bool = True  # False: inside a while loop without a known trip count (count is a floor)
+    line: str = ""  # the HLO instruction (its metadata names the jax scope it came from)
 
     @property
-    def full_bytes(self) -> int:
-        """S of the ring model: the full (gathered / unscattered) size."""
-        return self.result_bytes * self.group_size if self.kind == "reduce-scatter" else self.result_bytes
+    def result_bytes(self) -> int:
+        """Bytes of one device's result (a reduce-scatter's shard; all operands' results together)."""
+        return self.full_bytes // self.group_size if self.kind == "reduce-scatter" else self.full_bytes
 
     @property
     def sent_bytes(self) -> float:
         """Bytes each device sends for one execution (ring model)."""
-        n, s = self.group_size, self.full_bytes
-        if self.kind == "collective-permute":
-            return float(s)
-        if n <= 1:
-            return 0.0
-        return (2.0 if self.kind == "all-reduce" else 1.0) * (n - 1) / n * s
+        return ring_bytes(self.kind, self.group_size, self.full_bytes)
 
 
 def shape_bytes(text: str) -> list[int]:
@@ -93,6 +117,51 @@ def parse_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
     return ()
 
 
+def _type_tree(text: str):
+    """An HLO result type -> nested lists of element counts x bytes: 'f32[4]' -> 16,
+    '(f32[4], (s32[2], u32[]))' -> [16, [8, 4]]. Layouts and /*index=5*/ comments are dropped."""
+    text = re.sub(r"/\*.*?\*/|\{[^{}]*\}", "", text)
+    tokens = re.findall(r"\(|\)|\w+\[[\d,]*\]", text)
+    pos = 0
+
+    def item():
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok != "(":
+            return sum(shape_bytes(tok)) if not tok.startswith("token[") else 0
+        out = []
+        while tokens[pos] != ")":
+            out.append(item())
+        pos += 1
+        return out
+    return item()
+
+
+def _flat_sum(tree) -> int:
+    return sum(map(_flat_sum, tree)) if isinstance(tree, list) else tree
+
+
+def _result_bytes(op: str, type_text: str) -> int:
+    """Bytes of a collective's results. all-gather-start and collective-permute-start return
+    (operands, results, [u32 contexts]): the results are element 1; all-reduce-start and synchronous
+    (possibly combined, tuple-shaped) collectives return their results."""
+    tree = _type_tree(type_text)
+    if op.endswith("-start") and op != "all-reduce-start":
+        if not (isinstance(tree, list) and len(tree) >= 2):
+            raise ValueError(f"{op} with result type {type_text!r}: expected (operands, results, ...)")
+        return _flat_sum(tree[1])
+    return _flat_sum(tree)
+
+
+def _num_devices(hlo_text: str) -> int | None:
+    header = next((line for line in hlo_text.splitlines() if line.startswith("HloModule")), "")
+    found = dict(re.findall(r"\b(replica_count|num_partitions)=(\d+)", header))
+    if not found:
+        return None
+    return int(found.get("replica_count", 1)) * int(found.get("num_partitions", 1))
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program with its execution count."""
     comps: dict[str, list[str]] = {}
@@ -108,19 +177,28 @@ def collectives(hlo_text: str) -> list[Collective]:
 
     # Propagate execution counts from ENTRY through calls; while bodies multiply by their trip count.
     counts: dict[str, int] = defaultdict(int)
-    def visit(name: str, mult: int, depth: int = 0):
+    unknown: set[str] = set()  # computations run by a loop of unknown trip count (directly or not)
+
+    def visit(name: str, mult: int, loose: bool, depth: int = 0):
         if name not in comps or depth > 64:
             return
         counts[name] += mult
+        if loose:
+            unknown.add(name)
         for line in comps[name]:
+            m = _INSTR_RE.match(line)
+            if m and m.group(3) in _NOT_A_CALL:
+                continue
             trip = _TRIP_RE.search(line)
             for attr, callee, branches in _CALLS_RE.findall(line):
                 times = int(trip.group(1)) if trip and attr == "body" else 1
+                lost = loose or (attr in ("body", "condition") and not trip)
                 for name in [callee] if callee else [b.strip().lstrip("%") for b in branches.split(",")]:
-                    visit(name, mult * times, depth + 1)
+                    visit(name, mult * times, lost, depth + 1)
     if entry:
-        visit(entry, 1)
+        visit(entry, 1, False)
 
+    devices = _num_devices(hlo_text)
     found = []
     for comp, lines in comps.items():
         for line in lines:
@@ -131,12 +209,17 @@ def collectives(hlo_text: str) -> list[Collective]:
             kind = op[:-6] if op.endswith("-start") else op
             if kind not in KINDS:
                 continue
-            sizes = shape_bytes(m.group(2))
-            # Async starts return (operands..., results...): count the results only.
-            result = sizes[-1] if op.endswith("-start") and len(sizes) > 1 else sum(sizes)
             groups = parse_groups(line)
+            if not groups and kind != "collective-permute" and "replica_groups={}" in line:
+                if devices is None:
+                    raise ValueError(f"replica_groups={{}} (all devices) but no replica_count / num_partitions in "
+                                     f"the HloModule header: {line.strip()[:120]}")
+                groups = (tuple(range(devices)),)
             n = 2 if kind == "collective-permute" else (len(groups[0]) if groups else 1)
-            found.append(Collective(kind, result, n, groups, counts.get(comp, 0) or 1, comp))
+            result = _result_bytes(op, m.group(2))  # S: the gathered / unscattered size
+            full = result * n if kind == "reduce-scatter" else result
+            found.append(Collective(kind, full, n, groups, counts.get(comp, 0) or 1, comp,
+                                    comp not in unknown, line.strip()))
     return found
 
 

@@ -6,29 +6,34 @@ Bytes are the compiled program's collectives whose replica groups span the axis,
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdist import hlo, sharding, step
 from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
 from jaxdist.parallel import reduce
 from jaxdist.resolve import resolve
 
-_COLLECTIVE_OP = re.compile(r"\b(?:%s)(?:-start|-done)?\(" % "|".join(hlo.KINDS))
-
-
-def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp") -> float:
+def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str = "steady",
+                      sync_every: int = 1) -> float:
     """Bytes each device sends across `axis` per optimizer step: every collective whose replica
     groups span the axis, times its executions, costed with the ring model.
-    The dense warm-up branch of a reducer (reduce.WARMUP_SCOPE) is left out: this is the steady state."""
-    text = "\n".join(line for line in compiled_hlo_text.splitlines()
-                     if not (reduce.WARMUP_SCOPE in line and _COLLECTIVE_OP.search(line)))
-    shape = dict(mesh.shape)
-    return float(sum(c.count * c.sent_bytes for c in hlo.collectives(text)
-                     if hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis)))
+    `phase="steady"` leaves out a reducer's dense warm-up branch (reduce.WARMUP_SCOPE); `"warmup"`
+    leaves out the compressed branch it replaces (reduce.COMPRESSED_SCOPE) instead. Collectives under
+    reduce.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
+    average over a sync period. A collective across the axis in a loop of unknown trip count raises."""
+    skip = {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}[phase]
+    shape, total = dict(mesh.shape), 0.0
+    for c in hlo.collectives(compiled_hlo_text):
+        if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
+            continue
+        if not c.trips_known:
+            raise JaxdistError(f"a {c.kind} across {axis} sits in a loop without a known trip count "
+                               f"({c.computation}): its bytes per step are unknown")
+        total += c.count * c.sent_bytes / (sync_every if reduce.SYNC_SCOPE in c.line else 1)
+    return float(total)
 
 
 def compile_train_step(cfg: Config, mesh: Mesh):
@@ -58,7 +63,32 @@ def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) ->
     if mesh.shape[axis] == 1 or (cfg.reduce.method == "dense" and cfg.reduce.dtype == "float32"):
         return 1.0
     if dp_bytes is None:
-        dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis)
+        dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis, sync_every=sync_every(cfg))
     dense_cfg = cfg.replace(reduce=dict(method="dense", dtype="float32"))
     dense_bytes = dp_bytes_per_step(compile_train_step(dense_cfg, mesh).as_text(), mesh, axis)
     return dense_bytes / dp_bytes if dp_bytes else float("inf")
+
+
+def sync_every(cfg: Config) -> int:
+    """Steps per exchange: DiLoCo's sync period, else 1."""
+    return cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 1
+
+
+def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple[float, float]:
+    """(steady, run average) dp bytes per step of a compiled train step: the steady state after the
+    dense warm-up, and the average over `train.steps` with the warm-up's dense steps included."""
+    axis, every = cfg.reduce.axis, sync_every(cfg)
+    steady = dp_bytes_per_step(compiled_hlo_text, mesh, axis, sync_every=every)
+    warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
+    steps, w = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
+    return steady, (w * warm + (steps - w) * steady) / steps
+
+
+def compression_ratio_run(cfg: Config, mesh: Mesh, compiled_hlo_text: str | None = None) -> float:
+    """Dense float32's dp bytes over this config's averaged over the whole run (`train.steps`, the
+    dense warm-up included): what a run really saves. `compression_ratio` is the steady state."""
+    if mesh.shape[cfg.reduce.axis] == 1 or cfg.reduce.method in ("implicit", "dense"):
+        return compression_ratio(cfg, mesh)
+    text = compiled_hlo_text or compile_train_step(cfg, mesh).as_text()
+    steady, run = run_bytes_per_step(cfg, mesh, text)
+    return compression_ratio(cfg, mesh, steady) * steady / run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxdist.config import OptimConfig
@@ -43,12 +44,47 @@ def decay_mask(names_tree):
                         names_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_mask_tree=None):
-    """Returns (optax transformation, schedule). `decay_mask_tree` marks tensors that get weight decay."""
+def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step: int, floor: float = 0.01):
+    """Adam's scaling whose second moment stops updating after `freeze_step` updates (1-bit Adam,
+    Tang et al. 2021): Adam is then linear in the gradients, so error-feedback compression telescopes
+    through it. Same state as optax.scale_by_adam (checkpoints are interchangeable); identical to it
+    for the first `freeze_step` updates."""
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
+
+    def update(grads, state, params=None):
+        frozen = state.count >= freeze_step
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+        nu = jax.tree.map(lambda v, g: jnp.where(frozen, v, b2 * v + (1 - b2) * g * g), state.nu, grads)
+        count = state.count + 1
+        nu_count = jnp.minimum(count, freeze_step).astype(jnp.float32)
+        mu_c, nu_c = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** nu_count
+        def scale(m, v):
+            v = v / nu_c
+            # A coordinate whose gradient was ~0 through the warm-up (a rare token's embedding row) would
+            # divide by ~eps once frozen: floor it at `floor` times its tensor's mean second moment.
+            v = jnp.where(frozen, jnp.maximum(v, floor * jnp.mean(v)), v)
+            return (m / mu_c) / (jnp.sqrt(v) + eps)
+        return jax.tree.map(scale, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_mask_tree=None,
+                   freeze_variance_at: int | None = None, variance_floor: float = 0.01):
+    """Returns (optax transformation, schedule). `decay_mask_tree` marks tensors that get weight decay;
+    `freeze_variance_at`: Adam's second moment is frozen after that many steps (compressed reducers)."""
     lr = schedule(cfg, total_steps, global_batch)
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=decay_mask_tree))
+    if freeze_variance_at is None:
+        parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 mask=decay_mask_tree))
+    else:  # optax.adamw's chain with the frozen-variance scaling
+        parts.append(optax.chain(scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at,
+                                                               variance_floor),
+                                 optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
+                                 optax.scale_by_learning_rate(lr)))
     return optax.chain(*parts), lr

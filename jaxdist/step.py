@@ -25,7 +25,7 @@ from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, logits_fn, token_loss_sums
 from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import moe as moe_parallel, pipeline, reduce
+from jaxdist.parallel import diloco, moe as moe_parallel, pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -95,7 +95,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
     tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
-                                     decay_mask(param_names))
+                                     decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh),
+                                     cfg.reduce.variance_floor)
 
     eos_id = document_eos(cfg, layout)
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
@@ -105,6 +106,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
             segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
             return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
+    if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
+        tx = diloco.outer_optimizer()
 
     def init_state(seed):
         params = model.init_params(cfg, rules, seed)
@@ -173,6 +176,10 @@ def document_eos(cfg: Config, layout) -> int | None:
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
+        return implicit_gradients(apply_fn, cfg.train.microbatches)
+    if cfg.reduce.method == "diloco":  # one replica (warned): nothing to average, train as usual
+        if reduce.check_axis(cfg, mesh, model):
+            return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
         return implicit_gradients(apply_fn, cfg.train.microbatches)
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 

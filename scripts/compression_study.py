@@ -1,28 +1,38 @@
 """Convergence and bytes of the data-parallel reducers: train `tiny` on dp=8 under each method.
 
-    python scripts/compression_study.py --steps 200 --out runs/compression_study
+    python scripts/compression_study.py --out runs/compression_study            # all methods, 300 steps
+    python scripts/compression_study.py --methods "topk 1%" --out runs/compression_study   # one more row
 
 Every method trains the same steps from the same seed on the same data (the default corpus). For each
-it prints final train loss, eval loss, the dp bytes per step read from the compiled train step and
-the ratio against dense float32; the loss curves go to OUT/loss_curves.png and the table to
-OUT/table.md. `--scaling` adds how top-k's ratio moves with the replica count N and the kept ratio
+it records final train loss, eval loss (every steps/10), the dp bytes per step read from the compiled
+train step — steady state (after any dense warm-up; DiLoCo: averaged over its sync period) and the
+run average over train.steps (warm-up included) — and both ratios against dense float32. Results are
+merged into OUT/results.json by label (so methods can run in separate processes); the table goes to
+OUT/table.md and eval loss against cumulative bytes sent to OUT/pareto.png. `--scaling` adds how top-k's ratio moves with the replica count N and the kept ratio
 (bytes of the reduction alone, compiled per mesh: cheap, no model).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
 from pathlib import Path
 
-METHODS = {  # label -> reduce.* overrides
+METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "dense": dict(method="dense"),
     "int8": dict(method="int8"),
     "powersgd r=4": dict(method="powersgd", rank=4),
-    "topk 1% EF": dict(method="topk", ratio=0.01),
-    "topk 1% no EF": dict(method="topk", ratio=0.01, error_feedback=False),
+    "topk 1%": dict(method="topk", ratio=0.01),
+    "topk 0.1%": dict(method="topk", ratio=0.001),
+    "diloco H=16": dict(method="diloco", sync_every=16),
+    "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
+    "topk 1% Adam (no freeze)": dict(method="topk", ratio=0.01, freeze_variance=False),
+    "powersgd r=4 (no freeze)": dict(method="powersgd", rank=4, freeze_variance=False),
+    "topk 1% floor=mean": dict(method="topk", ratio=0.01, variance_floor=1.0),
+    "topk 0.1% floor=mean": dict(method="topk", ratio=0.001, variance_floor=1.0),
 }
 
 
@@ -30,7 +40,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
     p.add_argument("--mesh", default="dp=8")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="runs/compression_study")
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--scaling", action="store_true", help="also tabulate top-k bytes against N and ratio")
@@ -40,17 +50,30 @@ def parse_args(argv=None):
 
 
 def run_method(label, base, mesh, out: Path):
-    from jaxdist import train
-    from jaxdist import measure
+    from jaxdist import measure, train
+    from jaxdist.parallel import reduce
 
     cfg = base.replace(reduce=METHODS[label])
-    compiled_bytes = measure.dp_bytes_per_step(measure.compile_train_step(cfg, mesh).as_text(), mesh)
-    run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "")
+    text = measure.compile_train_step(cfg, mesh).as_text()
+    every = cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 1
+    steady = measure.dp_bytes_per_step(text, mesh, sync_every=every)
+    warm = measure.dp_bytes_per_step(text, mesh, phase="warmup", sync_every=every)
+    warm_steps = reduce.warmup_steps(cfg)
+    run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "").replace("(", "").replace(")", "")
     result = train.run(cfg, run_dir, log=lambda *a, **k: None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["loss"]) for r in records if "loss" in r and not r.get("summary")]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and not r.get("summary")]
+    steps = cfg.train.steps
     return {"label": label, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
-            "dp_bytes_per_step": compiled_bytes, "curve": curve, "tokens_per_sec": result.tokens_per_sec}
+            "dp_bytes_per_step": steady, "warmup_bytes_per_step": warm, "warmup_steps": warm_steps,
+            "run_bytes_per_step": (warm * min(warm_steps, steps) + steady * max(steps - warm_steps, 0)) / steps,
+            "curve": curve, "evals": evals, "tokens_per_sec": result.tokens_per_sec}
+
+
+def cumulative_bytes(r, step):
+    w = min(step, r["warmup_steps"])
+    return w * r["warmup_bytes_per_step"] + (step - w) * r["dp_bytes_per_step"]
 
 
 def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
@@ -71,23 +94,26 @@ def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
         for r in ratios:
             sent = bytes_of(dict(method="topk", ratio=r))
             rows.append({"N": n, "ratio": r, "dense_bytes": dense, "topk_bytes": sent,
-                         "compression": dense / sent, "1/(N*ratio)": 1 / (n * r)})
+                         "compression": dense / sent, "2/(N*ratio)": 2 / (n * r)})
     return rows
 
 
-def plot(results, path: Path):
+def plot(results, path: Path, title: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
-        steps, losses = zip(*r["curve"])
-        ax.plot(steps, losses, label=f"{r['label']} (eval {r['eval_loss']:.3f}, {r['ratio']:.1f}x)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss")
-    ax.set_title("tiny, dp=8: data-parallel reducers (same seed, same data)")
-    ax.legend()
+        steps, losses = zip(*r["evals"])
+        sent = [max(cumulative_bytes(r, s), 1.0) for s in steps]
+        ax.plot(sent, losses, marker="o", ms=3,
+                label=f"{r['label']} (eval {r['eval_loss']:.3f}, {r['ratio_run']:.1f}x run avg)")
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative bytes sent per device across dp")
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"{title}: eval loss against bytes sent (same seed, same data)", fontsize=9)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -101,38 +127,48 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    eval_every = max(args.steps // 4, 1)
+    eval_every = max(args.steps // 10, 1)
     base = config.load(args.config, [f"train.steps={args.steps}", f"train.eval_every={eval_every}",
                                      "train.log_every=5", "checkpoint.every=0", f"mesh.shape={args.mesh}",
                                      *args.overrides])
     mesh = mesh_mod.mesh_from_string(args.mesh)
-    results = []
-    if args.replot:
-        results = json.loads((out / "results.json").read_text())
+    stored = out / "results.json"
+    results = json.loads(stored.read_text()) if stored.exists() else []
     for label in [] if args.replot else args.methods:
-        results.append(run_method(label, base, mesh, out))
-        (out / "results.json").write_text(json.dumps(results, indent=1))  # kept as each run ends
-        print(f"{label}: done, final loss {results[-1]['final_loss']:.4f}", file=sys.stderr, flush=True)
+        row = run_method(label, base, mesh, out)
+        with open(out / ".lock", "w") as lock:  # methods may run in parallel processes
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            results = [r for r in json.loads(stored.read_text()) if r["label"] != label] if stored.exists() else []
+            results.append(row)
+            results.sort(key=lambda r: list(METHODS).index(r["label"]) if r["label"] in METHODS else 99)
+            stored.write_text(json.dumps(results, indent=1))  # kept as each run ends
+        print(f"{label}: done, final loss {row['final_loss']:.4f}", file=sys.stderr, flush=True)
     dense = next((r for r in results if r["label"] == "dense"), None)
-    lines = [f"tiny, mesh {args.mesh}, {args.steps} steps, seed {base.train.seed}",
-             "| method | final train loss | eval loss | eval vs dense | dp bytes/step | ratio |",
-             "|---|---|---|---|---|---|"]
+    m = base.model
+    title = (f"{args.config or 'tiny'} (d_model {m.d_model}, {m.num_layers} layers, seq {m.seq_len}), mesh {args.mesh}, "
+             f"{args.steps} steps, seed {base.train.seed}")
+    lines = [f"{title}; steady = after the dense "
+             "warm-up (DiLoCo: averaged over a sync period), run = averaged over all steps, warm-up included",
+             "| method | final train loss | eval loss | eval vs dense | dense warm-up steps | dp bytes/step steady "
+             "| dp bytes/step run | ratio steady | ratio run |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         r["ratio"] = dense["dp_bytes_per_step"] / r["dp_bytes_per_step"] if dense else float("nan")
+        r["ratio_run"] = dense["dp_bytes_per_step"] / r["run_bytes_per_step"] if dense else float("nan")
         rel = f"{(r['eval_loss'] / dense['eval_loss'] - 1) * 100:+.2f}%" if dense else "-"
-        lines.append(f"| {r['label']} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} | {rel} | "
-                     f"{r['dp_bytes_per_step']:,.0f} | {r['ratio']:.1f}x |")
+        lines.append(f"| {r['label']} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} | {rel} | {r['warmup_steps']} | "
+                     f"{r['dp_bytes_per_step']:,.0f} | {r['run_bytes_per_step']:,.0f} | {r['ratio']:.1f}x | "
+                     f"{r['ratio_run']:.1f}x |")
     if args.scaling:
-        lines += ["", "top-k reduction bytes against N and ratio (dense / top-k; model 1/(N*ratio))",
-                  "| N | ratio | dense bytes | top-k bytes | compression | 1/(N*ratio) |", "|---|---|---|---|---|---|"]
+        lines += ["", "top-k reduction bytes against N and ratio (dense / top-k; model 2/(N*ratio))",
+                  "| N | ratio | dense bytes | top-k bytes | compression | 2/(N*ratio) |", "|---|---|---|---|---|---|"]
         for s in topk_scaling(base):
             lines.append(f"| {s['N']} | {s['ratio']} | {s['dense_bytes']:,.0f} | {s['topk_bytes']:,.0f} | "
-                         f"{s['compression']:.2f}x | {s['1/(N*ratio)']:.2f} |")
+                         f"{s['compression']:.2f}x | {s['2/(N*ratio)']:.2f} |")
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    plot(results, out / "loss_curves.png")
-    print(f"wrote {out / 'table.md'} and {out / 'loss_curves.png'}")
+    plot(results, out / "pareto.png", title)
+    print(f"wrote {out / 'table.md'} and {out / 'pareto.png'}")
     return 0
 
 

@@ -258,7 +258,7 @@ def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path, monkeyp
 def test_reducer_state_is_saved_and_restored(tmp_path):
     """Error-feedback residuals (reduce.method=topk) travel with the train state: restored bitwise, and
     the next step from the restored state equals the next step from the original."""
-    cfg = config.load(None, SMALL + SCHEDULE + ["reduce.method=topk", "reduce.ratio=0.05"])
+    cfg = config.load(None, SMALL + SCHEDULE + ["reduce.method=topk", "reduce.ratio=0.05", "reduce.warmup_fraction=0"])
     prog = step.build_program(cfg, mesh_from_string("dp=2,fsdp=4"))
     loader = data.Loader(cfg, prog.batch_sharding)
     state = prog.init_state(0)

@@ -54,3 +54,87 @@ def test_spans_axis():
     shape = {"dp": 2, "pp": 1, "fsdp": 4, "tp": 1}
     assert hlo.spans_axis(ar, shape, ("dp", "pp", "fsdp", "tp"), "dp")
     assert not hlo.spans_axis(ar, shape, ("dp", "pp", "fsdp", "tp"), "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Golden programs in XLA's real text formats (tests/fixtures/hlo/). cpu_sync.txt is jax 0.10.2's own
+# compiled output (operands printed without shapes, a combined all-to-all, a scan loop); gpu_async.txt
+# uses the GPU compiler's asynchronous spellings as XLA prints them: all-reduce-start/-done over a
+# combined tuple, all-gather-start returning (operands, results), collective-permute-start with u32
+# contexts, reduce-scatter / all-to-all wrapped in async-start (whose async-done repeats `calls=`),
+# replica_groups={} with the device count in the header, and a while loop without a known trip count.
+# Expected bytes are worked by hand from the arrays each collective moves.
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "hlo"
+
+
+def by_kind(text):
+    out = {}
+    for c in hlo.collectives(text):
+        out.setdefault(c.kind, []).append(c)
+    return out
+
+
+def test_golden_cpu_sync_program():
+    """jax program: psum f32[64] over fsdp (4), all_gather bf16[32] over dp (2), psum_scatter f32[64]
+    over all 8, all_to_all f32[4,16] over fsdp, ppermute s32[8] over dp, a 3-trip fori_loop psum of
+    f32[16] over dp, and one psum of (f32[8], s32[8]) over dp. XLA:CPU gathers the bf16 array as f32
+    (its promotion pass converts first): 256 bytes, as compiled."""
+    colls = hlo.collectives((FIXTURES / "cpu_sync.txt").read_text())
+    got = sorted((c.kind, c.full_bytes, c.group_size, c.count) for c in colls)
+    assert got == sorted([
+        ("all-reduce", 256, 4, 1), ("all-gather", 256, 2, 1), ("reduce-scatter", 256, 8, 1),
+        ("all-to-all", 256, 4, 1), ("collective-permute", 32, 2, 1), ("all-reduce", 64, 2, 3),
+        ("all-reduce", 32, 2, 1), ("all-reduce", 32, 2, 1),
+    ])
+    assert all(c.trips_known for c in colls)
+    total = sum(c.count * c.sent_bytes for c in colls)
+    assert total == pytest.approx(2 * 3 / 4 * 256 + 1 / 2 * 256 + 7 / 8 * 256 + 3 / 4 * 256 + 32
+                                  + 3 * 2 * 1 / 2 * 64 + 2 * (2 * 1 / 2 * 32))
+
+
+def test_golden_gpu_async_program():
+    colls = by_kind((FIXTURES / "gpu_async.txt").read_text())
+    (ar_loop,) = [c for c in colls["all-reduce"] if c.computation == "body.unknown"]
+    (ar,) = [c for c in colls["all-reduce"] if c.computation == "main.1"]
+    assert (ar.full_bytes, ar.group_size, ar.count) == (4096 + 64, 8, 1)  # both arrays of the combined start
+    ag = sorted(colls["all-gather"], key=lambda c: c.group_size)
+    assert [(c.full_bytes, c.group_size) for c in ag] == [(512, 2), (512 + 512, 8)]  # values AND indices
+    (rs,) = colls["reduce-scatter"]
+    assert (rs.full_bytes, rs.group_size, rs.count) == (4096, 8, 1)  # async-done's calls= not counted again
+    (a2a,) = colls["all-to-all"]
+    assert a2a.groups == (tuple(range(8)),) and a2a.full_bytes == 512  # replica_groups={}: all 8 devices
+    (cp,) = colls["collective-permute"]
+    assert (cp.full_bytes, cp.count) == (128, 5)  # the f32[32] result, not the u32 context; 5 trips
+    assert ar_loop.trips_known is False and all(c.trips_known for c in hlo.collectives(
+        (FIXTURES / "gpu_async.txt").read_text()) if c is not ar_loop and c.computation != "body.unknown")
+    s = hlo.summarize(hlo.collectives((FIXTURES / "gpu_async.txt").read_text()))
+    assert s["all-reduce"]["bytes"] == pytest.approx(2 * 7 / 8 * 4160 + 2 * 1 / 2 * 64)
+    assert s["all-gather"]["bytes"] == pytest.approx(7 / 8 * 1024 + 1 / 2 * 512)
+    assert s["reduce-scatter"]["bytes"] == pytest.approx(7 / 8 * 4096)
+    assert s["all-to-all"]["bytes"] == pytest.approx(7 / 8 * 512)
+    assert s["collective-permute"]["bytes"] == 5 * 128
+
+
+def test_empty_replica_groups_need_the_device_count():
+    text = "\n".join(line for line in (FIXTURES / "gpu_async.txt").read_text().splitlines()
+                     if not line.startswith("HloModule"))
+    with pytest.raises(ValueError, match="replica_groups=\\{\\} .*header"):
+        hlo.collectives(text)
+
+
+def test_ring_model_is_one_function():
+    from jaxdist.planner import comms
+    assert comms.ring_bytes is hlo.ring_bytes
+    assert hlo.ring_bytes("all-reduce", 8, 800) == 1400 and hlo.ring_bytes("all-gather", 4, 400) == 300
+    assert hlo.ring_bytes("collective-permute", 2, 64) == 64 and hlo.ring_bytes("all-reduce", 1, 64) == 0
+    assert hlo.dtype_bytes("bf16") == hlo.dtype_bytes("bfloat16") == 2 and hlo.dtype_bytes("float32") == 4
+
+
+def test_unknown_trip_count_is_refused_not_undercounted():
+    from jaxdist import measure
+    from jaxdist.errors import JaxdistError
+    from jaxdist.mesh import mesh_from_string
+    text = (FIXTURES / "gpu_async.txt").read_text()
+    with pytest.raises(JaxdistError, match="loop without a known trip count \\(body.unknown\\)"):
+        measure.dp_bytes_per_step(text, mesh_from_string("dp=8"))

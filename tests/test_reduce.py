@@ -1,12 +1,9 @@
 """Explicit data-parallel reduction (jaxdist.parallel.reduce, jaxdist.parallel.compress), 8 CPU devices.
 
 Compiled tests use one small model: 2 layers, d_model 128, 4 heads x 32 (2 kv heads), mlp 512,
-vocab 256, seq 16 — 557,696 parameters in 13 tensors. The byte ratios hold on it with margin
-(measured on dp=8): top-k sends 8-byte (value, index) pairs to 7 peers against 2·7/8·4 bytes per
-entry dense, a ratio of 1/(8·ratio) less the per-tensor rounding up of k — 12.5x at 0.01, 123x at
-0.001; PowerSGD rank 4 sends 4·(rows + cols) per layer matrix (128x128 and 128x512 shrink 16x and
-26x; the norms go dense) — 21x; int8 sends 1 + 4/256 bytes per entry — 3.9x. Byte ratios are read
-from the reduction compiled alone (quick), tied to the whole step by one full-step comparison.
+vocab 256, seq 16 — 557,696 parameters in 13 tensors. Each codec's bytes are checked two-sided (the
+compiled reduction == what the codec accounts for) in tests/test_compress.py; here the dense ring
+model and one full-step comparison tie the reduction compiled alone to the whole step.
 """
 
 import jax
@@ -98,17 +95,6 @@ def dense_dp8_bytes(small_cfg, dp8):
     return reduction_bytes(small_cfg, dp8, method="dense")
 
 
-@pytest.mark.parametrize("knobs,min_ratio", [
-    (dict(method="topk", ratio=0.01), 10),
-    (dict(method="topk", ratio=0.001), 100),
-    (dict(method="powersgd", rank=4), 10),  # default start_step=10: the warm-up branch is left out
-    (dict(method="int8"), 3.5),
-], ids=["topk0.01", "topk0.001", "powersgd4", "int8"])
-def test_compressed_dp_bytes(small_cfg, dp8, dense_dp8_bytes, knobs, min_ratio):
-    ratio = dense_dp8_bytes / reduction_bytes(small_cfg, dp8, **knobs)
-    assert ratio >= min_ratio, f"{knobs}: {ratio:.2f}x"
-
-
 def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
     abstract = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES).abstract
     n, params = 8, sum(x.size for x in jax.tree.leaves(abstract))
@@ -190,7 +176,8 @@ def test_without_error_feedback_the_rest_is_dropped(dp8):
 @pytest.mark.parametrize("codec,atol", [(compress.topk(1.0), 1e-5), (compress.powersgd(40), 1e-3),
                                         (compress.int8(16), None)], ids=["topk-all", "powersgd-full-rank", "int8"])
 def test_codec_sums(dp8, codec, atol):
-    """At full ratio / full rank the codecs sum exactly; int8 is within its quantisation steps."""
+    """At full ratio / full rank the codecs sum exactly (top-k: the bfloat16-rounded values it sends);
+    int8 is within its quantisation steps."""
     x = jax.random.normal(jax.random.key(3), (8,) + SHAPES["w"])
 
     def body(x_local):
@@ -199,6 +186,8 @@ def test_codec_sums(dp8, codec, atol):
     total = jax.jit(jax.shard_map(body, mesh=dp8, in_specs=P("dp"), out_specs=P(), check_vma=False))(x)
     if atol is None:  # two quantisations: each replica's blocks (8 of them), then the sum's
         atol = 8 * float(jnp.abs(x).max()) / 127 / 2 + float(jnp.abs(x.sum(0)).max()) / 127 / 2
+    if codec.name == "topk":  # values travel as bfloat16
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_allclose(total, x.sum(0), atol=atol, rtol=0)
 
 
@@ -225,7 +214,7 @@ def test_params_sharded_over_dp_are_refused(small_cfg, dp8):
         step.build_program(cfg, dp8)
 
 
-@pytest.mark.parametrize("method", ["topk", "powersgd"])
+@pytest.mark.parametrize("method", ["topk", "powersgd", "diloco"])
 def test_reducer_state_checkpoint_round_trip(small_cfg, dp8, tmp_path, method):
     """The reducer state (per-replica residuals, PowerSGD's Q) saves and restores with orbax the way
     jaxdist.checkpoint saves the train state: StandardSave, then StandardRestore onto abstract arrays

@@ -3,9 +3,10 @@
 Each `Codec` sums one tensor over the replicas of a manual mesh axis (inside `shard_map`):
 `reduce(x, state, batch_dims, axis) -> (total, sent, state)`, where `total` is what every replica
 receives and `sent` is this replica's own share of it, decompressed — error feedback keeps
-`x - sent` for the next step. `bytes_sent(shape, batch_dims, n)` is the ring-model cost per device
-(N = n replicas; all-reduce 2(N-1)/N·S, all-gather and all-to-all (N-1)/N·S with S the full size),
-used to send a tensor dense when compressing it would not save bytes.
+`x - sent` for the next step. `bytes_sent(shape, batch_dims, n)` is the cost per device of the
+collectives the codec issues, by `hlo.ring_bytes` (the one ring model); the reducer uses it to send a
+tensor dense when compressing it would not save bytes, and the byte tests hold the compiled program
+to it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxdist import hlo
+
 
 class Codec(NamedTuple):
     name: str
@@ -25,33 +28,53 @@ class Codec(NamedTuple):
 
 
 def dense_bytes(shape, n: int) -> float:
-    """A float32 ring all-reduce: 2(N-1)/N · 4·size."""
-    return 2 * (n - 1) / n * 4 * math.prod(shape)
+    """A float32 all-reduce of the tensor (ring model)."""
+    return hlo.ring_bytes("all-reduce", n, 4 * math.prod(shape))
 
 
 # ---------------------------------------------------------------------------------------------------
-# top-k: exchange values + indices (Lin et al. 2018, Deep Gradient Compression)
+# top-k: exchange values + indices (Lin et al. 2018, Deep Gradient Compression), chunked and packed
+
+MAX_CHUNK = 1 << 16  # in-chunk positions fit 16 bits
+
+
+def chunking(size: int) -> tuple[int, int]:
+    """(chunks, chunk): near-equal chunks of at most MAX_CHUNK entries (padding < chunks entries)."""
+    chunks = -(-size // MAX_CHUNK)
+    return chunks, -(-size // chunks)
+
 
 def topk(ratio: float) -> Codec:
-    """Keep the `ratio` largest-magnitude entries of each tensor; all-gather (value, int32 index)
-    pairs and scatter-add them. Every replica sends k pairs to N-1 others, so against a dense
-    all-reduce the bytes shrink by ~ 4·S·2/N / (8·k) = 1/(N·ratio): the gather of N sparse sets,
-    not the payload, limits it."""
-    def k_of(shape):
-        return max(1, math.ceil(ratio * math.prod(shape)))
+    """Keep the `ratio` largest-magnitude entries of each chunk of <= 65,536 entries; every kept
+    entry travels as one uint32: its bfloat16 value's bits over its 16-bit position in the chunk —
+    4 bytes per kept entry, one all-gather (packing also keeps XLA:CPU from widening bfloat16 to
+    float32). Replicas scatter-add what they gather. Against a dense float32 all-reduce
+    (2(N-1)/N·4 bytes per entry) the bytes shrink by ~ 2/(N·ratio): the gather of N sparse sets
+    limits it. `sent` is the bfloat16-rounded values, so error feedback keeps the rounding too."""
+    def k_of(size):
+        chunks, chunk = chunking(size)
+        return chunks, chunk, max(1, math.ceil(ratio * chunk))
 
     def reduce(x, state, batch_dims, axis):
-        flat = x.reshape(-1)
-        _, idx = jax.lax.top_k(jnp.abs(flat), k_of(x.shape))
-        vals = flat[idx]
-        all_vals = jax.lax.all_gather(vals, axis).reshape(-1)
-        all_idx = jax.lax.all_gather(idx, axis).reshape(-1)
-        total = jnp.zeros_like(flat).at[all_idx].add(all_vals)
-        sent = jnp.zeros_like(flat).at[idx].set(vals)
-        return total.reshape(x.shape), sent.reshape(x.shape), state
+        chunks, chunk, k = k_of(x.size)
+        flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
+        _, idx = jax.lax.top_k(jnp.abs(flat), k)  # (chunks, k) positions in each chunk
+        vals = jnp.take_along_axis(flat, idx, axis=1).astype(jnp.bfloat16)
+        bits = jax.lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)
+        packed = (bits << 16) | idx.astype(jnp.uint32)
+        every = jax.lax.all_gather(packed, axis)  # (n, chunks, k)
+        got_vals = jax.lax.bitcast_convert_type((every >> 16).astype(jnp.uint16), jnp.bfloat16)
+        got_idx = (every & 0xFFFF).astype(jnp.int32) + chunk * jnp.arange(chunks, dtype=jnp.int32)[:, None]
+        total = jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(
+            got_vals.astype(jnp.float32).reshape(-1))
+        rows = jnp.arange(chunks)[:, None]
+        sent = jnp.zeros_like(flat).at[rows, idx].set(vals.astype(jnp.float32))
+        unpad = lambda a: a.reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)  # noqa: E731
+        return unpad(total), unpad(sent), state
 
     def bytes_sent(shape, batch_dims, n):
-        return (n - 1) * 8 * k_of(shape)  # all-gather of n·k (float32 value, int32 index) pairs
+        chunks, _, k = k_of(math.prod(shape))
+        return hlo.ring_bytes("all-gather", n, n * 4 * chunks * k)  # every replica's packed entries
 
     return Codec("topk", lambda shape, batch_dims: (), reduce, bytes_sent)
 
@@ -91,7 +114,8 @@ def int8(block: int) -> Codec:
 
     def bytes_sent(shape, batch_dims, n):
         size = padded_size(shape, n)
-        return 2 * (n - 1) / n * (size + 4 * size // block)  # all-to-all + all-gather, codes + scales
+        codes_and_scales = size + 4 * size // block  # all-to-all them, then all-gather the requantised sums
+        return hlo.ring_bytes("all-to-all", n, codes_and_scales) + hlo.ring_bytes("all-gather", n, codes_and_scales)
 
     return Codec("int8", lambda shape, batch_dims: (), reduce, bytes_sent)
 
@@ -133,8 +157,8 @@ def powersgd(rank: int, seed: int = 0) -> Codec:
         return total, sent, q_BCR
 
     def bytes_sent(shape, batch_dims, n):
-        batch, rows, cols = matrix_view(shape, batch_dims)
-        return 2 * (n - 1) / n * 4 * batch * rank * (rows + cols)
+        batch, rows, cols = matrix_view(shape, batch_dims)  # psum of P, then of Q
+        return hlo.ring_bytes("all-reduce", n, 4 * batch * rank * (rows + cols))
 
     return Codec("powersgd", init, reduce, bytes_sent)
 

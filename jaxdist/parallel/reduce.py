@@ -17,6 +17,7 @@ Its bytes across the reduce axis are read from the compiled program: `jaxdist.me
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -31,9 +32,11 @@ from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel import compress
 from jaxdist.resolve import ResolvedModel
 
-# The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
-# `dp_bytes_per_step` leaves its collectives out, to report the steady state.
+# The dense warm-up branch (topk / powersgd's first `warmup_steps(cfg)` steps) runs under this name
+# scope; `measure.dp_bytes_per_step` leaves its collectives out to report the steady state.
 WARMUP_SCOPE = "reduce_warmup"
+COMPRESSED_SCOPE = "reduce_compressed"  # the branch that replaces it after the warm-up
+SYNC_SCOPE = "reduce_sync"  # collectives that run once per sync period (DiLoCo's outer step)
 
 
 class Reducer(NamedTuple):
@@ -98,9 +101,32 @@ def with_warmup(warmup: Reducer, main: Reducer, start_step: int) -> Reducer:
         def warm(grads, state):
             with jax.named_scope(WARMUP_SCOPE):
                 return warmup.update(grads, (), step)[0], state
-        return jax.lax.cond(step < start_step, warm, lambda g, s: main.update(g, s, step), grads, state)
+        def compressed(grads, state):
+            with jax.named_scope(COMPRESSED_SCOPE):
+                return main.update(grads, state, step)
+        return jax.lax.cond(step < start_step, warm, compressed, grads, state)
 
     return main._replace(update=update)
+
+
+WARMED_UP = ("topk", "powersgd")  # methods with a dense warm-up (and Adam's variance frozen after it)
+
+
+def warmup_steps(cfg: Config) -> int:
+    """Dense steps before a warmed-up method compresses: max(start_step, warmup_fraction·steps)."""
+    r = cfg.reduce
+    if r.method not in WARMED_UP:
+        return 0
+    return max(r.start_step, math.ceil(r.warmup_fraction * cfg.train.steps))
+
+
+def variance_freeze_step(cfg: Config, mesh: Mesh) -> int | None:
+    """The step after which Adam's second moment stays frozen (None: never), so that compression
+    error feedback telescopes through Adam (1-bit Adam). Only where a method compresses."""
+    r = cfg.reduce
+    if r.method not in WARMED_UP or not r.freeze_variance or mesh.shape.get(r.axis, 1) == 1:
+        return None
+    return max(warmup_steps(cfg), 1)
 
 
 def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reducer:
@@ -114,9 +140,7 @@ def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reduce
     codec = {"topk": lambda: compress.topk(r.ratio), "int8": lambda: compress.int8(r.block_size),
              "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed)}[r.method]()
     reducer = compressed(codec, axis, replicas, abstract_params, batch_dims, r.error_feedback)
-    if r.method == "powersgd":
-        reducer = with_warmup(dense(axis), reducer, r.start_step)
-    return reducer
+    return with_warmup(dense(axis), reducer, warmup_steps(cfg))
 
 
 def warn_one_replica(cfg: Config) -> None:
@@ -124,10 +148,9 @@ def warn_one_replica(cfg: Config) -> None:
                   "nothing to compress); reducing dense", stacklevel=3)
 
 
-def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
-    `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
-    axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
+def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
+    """Whether the reduce axis has replicas to reduce over (False: one replica, warned); errors for an
+    axis that is not in the mesh, or parameters sharded over it."""
     axis = cfg.reduce.axis
     if axis not in mesh.shape:
         raise JaxdistError(f"reduce.axis={axis!r} is not a mesh axis {tuple(mesh.shape)}; set reduce.axis=dp")
@@ -139,6 +162,16 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
     if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
         if cfg.reduce.method != "dense":
             warn_one_replica(cfg)
+        return False
+    return True
+
+
+def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
+    `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
+    axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
+    axis = cfg.reduce.axis
+    if not check_axis(cfg, mesh, model):
         return implicit_gradients(apply_fn, cfg.train.microbatches)
     reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
@@ -165,3 +198,20 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
 
     return GradientStage(init=init, apply=apply, state_specs=state_specs,
                                   name=f"explicit-{cfg.reduce.method}")
+
+
+def check_replica_count(saved_metadata, abstract_state, cfg: Config, where) -> None:
+    """Per-replica reducer state (error-feedback residuals, DiLoCo's replicas) is saved with a leading
+    replica axis; restoring it onto another replica count is refused with the fix, before orbax fails
+    deep inside. `saved_metadata`: the checkpoint's item metadata (shapes of what was saved)."""
+    wanted = [tuple(a.shape) for a in jax.tree.leaves(abstract_state) if len(a.shape)]
+    try:
+        saved_state = saved_metadata["train"]["reducer_state"]
+    except (KeyError, TypeError, IndexError):  # nothing per replica was saved
+        return
+    saved = [tuple(m.shape) for m in jax.tree.leaves(saved_state) if hasattr(m, "shape") and len(m.shape)]
+    if saved and wanted and saved[0][0] != wanted[0][0]:
+        axis = cfg.reduce.axis
+        raise JaxdistError(f"checkpoint {where} holds per-replica reduce.method={cfg.reduce.method} state for "
+                           f"{axis}={saved[0][0]}, but this mesh has {axis}={wanted[0][0]}; resume on {axis}="
+                           f"{saved[0][0]}, or restart the optimizer from its weights with checkpoint.params_only=true")

@@ -1,12 +1,10 @@
 """Communication of one training step: bytes per device, per mesh axis and collective, and its time.
 
-Cost per collective (the JAX scaling book, "Sharded matrices" / "Training" chapters,
-https://jax-ml.github.io/scaling-book/sharding/): over an axis of N devices with link bandwidth W
-(bytes/s out of one device), an all-gather or reduce-scatter of an array of V bytes takes about V/W
-(exactly (N-1)/N·V/W on a ring), an all-reduce 2V/W (a reduce-scatter plus an all-gather), an all-to-all
-(N-1)/N·V/W at best, a collective-permute V/W. We add a latency alpha per collective (alpha-beta model).
-Bytes here are those each device *sends*, the ring model of `jaxdist.hlo`, so predictions compare
-directly with `hlo.summarize(hlo.collectives(compiled.as_text()))`.
+Cost per collective: the bytes each device *sends*, by `jaxdist.hlo.ring_bytes` (the one ring model:
+the compiled program's collectives are costed by the same function, so predictions compare directly
+with `hlo.summarize(hlo.collectives(compiled.as_text()))`), over the axis's link bandwidth (the JAX
+scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency alpha per collective
+(alpha-beta model).
 
 What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD partitioner is the same on
 every backend):
@@ -43,6 +41,7 @@ from collections import defaultdict
 
 from jaxdist.mesh import AXES
 from jaxdist.parallel.moe import a2a_bytes_per_direction
+from jaxdist.hlo import ring_bytes
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes
 
@@ -62,16 +61,6 @@ class Traffic:
         """Weight gathers and gradient reductions do not block the next matmul; activation collectives
         (tp all-reduces, pp permutes) sit on the critical path."""
         return self.axis in OVERLAPPED and self.kind != "all-to-all"
-
-
-def ring_bytes(kind: str, n: int, full_bytes: float) -> float:
-    """Bytes one device sends in a ring collective over n devices on an array of `full_bytes` (the
-    gathered / unreduced size)."""
-    if kind == "collective-permute":
-        return full_bytes
-    if n <= 1:
-        return 0.0
-    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * full_bytes
 
 
 def step_traffic(lay: Layout) -> list[Traffic]:

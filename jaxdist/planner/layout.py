@@ -14,10 +14,10 @@ import math
 from jaxdist import sharding
 from jaxdist.config import Config, ModelConfig
 from jaxdist.errors import JaxdistError
+from jaxdist.hlo import dtype_bytes
 from jaxdist.mesh import AXES, format_mesh
 from jaxdist.planner.hardware import Hardware
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 
 
@@ -126,7 +126,7 @@ class Layout:
     @property
     def act_bytes(self) -> int:
         """Bytes per activation element. XLA:CPU computes bfloat16 in float32 (observed in the HLO)."""
-        return 4 if self.hw.backend == "cpu" else DTYPE_BYTES[self.compute_dtype]
+        return 4 if self.hw.backend == "cpu" else dtype_bytes(self.compute_dtype)
 
     def shards(self, group: ParamGroup) -> int:
         """Devices one copy of `group` is split over (pp splits the layer stack into stages)."""

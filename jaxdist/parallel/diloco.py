@@ -1,0 +1,107 @@
+"""DiLoCo (Douillard et al. 2023): replicas train locally for H steps, then take one outer step.
+
+`reduce.method=diloco`. Each data-parallel replica keeps its own parameters and inner optimizer
+(AdamW from `optim.*`, with its schedule and clipping) and trains on its own rows only; every
+`reduce.sync_every` (H) steps the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
+or through a codec (`reduce.outer_codec=int8|topk`, with error feedback) — and the outer optimizer,
+Nesterov SGD (`reduce.outer_lr`, `reduce.outer_momentum`), moves θ_outer; every replica restarts from it.
+
+It is a gradient stage with state, so the train step keeps its shape: `TrainState.params` is θ_outer,
+the stage state holds, per replica under a leading `dp` axis (sharded like the parameters,
+checkpointed with the train state), the replica's parameters, its inner optimizer state, the outer
+momentum and the codec's state. The stage returns θ_outer − θ_outer_new as its "gradient" and the step
+applies it with `outer_optimizer()` (SGD, lr 1): zero between syncs. Collectives of the sync run under
+`reduce.SYNC_SCOPE`, so `measure.dp_bytes_per_step(..., sync_every=H)` reports their average per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdist.config import Config
+from jaxdist.gradients import GradientStage, accumulate_gradients
+from jaxdist.optim import decay_mask, make_optimizer
+from jaxdist.parallel import reduce
+from jaxdist.resolve import ResolvedModel
+
+
+class DilocoState(NamedTuple):
+    params: Any  # this replica's parameters (θ_replica)
+    inner: Any  # this replica's inner optimizer state
+    momentum: Any  # outer momentum (the same on every replica)
+    codec: Any  # the pseudo-gradient reducer's state (error feedback), () when dense
+
+
+def outer_optimizer() -> optax.GradientTransformation:
+    """What the train step applies to the stage's output: params − (θ_outer − θ_outer_new)."""
+    return optax.sgd(1.0)
+
+
+def pseudo_gradient_reducer(cfg: Config, mesh: Mesh, model: ResolvedModel) -> reduce.Reducer:
+    """Sums Δ over replicas: dense psum, or a codec with error feedback (no warm-up: Δ is not Adam's input)."""
+    r = cfg.reduce
+    codec_cfg = cfg.replace(reduce=dict(method=r.outer_codec, start_step=0, warmup_fraction=0.0))
+    return reduce.make_reducer(codec_cfg, mesh, model.abstract, model.stacked_dims)
+
+
+def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    r, axis = cfg.reduce, cfg.reduce.axis
+    replicas, H = mesh.shape[axis], r.sync_every
+    inner_tx, _ = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas,
+                                 decay_mask(model.names))
+    exchange = pseudo_gradient_reducer(cfg, mesh, model)
+    outer_lr, mu = r.outer_lr, r.outer_momentum
+
+    def per_replica(outer, tokens, state: DilocoState, step):
+        grads, loss, count = accumulate_gradients(apply_fn, state.params, tokens, cfg.train.microbatches)
+        total = jax.lax.psum(jnp.stack([loss, count]), axis)  # the logged loss: every replica's tokens
+        updates, inner = inner_tx.update(jax.tree.map(lambda g: g / count, grads), state.inner, state.params)
+        local = optax.apply_updates(state.params, updates)
+
+        def sync(local, momentum, codec):
+            with jax.named_scope(reduce.SYNC_SCOPE):
+                delta = jax.tree.map(jnp.subtract, outer, local)
+                summed, codec = exchange.update(delta, codec, step)
+            delta = jax.tree.map(lambda d: d / replicas, summed)
+            momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, delta)
+            new_outer = jax.tree.map(lambda p, d, m: p - outer_lr * (d + mu * m), outer, delta, momentum)
+            return new_outer, momentum, codec
+
+        def wait(local, momentum, codec):
+            return local, momentum, codec
+
+        synced = (step + 1) % H == 0
+        new_local, momentum, codec = jax.lax.cond(synced, sync, wait, local, state.momentum, state.codec)
+        # Between syncs the outer parameters stay; at a sync every replica restarts from the new ones.
+        step_out = jax.tree.map(lambda o, n: jnp.where(synced, o - n, jnp.zeros_like(o)), outer, new_local)
+        new_state = DilocoState(params=new_local, inner=inner, momentum=momentum, codec=codec)
+        return step_out, total[0] / total[1], jax.tree.map(lambda s: s[None], new_state)
+
+    def apply(params, tokens, state, step):
+        fn = jax.shard_map(lambda o, t, s, i: per_replica(o, t, jax.tree.map(lambda x: x[0], s), i),
+                           mesh=mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=(P(), P(), P(axis)),
+                           axis_names={axis}, check_vma=False)
+        delta, loss, state = fn(params, tokens, state, step)
+        return delta, loss, state, {}
+
+    def init(params):  # every replica starts from the outer parameters
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        local = DilocoState(params=params, inner=inner_tx.init(params), momentum=zeros,
+                            codec=exchange.init(params))
+        return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), local)
+
+    def state_specs(param_specs):
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        inner_abstract = jax.eval_shape(inner_tx.init, model.abstract)
+        inner = optax.tree_map_params(inner_tx, lambda _, s: s, inner_abstract, param_specs,
+                                      transform_non_params=lambda _: P(), is_leaf=is_spec)
+        local = DilocoState(params=param_specs, inner=inner, momentum=param_specs,
+                            codec=exchange.state_specs(param_specs))
+        return jax.tree.map(lambda s: P(axis, *s), local, is_leaf=is_spec)
+
+    return GradientStage(init=init, apply=apply, state_specs=state_specs, name="explicit-diloco")
