@@ -70,6 +70,7 @@ class OptimConfig:
     lr_scaling: str = "none"  # none | linear | sqrt: scale lr by global_batch / reference_batch
     reference_batch: int = 8
     offload: str = "none"  # none | host: optimizer state in pinned host memory
+    schedule_steps: int = 0  # steps the LR schedule spans; 0 = train.steps (pin it to extend a run unchanged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,10 +292,15 @@ def validate(cfg: Config) -> None:
         raise JaxdistError("optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1]")
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
+    if cfg.optim.schedule_steps < 0:
+        raise JaxdistError(f"optim.schedule_steps must be >= 0 (0 = train.steps), got {cfg.optim.schedule_steps}")
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
-    """'10:15' -> (10, 15)."""
+    """'10:15' -> (10, 15). YAML 1.1 reads an unquoted 10:15 as the base-60 integer 615, which
+    arrives here as '615': read it back as the START:STOP the user wrote."""
+    if text.isdigit():
+        text = "{}:{}".format(*divmod(int(text), 60))
     try:
         start, stop = (int(x) for x in text.split(":"))
     except ValueError:

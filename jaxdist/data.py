@@ -64,6 +64,19 @@ def read_tokens(files: list[str], dtype: str) -> list[np.ndarray]:
     return arrays
 
 
+def check_vocab(files: list[str], arrays: list[np.ndarray], vocab_size: int, chunk: int = 1 << 26) -> None:
+    """Every token of every file is < vocab_size (an id beyond the embedding gives NaN gradients steps
+    later). Reads each memory-mapped file once, in chunks: ~0.1-0.3 s per GB from the page cache."""
+    for f, a in zip(files, arrays):
+        for lo in range(0, len(a), chunk):
+            block = a[lo:lo + chunk]
+            top = int(block.max())
+            if top >= vocab_size:
+                at = lo + int(np.argmax(block >= vocab_size))
+                raise JaxdistError(f"token id {int(a[at])} at position {at} of {f} is >= model.vocab_size="
+                                   f"{vocab_size}; set model.vocab_size to the tokenizer's size (or fix the file)")
+
+
 class Windows:
     """Random access to non-overlapping windows of `length` tokens (input + shifted target share one)
     over a list of 1-D token arrays; windows never straddle two arrays."""
@@ -107,11 +120,9 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     else:
         if not d.path:
             raise JaxdistError("data.source=tokens needs data.path, a glob of binary token files")
-        arrays = read_tokens(_files(d.path), d.token_dtype)
-        sample_max = max((int(a[: 1 << 20].max()) for a in arrays), default=0)
-        if sample_max >= cfg.model.vocab_size:
-            raise JaxdistError(f"token id {sample_max} in data.path is >= model.vocab_size="
-                               f"{cfg.model.vocab_size}; set model.vocab_size to the tokenizer's size")
+        files = [f for f in _files(d.path) if os.path.getsize(f)]
+        arrays = read_tokens(files, d.token_dtype)
+        check_vocab(files, arrays, cfg.model.vocab_size)
     windows = Windows(arrays, length)
     n = len(windows)
     n_eval = int(n * d.eval_fraction)
@@ -182,6 +193,9 @@ class Loader:
     def __iter__(self):
         return self
 
+    def has_eval(self) -> bool:
+        return bool(self._eval)
+
     def eval_arrays(self) -> list[jax.Array]:
         return [self.to_global(b) for b in self._eval]
 
@@ -190,3 +204,13 @@ class Loader:
 
     def set_state(self, state: dict) -> None:
         self.iterator.set_state(state)
+
+
+def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
+    """Why evaluation cannot run although train.eval_every asks for it (None: it can, or is off)."""
+    if not cfg.train.eval_every or loader.has_eval():
+        return None
+    if cfg.train.eval_batches == 0:
+        return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
+    return (f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "
+            f"{len(loader.train) + len(loader.held_out)} windows is no whole window; raise data.eval_fraction or add data")

@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="simulated devices when running on CPU (default 8)")
+    p.add_argument("--allow-config-change", default="", metavar="KEY,...",
+                   help="resume although these config keys differ from the checkpoint's, e.g. optim.lr,data.path "
+                        "(train.steps, checkpoint.*, logging and mesh keys may always change)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
     multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
     multi.add_argument("--num-processes", type=int, default=None, help="processes in the run")
@@ -59,7 +62,9 @@ def resolve_config(args: argparse.Namespace):
 
 def prepare_run_dir(run_dir: str | None) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing."""
+    from jaxdist import rundir
     path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    rundir.check_storable(path)
     if path.exists() and not path.is_dir():
         raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
     probe = path
@@ -115,22 +120,51 @@ class RunResult:
     steps: int
 
 
-def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
+def run(cfg, run_dir: Path, log=print, restore: str | None = None, stopper=None,
+        allowed: frozenset[str] = frozenset()) -> RunResult:
     """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
 
     Starts from this run dir's latest checkpoint if it has one, else from `restore` (another run's
-    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint.
+    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint
+    (before the first step, if they come during start-up: `stopper` is installed by `main`).
+    `allowed`: config keys that may differ from the resumed checkpoint's.
     """
+    from jaxdist import checkpoint, rundir
+    own = stopper is None
+    stopper = stopper or checkpoint.StopSignal()
+    lock = rundir.RunLock(run_dir)
+    with stopper if own else contextlib.nullcontext():
+        try:
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock)
+        finally:
+            lock.release()
+
+
+def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
+    if not stopper.requested():
+        return None
+    log(f"stopped by {stopper.received} during start-up: no step was taken and nothing was saved; "
+        "run the same command to start")
+    return RunResult(run_dir, float("nan"), None, 0.0, 0)
+
+
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock) -> RunResult:
     import jax
     from tqdm import tqdm
 
-    from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, profiling, step
+    from jaxdist import checkpoint, config as config_mod, data, mesh as mesh_mod, metrics, optim, profiling, rundir, step
 
+    rundir.check_storable(run_dir)
+    lock.check()  # another trainer on this run dir: refused before anything is read or written
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     prog = step.build_program(cfg, mesh)
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
+    no_eval = data.no_eval_reason(cfg, loader)
+    if no_eval:  # decided now, not at the first evaluation
+        log(f"warning: {no_eval}; evaluation is off")
+        cfg = cfg.replace(train=dict(eval_every=0))
     flops_tok = metrics.flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak = metrics.peak_flops_total(list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)
@@ -143,18 +177,26 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         if resuming and restore and is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(run_dir if resuming else Path(restore), prog, loader, cfg,
-                                      params_only=cfg.checkpoint.params_only and not resuming, log=log)
+                                      params_only=cfg.checkpoint.params_only and not resuming, log=log,
+                                      allowed=allowed, drift=resuming)
     start = restored.step if restored else 0
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        return stopped
     if start >= cfg.train.steps:
         log(f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
             "(raise --steps to train further)")
         return RunResult(run_dir, float("nan"), None, 0.0, start)
 
     # Input is valid: from here on we write.
+    if not checkpoint.all_agree(not is_main or _take(lock, log)):
+        raise lock._refuse()
     run_dir.mkdir(parents=True, exist_ok=True)
+    changes = restored.changes if restored is not None else {}
     if is_main:
-        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+        rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
         for line in summary_lines(cfg, prog, flops_tok):
+            log(line)
+        for line in optim.schedule_notes(cfg, start, changes):
             log(line)
     writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None)
     if restored is not None:
@@ -185,8 +227,12 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
     progress = Progress(cfg, writer, bar, tokens_per_step, flops_tok, peak,
                         skipped_in_a_row=int(jax.device_get(state.skipped)))
-    batch, steps_done, pending, stopper = first, start, None, checkpoint.StopSignal()
-    with stopper, contextlib.closing(saver):
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        saver.close()
+        return stopped
+    stopper.training = True
+    batch, steps_done, pending = first, start, None
+    with contextlib.closing(saver):
         for s in range(start, cfg.train.steps):
             trace.at_step(s, state)
             state, m = compiled(state, batch)
@@ -222,8 +268,24 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
 
 
+def _take(lock, log) -> bool:
+    try:
+        note = lock.acquire()
+    except JaxdistError:
+        return False
+    if note:
+        log(note)
+    return True
+
+
 def setup_platform(cpu_devices: int) -> None:
     """Simulated CPU devices and GPU overlap flags must be configured before any JAX work."""
+    env = os.environ.get("JAX_NUM_CPU_DEVICES")
+    if env is not None and not (env.strip().isdigit() and int(env) > 0):
+        raise JaxdistError(f"JAX_NUM_CPU_DEVICES={env!r} must be a positive whole number of simulated CPU "
+                           "devices; fix or unset it")
+    if cpu_devices < 1:
+        raise JaxdistError(f"--cpu-devices {cpu_devices} must be at least 1")
     from jaxdist import xla_flags
     xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/xla_flags.py)
     import jax
@@ -245,23 +307,35 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
 
 
+def allowed_changes(text: str) -> frozenset[str]:
+    from jaxdist.checkpoint.compat import check_allowed_keys
+    keys = frozenset(k.strip() for k in text.split(",") if k.strip())
+    check_allowed_keys(keys)
+    return keys
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        cfg = resolve_config(args)
-        run_dir = prepare_run_dir(args.run_dir)
-        setup_platform(args.cpu_devices)
-        launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
-        distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
-        enable_compilation_cache()
-        print(distributed.topology_line(), flush=True)
-        run(cfg, run_dir, restore=args.restore)
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("aborted (second interrupt): no checkpoint written for the current step", file=sys.stderr)
-        return 130
+    from jaxdist import quiet
+    from jaxdist.checkpoint.signals import StopSignal  # light: SIGTERM from here on stops cleanly
+    quiet.libraries()
+    with StopSignal() as stopper:
+        try:
+            args = parse_args(argv)
+            cfg = resolve_config(args)
+            run_dir = prepare_run_dir(args.run_dir)
+            setup_platform(args.cpu_devices)
+            allowed = allowed_changes(args.allow_config_change)
+            launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+            distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+            enable_compilation_cache()
+            print(distributed.topology_line(), flush=True)
+            run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)
+        except JaxdistError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("aborted (second interrupt): no checkpoint written for the current step", file=sys.stderr)
+            return 130
     return 0
 
 

@@ -15,11 +15,12 @@ if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
 fi
 n=$1; shift
 python=${PYTHON:-python}
-devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
-if (( devices < 1 )); then
-    echo "error: 8 devices do not split over $n processes; set JAX_NUM_CPU_DEVICES" >&2
+if [[ -z "${JAX_NUM_CPU_DEVICES:-}" ]] && (( 8 % n != 0 )); then
+    echo "error: 8 simulated devices do not split evenly over $n processes; set JAX_NUM_CPU_DEVICES" \
+         "(devices per process, e.g. JAX_NUM_CPU_DEVICES=$(( (8 + n - 1) / n )))" >&2
     exit 2
 fi
+devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
 quiet='/^\[Gloo\] Rank [0-9]* is connected to/d'  # gloo's per-rank connection chatter
