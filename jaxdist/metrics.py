@@ -132,8 +132,9 @@ class MetricWriter:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
+    def close(self) -> None:  # idempotent: also called when a run fails
+        file, tb, self.file, self.tb = self.file, self.tb, None, None
+        if file:
+            file.close()
+        if tb:
+            tb.close()

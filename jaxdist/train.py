@@ -133,11 +133,22 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None, stopper=None,
     own = stopper is None
     stopper = stopper or checkpoint.StopSignal()
     lock = rundir.RunLock(run_dir)
-    with stopper if own else contextlib.nullcontext():
+    # `closers`: the progress bar and metric writers, closed however the run ends (a failed save must
+    # leave its one error line on a line of its own, and no flush traceback at exit).
+    with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
         try:
-            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock)
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers)
         finally:
             lock.release()
+
+
+def _quietly(close):
+    def call():
+        try:
+            close()
+        except OSError:  # e.g. a full disk: the run's own error says so
+            pass
+    return call
 
 
 def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
@@ -148,7 +159,7 @@ def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
     return RunResult(run_dir, float("nan"), None, 0.0, 0)
 
 
-def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock) -> RunResult:
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> RunResult:
     import jax
     from tqdm import tqdm
 
@@ -199,6 +210,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock) -> RunResult:
         for line in optim.schedule_notes(cfg, start, changes):
             log(line)
     writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None)
+    closers.callback(_quietly(writer.close))
     if restored is not None:
         if resuming:
             checkpoint.set_aside_newer(run_dir, restored.step, log)
@@ -225,6 +237,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock) -> RunResult:
 
     trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
+    closers.callback(bar.close)
     progress = Progress(cfg, writer, bar, tokens_per_step, flops_tok, peak,
                         skipped_in_a_row=int(jax.device_get(state.skipped)))
     if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:

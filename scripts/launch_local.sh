@@ -23,7 +23,9 @@ fi
 devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
-quiet='/^\[Gloo\] Rank [0-9]* is connected to/d'  # gloo's per-rank connection chatter
+# gloo prints "[Gloo] Rank R is connected to K peer ranks..." once per communicator (on stdout): keep the
+# first as one short line, drop the repeats (the hold space remembers that one was seen).
+gloo='/^\[Gloo\] Rank [0-9]* is connected to/{x;/seen/{x;d;};s/.*/seen/;x;s/^\[Gloo\] Rank \([0-9]*\) is connected to \([0-9]*\) peer ranks.*/gloo: rank \1 connected to \2 peer(s)/;}'
 pids=()
 stop_all() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
@@ -35,7 +37,7 @@ for ((i = 0; i < n; i++)); do
     ( JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=$devices PYTHONUNBUFFERED=1 \
         exec "$python" -m jaxdist.train --coordinator "127.0.0.1:$port" --num-processes "$n" \
         --process-id "$i" --init-timeout "${INIT_TIMEOUT:-60}" "$@" ) \
-        > >(sed -u "s/^/[p$i] /") 2> >(sed -u -e "$quiet" -e "s/^/[p$i] /" >&2) &
+        > >(sed -u -e "$gloo" -e "s/^/[p$i] /") 2> >(sed -u -e "$gloo" -e "s/^/[p$i] /" >&2) &
     pids+=($!)
 done
 
