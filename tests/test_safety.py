@@ -202,6 +202,16 @@ def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path):
     assert not list((run_dir / "checkpoints").glob("[0-9]*")) if (run_dir / "checkpoints").exists() else True
 
 
+@pytest.mark.slow
+def test_resume_error_from_the_command_line_is_exactly_one_line(saved):
+    """As a user sees it (a subprocess): no absl WARNING lines around a resume error."""
+    r = subprocess.run([sys.executable, "-m", "jaxdist.train", "--run-dir", str(saved), *SMALL, "train.seed=1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(
+        "error: train.seed=1 differs from the seed 0 of checkpoint"), r.stderr
+
+
 def test_first_ctrl_c_during_start_up_stops_and_the_second_aborts(capsys):
     import os
     import time
