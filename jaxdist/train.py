@@ -17,7 +17,6 @@ from pathlib import Path
 
 from jaxdist import distributed
 from jaxdist.errors import JaxdistError
-from jaxdist.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -238,6 +237,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
     trace = profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", log)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, dynamic_ncols=True, mininterval=1.0)
     closers.callback(bar.close)
+    from jaxdist.progress import Progress  # imports JAX: not before main() has its signal handlers
     progress = Progress(cfg, writer, bar, tokens_per_step, flops_tok, peak,
                         skipped_in_a_row=int(jax.device_get(state.skipped)))
     if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:

@@ -286,7 +286,7 @@ def test_schedule_clamping_and_extension_are_said_and_schedule_steps_pins_it():
     pinned = longer.replace(optim=dict(schedule_steps=30))
     assert optim.schedule_notes(pinned, 30, {"train.steps": (30, 40), "optim.schedule_steps": (0, 30)}) == []
     # the pinned 40-step program follows the 30-step schedule (optax clamps it at the end)
-    tx, lr = optim.make_optimizer(pinned.optim, pinned.optim.schedule_steps or 40, 8)
+    _, lr = optim.make_optimizer(pinned.optim, pinned.optim.schedule_steps or 40, 8)
     assert [float(lr(s)) for s in range(0, 40, 3)] == [float(optim.schedule(longer.optim, 30, 8)(s))
                                                        for s in range(0, 40, 3)]
 

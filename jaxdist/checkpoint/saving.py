@@ -7,8 +7,8 @@ published stay, because orbax deletes old steps only after a new one is complete
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grain
 import jax
@@ -134,5 +134,5 @@ class Saver:
         finally:
             try:
                 self.manager.close()
-            except Exception:  # noqa: BLE001 — the save's own failure, if any, is already being raised
+            except Exception:  # noqa: BLE001, S110 — the save's own failure, if any, is already being raised
                 pass

@@ -24,7 +24,7 @@ class StopSignal:
         self.training = False  # set by the loop: from then on a stop saves the current step
         self._previous: dict = {}
 
-    def __enter__(self) -> "StopSignal":
+    def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)

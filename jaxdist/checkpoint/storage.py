@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grain
 import jax
@@ -48,7 +48,15 @@ def checkpoint_dir(path: Path) -> tuple[Path, int | None]:
 
 def has_checkpoints(path: Path) -> bool:
     directory, step = checkpoint_dir(path)
-    return step is not None or (directory.is_dir() and bool(open_manager(directory, read_only=True).all_steps()))
+    if step is not None:
+        return True
+    if not directory.is_dir():
+        return False
+    manager = open_manager(directory, read_only=True)
+    try:
+        return bool(manager.all_steps())
+    finally:
+        manager.close()  # an unclosed manager's event loop is what printed "Event loop is closed" at exit
 
 
 def load_params(step_dir: Path) -> dict:
@@ -56,5 +64,8 @@ def load_params(step_dir: Path) -> dict:
     step_dir = Path(step_dir)
     manager = open_manager(step_dir.parent, read_only=True)
     step = int(step_dir.name)
-    target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), manager.item_metadata(step)["params"])
-    return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    try:
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), manager.item_metadata(step)["params"])
+        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    finally:
+        manager.close()
