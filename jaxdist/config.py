@@ -298,8 +298,9 @@ def validate(cfg: Config) -> None:
 
 def parse_step_range(text: str) -> tuple[int, int]:
     """'10:15' -> (10, 15). YAML 1.1 reads an unquoted 10:15 as the base-60 integer 615, which
-    arrives here as '615': read it back as the START:STOP the user wrote."""
-    if text.isdigit():
+    arrives here as '615': read it back as the START:STOP the user wrote (YAML's base 60 needs a first
+    part of 1 or more, so 0:5 stays a string and a bare number below 60 is not one of these)."""
+    if text.isdigit() and int(text) >= 60:
         text = "{}:{}".format(*divmod(int(text), 60))
     try:
         start, stop = (int(x) for x in text.split(":"))

@@ -295,6 +295,7 @@ def test_profile_steps_as_yaml_reads_them():
     cfg = config.load(None, ["train.profile_steps=10:15"])  # YAML 1.1: the integer 615
     assert config.parse_step_range(cfg.train.profile_steps) == (10, 15)
     assert config.parse_step_range("3:7") == (3, 7)
+    assert config.parse_step_range(config.load(None, ["train.profile_steps=0:5"]).train.profile_steps) == (0, 5)
 
 
 # ---- warnings and MFU ------------------------------------------------------------------------------------
