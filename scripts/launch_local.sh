@@ -23,9 +23,10 @@ fi
 devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
-# gloo prints "[Gloo] Rank R is connected to K peer ranks..." once per communicator (on stdout): keep the
-# first as one short line, drop the repeats (the hold space remembers that one was seen).
-gloo='/^\[Gloo\] Rank [0-9]* is connected to/{x;/seen/{x;d;};s/.*/seen/;x;s/^\[Gloo\] Rank \([0-9]*\) is connected to \([0-9]*\) peer ranks.*/gloo: rank \1 connected to \2 peer(s)/;}'
+# gloo prints "[Gloo] Rank R is connected to K peer ranks..." once per communicator (on stdout), from
+# several threads at once, so lines come interleaved: keep one short line, drop every line with a
+# fragment of that message (the hold space remembers that the short line was printed).
+gloo='/\[Gloo\]\|connected peer ranks/{x;/seen/{x;d;};s/.*/seen/;x;s/.*/gloo: processes connected (further gloo lines hidden)/;}'
 pids=()
 stop_all() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
