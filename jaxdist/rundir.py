@@ -50,7 +50,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK
         self.fd: int | None = None
 
-    def _refuse(self) -> JaxdistError:
+    def refused(self) -> JaxdistError:
         return JaxdistError(f"run dir {self.path.parent} is in use by another trainer ({_owner(self.path)}); "
                             "wait for it to finish, stop it, or choose another --run-dir")
 
@@ -61,7 +61,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise self._refuse() from None
+            raise self.refused() from None
         finally:
             os.close(fd)  # closing drops the probe's lock
 
@@ -73,7 +73,7 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise self._refuse() from None
+            raise self.refused() from None
         previous = os.read(fd, 4096).decode(errors="replace").strip()
         stale = f"took over the stale lock of {_owner(self.path)}" if previous else None
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}

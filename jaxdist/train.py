@@ -199,7 +199,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
 
     # Input is valid: from here on we write.
     if not checkpoint.all_agree(not is_main or _take(lock, log)):
-        raise lock._refuse()
+        raise lock.refused()
     run_dir.mkdir(parents=True, exist_ok=True)
     changes = restored.changes if restored is not None else {}
     if is_main:
@@ -332,23 +332,27 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist.checkpoint.signals import StopSignal  # light: SIGTERM from here on stops cleanly
     quiet.libraries()
     with StopSignal() as stopper:
-        try:
-            args = parse_args(argv)
-            cfg = resolve_config(args)
-            run_dir = prepare_run_dir(args.run_dir)
-            setup_platform(args.cpu_devices)
-            allowed = allowed_changes(args.allow_config_change)
-            launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
-            distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
-            enable_compilation_cache()
-            print(distributed.topology_line(), flush=True)
-            run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)
-        except JaxdistError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("aborted (second interrupt): no checkpoint written for the current step", file=sys.stderr)
-            return 130
+        return _main(argv, stopper)
+
+
+def _main(argv: list[str] | None, stopper) -> int:
+    try:
+        args = parse_args(argv)
+        cfg = resolve_config(args)
+        run_dir = prepare_run_dir(args.run_dir)
+        setup_platform(args.cpu_devices)
+        allowed = allowed_changes(args.allow_config_change)
+        launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        enable_compilation_cache()
+        print(distributed.topology_line(), flush=True)
+        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)
+    except JaxdistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aborted (second interrupt): no checkpoint written for the current step", file=sys.stderr)
+        return 130
     return 0
 
 
