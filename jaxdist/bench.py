@@ -36,8 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def mesh_devices(text: str, devices: list) -> list:
     """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
     from jaxdist.mesh import AXES
-    sizes = [int(part.split("=")[1]) for part in text.split(",") if part.strip() and "=" in part
-             and part.split("=")[0].strip() in AXES]
+    try:
+        sizes = [int(part.split("=")[1]) for part in text.split(",") if part.strip() and "=" in part
+                 and part.split("=")[0].strip() in AXES]
+    except ValueError:
+        return devices  # not a valid mesh: parse_mesh names the problem
     if sizes and -1 not in sizes and math.prod(sizes) < len(devices):
         return devices[: math.prod(sizes)]
     return devices
@@ -110,6 +113,9 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         from jaxdist import config
         from jaxdist.train import setup_platform
+        if args.steps < 1 or args.warmup < 0:
+            raise JaxdistError(f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
+                               "(--steps >= 1) after --warmup >= 0 untimed ones")
         cfg = config.load(args.config, args.overrides)
         setup_platform(args.cpu_devices)
         records = []

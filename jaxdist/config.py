@@ -140,6 +140,7 @@ class OptimConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by global_batch / reference_batch
     reference_batch: Positive = 8  # the batch the lr was tuned for (lr_scaling)
     offload: Literal["none", "host"] = "none"  # host: optimizer state in pinned host memory
+    schedule_steps: NonNegative = 0  # steps the LR schedule spans; 0 = train.steps (pin it to extend a run unchanged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,7 +446,11 @@ def _validate_rules(rules: dict[str, list[str]]) -> None:
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
-    """'10:15' -> (10, 15)."""
+    """'10:15' -> (10, 15). YAML 1.1 reads an unquoted 10:15 as the base-60 integer 615, which
+    arrives here as '615': read it back as the START:STOP the user wrote (YAML's base 60 needs a first
+    part of 1 or more, so 0:5 stays a string and a bare number below 60 is not one of these)."""
+    if text.isdigit() and int(text) >= 60:
+        text = "{}:{}".format(*divmod(int(text), 60))
     try:
         start, stop = (int(x) for x in text.split(":"))
     except ValueError:

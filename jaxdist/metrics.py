@@ -158,6 +158,26 @@ def _kept_on_resume(record: dict, resume_step: int) -> bool:
     return not record.get("summary") and record.get("step", 0) <= resume_step
 
 
+def _records(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of every complete line: a line cut short by a crash or a full disk is dropped."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append((line, record))
+    return out
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Appending after a partial last line would glue the next record onto it."""
+    text = path.read_bytes()
+    if text and not text.endswith(b"\n"):
+        path.write_bytes(text[: text.rfind(b"\n") + 1])
+
+
 class MetricWriter:
     """metrics.jsonl (every logged step), and the same records to the experiment trackers
     (jaxdist.trackers); process 0 only."""
@@ -173,9 +193,10 @@ class MetricWriter:
         if self.enabled:
             path = Path(run_dir) / "metrics.jsonl"
             if resume_step is not None and path.exists():
-                kept = [line for line in path.read_text().splitlines()
-                        if line.strip() and _kept_on_resume(json.loads(line), resume_step)]
+                kept = [line for line, record in _records(path) if _kept_on_resume(record, resume_step)]
                 path.write_text("".join(line + "\n" for line in kept))
+            elif path.exists():
+                _drop_partial_line(path)
             self.file = open(path, "a")
 
     def write(self, record: dict) -> None:
@@ -189,10 +210,9 @@ class MetricWriter:
             else:
                 self.trackers.log(record)
 
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-            self.file = None
-        if self.trackers is not None:
-            self.trackers.finish({})  # no-op once the summary has closed them
-            self.trackers = None
+    def close(self) -> None:  # idempotent: also called when a run fails
+        file, trackers, self.file, self.trackers = self.file, self.trackers, None, None
+        if file:
+            file.close()
+        if trackers is not None:
+            trackers.finish({})  # no-op once the summary has closed them

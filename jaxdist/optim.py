@@ -88,3 +88,27 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_
                                  optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
                                  optax.scale_by_learning_rate(lr)))
     return optax.chain(*parts), lr
+
+
+def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str]:
+    """Start-up lines when the schedule is not what the settings suggest: warm-up clamped to the run,
+    or (on resume, `changes` = config key -> (checkpoint's, now)) a new length that changes the LR from
+    the resumed step on."""
+    o, notes = cfg.optim, []
+    total = o.schedule_steps or cfg.train.steps
+    if o.warmup_steps > total - 1:
+        warm = max(total - 1, 0)
+        notes.append(f"note: optim.warmup_steps={o.warmup_steps} does not fit the {total}-step LR schedule: warm-up "
+                     f"is clamped to {warm} steps, so the LR peaks at the end with {max(total - warm, 1)} step(s) of "
+                     "decay; lower optim.warmup_steps or set optim.schedule_steps")
+    changes = changes or {}
+    if start and ("train.steps" in changes or "optim.schedule_steps" in changes):
+        steps = changes.get("train.steps", (cfg.train.steps,) * 2)[0]
+        pinned = changes.get("optim.schedule_steps", (o.schedule_steps,) * 2)[0]
+        before = pinned or steps
+        if before != total:
+            old, new = (float(schedule(o, n, cfg.train.global_batch)(start)) for n in (before, total))
+            notes.append(f"note: the LR schedule now spans {total} steps instead of {before}: from step {start} on "
+                         f"the LR follows the new schedule ({old:.3g} -> {new:.3g} at step {start}); pass "
+                         f"optim.schedule_steps={before} to keep the schedule the run had")
+    return notes

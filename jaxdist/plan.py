@@ -108,6 +108,8 @@ def plot(curves: dict, path: str, title: str) -> list[str]:
 def run(args: argparse.Namespace) -> dict:
     cfg = config.load(args.config, args.overrides)
     hw = hardware.get(args.hardware)
+    if args.plot:
+        check_plot_path(args.plot)
     if args.devices < 1:
         raise JaxdistError(f"--devices must be positive, got {args.devices}")
     if args.mesh:
@@ -124,6 +126,19 @@ def run(args: argparse.Namespace) -> dict:
         curves = scaling(cfg, hw, SCALING_DEVICES, cfg.train.global_batch / args.devices)
     return {"config": args.config or "configs/tiny.yaml", "hardware": hw.name, "devices": args.devices,
             "candidates": ests, "recommended": best, "reason": reason, "scaling": curves}
+
+
+def check_plot_path(path: str) -> None:
+    """Before planning: the plot's folder must exist and be writable (matplotlib would fail at the end)."""
+    import os
+    from pathlib import Path
+    folder = Path(path).absolute().parent
+    if Path(path).is_dir():
+        raise JaxdistError(f"--plot {path} is a folder; give a file name such as {Path(path) / 'scaling.png'}")
+    if not folder.is_dir():
+        raise JaxdistError(f"--plot {path}: folder {folder} does not exist; create it or write the plot elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise JaxdistError(f"--plot {path}: folder {folder} is not writable; choose another path")
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,13 @@ on a terminal, one plain line per log interval otherwise) and the final summary.
 Reading step s's metrics after step s+1 was dispatched keeps the device busy while the host waits:
 the wait ends when step s is done, so the time between two reads is one step's time. Evaluation time is
 kept out of the throughput.
+
+A read is a clock point only if the host really waited: metrics already computed when the host came
+for them (it was busy elsewhere, e.g. saving a checkpoint, which waits for the state) finished at some
+unknown earlier time, and timing the next step from "now" would shorten it, up to MFUs of thousands of
+percent after a resume. So the clock restarts only after a real wait, and an interval is then an upper
+bound of its steps' time (MFU a lower bound). MFU is also capped at 100%, with one line saying so, for
+a peak that was measured low (the CPU matmul probe on a busy machine).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Progress:
         self.ema, self.ema_steps = 0.0, 0
         self.rates: list[float] = []
         self.step_time = None
+        self.capped = False
         self.restart_clock()
 
     def say(self, message: str) -> None:
@@ -77,7 +85,12 @@ class Progress:
         self.clock, self.steps_on_clock = time.perf_counter(), 0
 
     def mfu(self, tokens_per_sec: float) -> float:
-        return tokens_per_sec * self.flops_per_token / self.peak if self.peak else 0.0
+        raw = tokens_per_sec * self.flops_per_token / self.peak if self.peak else 0.0
+        if raw > 1 and not self.capped:
+            self.capped = True
+            self.say(f"note: measured {tokens_per_sec * self.flops_per_token:.3g} FLOP/s exceeds the peak estimate "
+                     f"{self.peak:.3g}; MFU is shown as at most 100% (set train.peak_flops to the true peak)")
+        return min(raw, 1.0)
 
     @property
     def smoothed(self) -> float:
@@ -100,6 +113,7 @@ class Progress:
     def record(self, step: int, metrics: dict, evaluate=None, final: bool = False) -> None:
         """Account for optimizer step `step` (0-based) whose metrics are `metrics`; waits for it.
         `evaluate() -> eval loss` runs after the throughput is taken, so its time does not count."""
+        waited = not all(getattr(v, "is_ready", lambda: True)() for v in metrics.values())
         vals = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.steps_on_clock += 1
         done = step + 1
@@ -119,7 +133,8 @@ class Progress:
             self.skipped_at = []
             self.bar.set_postfix(loss=f"{vals['loss']:.3f}", smooth=f"{self.smoothed:.3f}", tok_s=f"{tps:,.0f}",
                                  mfu=f"{self.mfu_mark}{record['mfu']:.1%}")
-            self.restart_clock()
+            if waited:  # else "now" is later than this step's end: keep timing from the last real wait
+                self.restart_clock()
         if evaluate is not None:
             self.eval_loss = record["eval_loss"] = evaluate()
             self.restart_clock()

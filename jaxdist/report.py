@@ -32,12 +32,13 @@ def artefact_lines(cfg, run_dir: Path) -> list[str]:
 def data_line(cfg, loader) -> str:
     """Files, tokens, windows, and how many passes over the training windows the run will make."""
     from jaxdist import data
+    from jaxdist.files import expand_path
     d = cfg.data
     if d.source == "text":
-        files = data._files(d.path) if d.path else data.stdlib_files()
+        files = expand_path(d.path) if d.path else data.stdlib_files()
         what = (f"{len(files):,} text files ({d.path or 'the Python standard library'}), byte tokens")
     else:
-        files = data._files(d.path)
+        files = expand_path(d.path)
         what = f"{len(files):,} token files ({d.path}, {d.token_dtype})"
     tokens = sum(len(a) for a in loader.train.source.arrays)
     train, held = len(loader.train), len(loader.held_out)

@@ -94,7 +94,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     model = resolve(cfg, mesh, rules)
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
-    tx, lr_schedule = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch,
+    tx, lr_schedule = make_optimizer(cfg.optim, cfg.optim.schedule_steps or cfg.train.steps, cfg.train.global_batch,
                                      decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh),
                                      cfg.reduce.variance_floor)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from jaxdist import distributed, plot, trackers
 from jaxdist.errors import JaxdistError
-from jaxdist.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "hf:HF_DIR fine-tunes a Hugging Face Llama (model shape from its config.json)")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="simulated devices when running on CPU (default 8)")
+    p.add_argument("--allow-config-change", default="", metavar="KEY,...",
+                   help="resume although these config keys differ from the checkpoint's, e.g. optim.lr,data.path "
+                        "(train.steps, checkpoint.*, logging and mesh keys may always change)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
     multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
     multi.add_argument("--num-processes", type=int, default=None, help="processes in the run")
@@ -78,7 +80,9 @@ def print_config(cfg) -> str:
 
 def prepare_run_dir(run_dir: str | None) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing."""
+    from jaxdist import rundir
     path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    rundir.check_storable(path)
     if path.exists() and not path.is_dir():
         raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
     probe = path
@@ -138,17 +142,53 @@ class RunResult:
     steps: int
 
 
-def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
+def run(cfg, run_dir: Path, log=print, restore: str | None = None, stopper=None,
+        allowed: frozenset[str] = frozenset()) -> RunResult:
     """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
 
     Starts from this run dir's latest checkpoint if it has one, else from `restore` (another run's
-    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint.
+    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint
+    (before the first step, if they come during start-up: `stopper` is installed by `main`).
+    `allowed`: config keys that may differ from the resumed checkpoint's.
     """
+    from jaxdist import checkpoint, rundir
+    own = stopper is None
+    stopper = stopper or checkpoint.StopSignal()
+    lock = rundir.RunLock(run_dir)
+    # `closers`: the progress bar and metric writers, closed however the run ends (a failed save must
+    # leave its one error line on a line of its own, and no flush traceback at exit).
+    with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
+        try:
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers)
+        finally:
+            lock.release()
+
+
+def _quietly(close):
+    def call():
+        try:
+            close()
+        except OSError:  # e.g. a full disk: the run's own error says so
+            pass
+    return call
+
+
+def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
+    if not stopper.requested():
+        return None
+    log(f"stopped by {stopper.received} during start-up: no step was taken and nothing was saved; "
+        "run the same command to start")
+    return RunResult(run_dir, float("nan"), None, 0.0, 0)
+
+
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> RunResult:
     import jax
 
-    from jaxdist import checkpoint, config as config_mod, data, hooks, mesh as mesh_mod, metrics, profiling, step
-    from jaxdist import report
+    from jaxdist import checkpoint, config as config_mod, data, hooks, mesh as mesh_mod, metrics, optim, profiling
+    from jaxdist import report, rundir, step
 
+    rundir.check_storable(run_dir)
+    lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
     threading.Thread(target=plot.pyplot, daemon=True).start()
@@ -158,6 +198,10 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
+    no_eval = data.no_eval_reason(cfg, loader)
+    if no_eval:  # decided now, not at the first evaluation
+        log(f"warning: {no_eval}; evaluation is off")
+        cfg = cfg.replace(train=dict(eval_every=0))
     flops_tok = metrics.flops_per_token(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak, peak_source, mfu_approx = metrics.peak_flops(list(mesh.devices.flat), str(step.compute_dtype(cfg.model)),
@@ -175,23 +219,32 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         if resuming and restore and is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(run_dir if resuming else Path(restore), prog, loader, cfg,
-                                      params_only=cfg.checkpoint.params_only and not resuming, log=log)
+                                      params_only=cfg.checkpoint.params_only and not resuming, log=log,
+                                      allowed=allowed, drift=resuming)
     start = restored.step if restored else 0
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        return stopped
     if start >= cfg.train.steps:
         log(f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
             "(raise --steps to train further)")
         return RunResult(run_dir, float("nan"), None, 0.0, start)
 
     # Input is valid: from here on we write.
+    if not checkpoint.all_agree(not is_main or _take(lock, log)):
+        raise lock.refused()
     run_dir.mkdir(parents=True, exist_ok=True)
+    changes = restored.changes if restored is not None else {}
     if is_main:
-        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+        rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
         for line in [*summary_lines(cfg, prog, flops_tok), report.data_line(cfg, loader), report.units_line(cfg),
                      report.peak_line(peak, peak_source, mfu_approx), *report.artefact_lines(cfg, run_dir)]:
+            log(line)
+        for line in optim.schedule_notes(cfg, start, changes):
             log(line)
     tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None
     writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None,
                                   trackers=tracked)
+    closers.callback(_quietly(writer.close))
     if restored is not None:
         if resuming:
             checkpoint.set_aside_newer(run_dir, restored.step, log)
@@ -219,16 +272,22 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
         return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
 
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    from jaxdist.progress import Progress  # imports JAX: not before main() has its signal handlers
     progress = Progress(cfg, writer, tokens_per_step, flops_tok, peak, start=start, enabled=is_main,
                         skipped_in_a_row=int(jax.device_get(state.skipped)), mfu_approx=mfu_approx,
                         memory=lambda: metrics.device_memory(local), log=log)
+    closers.callback(progress.close)
     saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        saver.close()
+        return stopped
+    stopper.training = True
     batches = hooks.Batches(loader, first)
     per_step = [hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
                 hooks.Checkpoint(saver, loader), batches, hooks.Metrics(progress, evaluate, cfg.train.eval_every)]
-    stopper, steps_done = checkpoint.StopSignal(), start
+    steps_done = start
     try:
-        with stopper, contextlib.closing(saver):
+        with contextlib.closing(saver):
             state, steps_done = hooks.run_steps(lambda st: compiled(st, batches.current), state, start,
                                                 cfg.train.steps, stopper.requested, per_step)
         for h in per_step:
@@ -254,8 +313,24 @@ def run(cfg, run_dir: Path, log=print, restore: str | None = None) -> RunResult:
     return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
 
 
+def _take(lock, log) -> bool:
+    try:
+        note = lock.acquire()
+    except JaxdistError:
+        return False
+    if note:
+        log(note)
+    return True
+
+
 def setup_platform(cpu_devices: int) -> None:
     """Simulated CPU devices and GPU overlap flags must be configured before any JAX work."""
+    env = os.environ.get("JAX_NUM_CPU_DEVICES")
+    if env is not None and not (env.strip().isdigit() and int(env) > 0):
+        raise JaxdistError(f"JAX_NUM_CPU_DEVICES={env!r} must be a positive whole number of simulated CPU "
+                           "devices; fix or unset it")
+    if cpu_devices < 1:
+        raise JaxdistError(f"--cpu-devices {cpu_devices} must be at least 1")
     from jaxdist import xla_flags
     xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/xla_flags.py)
     import jax
@@ -277,7 +352,22 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
 
 
+def allowed_changes(text: str) -> frozenset[str]:
+    from jaxdist.checkpoint.compat import check_allowed_keys
+    keys = frozenset(k.strip() for k in text.split(",") if k.strip())
+    check_allowed_keys(keys)
+    return keys
+
+
 def main(argv: list[str] | None = None) -> int:
+    from jaxdist import quiet
+    from jaxdist.checkpoint.signals import StopSignal  # light: SIGTERM from here on stops cleanly
+    quiet.libraries()
+    with StopSignal() as stopper:
+        return _main(argv, stopper)
+
+
+def _main(argv: list[str] | None, stopper) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
@@ -291,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
         run_dir = prepare_run_dir(args.run_dir)
         setup_platform(args.cpu_devices)
+        allowed = allowed_changes(args.allow_config_change)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
         distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
         enable_compilation_cache()
         print(distributed.topology_line(), flush=True)
-        run(cfg, run_dir, restore=args.restore)
+        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

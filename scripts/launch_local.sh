@@ -15,14 +15,18 @@ if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
 fi
 n=$1; shift
 python=${PYTHON:-python}
-devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
-if (( devices < 1 )); then
-    echo "error: 8 devices do not split over $n processes; set JAX_NUM_CPU_DEVICES" >&2
+if [[ -z "${JAX_NUM_CPU_DEVICES:-}" ]] && (( 8 % n != 0 )); then
+    echo "error: 8 simulated devices do not split evenly over $n processes; set JAX_NUM_CPU_DEVICES" \
+         "(devices per process, e.g. JAX_NUM_CPU_DEVICES=$(( (8 + n - 1) / n )))" >&2
     exit 2
 fi
+devices=${JAX_NUM_CPU_DEVICES:-$((8 / n))}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
-quiet='/^\[Gloo\] Rank [0-9]* is connected to/d'  # gloo's per-rank connection chatter
+# gloo prints "[Gloo] Rank R is connected to K peer ranks..." once per communicator (on stdout), from
+# several threads at once, so lines come interleaved: keep one short line, drop every line with a
+# fragment of that message (the hold space remembers that the short line was printed).
+gloo='/\[Gloo\]\|connected peer ranks/{x;/seen/{x;d;};s/.*/seen/;x;s/.*/gloo: processes connected (further gloo lines hidden)/;}'
 pids=()
 stop_all() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
@@ -34,7 +38,7 @@ for ((i = 0; i < n; i++)); do
     ( JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=$devices PYTHONUNBUFFERED=1 \
         exec "$python" -m jaxdist.train --coordinator "127.0.0.1:$port" --num-processes "$n" \
         --process-id "$i" --init-timeout "${INIT_TIMEOUT:-60}" "$@" ) \
-        > >(sed -u "s/^/[p$i] /") 2> >(sed -u -e "$quiet" -e "s/^/[p$i] /" >&2) &
+        > >(sed -u -e "$gloo" -e "s/^/[p$i] /") 2> >(sed -u -e "$gloo" -e "s/^/[p$i] /" >&2) &
     pids+=($!)
 done
 

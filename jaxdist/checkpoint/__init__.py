@@ -1,0 +1,51 @@
+"""Checkpoints that never lose work: orbax `CheckpointManager` under `<run_dir>/checkpoints/<step>`.
+
+One checkpoint holds four items:
+  params  model parameters (their own item, so fine-tuning can load them alone)
+  train   the rest of `TrainState`: step, optimizer state, reducer state (error feedback), skip counter
+  data    the grain iterator state, one file per process
+  meta    JSON: step, seed (the only randomness: init and data order derive from it), resolved config
+and `jaxdist-checksums.json`, the size and hash of every file, published together with them.
+
+One module per job:
+  storage    the orbax manager and where checkpoints live
+  saving     asynchronous saves, reported once published; a failed save stops the run in one line
+  integrity  checksums written before a step is published, verified on restore
+  restoring  newest intact checkpoint onto the current mesh, falling back to older ones
+  compat     which checkpoint may continue which run (model, seed, config drift)
+  setaside   unreadable checkpoints renamed, never deleted
+  agree      multi-host agreement on decisions
+  signals    SIGTERM / SIGINT: stop after the current step with a checkpoint
+
+Integrity, as orbax 0.12.8 implements it (checked in its source and in tests/test_checkpoint.py):
+- a save writes `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only after every process has
+  committed; a save killed half-way leaves only the tmp folder, never listed as a step, and removed
+  (`cleanup_tmp_directories`) when the next run opens the folder for writing;
+- steps beyond `checkpoint.keep` are deleted by the same background thread, after that rename.
+
+The names below load on first use, so `jaxdist.checkpoint.signals` can be imported (and its handlers
+installed) before JAX and orbax are.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "storage": ("SUBDIR", "open_manager", "checkpoint_dir", "has_checkpoints", "load_params"),
+    "saving": ("Saver",),
+    "restoring": ("Restored", "restore"),
+    "compat": ("FREE_KEYS", "check_model", "check_resume", "check_config_drift", "check_allowed_keys",
+               "changed_keys", "saved_config", "check_run_dir_model"),
+    "setaside": ("set_aside_newer",),
+    "agree": ("all_agree",),
+    "signals": ("StopSignal",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)  # noqa: PLE0605 (built from the table above)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

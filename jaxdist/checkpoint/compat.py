@@ -1,0 +1,146 @@
+"""Compatibility policy: which checkpoint may continue which run.
+
+- the model must match tensor by tensor (a different model, or another pipeline layout, is named);
+- a resume keeps the seed (it fixes the data order) and a sequence length the weights were trained at;
+- any other change of the resolved config is refused with one line listing the changed keys, unless
+  the user names them (`--allow-config-change KEY,...`) or they are meant to change between attempts
+  (`FREE_KEYS`: length of the run, checkpointing, logging, mesh and memory settings that leave the
+  maths unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+
+# Keys that may differ from the checkpoint's config without a flag: how long and how the run is
+# driven, not what it computes (the mesh may change: arrays are resharded on restore).
+FREE_KEYS = frozenset({
+    "train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.peak_flops",
+    "train.max_skipped_steps", "train.profile_steps", "train.microbatches", "pipeline.microbatches",
+    "optim.schedule_steps", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.params_only",
+    "mesh.shape", "mesh.dcn", "mesh.rules", "model.remat", "optim.offload", "data.prefetch", "data.poison_step",
+})
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_model(saved_params, abstract_params, where: Path) -> None:
+    """Same tensors with the same shapes, or an error naming the first tensor that differs."""
+    saved = {_path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved_params)[0]}
+    wanted = {_path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    fix = "use the model.* settings it was trained with, or a new --run-dir"
+    for name, shape in wanted.items():
+        if name not in saved:
+            raise JaxdistError(f"checkpoint {where} is of a different model: it has no tensor params/{name}; {fix}")
+        if saved[name] != shape and _restaged(saved[name], shape):
+            raise JaxdistError(
+                f"checkpoint {where} stores the layer stack in another pipeline layout: params/{name} is "
+                f"{saved[name]} there but {shape} here; resume with the pp and pipeline.repeats it was saved "
+                "with (moving a checkpoint across pipeline layouts is not supported yet)")
+        if saved[name] != shape:
+            raise JaxdistError(f"checkpoint {where} is of a different model: tensor params/{name} has shape "
+                               f"{saved[name]} there but {shape} in this config; {fix}")
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise JaxdistError(f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that "
+                           f"this config lacks; {fix}")
+
+
+def _restaged(saved: tuple, wanted: tuple) -> bool:
+    """The same layer stack laid out (layers, ...) vs (stage, layers/stage, ...), or staged differently."""
+    def stack(shape):  # leading dims that hold layers: one, or two when staged
+        return [shape[:1], shape[:2]]
+    for a in stack(saved):
+        for b in stack(wanted):
+            if (a != b and math.prod(a) == math.prod(b) and saved[len(a):] == wanted[len(b):]):
+                return True
+    return False
+
+
+def check_resume(meta: dict, cfg: Config, where: Path) -> None:
+    """A full resume continues the same run: the same data order and a sequence length the weights support.
+
+    RoPE has no position table, so the architecture accepts any length; the sequence length a model
+    supports is the one it was trained at. Training longer sequences from these weights is a fine-tune
+    (`checkpoint.params_only=true`), not a resume.
+    """
+    saved = meta.get("config", {})
+    seq = saved.get("model", {}).get("seq_len", cfg.model.seq_len)
+    if cfg.model.seq_len > seq:
+        raise JaxdistError(
+            f"model.seq_len={cfg.model.seq_len} is longer than the {seq} tokens the checkpoint {where} was "
+            f"trained on; resume with model.seq_len={seq}, or fine-tune longer sequences with "
+            f"--restore {where} checkpoint.params_only=true in a new --run-dir")
+    if meta.get("seed", cfg.train.seed) != cfg.train.seed:
+        raise JaxdistError(
+            f"train.seed={cfg.train.seed} differs from the seed {meta['seed']} of checkpoint {where}, which "
+            f"fixes the data order; drop the override (or start a new --run-dir)")
+
+
+def flat(tree: dict) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, d in tree.items() if isinstance(d, dict) for k, v in d.items()}
+
+
+def changed_keys(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """Keys whose value differs between a saved config dict and `cfg`: key -> (saved, now). A key the
+    saved config lacks (added to jaxdist since) counts as its default; one `cfg` lacks cannot be compared."""
+    now, defaults, before = flat(cfg.to_dict()), flat(dataclasses.asdict(Config())), flat(saved)
+    return {k: (before.get(k, defaults[k]), v) for k, v in now.items() if before.get(k, defaults[k]) != v}
+
+
+def check_config_drift(meta: dict, cfg: Config, where: Path, allowed: frozenset[str] = frozenset()) -> dict:
+    """Refuse a resume whose config differs from the checkpoint's in keys neither free nor allowed.
+    Returns every changed key (free ones included) -> (saved, now), for the run's config history."""
+    changes = changed_keys(meta.get("config", {}), cfg)
+    refused = [k for k in changes if k not in FREE_KEYS and k not in allowed]
+    if refused:
+        listing = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)
+        raise JaxdistError(
+            f"resuming {where} with a changed config ({listing}); pass --allow-config-change "
+            f"{','.join(refused)} to continue with the change, or drop the overrides (or use a new --run-dir)")
+    return changes
+
+
+def check_allowed_keys(keys: frozenset[str]) -> None:
+    known = set(flat(dataclasses.asdict(Config())))
+    unknown = sorted(keys - known)
+    if unknown:
+        import difflib
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "give section.key names, e.g. optim.lr"
+        raise JaxdistError(f"--allow-config-change names unknown config key '{unknown[0]}': {hint}")
+
+
+def saved_config(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+    try:
+        return yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+
+
+def check_run_dir_model(run_dir: Path, cfg: Config) -> None:
+    """A run dir without checkpoints but with another model's config.yaml is not ours to overwrite."""
+    saved = (saved_config(run_dir) or {}).get("model")
+    if not isinstance(saved, dict):
+        return
+    now = cfg.to_dict()["model"]
+    shape_keys = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size",
+                  "tie_embeddings")
+    for key in shape_keys:
+        if key in saved and saved[key] != now[key]:
+            raise JaxdistError(f"run dir {run_dir} holds a run of a different model (model.{key}={saved[key]} "
+                               f"there, {now[key]} here); choose a new --run-dir")

@@ -1,0 +1,128 @@
+"""Restoring: the newest checkpoint that reads and passes its checksums, onto the current mesh.
+
+Arrays come back on the *current* mesh: orbax is given abstract arrays carrying the target shardings,
+so a run saved on fsdp=8 resumes on dp=2,fsdp=4 or on 4 devices. A checkpoint that fails to read or
+to verify is reported and the previous one tried; a different model or config is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from jaxdist.checkpoint import compat, integrity
+from jaxdist.checkpoint.agree import all_agree
+from jaxdist.checkpoint.saving import train_part
+from jaxdist.checkpoint.storage import checkpoint_dir, open_manager
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import reduce
+from jaxdist.step import Program, TrainState
+
+
+@dataclasses.dataclass
+class Restored:
+    state: TrainState
+    step: int  # optimizer steps already taken (0 for params_only)
+    path: Path  # the step folder it came from
+    seconds: float
+    changes: dict = dataclasses.field(default_factory=dict)  # config key -> (checkpoint's, now)
+    verify_s: float = 0.0  # of `seconds`, checking the files against their checksums
+
+
+class Corrupted(Exception):
+    """A checkpoint whose files do not match their checksums: treated like an unreadable one."""
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _restore_step(manager, directory: Path, step: int, prog: Program, loader, cfg: Config,
+                  params_only: bool, allowed: frozenset, drift: bool) -> tuple[TrainState, dict]:
+    where = directory / str(step)
+    metadata = manager.item_metadata(step)
+    compat.check_model(metadata["params"], prog.abstract_state.params, where)
+    if not params_only and metadata.get("train") is None:
+        raise JaxdistError(f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
+                           f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir")
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    changes = {}
+    if not params_only:
+        compat.check_resume(meta, cfg, where)
+        reduce.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
+        changes = (compat.check_config_drift(meta, cfg, where, allowed) if drift
+                   else compat.changed_keys(meta.get("config", {}), cfg))
+    abstract = _abstract(prog.abstract_state, prog.state_shardings)
+    items = {"params": ocp.args.StandardRestore(abstract.params)}
+    if not params_only:
+        items["train"] = ocp.args.StandardRestore(train_part(abstract))
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
+    if params_only:
+        fresh = prog.init_state(cfg.train.seed)  # new optimizer, step 0: fine-tuning starts here
+        return dataclasses.replace(fresh, params=restored["params"]), changes
+    try:  # this process's iterator file; absent when the process count changed
+        manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
+    except ValueError:
+        loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
+    return TrainState(params=restored["params"], **restored["train"]), changes
+
+
+def _verify(where: Path, log: Callable) -> float:
+    """Check this process's share of the files; raise Corrupted on a mismatch. Returns seconds taken."""
+    start = time.perf_counter()
+    if not integrity.has_checksums(where):
+        log(f"warning: checkpoint {where} has no checksums (written by an older jaxdist); not verified")
+        return 0.0
+    problem = integrity.verify(where, (jax.process_index(), jax.process_count()))
+    if problem:
+        raise Corrupted(problem)
+    return time.perf_counter() - start
+
+
+def restore(path: Path, prog: Program, loader, cfg: Config, params_only: bool = False,
+            log: Callable = print, allowed: frozenset = frozenset(), drift: bool = True) -> Restored:
+    """Restore the newest readable, intact checkpoint under `path` onto `prog`'s mesh (and `loader`'s position).
+
+    `drift`: refuse config changes outside `compat.FREE_KEYS` and `allowed` (a run resuming itself);
+    without it the changes are only returned (a checkpoint of another run, taken on purpose).
+    """
+    directory, only_step = checkpoint_dir(path)
+    if not directory.is_dir():
+        raise JaxdistError(f"checkpoint path {path} does not exist; pass a run dir or its checkpoints/<step>")
+    manager = open_manager(directory, read_only=True)
+    try:
+        steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
+        if not steps:
+            raise JaxdistError(f"{path} holds no checkpoint; pass a run dir (or checkpoints/<step>) written by "
+                               "jaxdist.train")
+        failures = []
+        for step in steps:
+            start = time.perf_counter()
+            try:
+                verify_s = _verify(directory / str(step), log)
+                (state, changes), error = _restore_step(manager, directory, step, prog, loader, cfg, params_only,
+                                                        allowed, drift), None
+            except JaxdistError:
+                raise
+            except Exception as e:  # noqa: BLE001 — any read failure means "try the previous checkpoint"
+                state, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                if isinstance(e, Corrupted):
+                    error = f"{e}"
+            if all_agree(error is None):
+                return Restored(state, 0 if params_only else step, directory / str(step),
+                                time.perf_counter() - start, changes, verify_s)
+            error = error or "failed on another process"
+            failures.append(f"step {step}: {error}")
+            log(f"warning: checkpoint {directory / str(step)} could not be restored ({error}); "
+                "trying the previous one")
+        raise JaxdistError(f"no checkpoint under {directory} could be restored ({failures[0]}); "
+                           "pass a checkpoint written by jaxdist.train, or move the unreadable ones away")
+    finally:
+        manager.close()

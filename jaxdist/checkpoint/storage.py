@@ -1,0 +1,71 @@
+"""Orbax storage: the manager, its four items, and where checkpoints live (`<run_dir>/checkpoints/<step>`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+SUBDIR = "checkpoints"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes <step><suffix> and renames it to <step> when complete
+
+
+def _handlers() -> dict:
+    return {"params": ocp.StandardCheckpointHandler(), "train": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+
+
+def open_manager(directory: Path, keep: int = 1, read_only: bool = False,
+                 before_commit: Callable[[], None] | None = None) -> ocp.CheckpointManager:
+    """A manager for `directory`. Writing managers are always asynchronous (a synchronous save waits
+    for it): orbax runs `before_commit` on process 0 after every process has written and before the
+    rename that makes the step visible, which is where the checksums are written."""
+    if read_only:  # only reads: no deletion, no tmp cleanup, nothing created
+        # save_root_metadata=False: even read-only, orbax would enter a cross-process barrier, and the
+        # processes that open a manager here need not be all of them (a folder another process just made).
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                               save_root_metadata=False)
+    else:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=before_commit))
+    return ocp.CheckpointManager(Path(directory).resolve(), item_handlers=_handlers(), options=options)
+
+
+def checkpoint_dir(path: Path) -> tuple[Path, int | None]:
+    """A run dir, its `checkpoints/` folder, or one step folder -> (checkpoints folder, step or None)."""
+    path = Path(path)
+    if (path / SUBDIR).is_dir():
+        return path / SUBDIR, None
+    if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
+        return path.parent, int(path.name)
+    return path, None
+
+
+def has_checkpoints(path: Path) -> bool:
+    directory, step = checkpoint_dir(path)
+    if step is not None:
+        return True
+    if not directory.is_dir():
+        return False
+    manager = open_manager(directory, read_only=True)
+    try:
+        return bool(manager.all_steps())
+    finally:
+        manager.close()  # an unclosed manager's event loop is what printed "Event loop is closed" at exit
+
+
+def load_params(step_dir: Path) -> dict:
+    """The parameters of one checkpoint (`<run>/checkpoints/<step>`) as host numpy arrays, any device count."""
+    step_dir = Path(step_dir)
+    manager = open_manager(step_dir.parent, read_only=True)
+    step = int(step_dir.name)
+    try:
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), manager.item_metadata(step)["params"])
+        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    finally:
+        manager.close()

@@ -1,0 +1,109 @@
+"""The run folder: a path the checkpoint stack can store, one trainer at a time, and a config history.
+
+- Paths: orbax expands glob patterns (`*`, `?`, `[...]`) in the folder it merges array files from, so
+  `runs/lr[3e-3]` saves steps whose arrays cannot be read back, and `runs/a*` could merge another
+  run's files; tensorstore reads `\\` as a separator. Such run dirs are refused before anything runs.
+- Lock: `<run_dir>/jaxdist.lock` holds the owner's host and pid under an exclusive `flock`. The kernel
+  drops a flock when its process dies, so a lock left by a crashed trainer is stale by construction
+  and is simply taken over; a live owner makes a second trainer stop with one line.
+- History: `config.yaml` is the config the run started with and is never overwritten; every later
+  start whose resolved config differs writes `config.<n>.yaml`, headed by the step and changed keys.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+UNSTORABLE = {"*": "glob", "?": "glob", "[": "glob", "]": "glob", "\\": "path separator"}
+LOCK = "jaxdist.lock"
+
+
+def check_storable(path: Path, flag: str = "--run-dir") -> None:
+    """Refuse a folder whose absolute path orbax/tensorstore would misread."""
+    text = str(Path(path).absolute())
+    bad = sorted({c for c in text if c in UNSTORABLE})
+    if bad:
+        raise JaxdistError(f"{flag} {path}: checkpoints cannot be stored under a path containing "
+                           f"{' '.join(repr(c) for c in bad)} (orbax reads it as a {UNSTORABLE[bad[0]]} "
+                           "character); choose a folder name without it")
+
+
+def _owner(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text())
+        return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "owner unknown"
+
+
+class RunLock:
+    """`check()` before any write (reads only); `acquire()` when the run starts writing; `release()`."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.fd: int | None = None
+
+    def refused(self) -> JaxdistError:
+        return JaxdistError(f"run dir {self.path.parent} is in use by another trainer ({_owner(self.path)}); "
+                            "wait for it to finish, stop it, or choose another --run-dir")
+
+    def check(self) -> None:
+        if not self.path.is_file():
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self.refused() from None
+        finally:
+            os.close(fd)  # closing drops the probe's lock
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note on the stale lock taken over, if there was one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self.refused() from None
+        previous = os.read(fd, 4096).decode(errors="replace").strip()
+        stale = f"took over the stale lock of {_owner(self.path)}" if previous else None
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+        self.fd = fd
+        return stale
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty lock file: nobody to name as stale
+            os.close(self.fd)
+            self.fd = None
+
+
+def record_config(run_dir: Path, text: str, step: int, changes: dict) -> Path | None:
+    """Write `config.yaml` on the first start; later, `config.<n>.yaml` when the config changed."""
+    run_dir = Path(run_dir)
+    first = run_dir / "config.yaml"
+    if not first.exists():
+        first.write_text(text)
+        return first
+    numbers = sorted(int(p.name.split(".")[1]) for p in run_dir.glob("config.*.yaml") if p.name.split(".")[1].isdigit())
+    try:
+        latest = (run_dir / f"config.{numbers[-1]}.yaml").read_text().split("\n", 2)[2] if numbers else first.read_text()
+    except (OSError, UnicodeDecodeError, IndexError):
+        latest = None
+    if latest == text:
+        return None
+    listing = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()) or "none from the checkpoint"
+    path = run_dir / f"config.{(numbers[-1] if numbers else 0) + 1}.yaml"
+    path.write_text(f"# resumed at step {step} on {time.strftime('%Y-%m-%d %H:%M:%S')}\n# changed: {listing}\n{text}")
+    return path
