@@ -35,6 +35,7 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: str = "none"  # none | full | dots_saveable
+    context_impl: str = "allgather"  # cp > 1: allgather | ring | ulysses (jaxdist.parallel.context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Config:
 CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable"),
+    "model.context_impl": ("allgather", "ring", "ulysses"),
     "data.source": ("text", "tokens"),
     "data.token_dtype": ("uint16", "uint32"),
     "optim.schedule": ("cosine", "linear", "constant"),

@@ -14,10 +14,13 @@ import jax.numpy as jnp
 import optax
 
 
-def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
+def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean)."""
+    divide into exactly the full-batch mean). `order_T` (context parallelism): the positions in the
+    order the model computes them — inputs and targets are reordered alike, so the sums are unchanged."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    if order_T is not None:
+        inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
     logits_BTV = apply_fn(params, inputs_BT)
     # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
     # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
@@ -32,10 +35,10 @@ def split_microbatches(x_B, microbatches: int):
     return x_B.reshape(x_B.shape[0] // microbatches, microbatches, *x_B.shape[1:]).swapaxes(0, 1)
 
 
-def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int):
+def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
     """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
     Returns (grad_sum, loss_sum, token_count)."""
-    grad_fn = jax.value_and_grad(lambda p, t: token_loss_sums(apply_fn, p, t), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, t: token_loss_sums(apply_fn, p, t, order_T), has_aux=True)
     if microbatches == 1:
         (loss, count), grads = grad_fn(params, tokens_BT1)
         return grads, loss, count
@@ -64,9 +67,9 @@ class GradientStage:
     name: str = "implicit"
 
 
-def implicit_gradients(apply_fn: Callable, microbatches: int) -> GradientStage:
+def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> GradientStage:
     """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
     def apply(params, tokens, state, step):
-        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
+        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches, order_T)
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, {}
     return GradientStage(init=lambda params: (), apply=apply)

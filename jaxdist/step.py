@@ -24,7 +24,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import pipeline, reduce
+from jaxdist.parallel import context, pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -89,6 +89,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     """
     rules = sharding.make_rules(cfg.mesh.rules)
     check_batch(cfg, mesh, rules)
+    context.check(cfg, mesh, rules)
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
     model = resolve(cfg, mesh, rules)
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
@@ -96,10 +98,10 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
                                      decay_mask(param_names))
 
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
-        apply_fn = pipeline.pipelined_apply(graphdef, layout)
+        apply_fn = pipeline.pipelined_apply(graphdef, layout, order_T)
     else:
         def apply_fn(params, tokens_BT):
-            return nnx.merge(graphdef, params)(tokens_BT)
+            return nnx.merge(graphdef, params)(tokens_BT, order_T)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
 
     def init_state(seed):
@@ -139,7 +141,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return tree_where(ok, new, old), metrics
 
     def eval_step(params, tokens):
-        return token_loss_sums(apply_fn, params, tokens)
+        return token_loss_sums(apply_fn, params, tokens, order_T)
 
     with jax.set_mesh(mesh):
         jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
@@ -158,7 +160,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
-        return implicit_gradients(apply_fn, cfg.train.microbatches)
+        return implicit_gradients(apply_fn, cfg.train.microbatches, context.sequence_order(cfg, mesh))
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.parallel import context
 from jaxdist.sharding import Rules, constrain
 
 REMAT_POLICIES = {
@@ -76,6 +77,7 @@ class Attention(nnx.Module):
         self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
         self.theta, self.rules = cfg.rope_theta, rules
+        self.context_impl = cfg.context_impl
 
     def __call__(self, x_BTD, positions_T):
         dt = x_BTD.dtype
@@ -84,7 +86,10 @@ class Attention(nnx.Module):
         v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
         q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
         k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
-        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        if context.active(self.rules):  # cp > 1: the sequence is split over devices
+            o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl)
+        else:
+            o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
         B, T, N, H = o_BTNH.shape
         return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(dt).reshape(N * H, -1))
 
@@ -145,10 +150,11 @@ class Llama(nnx.Module):
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
 
-    def run_layers(self, x_BTD, blocks: Block | None = None):
-        """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them)."""
+    def run_layers(self, x_BTD, blocks: Block | None = None, positions_T=None):
+        """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them).
+        `positions_T`: the tokens' positions (default 0..T-1; context parallelism's reordered ones)."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
-        positions_T = jnp.arange(x_BTD.shape[1])
+        positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else jnp.asarray(positions_T)
 
         def body(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, positions_T), None
@@ -164,8 +170,8 @@ class Llama(nnx.Module):
         logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
 
-    def __call__(self, tokens_BT):
-        return self.logits(self.run_layers(self.embed(tokens_BT)))
+    def __call__(self, tokens_BT, positions_T=None):
+        return self.logits(self.run_layers(self.embed(tokens_BT), positions_T=positions_T))
 
 
 def _freeze(rules):

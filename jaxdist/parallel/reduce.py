@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import GradientStage, accumulate_gradients, implicit_gradients
-from jaxdist.parallel import compress
+from jaxdist.parallel import compress, context
 from jaxdist.resolve import ResolvedModel
 
 # The dense warm-up branch (PowerSGD's first `reduce.start_step` steps) runs under this name scope;
@@ -135,15 +135,16 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
             raise JaxdistError(f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
                                f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
                                f"reduce.method=implicit")
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: the load-balanced sequence order
     if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
         if cfg.reduce.method != "dense":
             warn_one_replica(cfg)
-        return implicit_gradients(apply_fn, cfg.train.microbatches)
+        return implicit_gradients(apply_fn, cfg.train.microbatches, order_T)
     reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches)
+        grads, loss, count = accumulate_gradients(apply_fn, params, tokens, microbatches, order_T)
         loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
         mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
         summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)
