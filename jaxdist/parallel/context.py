@@ -73,6 +73,10 @@ def check(cfg, mesh, rules) -> None:
         if AXIS in rules[name]:
             raise JaxdistError(f"mesh.rules.{name} uses 'cp', which shards the sequence of activations; "
                                "only parameter axes (e.g. mesh.rules.embed=[fsdp, cp]) may add cp")
+    pp = dict(mesh.shape).get("pp", 1)
+    if pp > 1:  # checked here: Shardy rejects the cp shard_map nested in the pipeline's (jax 0.10.2)
+        raise JaxdistError(f"cp={cp} with pp={pp} is not supported (XLA rejects the attention's cp shard_map "
+                           "inside a pipeline stage); use cp with dp/fsdp/tp, or pp without cp")
     if m.seq_len % (2 * cp):
         raise JaxdistError(f"model.seq_len={m.seq_len} must be divisible by 2*cp={2 * cp} (two chunks per "
                            f"device for the load-balanced causal layout); choose a seq_len multiple of {2 * cp}")
@@ -86,6 +90,12 @@ def check(cfg, mesh, rules) -> None:
 def sequence_order(cfg, mesh) -> np.ndarray | None:
     """The positions the step feeds the model (load-balanced order), or None when cp = 1."""
     return order(cfg.model.seq_len, size(mesh)) if size(mesh) > 1 else None
+
+
+def splits_sequence() -> bool:
+    """Inside a mesh with cp > 1 (`check` has made sure the sequence is what cp splits)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and size(mesh) > 1
 
 
 def active(rules) -> bool:
@@ -103,7 +113,7 @@ def attention(q_BTNH, k_BTKH, v_BTKH, impl: str):
     local = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[impl]
     spec = P(None, AXIS)
     return jax.shard_map(functools.partial(local, cp=cp), in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names={AXIS}, check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+                         axis_names={AXIS})(q_BTNH, k_BTKH, v_BTKH)
 
 
 def local_positions(chunk: int, cp: int):
@@ -229,21 +239,30 @@ def _ring_backward(q, k, v, o, lse, do, cp):
     return dq, dk, dv
 
 
+def _varying(x) -> frozenset:
+    return jax.typeof(x).manual_axis_type.varying
+
+
 def _ring(q_BTNH, k_BTKH, v_BTKH, cp):
     K = k_BTKH.shape[2]
+    primal = {}  # dtypes and varying manual axes of the inputs (inside a pipeline stage: pp too)
 
     @jax.custom_vjp
     def ring(q, k, v):
         return _ring_forward(q, k, v, cp)[0]
 
     def fwd(q, k, v):
+        primal["types"] = [(x.dtype, _varying(x)) for x in (q, k, v)]
         o, lse = _ring_forward(q, k, v, cp)
         return o, (q, k, v, o, lse)
 
     def bwd(res, do):
         q, k, v, o, lse = res
-        dq, dk, dv = _ring_backward(q, k, v, o, lse, do, cp)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        out = []
+        for g, (dtype, varying) in zip(_ring_backward(q, k, v, o, lse, do, cp), primal["types"]):
+            missing = tuple(varying - _varying(g))
+            out.append(jax.lax.pcast(g.astype(dtype), missing, to="varying") if missing else g.astype(dtype))
+        return tuple(out)
 
     ring.defvjp(fwd, bwd)
     o = ring(_groups(q_BTNH, K), k_BTKH, v_BTKH)  # (B, K, G, T, H)
