@@ -91,7 +91,7 @@ class Attention(nnx.Module):
         q_BTNH = constrain(rotary(q_BTNH, positions_T, self.theta), ("batch", "seq", "heads", None), self.rules)
         k_BTKH = constrain(rotary(k_BTKH, positions_T, self.theta), ("batch", "seq", "kv_heads", None), self.rules)
         if context.active(self.rules):  # cp > 1: the sequence is split over devices
-            o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl)
+            o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl, self.rules)
         else:
             o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
         B, T, N, H = o_BTNH.shape

@@ -8,7 +8,7 @@ before the embedding; the ids are replicated over cp, so the reorder is a local 
 communication, and the activations are then sharded `seq -> cp` contiguously. The model receives the
 reordered positions for RoPE. Nothing is ever put back in order: the loss does not care.
 
-Attention runs in a `shard_map` manual over cp only (batch and heads stay automatic over dp/fsdp/tp):
+Attention runs in a `shard_map` manual over the axes of batch, seq and heads (dp/fsdp, cp, tp):
 - allgather: all-gather K and V over cp; local queries attend to the whole sequence (Llama 3).
   Per layer each device sends 2·(cp-1)/cp·B·T·K·H elements forward.
 - ring: K/V blocks travel around the ring by `ppermute` while an online softmax merges each block into
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import sharding
 from jaxdist.errors import JaxdistError
 
 AXIS = "cp"
@@ -107,13 +108,18 @@ def active(rules) -> bool:
 
 # ---- attention -------------------------------------------------------------------------------------
 
-def attention(q_BTNH, k_BTKH, v_BTKH, impl: str):
-    """Causal grouped-query attention of sequence-sharded q, k, v (global arrays, seq in `order`)."""
-    cp = size(jax.sharding.get_abstract_mesh())
+def attention(q_BTNH, k_BTKH, v_BTKH, impl: str, rules):
+    """Causal grouped-query attention of sequence-sharded q, k, v (global arrays, seq in `order`).
+    Manual over every axis that shards them (batch, cp, heads): left automatic, XLA replicates the
+    batch and head dims inside the shard_map (seen with fsdp and tp > 1)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)  # e.g. dp, inside the explicit data-parallel reduction
+    q_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "heads", None), dict(rules)), manual)
+    kv_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "kv_heads", None), dict(rules)), manual)
+    axes = {a for spec in (q_spec, kv_spec) for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
     local = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[impl]
-    spec = P(None, AXIS)
-    return jax.shard_map(functools.partial(local, cp=cp), in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names={AXIS})(q_BTNH, k_BTKH, v_BTKH)
+    return jax.shard_map(functools.partial(local, cp=size(mesh)), in_specs=(q_spec, kv_spec, kv_spec),
+                         out_specs=q_spec, axis_names=axes)(q_BTNH, k_BTKH, v_BTKH)
 
 
 def local_positions(chunk: int, cp: int):

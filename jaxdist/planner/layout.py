@@ -112,6 +112,21 @@ class Layout:
         return self.cfg.train.global_batch // (self.batch_shards * self.accum * self.pipe_micro)
 
     @property
+    def cp(self) -> int:
+        return self.mesh.get("cp", 1)
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens per device per forward pass: a micro-batch's rows, each split over cp."""
+        return self.micro_batch * self.cfg.model.seq_len // self.cp
+
+    @property
+    def weight_shards(self) -> int:
+        """Devices a layer weight's fsdp all-gather spans: the mesh axes of the `embed` rule (fsdp; with
+        mesh.rules.embed=[fsdp, cp] also cp)."""
+        return math.prod(self.mesh[a] for a in self.rules["embed"])
+
+    @property
     def pipe_iterations(self) -> int:
         """GPipe: M + P - 1 iterations; circular: V M + P - 1 (jaxdist.parallel.pipeline)."""
         return self.repeats * self.pipe_micro + self.mesh["pp"] - 1 if self.mesh["pp"] > 1 else 1
@@ -146,6 +161,8 @@ class Layout:
         if cfg.train.global_batch % per:
             raise JaxdistError(f"train.global_batch={cfg.train.global_batch} does not split into {per} "
                                f"(batch shards x accumulation x pipeline micro-batches)")
+        if self.cp > 1 and (cfg.model.seq_len % (2 * self.cp) or m["pp"] > 1):
+            raise JaxdistError(f"cp={self.cp} needs model.seq_len divisible by {2 * self.cp} and pp=1")
         if cfg.model.num_layers % (m["pp"] * self.repeats):
             raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
         for g in param_table(cfg.model):
