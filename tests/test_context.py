@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import checkpoint, data, hlo, mesh as mesh_mod, step
+from jaxdist import checkpoint, data, hlo, step
+from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import context
 from jaxdist.planner import comms, hardware, memory
@@ -241,7 +242,7 @@ def test_temp_bytes_fall_with_cp(build, reference):
 
 def test_weights_sharded_over_cp(build, reference):
     """embed -> (fsdp, cp) on dp=2,cp=4: each device holds 1/4 of every parameter (argument bytes)."""
-    prog, compiled, _, _ = build(SHARDED)
+    _, compiled, _, _ = build(SHARDED)
     params = sum(a.size * 4 for a in jax.tree.leaves(reference[1]))
     tokens = BATCH // 2 * (SMALL["seq_len"] + 1) * 4  # batch over dp=2, replicated over cp
     assert compiled.memory_analysis().argument_size_in_bytes == params // 4 + tokens

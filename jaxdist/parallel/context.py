@@ -29,7 +29,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jaxdist import sharding
 from jaxdist.errors import JaxdistError
@@ -139,7 +138,7 @@ def _allgather(q, k, v, cp):
 
 def _ulysses(q, k, v, cp):
     # seq-sharded, all heads -> full sequence, heads/cp; grouped heads stay together (N = K G).
-    to_heads = lambda x: jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
+    to_heads = lambda x: jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
     qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
     pos = jnp.asarray(order(qh.shape[1], cp))
     o = jax.nn.dot_product_attention(qh, kh, vh, mask=(pos[:, None] >= pos[None, :])[None, None])

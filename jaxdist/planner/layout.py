@@ -73,7 +73,7 @@ def _split(group: ParamGroup, rules: tuple, mesh: tuple, only_axis: str | None) 
 class Layout:
     """A config on a mesh (axis sizes), with the derived per-device shapes the cost model needs."""
     cfg: Config
-    mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'tp':}
+    mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'cp':, 'tp':}
     hw: Hardware
 
     @property
