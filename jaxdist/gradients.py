@@ -16,10 +16,13 @@ import optax
 from jaxdist.models.moe import metrics_from_sums
 
 
-def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
+def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean)."""
+    divide into exactly the full-batch mean). `order_T` (context parallelism): the positions in the
+    order the model computes them — inputs and targets are reordered alike, so the sums are unchanged."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    if order_T is not None:
+        inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
     logits_BTV = apply_fn(params, inputs_BT)
     # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
     # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
@@ -38,7 +41,7 @@ def logits_fn(apply_fn: Callable) -> Callable:
     return lambda params, x: model_outputs(apply_fn(params, x))[0]
 
 
-def objective_sums(apply_fn: Callable, params, tokens_BT1):
+def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
     """The training objective: `token_loss_sums` plus the model's auxiliary objective. Returns
     (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up."""
     aux = {}
@@ -48,7 +51,7 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1):
         aux.update(a)
         return logits
 
-    loss, count = token_loss_sums(logits_only, params, tokens_BT1)
+    loss, count = token_loss_sums(logits_only, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
     return loss + aux.get("objective", 0.0), (loss, count, stats)
 
@@ -59,16 +62,16 @@ def split_microbatches(x_B, microbatches: int):
     return x_B.reshape(x_B.shape[0] // microbatches, microbatches, *x_B.shape[1:]).swapaxes(0, 1)
 
 
-def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int):
+def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
     """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
     Returns (grad_sum, loss_sum, token_count)."""
-    return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches)[:3]
+    return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches, order_T)[:3]
 
 
-def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int):
+def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
     """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
     Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy."""
-    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t, order_T), has_aux=True)
     if microbatches == 1:
         (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
         return grads, loss, count, stats
@@ -98,9 +101,9 @@ class GradientStage:
     name: str = "implicit"
 
 
-def implicit_gradients(apply_fn: Callable, microbatches: int) -> GradientStage:
+def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> GradientStage:
     """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
     def apply(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches)
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
     return GradientStage(init=lambda params: (), apply=apply)

@@ -1,7 +1,7 @@
 """Mesh strings ("dp=2,fsdp=4") -> a `jax.sharding.Mesh` with Auto axes.
 
-Axis order is fixed, slowest to fastest: dp, pp, fsdp, ep, tp. Consecutive devices (same host, fastest
-links) land on the fast axes: tp first, then fsdp. Across hosts, the axes named in the DCN shape
+Axis order is fixed, slowest to fastest: dp, pp, fsdp, cp, ep, tp. Consecutive devices (same host, fastest
+links) land on the fast axes: tp first, then ep and cp (all-to-alls and K/V exchanges every layer), then fsdp. Across hosts, the axes named in the DCN shape
 (default: dp) span processes — the hybrid ICI/DCN layout of MaxText and Levanter.
 """
 
@@ -16,11 +16,11 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import JaxdistError
 
-AXES = ("dp", "pp", "fsdp", "ep", "tp")
+AXES = ("dp", "pp", "fsdp", "cp", "ep", "tp")
 
 
 def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
-    """'dp=2,fsdp=-1' -> {'dp': 2, 'pp': 1, 'fsdp': 4, 'ep': 1, 'tp': 1} for 8 devices.
+    """'dp=2,fsdp=-1' -> {'dp': 2, 'pp': 1, 'fsdp': 4, 'cp': 1, 'ep': 1, 'tp': 1} for 8 devices.
 
     Omitted axes are 1; one -1 takes whatever the others leave.
     """
@@ -96,7 +96,7 @@ def make_mesh(shape: dict[str, int], devices=None, dcn: dict[str, int] | None = 
 def default_dcn(shape: dict[str, int], num_processes: int) -> dict[str, int]:
     """Spread hosts over dp first, then pp, then fsdp: the slow network carries the least traffic."""
     dcn, left = {a: 1 for a in AXES}, num_processes
-    for a in ("dp", "pp", "fsdp", "ep", "tp"):
+    for a in ("dp", "pp", "fsdp", "cp", "ep", "tp"):
         take = math.gcd(shape.get(a, 1), left)
         dcn[a], left = take, left // take
     if left != 1:

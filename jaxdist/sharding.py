@@ -20,7 +20,7 @@ Rules = Mapping[str, tuple[str, ...]]
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("dp", "fsdp", "ep"),  # ep ranks hold different tokens (dense parts: data parallel)
-    "seq": (),
+    "seq": ("cp",),  # context parallelism (jaxdist.parallel.context); a no-op while cp=1
     "embed": ("fsdp",),
     "mlp": ("tp",),
     "heads": ("tp",),

@@ -25,7 +25,7 @@ from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, logits_fn, token_loss_sums
 from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import diloco, moe as moe_parallel, pipeline, reduce
+from jaxdist.parallel import context, diloco, moe as moe_parallel, pipeline, reduce
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -91,6 +91,8 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     rules = sharding.make_rules(cfg.mesh.rules)
     check_batch(cfg, mesh, rules)
     moe_parallel.check(cfg, mesh)
+    context.check(cfg, mesh, rules)
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
     model = resolve(cfg, mesh, rules)
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
@@ -100,11 +102,11 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
 
     eos_id = document_eos(cfg, layout)
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
-        apply_fn = pipeline.pipelined_apply(graphdef, layout)
+        apply_fn = pipeline.pipelined_apply(graphdef, layout, order_T)
     else:
         def apply_fn(params, tokens_BT):
             segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
-            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT)
+            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT, order_T)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
     if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
         tx = diloco.outer_optimizer()
@@ -146,7 +148,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return tree_where(ok, new, old), metrics
 
     def eval_step(params, tokens):
-        return token_loss_sums(logits_fn(apply_fn), params, tokens)  # eval: cross-entropy only
+        return token_loss_sums(logits_fn(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
 
     with jax.set_mesh(mesh):
         jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
@@ -176,11 +178,11 @@ def document_eos(cfg: Config, layout) -> int | None:
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
-        return implicit_gradients(apply_fn, cfg.train.microbatches)
+        return implicit_gradients(apply_fn, cfg.train.microbatches, context.sequence_order(cfg, mesh))
     if cfg.reduce.method == "diloco":  # one replica (warned): nothing to average, train as usual
         if reduce.check_axis(cfg, mesh, model):
             return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
-        return implicit_gradients(apply_fn, cfg.train.microbatches)
+        return implicit_gradients(apply_fn, cfg.train.microbatches, context.sequence_order(cfg, mesh))
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 

@@ -124,6 +124,10 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
     ]
+    cp = int(prog.mesh.shape.get("cp", 1))
+    if cp > 1:
+        lines.append(f"context parallel cp={cp} ({cfg.model.context_impl}): {cfg.model.seq_len // cp} tokens of each "
+                     f"sequence per device, load-balanced chunks of {cfg.model.seq_len // (2 * cp)}")
     if prog.pipeline is not None:
         from jaxdist.parallel import pipeline
         d = pipeline.describe(cfg, prog.mesh)

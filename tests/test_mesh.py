@@ -6,10 +6,11 @@ from jaxdist.errors import JaxdistError
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("dp=4,fsdp=2", {"dp": 4, "pp": 1, "fsdp": 2, "ep": 1, "tp": 1}),
-    ("fsdp=2,dp=4", {"dp": 4, "pp": 1, "fsdp": 2, "ep": 1, "tp": 1}),
-    ("tp=2,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "tp": 2}),
-    ("ep=4,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 2, "ep": 4, "tp": 1}),
+    ("dp=4,fsdp=2", {"dp": 4, "pp": 1, "fsdp": 2, "cp": 1, "ep": 1, "tp": 1}),
+    ("fsdp=2,dp=4", {"dp": 4, "pp": 1, "fsdp": 2, "cp": 1, "ep": 1, "tp": 1}),
+    ("tp=2,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 4, "cp": 1, "ep": 1, "tp": 2}),
+    ("ep=4,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 2, "cp": 1, "ep": 4, "tp": 1}),
+    ("cp=4,fsdp=-1", {"dp": 1, "pp": 1, "fsdp": 2, "cp": 4, "ep": 1, "tp": 1}),
     ("", None),
 ])
 def test_parse(text, expected):
@@ -38,12 +39,12 @@ def test_parse_errors(text, message):
 
 def test_mesh_is_auto_and_keeps_tp_innermost():
     m = mesh.mesh_from_string("dp=2,fsdp=2,tp=2")
-    assert m.axis_names == ("dp", "pp", "fsdp", "ep", "tp")
+    assert m.axis_names == ("dp", "pp", "fsdp", "cp", "ep", "tp")
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
     ids = [[d.id for d in row] for row in m.devices.reshape(-1, 2)]
     assert all(b - a == 1 for a, b in ids)  # tp pairs are neighbouring devices
 
 
 def test_default_dcn_puts_hosts_on_dp_first():
-    assert mesh.default_dcn({"dp": 2, "pp": 1, "fsdp": 4, "tp": 1}, 2)["dp"] == 2
-    assert mesh.default_dcn({"dp": 1, "pp": 1, "fsdp": 8, "tp": 1}, 2)["fsdp"] == 2
+    assert mesh.default_dcn({"dp": 2, "pp": 1, "fsdp": 4, "cp": 1, "tp": 1}, 2)["dp"] == 2
+    assert mesh.default_dcn({"dp": 1, "pp": 1, "fsdp": 8, "cp": 1, "tp": 1}, 2)["fsdp"] == 2

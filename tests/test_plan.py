@@ -169,3 +169,22 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(tmp_
     assert single["devices"] == 1 and single["microbatches"] > 1 and labels[0] == f"single device acc{single['microbatches']}"
     assert matplotlib.image.imread(png).shape[1] > 1000
     assert "acc = gradient-accumulation micro-batches" in plan.memory_table([])
+
+
+def test_long_sequence_gets_context_parallelism():
+    """One 128k-token sequence of Llama 3 8B on 8 H100s: no batch axis can split one sequence, and tp=8
+    holds 34 GB of activations; cp=8 (weights sharded over fsdp x cp) cuts them 8x and is recommended."""
+    cfg = config.load("configs/llama3-8b.yaml", ["model.seq_len=131072", "train.global_batch=1"])
+    ests = candidates(cfg, 8, hardware.get("h100-80gb"))
+    by_family = {e.family: e for e in ests}
+    assert "FSDP" not in by_family and "DP" not in by_family  # a batch of 1 does not split
+    best, reason = recommend(ests)
+    assert best.layout.mesh["cp"] == 8 and "split over cp=8" in reason
+    assert best.layout.rules["embed"] == ("fsdp", "cp")
+    tp = by_family["TPxFSDP"].memory
+    assert best.memory.activations == pytest.approx(tp.activations / 8, rel=0.01)  # T/8 tokens; tp: T
+    assert best.memory.params == pytest.approx(tp.params, rel=0.01)  # 1/8 of the weights either way
+    kv = comms.by_axis(best.layout, list(best.traffic))["cp"]["all-gather"]
+    m = cfg.model  # K and V of the whole sequence gathered per layer: 2 (cp-1)/cp T K H bf16, in the
+    assert m.remat == "full"  # forward and again in its recompute
+    assert kv["bytes"] == pytest.approx(2 * m.num_layers * 2 * 7 / 8 * 131072 * m.num_kv_heads * m.head_dim * 2)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.models import moe
+from jaxdist.parallel import context
 from jaxdist.sharding import Rules, constrain
 
 REMAT_POLICIES = {
@@ -41,7 +42,11 @@ class RMSNorm(nnx.Module):
 def token_matmul(x, w):
     """x[..., I] @ w[I, ...] with the leading (token) dims flattened into one: a plain 2-D matmul. Its
     weight gradient contracts one token dim, which XLA's CPU backend computes without the transposing
-    copies of activations it makes for a (batch, seq) contraction (2.5x faster MLP step on CPU)."""
+    copies of activations it makes for a (batch, seq) contraction (2.5x faster MLP step on CPU).
+    Not when cp splits the sequence: (batch, seq/cp) does not flatten into one sharded dim, and XLA
+    would all-gather the activations over cp to do it."""
+    if context.splits_sequence():
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
     out = x.reshape(-1, x.shape[-1]) @ w.reshape(x.shape[-1], -1)
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
@@ -128,6 +133,7 @@ class Attention(nnx.Module):
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
         self.theta, self.rules = cfg.rope_theta, rules
         self.scaling = rope_scaling(cfg)
+        self.context_impl = cfg.context_impl
 
     def qkv(self, x_BTD, positions_T):
         dt = x_BTD.dtype
@@ -145,7 +151,10 @@ class Attention(nnx.Module):
         return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(o_BTNH.dtype).reshape(N * H, -1))
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
-        return self.out(causal_attention(*self.qkv(x_BTD, positions_T), segment_ids_BT))
+        q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_T)
+        if context.active(self.rules):  # cp > 1: the sequence is split over devices
+            return self.out(context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl, self.rules))
+        return self.out(causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT))
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
         """Decoding: write this chunk's keys/values at cache slot `index`, attend to the cache under
@@ -248,19 +257,22 @@ class Llama(nnx.Module):
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
         return constrain(x_BTD, ("batch", "seq", None), self.rules)
 
-    def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None):
+    def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
-        `segment_ids_BT` (packed documents), attention stays inside a segment and positions restart."""
-        return self.run_layers_aux(x_BTD, blocks, segment_ids_BT)[0]
+        `segment_ids_BT` (packed documents), attention stays inside a segment and positions restart.
+        `positions_T`: the tokens' positions (default 0..T-1; context parallelism's reordered ones)."""
+        return self.run_layers_aux(x_BTD, blocks, segment_ids_BT, positions_T)[0]
 
-    def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None):
+    def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense)."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
-        if segment_ids_BT is None:
-            positions_T = jnp.arange(x_BTD.shape[1])
-        else:
+        if segment_ids_BT is not None:
             segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"), self.rules)
             positions_T = document_positions(segment_ids_BT)
+        elif positions_T is None:
+            positions_T = jnp.arange(x_BTD.shape[1])
+        else:
+            positions_T = jnp.asarray(positions_T)
 
         def body(x, layer_state):
             out = nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT)
@@ -276,9 +288,10 @@ class Llama(nnx.Module):
         logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
 
-    def __call__(self, tokens_BT, segment_ids_BT=None):
-        """-> logits_BTV; with MoE layers (logits_BTV, aux) (jaxdist.gradients adds aux['objective'])."""
-        x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT)
+    def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None):
+        """-> logits_BTV; with MoE layers (logits_BTV, aux) (jaxdist.gradients adds aux['objective']).
+        `positions_T`: context parallelism's load-balanced order of the positions (None: 0..T-1)."""
+        x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
         logits_BTV = self.logits(x_BTD)
         return logits_BTV if aux is None else (logits_BTV, moe.combine_layers(aux))
 

@@ -185,9 +185,10 @@ def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan):
     return out
 
 
-def pipelined_apply(graphdef, pl: Plan) -> Callable:
+def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
     """apply_fn(params, tokens_BT) -> logits_BTV with the layer stack run as a pipeline.
-    `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`."""
+    `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
+    positions when not 0..T-1 (context parallelism)."""
     def apply_fn(params, tokens_BT):
         B = tokens_BT.shape[0]
         if B % pl.microbatches:
@@ -197,7 +198,7 @@ def pipelined_apply(graphdef, pl: Plan) -> Callable:
         blocks_def, _ = nnx.split(model.blocks)
 
         def stage_fn(group_params, x):
-            return model.run_layers(x, nnx.merge(blocks_def, group_params))
+            return model.run_layers(x, nnx.merge(blocks_def, group_params), positions_T)
 
         def per_rank(stage_params, x_MbTD):
             local = jax.tree.map(lambda a: a[0], stage_params)  # (1, V G, ...) -> (V G, ...)

@@ -29,7 +29,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import GradientStage, accumulate_with_stats, implicit_gradients
 from jaxdist.models.moe import metrics_from_sums
-from jaxdist.parallel import compress
+from jaxdist.parallel import compress, context
 from jaxdist.resolve import ResolvedModel
 
 # The dense warm-up branch (topk / powersgd's first `warmup_steps(cfg)` steps) runs under this name
@@ -171,13 +171,14 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
     `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
     axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
     axis = cfg.reduce.axis
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: the load-balanced sequence order
     if not check_axis(cfg, mesh, model):
-        return implicit_gradients(apply_fn, cfg.train.microbatches)
+        return implicit_gradients(apply_fn, cfg.train.microbatches, order_T)
     reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches)
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
         loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
         mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
         summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)

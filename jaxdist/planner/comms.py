@@ -32,6 +32,12 @@ every backend):
   way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are
   rematerialised, so stage weights are gathered three times per iteration (forward, recompute,
   gradient) and the forward tp all-reduces happen twice.
+- cp (jaxdist.parallel.context), per layer: allgather all-gathers K and V of the whole sequence forward
+  and reduce-scatters their gradients backward; ring sends 2(cp-1) K/V blocks (B·T/cp·K·H) forward and,
+  backward, 2(cp-1) again plus 2cp float32 dK/dV blocks travelling home; ulysses all-to-alls q, k, v and
+  the output each way. Weights are replicated over cp (unless mesh.rules.embed adds it), so gradients
+  are reduced over fsdp x cp together: one all-reduce over that group on CPU. Activations (tp
+  all-reduces, embedding) are per device, so they divide by cp.
 """
 
 from __future__ import annotations
@@ -66,8 +72,8 @@ class Traffic:
 def step_traffic(lay: Layout) -> list[Traffic]:
     """Every collective of one optimizer step (see the module docstring for where each comes from)."""
     m, mesh, cfg = lay.cfg.model, lay.mesh, lay.cfg
-    fsdp, tp, pp, ep = mesh["fsdp"], mesh["tp"], mesh["pp"], mesh["ep"]
-    T, D = m.seq_len, m.d_model
+    fsdp, tp, pp, ep, cp = mesh["fsdp"], mesh["tp"], mesh["pp"], mesh["ep"], lay.cp
+    T, D = m.seq_len // cp, m.d_model  # tokens of a sequence on one device
     passes = lay.accum
     dp_syncs = passes if cfg.reduce.method == "implicit" else 1
     # Layer applications per device per step: each pipeline iteration runs L / (P V) layers.
@@ -81,19 +87,25 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         if n > 1 and count:
             out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count))
 
+    # Gradients are reduced over every axis that splits tokens, fsdp x cp, and weights gathered over the
+    # axes of mesh.rules.embed (fsdp, or fsdp x cp): both labelled fsdp — the ZeRO traffic that overlaps
+    # compute (its link: the group spans fsdp x cp x tp devices, see link_bandwidth).
+    group, group_axis = fsdp * cp, "fsdp"
+
     def reduce_grads(what, full_bytes, count_fsdp, count_dp):
-        if lay.hw.backend == "cpu":  # with ep > 1 one all-reduce over the fsdp x ep batch group
-            add("fsdp" if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=fsdp * ep)
+        if lay.hw.backend == "cpu":  # one all-reduce over the batch group (fsdp x cp, and ep)
+            add(group_axis if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=group * ep)
         else:
-            add("fsdp", "reduce-scatter", what, full_bytes, count_fsdp)
-            add("ep", "all-reduce", what, full_bytes / fsdp, count_fsdp)
-        add("dp", "all-reduce", what, full_bytes / fsdp, count_dp)
+            add(group_axis, "reduce-scatter", what, full_bytes, count_fsdp, n=group)
+            add("ep", "all-reduce", what, full_bytes / group, count_fsdp)
+        add("dp", "all-reduce", what, full_bytes / lay.weight_shards, count_dp)
 
     # Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces. Expert weights apart.
     experts = expert_layer_bytes(lay)
     layer = gathered_layer_bytes(lay) - experts
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
-    add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer, (3 if pp > 1 else 2) * layer_steps)
+    add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer,
+        (3 if pp > 1 else 2) * layer_steps, n=lay.weight_shards)
     reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
@@ -108,12 +120,15 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     for what, g in uses:
         full = g.size * PARAM_BYTES / lay.tp_shards(g)  # after the fsdp gather
         gathers = 2 if what == "final norm" or (what == "head" and m.tie_embeddings and tp > 1) else 1
-        add("fsdp", "all-gather", f"{what} weights", full, gathers * passes)
+        add("fsdp", "all-gather", f"{what} weights", full, gathers * passes,
+            n=lay.weight_shards)
         reduce_grads(f"{what} gradient", full, passes, dp_syncs)
     rows = pass_batch * T
     add("tp", "all-reduce", "embedding lookup (vocab-sharded)", rows * D * PARAM_BYTES, passes)
     add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
 
+    if cp > 1:
+        out += context_traffic(lay, layer_steps)
     if pp > 1:
         iters = passes * lay.pipe_iterations
         add("pp", "collective-permute", "stage activations (fwd + bwd)",
@@ -148,6 +163,32 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
         tokens = lay.micro_batch * m.seq_len
         buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
         add("ep", "all-to-all", "MoE dispatch + combine (fwd + bwd)", buffer, (4 + 2 * remat) * sparse_steps)
+
+
+def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:
+    """K/V exchange over cp (module docstring); `layer_steps` layer applications per step."""
+    m, cp, tp = lay.cfg.model, lay.cp, lay.mesh["tp"]
+    kv = lay.micro_batch * m.seq_len * m.num_kv_heads * m.head_dim / tp * lay.act_bytes  # one of K, V
+    q = kv * m.num_heads / m.num_kv_heads
+    fwd = 2 if m.remat == "full" else 1  # the recomputed forward exchanges again
+    out = []
+    if m.context_impl == "allgather":
+        out.append(Traffic("cp", "all-gather", "K and V", 2 * fwd * layer_steps * ring_bytes("all-gather", cp, kv),
+                           2 * fwd * layer_steps))
+        out.append(Traffic("cp", "reduce-scatter", "K and V gradients", 2 * layer_steps *
+                           ring_bytes("reduce-scatter", cp, kv), 2 * layer_steps))
+    elif m.context_impl == "ring":
+        block = kv / cp
+        n_fwd, n_bwd, n_grad = 2 * (cp - 1) * fwd, 2 * (cp - 1), 2 * cp
+        out.append(Traffic("cp", "collective-permute", "K/V blocks (fwd + bwd)",
+                           (n_fwd + n_bwd) * layer_steps * block, (n_fwd + n_bwd) * layer_steps))
+        out.append(Traffic("cp", "collective-permute", "dK/dV blocks home (float32)",
+                           n_grad * layer_steps * block * 4 / lay.act_bytes, n_grad * layer_steps))
+    else:  # ulysses: q, k, v and the output each way; each all-to-all's result is 1/cp of the tensor
+        passes = fwd + 1
+        out.append(Traffic("cp", "all-to-all", "heads <-> sequence", passes * layer_steps *
+                           ring_bytes("all-to-all", cp, (2 * q + 2 * kv) / cp), 4 * passes * layer_steps))
+    return out
 
 
 def link_bandwidth(lay: Layout, axis: str) -> float:

@@ -21,6 +21,7 @@ import math
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.mesh import AXES
 from jaxdist.metrics import flops_per_token
 from jaxdist.models.llama import count_params
 from jaxdist.planner import comms, memory
@@ -73,7 +74,7 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     layer_params = sum(g.size for g in param_table(m) if g.role == "layer") - (counts["total"] - counts["active"])
     recompute = m.remat == "full" or mesh["pp"] > 1
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
-    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"])
+    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"] * lay.cp)
 
 
 def estimate(lay: Layout, family: str = "") -> Estimate:
@@ -110,7 +111,9 @@ def _powers_of_two(limit: int, start: int = 1) -> list[int]:
 
 def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str, dict[str, int]]]:
     """The usual families: DP, FSDP, HSDP (fsdp inside a node or slice, dp across), TP x FSDP (tp inside a
-    node), PP x FSDP, PP x TP x FSDP. Sizes are powers of two that divide the device count."""
+    node), PP x FSDP, PP x TP x FSDP, and CP x FSDP (cp inside a node: the sequence split over devices,
+    what fits when one sequence's activations do not). Sizes are powers of two that divide the device
+    count."""
     node = min(hw.devices_per_node, devices)
     tps = [t for t in _powers_of_two(min(8, node), 2) if devices % t == 0]
     pps = [p for p in _powers_of_two(min(16, devices), 2) if devices % p == 0 and cfg.model.num_layers % p == 0]
@@ -121,6 +124,8 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     out += [("PPxFSDP", dict(pp=p, fsdp=devices // p)) for p in pps if devices // p > 1]
     out += [("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps
             if devices % (p * t) == 0]
+    out += [("CPxFSDP", dict(cp=c, fsdp=devices // c)) for c in _powers_of_two(node, 2)
+            if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0]
     if cfg.model.moe_experts:  # expert parallelism: experts over ep (inside a node), fsdp or tp beside it
         eps = [e for e in _powers_of_two(min(cfg.model.moe_experts, node), 2)
                if devices % e == 0 and cfg.model.moe_experts % e == 0]
@@ -165,9 +170,20 @@ def best_for_mesh(cfg: Config, mesh: dict[str, int], hw: Hardware, family: str) 
     return min(found, key=lambda e: e.memory.total) if found else None
 
 
+def with_cp_weights(cfg: Config) -> Config:
+    """Weights sharded over cp as well as fsdp (mesh.rules.embed=[fsdp, cp]) unless the config says
+    otherwise: context parallelism splits activations, and this keeps every non-tp device holding a
+    slice of the weights, as FSDP does."""
+    if "embed" in cfg.mesh.rules:
+        return cfg
+    rules = {**cfg.mesh.rules, "embed": ["fsdp", "cp"]}
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=rules))
+
+
 def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     """Best setting of every candidate mesh: fitting ones fastest first, then the rest by memory."""
-    out = [e for name, mesh in candidate_meshes(cfg, devices, hw) if (e := best_for_mesh(cfg, mesh, hw, name))]
+    out = [e for name, mesh in candidate_meshes(cfg, devices, hw)
+           if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
 
 
@@ -187,6 +203,9 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
               + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh['pp'] > 1 else "")
               + f") is the fastest of {len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
               f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable")
+    if lay.cp > 1:
+        reason += (f"; the sequence is split over cp={lay.cp} (model.context_impl={lay.cfg.model.context_impl}, "
+                   f"mesh.rules.embed={list(lay.rules['embed'])})")
     if slowest:
         reason += (f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
                    f"({comms.traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"

@@ -73,7 +73,7 @@ def _split(group: ParamGroup, rules: tuple, mesh: tuple, only_axis: str | None) 
 class Layout:
     """A config on a mesh (axis sizes), with the derived per-device shapes the cost model needs."""
     cfg: Config
-    mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'tp':}
+    mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'cp':, 'tp':}
     hw: Hardware
 
     @property
@@ -110,6 +110,21 @@ class Layout:
     def micro_batch(self) -> int:
         """Sequences per device per forward pass (one pipeline micro-batch of one accumulation step)."""
         return self.cfg.train.global_batch // (self.batch_shards * self.accum * self.pipe_micro)
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.get("cp", 1)
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens per device per forward pass: a micro-batch's rows, each split over cp."""
+        return self.micro_batch * self.cfg.model.seq_len // self.cp
+
+    @property
+    def weight_shards(self) -> int:
+        """Devices a layer weight's fsdp all-gather spans: the mesh axes of the `embed` rule (fsdp; with
+        mesh.rules.embed=[fsdp, cp] also cp)."""
+        return math.prod(self.mesh[a] for a in self.rules["embed"])
 
     @property
     def pipe_iterations(self) -> int:
@@ -149,6 +164,8 @@ class Layout:
         if cfg.train.global_batch % per:
             raise JaxdistError(f"train.global_batch={cfg.train.global_batch} does not split into {per} "
                                f"(batch shards x accumulation x pipeline micro-batches)")
+        if self.cp > 1 and (cfg.model.seq_len % (2 * self.cp) or m["pp"] > 1):
+            raise JaxdistError(f"cp={self.cp} needs model.seq_len divisible by {2 * self.cp} and pp=1")
         if cfg.model.num_layers % (m["pp"] * self.repeats):
             raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
         for g in param_table(cfg.model):

@@ -12,6 +12,10 @@ replicated over tp; heads / mlp columns are split by tp), by remat policy:
                   uses a fused (flash) attention.
 With pipeline parallelism (jaxdist.parallel.pipeline) each stage keeps one stage input per pipeline
 iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward.
+With context parallelism (jaxdist.parallel.context) a device holds T/cp tokens of each sequence, so
+every per-token term above divides by cp; the attention scores are (T/cp) x T per head for allgather
+and ulysses, while the ring (like a fused attention) keeps only O(T/cp) statistics. allgather also holds
+the gathered K and V (and their gradients) of one layer: 4·B·T·K·H/tp elements.
 """
 
 from __future__ import annotations
@@ -84,14 +88,15 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
         return D * c
     if policy == "dots_saveable":
         return c * (3 * D + (NH + 2 * KH) / t + 2 * F / t)
-    attention = (c * NH / t + 4 * m.num_heads / t) if lay.hw.flash_attention else 4 * m.num_heads / t * m.seq_len
+    blockwise = lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")
+    attention = (c * NH / t + 4 * m.num_heads / t) if blockwise else 4 * m.num_heads / t * m.seq_len
     # x, two norms, residual, attention out, down: 6 D; q, k, v before and after rotary, o: (3 NH + 3 KH) / t;
     # gate, up, silu(gate), their product: 4 F / t
     return c * (6 * D + (3 * NH + 3 * KH) / t + 4 * F / t) + attention
 
 
 def activation_bytes(lay: Layout) -> float:
-    m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
+    m, tokens = lay.cfg.model, lay.micro_tokens
     if lay.mesh["pp"] == 1:
         return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens
     stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
@@ -105,14 +110,23 @@ def gathered_layer_bytes(lay: Layout) -> float:
     return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
 
 
+def gathered_kv_bytes(lay: Layout) -> float:
+    """context_impl=allgather: one layer's all-gathered K and V, and their gradients before the
+    reduce-scatter (float32 on CPU). The ring holds two blocks in flight instead (counted as noise)."""
+    m = lay.cfg.model
+    if lay.cp == 1 or m.context_impl != "allgather":
+        return 0.0
+    return 4 * lay.micro_batch * m.seq_len * m.num_kv_heads * m.head_dim / lay.mesh["tp"] * lay.act_bytes
+
+
 def temporary_bytes(lay: Layout) -> float:
     """The larger of: the loss (float32 logits, their softmax and gradient over the vocab shard) and one
     layer's backward (its full activations, its gathered weights twice — in use and prefetched — and its
     gradient before the reduction)."""
-    m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
+    m, tokens = lay.cfg.model, lay.micro_tokens
     loss = 3 * tokens * m.vocab_size / lay.mesh["tp"] * 4
     layer_weights = gathered_layer_bytes(lay)
-    one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights
+    one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights + gathered_kv_bytes(lay)
     return max(loss, one_layer)
 
 
