@@ -35,6 +35,8 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: str = "none"  # none | full | dots_saveable
+    loss_impl: str = "blockwise"  # blockwise (never materialises B·T·V logits) | naive (full logits, one-hot)
+    loss_block: int = 0  # blockwise: vocab rows per block on each device (divides V / tp); 0 = from the shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,7 @@ class Config:
 CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable"),
+    "model.loss_impl": ("blockwise", "naive"),
     "data.source": ("text", "tokens"),
     "data.token_dtype": ("uint16", "uint32"),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -276,6 +279,9 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
             "grouped-query attention needs whole groups"
         )
+    if m.loss_block < 0 or (m.loss_block and m.vocab_size % m.loss_block):
+        raise JaxdistError(f"model.loss_block={m.loss_block} must be 0 (automatic) or divide "
+                           f"model.vocab_size={m.vocab_size}")
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if cfg.train.global_batch % cfg.train.microbatches:

@@ -11,18 +11,16 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from jaxdist import loss
 
 
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean)."""
+    divide into exactly the full-batch mean). `apply_fn(params, tokens, features=True)` gives the
+    model's final hidden states and head (`jaxdist.loss.Head`), not logits: the loss applies the head."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    logits_BTV = apply_fn(params, inputs_BT)
-    # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
-    # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
-    labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-    losses_BT = optax.softmax_cross_entropy(logits_BTV, labels_BTV)
+    losses_BT = loss.cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
     return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
 
 

@@ -60,7 +60,7 @@ class Program:
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count)
     abstract_state: TrainState
-    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; pipelined when pp > 1 (then trace it under jax.set_mesh)
+    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; features=True: loss.Head; pipelined when pp > 1 (then trace it under jax.set_mesh)
     model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
 
     @property
@@ -98,8 +98,9 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout)
     else:
-        def apply_fn(params, tokens_BT):
-            return nnx.merge(graphdef, params)(tokens_BT)
+        def apply_fn(params, tokens_BT, features=False):
+            model = nnx.merge(graphdef, params)
+            return model.features(tokens_BT) if features else model(tokens_BT)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
 
     def init_state(seed):

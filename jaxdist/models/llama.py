@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist import loss
 from jaxdist.config import ModelConfig
+from jaxdist.parallel import embedding
 from jaxdist.sharding import Rules, constrain
 
 REMAT_POLICIES = {
@@ -138,12 +140,8 @@ class Llama(nnx.Module):
             self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_BT):
-        # Gather the table's embed dim (as FSDP does for any weight) before the lookup: XLA's SPMD
-        # partitioner crashes on a gather whose table and indices are both fsdp-sharded inside a
-        # dp-manual shard_map when tp > 1 (jax 0.10.2).
-        table_VD = constrain(self.embed_VD[...], ("vocab", None), self.rules)
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
-        return constrain(x_BTD, ("batch", "seq", None), self.rules)
+        # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
+        return embedding.lookup(self.embed_VD[...], tokens_BT, self.rules, self.compute_dtype)
 
     def run_layers(self, x_BTD, blocks: Block | None = None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them)."""
@@ -158,11 +156,17 @@ class Llama(nnx.Module):
         x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
         return x_BTD
 
-    def logits(self, x_BTD):
-        x_BTD = self.final_norm(x_BTD)
+    def head(self, x_BTD) -> loss.Head:
+        """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""
         head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-        logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
-        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
+        return loss.Head(self.final_norm(x_BTD), head_DV, self.cfg.loss_impl, self.cfg.loss_block, self.rules)
+
+    def logits(self, x_BTD):
+        return loss.logits(self.head(x_BTD))
+
+    def features(self, tokens_BT) -> loss.Head:
+        """What `jaxdist.loss.cross_entropy` takes instead of logits (never B·T·V)."""
+        return self.head(self.run_layers(self.embed(tokens_BT)))
 
     def __call__(self, tokens_BT):
         return self.logits(self.run_layers(self.embed(tokens_BT)))
