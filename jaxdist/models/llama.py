@@ -15,7 +15,7 @@ from flax import nnx
 from jaxdist import loss
 from jaxdist.config import ModelConfig
 from jaxdist.parallel import embedding
-from jaxdist.sharding import Rules, constrain
+from jaxdist.sharding import Rules, constrain, logical_names
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -147,8 +147,14 @@ class Llama(nnx.Module):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them)."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
         positions_T = jnp.arange(x_BTD.shape[1])
+        # Per-layer logical names (the stacked axis dropped), for the cast before the fsdp gather.
+        names = jax.tree.map(lambda n: n[1:], logical_names(stacked), is_leaf=lambda n: isinstance(n, tuple))
 
         def body(x, layer_state):
+            if x.dtype != jnp.float32:  # cast while sharded: FSDP then gathers bf16, not float32
+                layer_state = jax.tree.map(
+                    lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
+                    names, layer_state, is_leaf=lambda n: isinstance(n, tuple))
             return nnx.merge(graphdef, layer_state)(x, positions_T), None
 
         if self.cfg.remat != "none":
@@ -170,6 +176,20 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BT):
         return self.logits(self.run_layers(self.embed(tokens_BT)))
+
+
+def cast_sharded(w, names, dtype, rules):
+    """`w` in `dtype`, converted on its shard before any all-gather (half the bytes for bf16). The
+    gradient goes back to float32 on the same sharding, so its reduction runs in float32."""
+    @jax.custom_vjp
+    def cast(w):
+        return constrain(w.astype(dtype), names, rules)
+
+    def bwd(_, g):
+        return (constrain(g.astype(jnp.float32), names, rules),)
+
+    cast.defvjp(lambda w: (cast(w), None), bwd)
+    return cast(w)
 
 
 def _freeze(rules):
