@@ -96,15 +96,15 @@ def block_rows(vocab: int, shards: int, tokens: int, block: int = 0) -> int:
 
 
 def _blocks(w_DV, shards: int, vb: int, rules):
-    """(D, V) -> (nb, D, S, vb): block j holds rows s·V/S + j·vb + k of every shard s."""
+    """(D, V) -> (D, S, nb, vb), a reshape (no copy): [:, s, j] holds rows s·V/S + j·vb + k, so block j
+    is vb rows of every shard s."""
     D, V = w_DV.shape
-    w = w_DV.reshape(D, shards, V // (shards * vb), vb).transpose(2, 0, 1, 3)
-    return constrain(w, (None, "embed", "vocab", None), rules)
+    return constrain(w_DV.reshape(D, shards, V // (shards * vb), vb), ("embed", "vocab", None, None), rules)
 
 
-def _unblock(w_nDSv):
-    nb, D, S, vb = w_nDSv.shape
-    return w_nDSv.transpose(1, 2, 0, 3).reshape(D, S * nb * vb)
+def _block(w_DSnv, j):
+    """Block j (D, S, vb), sliced on the unsharded block axis (local on every device)."""
+    return jax.lax.dynamic_index_in_dim(w_DSnv, j, axis=2, keepdims=False)
 
 
 def _block_logits(x_ND, w_DSv, rules):
@@ -126,20 +126,19 @@ def _target_mask(targets_N, j, shape, nb: int):
 
 def _forward(x_ND, w_DV, targets_N, shards, vb, rules):
     w_blocks = _blocks(w_DV, shards, vb, rules)
-    nb = w_blocks.shape[0]
+    nb = w_blocks.shape[2]
     N = x_ND.shape[0]
 
-    def body(carry, jw):
+    def body(carry, j):
         m, s, tgt = carry
-        j, w = jw
-        z = _block_logits(x_ND, w, rules)
+        z = _block_logits(x_ND, _block(w_blocks, j), rules)
         m_new = jnp.maximum(m, z.max(axis=(1, 2)))
         s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None, None]).sum(axis=(1, 2))
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=(1, 2))
         return (m_new, s, tgt), None
 
     init = (jnp.full((N,), -jnp.inf, jnp.float32), jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32))
-    (m, s, tgt), _ = jax.lax.scan(body, init, (jnp.arange(nb), w_blocks))
+    (m, s, tgt), _ = jax.lax.scan(body, init, jnp.arange(nb))
     lse = m + jnp.log(s)
     return lse - tgt, lse
 
@@ -156,20 +155,24 @@ def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
     def bwd(res, g_N):
         x, w_DV, t, lse = res
         w_blocks = _blocks(w_DV, shards, vb, rules)
-        nb = w_blocks.shape[0]
+        nb = w_blocks.shape[2]
 
-        def body(dx, jw):
-            j, w = jw
+        def body(carry, j):
+            dx, dw_blocks = carry
+            w = constrain(_block(w_blocks, j).astype(x.dtype), ("embed", "vocab", None), rules)
             z = _block_logits(x, w, rules)
             p = jnp.exp(z - lse[:, None, None])
             dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
-            wc = constrain(w.astype(x.dtype), ("embed", "vocab", None), rules)
-            dx = dx + jnp.einsum("nsv,dsv->nd", dz, wc, preferred_element_type=jnp.float32)
-            dw = jnp.einsum("nd,nsv->dsv", x, dz, preferred_element_type=jnp.float32)
-            return dx, constrain(dw, ("embed", "vocab", None), rules)
+            dx = dx + jnp.einsum("nsv,dsv->nd", dz, w, preferred_element_type=jnp.float32)
+            dw = constrain(jnp.einsum("nd,nsv->dsv", x, dz, preferred_element_type=jnp.float32),
+                           ("embed", "vocab", None), rules)
+            # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
+            dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
+            return (dx, dw_blocks), None
 
-        dx, dw_blocks = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (jnp.arange(nb), w_blocks))
-        return dx.astype(x.dtype), _unblock(dw_blocks).astype(w_DV.dtype), None
+        init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros_like(w_blocks))
+        (dx, dw_blocks), _ = jax.lax.scan(body, init, jnp.arange(nb))
+        return dx.astype(x.dtype), dw_blocks.reshape(w_DV.shape), None
 
     f.defvjp(fwd, bwd)
     return f(x_ND, w_DV, targets_N)
