@@ -26,7 +26,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.sharding import Rules, constrain
 
 IMPLS = ("blockwise", "naive")
-BLOCK_BYTES = 32 * 2**20  # auto block: float32 logits of one block per device stay under this
+BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
         return optax.softmax_cross_entropy(logits_BTV, labels_BTV)
     B, T, D = head.x_BTD.shape
     shards = vocab_shards(head.rules)
-    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(head.rules), head.block)
+    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(head.rules), D, head.block)
     losses = _blockwise(head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32),
                         shards, vb, head.rules)
     return losses.reshape(B, T)
@@ -81,9 +81,10 @@ def batch_shards(rules) -> int:
     return _mesh_size(rules, "batch")
 
 
-def block_rows(vocab: int, shards: int, tokens: int, block: int = 0) -> int:
+def block_rows(vocab: int, shards: int, tokens: int, d_model: int, block: int = 0) -> int:
     """Vocab rows per block on each device: `block` if given (it must divide V / shards), else the
-    largest divisor of V / shards whose float32 logits for `tokens` tokens stay under BLOCK_BYTES."""
+    largest divisor of V / shards whose float32 block of logits (tokens x rows) and of gathered weight
+    or its unreduced gradient (d_model x rows) each stay under BLOCK_BYTES."""
     local = vocab // shards
     if block:
         if local % block:
@@ -91,7 +92,7 @@ def block_rows(vocab: int, shards: int, tokens: int, block: int = 0) -> int:
                                f"model.vocab_size={vocab} / {shards} vocab shards = {local}; "
                                f"use a divisor of {local} or 0 (automatic)")
         return block
-    limit = max(1, BLOCK_BYTES // (4 * max(tokens, 1)))
+    limit = max(1, BLOCK_BYTES // (4 * max(tokens, d_model, 1)))
     return max(d for d in range(1, min(local, limit) + 1) if local % d == 0)
 
 
@@ -107,10 +108,16 @@ def _block(w_DSnv, j):
     return jax.lax.dynamic_index_in_dim(w_DSnv, j, axis=2, keepdims=False)
 
 
+def _gathered(w_DSv, dtype, rules):
+    """Block j's weight in the compute dtype, cast on its shard and then all-gathered over fsdp (once,
+    for every matmul that uses it)."""
+    w = constrain(w_DSv.astype(dtype), ("embed", "vocab", None), rules)
+    return constrain(w, (None, "vocab", None), rules)
+
+
 def _block_logits(x_ND, w_DSv, rules):
-    """One block's float32 logits (N, S, vb); its weight is cast while still sharded (bf16 gather)."""
-    w = constrain(w_DSv.astype(x_ND.dtype), ("embed", "vocab", None), rules)
-    out = jnp.einsum("nd,dsv->nsv", x_ND, w, preferred_element_type=jnp.float32)
+    """One block's float32 logits (N, S, vb) from its gathered weight."""
+    out = jnp.einsum("nd,dsv->nsv", x_ND, w_DSv, preferred_element_type=jnp.float32)
     return constrain(out, ("batch", "vocab", None), rules)
 
 
@@ -125,22 +132,25 @@ def _target_mask(targets_N, j, shape, nb: int):
 
 
 def _forward(x_ND, w_DV, targets_N, shards, vb, rules):
+    """Losses (N,) and log-sum-exps (N,). Statistics are kept per vocab shard (N, S) and combined once
+    after the scan: one small all-reduce over tp instead of one per block."""
     w_blocks = _blocks(w_DV, shards, vb, rules)
     nb = w_blocks.shape[2]
     N = x_ND.shape[0]
 
     def body(carry, j):
         m, s, tgt = carry
-        z = _block_logits(x_ND, _block(w_blocks, j), rules)
-        m_new = jnp.maximum(m, z.max(axis=(1, 2)))
-        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None, None]).sum(axis=(1, 2))
-        tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=(1, 2))
+        z = _block_logits(x_ND, _gathered(_block(w_blocks, j), x_ND.dtype, rules), rules)
+        m_new = jnp.maximum(m, z.max(axis=2))
+        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
+        tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
         return (m_new, s, tgt), None
 
-    init = (jnp.full((N,), -jnp.inf, jnp.float32), jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32))
-    (m, s, tgt), _ = jax.lax.scan(body, init, jnp.arange(nb))
-    lse = m + jnp.log(s)
-    return lse - tgt, lse
+    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"), rules)  # noqa: E731
+    (m, s, tgt), _ = jax.lax.scan(body, (stat(-jnp.inf), stat(0.0), stat(0.0)), jnp.arange(nb))
+    top = m.max(axis=1)
+    lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
+    return lse - tgt.sum(axis=1), lse
 
 
 def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
@@ -159,20 +169,21 @@ def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
 
         def body(carry, j):
             dx, dw_blocks = carry
-            w = constrain(_block(w_blocks, j).astype(x.dtype), ("embed", "vocab", None), rules)
+            w = _gathered(_block(w_blocks, j), x.dtype, rules)
             z = _block_logits(x, w, rules)
             p = jnp.exp(z - lse[:, None, None])
             dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
-            dx = dx + jnp.einsum("nsv,dsv->nd", dz, w, preferred_element_type=jnp.float32)
+            # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
+            dx = dx + jnp.einsum("nsv,dsv->nsd", dz, w, preferred_element_type=jnp.float32)
             dw = constrain(jnp.einsum("nd,nsv->dsv", x, dz, preferred_element_type=jnp.float32),
                            ("embed", "vocab", None), rules)
             # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
             dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
             return (dx, dw_blocks), None
 
-        init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros_like(w_blocks))
-        (dx, dw_blocks), _ = jax.lax.scan(body, init, jnp.arange(nb))
-        return dx.astype(x.dtype), dw_blocks.reshape(w_DV.shape), None
+        dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None), rules)
+        (dx, dw_blocks), _ = jax.lax.scan(body, (dx0, jnp.zeros_like(w_blocks)), jnp.arange(nb))
+        return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None
 
     f.defvjp(fwd, bwd)
     return f(x_ND, w_DV, targets_N)

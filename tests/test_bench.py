@@ -23,3 +23,15 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert eight["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 2, "repeats": 1,
                                  "iterations": 3, "bubble_fraction": 1 / 3}
     assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 4
+
+
+def test_compile_only_allocates_nothing_and_prints_no_timings(capsys, monkeypatch):
+    """--compile-only: the same JSON line from abstract inputs; running or placing anything is an error."""
+    import jax
+
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("allocated")))
+    assert bench.main(["--compile-only", "--mesh", "fsdp=8", *SMALL]) == 0
+    (r,) = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert not {"tokens_per_sec", "step_time_s", "mfu", "loss"} & set(r)
+    assert r["devices"] == 8 and r["bytes_per_device"]["arguments"] > 0 and r["bytes_per_device"]["temp"] > 0
+    assert "all-gather" in r["collectives"] and r["pipeline"]["schedule"] == "none"

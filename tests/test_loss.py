@@ -103,11 +103,12 @@ def test_loss_curve_matches_naive(cfg, batches, naive):
 
 
 def test_block_rows_and_errors():
-    assert loss.block_rows(128256, 1, 2048) == 128256 // 32  # 4008 rows x 2048 tokens x 4 B < 32 MiB
-    assert loss.block_rows(256, 2, 128) == 128  # small: one block per device
-    assert loss.block_rows(256, 2, 128, block=32) == 32
+    assert loss.block_rows(128256, 1, 2048, 4096) == 128256 // 64  # 2004 rows x 4096 x 4 B < 32 MiB
+    assert loss.block_rows(128256, 2, 8192, 4096) == 1002  # tokens bound it: 1002 x 8192 x 4 B < 32 MiB
+    assert loss.block_rows(256, 2, 128, 64) == 128  # small: one block per device
+    assert loss.block_rows(256, 2, 128, 64, block=32) == 32
     with pytest.raises(JaxdistError, match="model.loss_block=48 must divide"):
-        loss.block_rows(256, 2, 128, block=48)
+        loss.block_rows(256, 2, 128, 64, block=48)
     from jaxdist import config
     with pytest.raises(JaxdistError, match="loss_impl"):
         config.load(None, ["model.loss_impl=fused"])
