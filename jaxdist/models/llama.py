@@ -151,10 +151,11 @@ class Llama(nnx.Module):
         names = jax.tree.map(lambda n: n[1:], logical_names(stacked), is_leaf=lambda n: isinstance(n, tuple))
 
         def body(x, layer_state):
-            if x.dtype != jnp.float32:  # cast while sharded: FSDP then gathers bf16, not float32
-                layer_state = jax.tree.map(
-                    lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
-                    names, layer_state, is_leaf=lambda n: isinstance(n, tuple))
+            # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
+            # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
+            layer_state = jax.tree.map(
+                lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
+                names, layer_state, is_leaf=lambda n: isinstance(n, tuple))
             return nnx.merge(graphdef, layer_state)(x, positions_T), None
 
         if self.cfg.remat != "none":

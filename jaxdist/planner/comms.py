@@ -20,10 +20,14 @@ every backend):
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
-- embedding table, head and final norm: gathered over fsdp once per pass (the norm twice; the head of a
-  tied table twice when tp > 1, observed) and their gradients reduced like a layer's. A tied table is
-  gathered and reduced once per use (lookup, head). With tp the lookup of the vocab-sharded table is a
-  masked gather + all-reduce of B·T·D over tp, and the head's input gradient is all-reduced over tp.
+- head (jaxdist.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
+  tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
+  forward and again in the backward's recompute (in the compute dtype), the float32 input gradient and
+  three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
+  The final norm is gathered twice per pass.
+- embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
+  rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
+  table's gradient is local (no fsdp reduction), then all-reduced over dp.
 - pp (jaxdist.parallel.pipeline): per pipeline iteration one collective-permute of the micro-batch's
   B·T·D activations forward and one backward; per pass one permute of the whole pass's activations each
   way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are

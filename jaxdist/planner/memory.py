@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxdist.loss import block_rows
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
 USABLE_FRACTION = 0.9  # of HBM: runtime, allocator fragmentation and buffers the model does not see
@@ -105,12 +106,25 @@ def gathered_layer_bytes(lay: Layout) -> float:
     return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
 
 
+def loss_bytes(lay: Layout) -> float:
+    """The loss's working set per device, over the tokens of one pass (the pipeline's micro-batches
+    rejoin before the head). naive: float32 logits, one-hot labels, softmax and gradient over the vocab
+    shard. blockwise (jaxdist.loss): three blocks of logits (logits, probabilities, their gradient), the
+    gathered block weight, its unreduced float32 gradient and the reduced one, the input-gradient sum."""
+    m = lay.cfg.model
+    tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len
+    shards = lay.mesh["tp"]
+    if m.loss_impl == "naive":
+        return 4 * tokens * m.vocab_size / shards * 4
+    rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
+    return 3 * tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
+
+
 def temporary_bytes(lay: Layout) -> float:
-    """The larger of: the loss (float32 logits, their softmax and gradient over the vocab shard) and one
-    layer's backward (its full activations, its gathered weights twice — in use and prefetched — and its
-    gradient before the reduction)."""
+    """The larger of: the loss (`loss_bytes`) and one layer's backward (its full activations, its
+    gathered weights twice — in use and prefetched — and its gradient before the reduction)."""
     m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
-    loss = 3 * tokens * m.vocab_size / lay.mesh["tp"] * 4
+    loss = loss_bytes(lay)
     layer_weights = gathered_layer_bytes(lay)
     one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights
     return max(loss, one_layer)
