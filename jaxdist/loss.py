@@ -108,6 +108,12 @@ def _block(w_DSnv, j):
     return jax.lax.dynamic_index_in_dim(w_DSnv, j, axis=2, keepdims=False)
 
 
+def _dot(spec: str, a, b):
+    """einsum in the operands' dtype, then float32 (as the naive head: bf16 matmuls give bf16; XLA:CPU
+    cannot run a stand-alone bf16 x bf16 -> f32 dot)."""
+    return jnp.einsum(spec, a, b).astype(jnp.float32)
+
+
 def _gathered(w_DSv, dtype, rules):
     """Block j's weight in the compute dtype, cast on its shard and then all-gathered over fsdp (once,
     for every matmul that uses it)."""
@@ -117,7 +123,7 @@ def _gathered(w_DSv, dtype, rules):
 
 def _block_logits(x_ND, w_DSv, rules):
     """One block's float32 logits (N, S, vb) from its gathered weight."""
-    out = jnp.einsum("nd,dsv->nsv", x_ND, w_DSv, preferred_element_type=jnp.float32)
+    out = _dot("nd,dsv->nsv", x_ND, w_DSv)
     return constrain(out, ("batch", "vocab", None), rules)
 
 
@@ -174,9 +180,8 @@ def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
             p = jnp.exp(z - lse[:, None, None])
             dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
             # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
-            dx = dx + jnp.einsum("nsv,dsv->nsd", dz, w, preferred_element_type=jnp.float32)
-            dw = constrain(jnp.einsum("nd,nsv->dsv", x, dz, preferred_element_type=jnp.float32),
-                           ("embed", "vocab", None), rules)
+            dx = dx + _dot("nsv,dsv->nsd", dz, w)
+            dw = constrain(_dot("nd,nsv->dsv", x, dz), ("embed", "vocab", None), rules)
             # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
             dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
             return (dx, dw_blocks), None

@@ -42,8 +42,13 @@ class Memory:
         return self.params + self.optimizer + self.batch + STATE_SCALARS
 
     @property
+    def compiled_temp(self) -> float:
+        """Comparable with memory_analysis().temp_size_in_bytes (see compiled_temp_bytes)."""
+        return compiled_temp_bytes(self)
+
+    @property
     def total(self) -> float:
-        return self.arguments + self.grads + self.activations + self.temporary
+        return self.arguments + self.compiled_temp
 
     @property
     def fits(self) -> bool:
@@ -65,16 +70,9 @@ def optimizer_bytes(lay: Layout) -> float:
 
 
 def grad_bytes(lay: Layout) -> float:
-    """One set of float32 gradients, sharded like the parameters — except on XLA:CPU, which all-reduces
-    layer gradients over fsdp (instead of reduce-scattering) and keeps the stacked, fsdp-unsharded
-    result until the optimizer slices it (seen in memory_analysis temp bytes)."""
-    total = 0.0
-    for g in param_table(lay.cfg.model):
-        shards = lay.shards(g)
-        if lay.hw.backend == "cpu" and g.role == "layer":
-            shards = lay.tp_shards(g) * lay.mesh["pp"]
-        total += g.size * PARAM_BYTES / shards
-    return total
+    """One set of float32 gradients, sharded like the parameters: the model reduces each layer's
+    gradient to its parameter's sharding inside the backward scan (jaxdist.models.llama.cast_sharded)."""
+    return param_bytes(lay)
 
 
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
@@ -109,25 +107,39 @@ def gathered_layer_bytes(lay: Layout) -> float:
 def loss_bytes(lay: Layout) -> float:
     """The loss's working set per device, over the tokens of one pass (the pipeline's micro-batches
     rejoin before the head). naive: float32 logits, one-hot labels, softmax and gradient over the vocab
-    shard. blockwise (jaxdist.loss): three blocks of logits (logits, probabilities, their gradient), the
-    gathered block weight, its unreduced float32 gradient and the reduced one, the input-gradient sum."""
+    shard (3 x tokens x V/tp). blockwise (jaxdist.loss): a block of logits (the probabilities and their gradient are fused
+    into its consumers), the gathered block weight, its unreduced float32 gradient and the reduced one,
+    and the input-gradient sum."""
     m = lay.cfg.model
     tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len
     shards = lay.mesh["tp"]
+    # Both: the head weight in use (gathered over fsdp), its unreduced float32 gradient and the reduced one.
     if m.loss_impl == "naive":
-        return 4 * tokens * m.vocab_size / shards * 4
+        rows = m.vocab_size // shards
+        return 3 * tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES)
     rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
-    return 3 * tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
+    return tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
 
 
 def temporary_bytes(lay: Layout) -> float:
     """The larger of: the loss (`loss_bytes`) and one layer's backward (its full activations, its
-    gathered weights twice — in use and prefetched — and its gradient before the reduction)."""
+    gathered weights and its gradient before the reduction)."""
     m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
     loss = loss_bytes(lay)
     layer_weights = gathered_layer_bytes(lay)
-    one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights
+    one_layer = saved_per_token_layer(lay, "none") * tokens + 2 * layer_weights
     return max(loss, one_layer)
+
+
+OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
+
+
+def compiled_temp_bytes(mem: "Memory") -> float:
+    """What memory_analysis() calls temp: the peak of the backward pass (gradients, saved activations
+    and the largest working set) and of the update (gradients and the optimizer's new state)."""
+    backward = mem.grads + mem.activations + mem.temporary
+    update = mem.grads + OPTIMIZER_COPIES * mem.params
+    return max(backward, update)
 
 
 def estimate(lay: Layout) -> Memory:
