@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.errors import JaxdistError
-from jaxdist.sharding import Rules, constrain
+from jaxdist.sharding import constrain
 
 IMPLS = ("blockwise", "naive")
 BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
@@ -129,7 +129,7 @@ def _block_logits(x_ND, w_DSv, rules):
 
 def _target_mask(targets_N, j, shape, nb: int):
     """Where block j's logits (N, S, vb) hold each token's target (all False for a target elsewhere)."""
-    _, S, vb = shape
+    vb = shape[2]
     s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
     hit_N = (r // vb == j)
     s_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -152,7 +152,7 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, rules):
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
         return (m_new, s, tgt), None
 
-    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"), rules)  # noqa: E731
+    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"), rules)
     (m, s, tgt), _ = jax.lax.scan(body, (stat(-jnp.inf), stat(0.0), stat(0.0)), jnp.arange(nb))
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))

@@ -72,9 +72,9 @@ def test_blockwise_matches_optax_on_arrays():
         return optax.softmax_cross_entropy_with_integer_labels(jnp.einsum("btd,dv->btv", x, w), t)
 
     np.testing.assert_allclose(ours(x, w), ref(x, w), rtol=1e-6)
-    for a, b in zip(jax.grad(lambda *a: (g * ours(*a)).sum(), (0, 1))(x, w),
-                    jax.grad(lambda *a: (g * ref(*a)).sum(), (0, 1))(x, w)):
-        np.testing.assert_allclose(a, b, atol=1e-6 * np.abs(b).max())
+    for got, want in zip(jax.grad(lambda *a: (g * ours(*a)).sum(), (0, 1))(x, w),
+                         jax.grad(lambda *a: (g * ref(*a)).sum(), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,7 +167,7 @@ def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
         compiled, text = partitioned_hlo(prog, c)
         gathers = [(dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in GATHER.findall(text)
                    if dims.count(",") >= 1]
-        state, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
+        _, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
         out[dtype] = gathers, float(metrics["loss"])
     (f32, f32_loss), (bf16, bf16_loss) = out["float32"], out["bfloat16"]
     assert f32 and {dt for dt, _ in f32} == {"f32"} and {dt for dt, _ in bf16} == {"bf16"}

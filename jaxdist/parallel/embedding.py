@@ -45,7 +45,7 @@ def lookup(table_VD, tokens_BT, rules, dtype):
         return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None), rules)
 
     V = table_VD.shape[0]
-    spec = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
+    spec = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
 
     def local(table_vd, tokens_bt):
         tokens = jax.lax.all_gather(tokens_bt, embed, axis=0, tiled=True) if embed else tokens_bt

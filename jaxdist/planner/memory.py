@@ -124,7 +124,7 @@ def loss_bytes(lay: Layout) -> float:
 def temporary_bytes(lay: Layout) -> float:
     """The larger of: the loss (`loss_bytes`) and one layer's backward (its full activations, its
     gathered weights and its gradient before the reduction)."""
-    m, tokens = lay.cfg.model, lay.micro_batch * lay.cfg.model.seq_len
+    tokens = lay.micro_batch * lay.cfg.model.seq_len
     loss = loss_bytes(lay)
     layer_weights = gathered_layer_bytes(lay)
     one_layer = saved_per_token_layer(lay, "none") * tokens + 2 * layer_weights
@@ -134,7 +134,7 @@ def temporary_bytes(lay: Layout) -> float:
 OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
 
 
-def compiled_temp_bytes(mem: "Memory") -> float:
+def compiled_temp_bytes(mem: Memory) -> float:
     """What memory_analysis() calls temp: the peak of the backward pass (gradients, saved activations
     and the largest working set) and of the update (gradients and the optimizer's new state)."""
     backward = mem.grads + mem.activations + mem.temporary
