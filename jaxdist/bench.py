@@ -1,6 +1,7 @@
 """`python -m jaxdist.bench`: throughput, memory and communication of the compiled train step.
 
     python -m jaxdist.bench --mesh fsdp=1 --mesh fsdp=8 --mesh dp=8     # one JSON line per mesh
+    python -m jaxdist.bench --compile-only --config configs/llama3-8b.yaml --mesh fsdp=8   # does it fit?
 
 Each mesh runs warm-up steps, then timed steps (each synchronised), on synthetic tokens of the
 configured shape. Memory and collectives come from the compiled program, so they are exact and
@@ -29,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
     p.add_argument("--table", action="store_true", help="after the JSON lines, print them as a table with notes")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile with abstract inputs (nothing allocated, nothing run): memory and "
+                        "collectives of a real config without its hardware; no timings")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
@@ -44,6 +48,31 @@ def mesh_devices(text: str, devices: list) -> list:
     if sizes and -1 not in sizes and math.prod(sizes) < len(devices):
         return devices[: math.prod(sizes)]
     return devices
+
+
+def compile_only(cfg, mesh_text: str) -> dict:
+    """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
+    import jax
+
+    from jaxdist import measure, mesh as mesh_mod, metrics
+    from jaxdist.parallel import pipeline
+
+    devices = mesh_devices(mesh_text, jax.devices())
+    mesh = mesh_mod.mesh_from_string(mesh_text, devices)
+    t0 = time.perf_counter()
+    compiled = measure.compile_train_step(cfg, mesh)
+    record = {
+        "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "flops_per_token": metrics.flops_per_token(cfg.model),
+        "compile_s": time.perf_counter() - t0,
+        **metrics.compiled_stats(compiled),
+        "pipeline": pipeline.describe(cfg, mesh),
+    }
+    record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
+    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
+    return record
 
 
 def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
@@ -120,8 +149,10 @@ def main(argv=None) -> int:
         setup_platform(args.cpu_devices)
         records = []
         for mesh_text in args.mesh or [cfg.mesh.shape]:
-            records.append(measure(cfg, mesh_text, args.warmup, args.steps))
-            print(json.dumps(records[-1]), flush=True)
+            record = (compile_only(cfg, mesh_text) if args.compile_only
+                      else measure(cfg, mesh_text, args.warmup, args.steps))
+            records.append(record)
+            print(json.dumps(record), flush=True)
         if args.table:
             from jaxdist.bench_table import table
             print("\n" + table(records))

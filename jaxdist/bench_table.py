@@ -26,8 +26,11 @@ def table(records: list[dict]) -> str:
     rows = [head, "-" * len(head)]
     for r in records:
         mem = r.get("bytes_per_device", {})
-        mfu = f"{'~' if r.get('platform') == 'cpu' else ''}{r['mfu']:.1%}"
-        rows.append(f"{r['mesh']:<24} {r['devices']:>3} {r['tokens_per_sec']:>9,.0f} {r['step_time_s'] * 1e3:>8.1f} "
+        timed = "tokens_per_sec" in r  # bench --compile-only records have no timings
+        mfu = f"{'~' if r.get('platform') == 'cpu' else ''}{r['mfu']:.1%}" if timed else "-"
+        tps = f"{r['tokens_per_sec']:>9,.0f}" if timed else f"{'-':>9}"
+        ms = f"{r['step_time_s'] * 1e3:>8.1f}" if timed else f"{'-':>8}"
+        rows.append(f"{r['mesh']:<24} {r['devices']:>3} {tps} {ms} "
                     f"{mfu:>6} {mem.get('arguments', 0) / MiB:>8.2f} {mem.get('temp', 0) / MiB:>8.2f} "
                     f"{r.get('dp_bytes_per_step', 0) / MiB:>7.2f}  {collectives_text(r.get('collectives', {}))}")
     rows.append("(args = parameters + optimizer state + batch per device; temp = scratch; dp MiB = bytes each "

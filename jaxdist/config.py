@@ -106,6 +106,8 @@ class ModelConfig:
     moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_weight: NonNegativeFloat = 0.001  # router z-loss weight
     context_impl: Literal["allgather", "ring", "ulysses"] = "allgather"  # cp > 1: attention across sequence shards (parallel/context.py)
+    loss_impl: Literal["blockwise", "naive"] = "blockwise"  # blockwise never materialises B·T·V logits; naive: full logits, one-hot
+    loss_block: NonNegative = 0  # blockwise: vocab rows per block on each device (divides V / tp); 0 = from the shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +407,9 @@ def validate(cfg: Config) -> None:
                                            and m.rope_original_max_len > 0):
         raise JaxdistError("model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
                            "rope_high_freq_factor and rope_original_max_len > 0")
+    if m.loss_block and m.vocab_size % m.loss_block:
+        raise JaxdistError(f"model.loss_block={m.loss_block} must be 0 (automatic) or divide "
+                           f"model.vocab_size={m.vocab_size}")
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if cfg.train.global_batch % cfg.train.microbatches:

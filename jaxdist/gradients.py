@@ -11,34 +11,33 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from jaxdist.loss import cross_entropy
 from jaxdist.models.moe import metrics_from_sums
 
 
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean). `order_T` (context parallelism): the positions in the
-    order the model computes them — inputs and targets are reordered alike, so the sums are unchanged."""
+    divide into exactly the full-batch mean). `apply_fn(params, tokens, features=True)` gives the
+    model's final hidden states and head (`jaxdist.loss.Head`), not logits: the loss applies the head.
+    `order_T` (context parallelism): the positions in the order the model computes them — inputs and
+    targets are reordered alike, so the sums are unchanged."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     if order_T is not None:
         inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
-    logits_BTV = apply_fn(params, inputs_BT)
-    # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards), and
-    # XLA's SPMD partitioner crashes on that gather inside a dp-manual shard_map (jax 0.10.2).
-    labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-    losses_BT = optax.softmax_cross_entropy(logits_BTV, labels_BTV)
+    losses_BT = cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
     return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
 
 
 def model_outputs(out):
-    """A model returns logits, or (logits, aux): aux['objective'] is a token-weighted sum added to the
-    training loss (MoE balance and z losses), the other entries are summed statistics for the logs."""
+    """A model returns logits (or its loss.Head), or (that, aux): aux['objective'] is a token-weighted sum
+    added to the training loss (MoE balance and z losses), the other entries are summed statistics."""
     return out if isinstance(out, tuple) else (out, {})
 
 
-def logits_fn(apply_fn: Callable) -> Callable:
-    return lambda params, x: model_outputs(apply_fn(params, x))[0]
+def without_aux(apply_fn: Callable) -> Callable:
+    """`apply_fn` returning only its logits / loss.Head (evaluation: cross-entropy alone)."""
+    return lambda params, x, **kw: model_outputs(apply_fn(params, x, **kw))[0]
 
 
 def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
@@ -46,12 +45,12 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
     (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up."""
     aux = {}
 
-    def logits_only(p, x):  # the aux outputs leave through `aux` within this same trace
-        logits, a = model_outputs(apply_fn(p, x))
+    def model_only(p, x, **kw):  # the aux outputs leave through `aux` within this same trace
+        out, a = model_outputs(apply_fn(p, x, **kw))
         aux.update(a)
-        return logits
+        return out
 
-    loss, count = token_loss_sums(logits_only, params, tokens_BT1, order_T)
+    loss, count = token_loss_sums(model_only, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
     return loss + aux.get("objective", 0.0), (loss, count, stats)
 

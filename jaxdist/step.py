@@ -22,7 +22,7 @@ from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
-from jaxdist.gradients import GradientStage, implicit_gradients, logits_fn, token_loss_sums
+from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums, without_aux
 from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
 from jaxdist.parallel import context, diloco, moe as moe_parallel, pipeline, reduce
@@ -61,7 +61,7 @@ class Program:
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count)
     abstract_state: TrainState
-    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; pipelined when pp > 1 (then trace it under jax.set_mesh)
+    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; features=True: loss.Head; pipelined when pp > 1 (then trace it under jax.set_mesh)
     model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
 
     @property
@@ -104,9 +104,9 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout, order_T)
     else:
-        def apply_fn(params, tokens_BT):
+        def apply_fn(params, tokens_BT, features=False):
             segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
-            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT, order_T)
+            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
     if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
         tx = diloco.outer_optimizer()
@@ -148,7 +148,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return tree_where(ok, new, old), metrics
 
     def eval_step(params, tokens):
-        return token_loss_sums(logits_fn(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
+        return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
 
     with jax.set_mesh(mesh):
         jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)

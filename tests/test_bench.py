@@ -31,3 +31,15 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert rows[3].startswith("dp=1,pp=2,fsdp=4,tp=1") and f"CP {permutes}x " in rows[3] and " AG " in rows[3]
     assert f"{eight['tokens_per_sec']:,.0f}" in rows[3]
     assert rows[-1].startswith("note: on CPU, XLA's partitioner reduces FSDP gradients with an all-reduce")
+
+
+def test_compile_only_allocates_nothing_and_prints_no_timings(capsys, monkeypatch):
+    """--compile-only: the same JSON line from abstract inputs; running or placing anything is an error."""
+    import jax
+
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("allocated")))
+    assert bench.main(["--compile-only", "--mesh", "fsdp=8", *SMALL]) == 0
+    (r,) = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert not {"tokens_per_sec", "step_time_s", "mfu", "loss"} & set(r)
+    assert r["devices"] == 8 and r["bytes_per_device"]["arguments"] > 0 and r["bytes_per_device"]["temp"] > 0
+    assert "all-gather" in r["collectives"] and r["pipeline"]["schedule"] == "none"

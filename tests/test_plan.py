@@ -1,8 +1,11 @@
 """The planner against the compiler (8 CPU devices) and against hand-checked figures.
 
 Compiler checks lower and compile each (model, mesh) once, never run it: predicted per-device
-parameter + optimizer (+ token batch) bytes must equal memory_analysis() argument bytes within 2%, and
-predicted bytes per collective kind must match hlo.summarize within 10%.
+parameter + optimizer (+ token batch) bytes must equal memory_analysis() argument bytes within 1%, and
+predicted bytes per collective kind must match hlo.summarize within 5%. Out of sample (configurations
+the memory model's terms were not chosen on: remat policies, a circular pipeline, a large vocabulary
+with either loss, bf16, accumulation): arguments within 1%, collectives within 10%, and temp and total
+bytes within 25% — what the model achieves today (the issue asks for 10% on temp: not met; see README).
 """
 
 import json
@@ -31,6 +34,18 @@ PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp / pp mixes, accumulation,
     ("configs/125m.yaml", "dp=2,fsdp=2,tp=2", SMALL_125M),
     ("configs/125m.yaml", "dp=2,tp=4", SMALL_125M),
 ]
+OUT_OF_SAMPLE = [  # never used to choose the memory model's terms
+    (None, "fsdp=8", ["model.remat=full"]),
+    (None, "fsdp=8", ["model.remat=dots_saveable"]),
+    (None, "pp=2,fsdp=4", ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"]),
+    (None, "fsdp=8", ["model.vocab_size=8192"]),
+    (None, "fsdp=8", ["model.vocab_size=8192", "model.loss_impl=naive"]),
+    (None, "fsdp=4,tp=2", ["model.vocab_size=8192"]),
+    (None, "fsdp=4,tp=2", ["model.compute_dtype=bfloat16"]),
+    (None, "fsdp=8", ["train.microbatches=2", "train.global_batch=16"]),
+    (None, "dp=2,fsdp=4", ["model.remat=full", "train.microbatches=2", "train.global_batch=16"]),
+    (None, "fsdp=8", ["model.loss_impl=naive"]),
+]
 CPU = hardware.get("cpu")
 
 
@@ -51,18 +66,32 @@ def pair_id(pair):
     return "-".join([name, mesh, *(o for o in overrides if o not in SMALL_125M)])
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
-def test_memory_and_collectives_match_compiler(pair):
-    lay, mem, measured = compile_pair(*pair)
-    predicted = memory.estimate(lay)
-    assert predicted.arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.02)
+def check_collectives(lay, measured, rel=0.05):
     kinds = comms.by_kind(comms.step_traffic(lay))
     total = sum(v["bytes"] for v in measured.values())
     for kind in set(kinds) | set(measured):
         got = measured.get(kind, {"bytes": 0.0})["bytes"]
         if got < 0.001 * total and kinds.get(kind, 0.0) < 0.001 * total:
             continue  # a few scalars (loss, norms) — not worth modelling
-        assert kinds.get(kind, 0.0) == pytest.approx(got, rel=0.10), kind
+        assert kinds.get(kind, 0.0) == pytest.approx(got, rel=rel), kind
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_memory_and_collectives_match_compiler(pair):
+    lay, mem, measured = compile_pair(*pair)
+    assert memory.estimate(lay).arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
+    check_collectives(lay, measured)
+
+
+@pytest.mark.parametrize("pair", OUT_OF_SAMPLE, ids=pair_id)
+def test_memory_out_of_sample(pair):
+    lay, mem, measured = compile_pair(*pair)
+    predicted = memory.estimate(lay)
+    assert predicted.arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
+    assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=0.25)
+    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    assert predicted.total == pytest.approx(total, rel=0.25)
+    check_collectives(lay, measured, rel=0.10)
 
 
 def test_cpu_emits_all_reduce_where_gpus_reduce_scatter():

@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist import loss
 from jaxdist.config import ModelConfig
 from jaxdist.models import moe
-from jaxdist.parallel import context
-from jaxdist.sharding import Rules, constrain
+from jaxdist.parallel import context, embedding
+from jaxdist.sharding import Rules, constrain, logical_names
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -250,12 +251,8 @@ class Llama(nnx.Module):
             self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_BT):
-        # Gather the table's embed dim (as FSDP does for any weight) before the lookup: XLA's SPMD
-        # partitioner crashes on a gather whose table and indices are both fsdp-sharded inside a
-        # dp-manual shard_map when tp > 1 (jax 0.10.2).
-        table_VD = constrain(self.embed_VD[...], ("vocab", None), self.rules)
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype)
-        return constrain(x_BTD, ("batch", "seq", None), self.rules)
+        # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
+        return embedding.lookup(self.embed_VD[...], tokens_BT, self.rules, self.compute_dtype)
 
     def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
@@ -274,7 +271,15 @@ class Llama(nnx.Module):
         else:
             positions_T = jnp.asarray(positions_T)
 
+        # Per-layer logical names (the stacked axis dropped), for the cast before the fsdp gather.
+        names = jax.tree.map(lambda n: n[1:], logical_names(stacked), is_leaf=lambda n: isinstance(n, tuple))
+
         def body(x, layer_state):
+            # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
+            # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
+            layer_state = jax.tree.map(
+                lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
+                names, layer_state, is_leaf=lambda n: isinstance(n, tuple))
             out = nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT)
             return out if isinstance(out, tuple) else (out, None)
 
@@ -282,18 +287,25 @@ class Llama(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return jax.lax.scan(body, x_BTD, stacked)
 
-    def logits(self, x_BTD):
-        x_BTD = self.final_norm(x_BTD)
+    def head(self, x_BTD) -> loss.Head:
+        """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""
         head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-        logits_BTV = token_matmul(x_BTD, head_DV.astype(x_BTD.dtype))
-        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"), self.rules)
+        return loss.Head(self.final_norm(x_BTD), head_DV, self.cfg.loss_impl, self.cfg.loss_block, self.rules)
 
-    def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None):
-        """-> logits_BTV; with MoE layers (logits_BTV, aux) (jaxdist.gradients adds aux['objective']).
-        `positions_T`: context parallelism's load-balanced order of the positions (None: 0..T-1)."""
+    def logits(self, x_BTD):
+        return loss.logits(self.head(x_BTD))
+
+    def features(self, tokens_BT, segment_ids_BT=None, positions_T=None):
+        """What `jaxdist.loss.cross_entropy` takes instead of logits (never B·T·V): a loss.Head, or
+        (loss.Head, aux) with MoE layers."""
+        return self(tokens_BT, segment_ids_BT, positions_T, features=True)
+
+    def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None, features: bool = False):
+        """-> logits_BTV (features=True: the loss.Head); with MoE layers (out, aux) (jaxdist.gradients adds
+        aux['objective']). `positions_T`: context parallelism's load-balanced order (None: 0..T-1)."""
         x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
-        logits_BTV = self.logits(x_BTD)
-        return logits_BTV if aux is None else (logits_BTV, moe.combine_layers(aux))
+        out = self.head(x_BTD) if features else self.logits(x_BTD)
+        return out if aux is None else (out, moe.combine_layers(aux))
 
     def decode(self, tokens_BT, positions_BT, cache_k_LBSKH, cache_v_LBSKH, index, mask_BTS):
         """KV-cache forward of a chunk of tokens (the prompt, then one token at a time) written at cache
@@ -307,6 +319,20 @@ class Llama(nnx.Module):
 
         x_BTD, (cache_k, cache_v) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, cache_k_LBSKH, cache_v_LBSKH))
         return self.logits(x_BTD), cache_k, cache_v
+
+
+def cast_sharded(w, names, dtype, rules):
+    """`w` in `dtype`, converted on its shard before any all-gather (half the bytes for bf16). The
+    gradient goes back to float32 on the same sharding, so its reduction runs in float32."""
+    @jax.custom_vjp
+    def cast(w):
+        return constrain(w.astype(dtype), names, rules)
+
+    def bwd(_, g):
+        return (constrain(g.astype(jnp.float32), names, rules),)
+
+    cast.defvjp(lambda w: (cast(w), None), bwd)
+    return cast(w)
 
 
 def _freeze(rules):

@@ -186,10 +186,10 @@ def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan):
 
 
 def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
-    """apply_fn(params, tokens_BT) -> logits_BTV with the layer stack run as a pipeline.
-    `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
+    """apply_fn(params, tokens_BT) -> logits_BTV (features=True: the loss.Head) with the layer stack run as a
+    pipeline. `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
     positions when not 0..T-1 (context parallelism)."""
-    def apply_fn(params, tokens_BT):
+    def apply_fn(params, tokens_BT, features=False):
         B = tokens_BT.shape[0]
         if B % pl.microbatches:
             raise JaxdistError(f"batch of {B} sequences does not split into pipeline.microbatches="
@@ -198,7 +198,7 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
         blocks_def, _ = nnx.split(model.blocks)
 
         def stage_fn(group_params, x):
-            return model.run_layers(x, nnx.merge(blocks_def, group_params), positions_T)
+            return model.run_layers(x, nnx.merge(blocks_def, group_params), positions_T=positions_T)
 
         def per_rank(stage_params, x_MbTD):
             local = jax.tree.map(lambda a: a[0], stage_params)  # (1, V G, ...) -> (V G, ...)
@@ -208,5 +208,6 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
         params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
         out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS),
                                   axis_names={AXIS})(params[STACK], x_MbTD)
-        return model.logits(from_microbatches(out_SMbTD[pl.stages - 1]))
+        x_BTD = from_microbatches(out_SMbTD[pl.stages - 1])
+        return model.head(x_BTD) if features else model.logits(x_BTD)
     return apply_fn

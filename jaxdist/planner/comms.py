@@ -18,10 +18,14 @@ every backend):
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
-- embedding table, head and final norm: gathered over fsdp once per pass (the norm twice; the head of a
-  tied table twice when tp > 1, observed) and their gradients reduced like a layer's. A tied table is
-  gathered and reduced once per use (lookup, head). With tp the lookup of the vocab-sharded table is a
-  masked gather + all-reduce of B·T·D over tp, and the head's input gradient is all-reduced over tp.
+- head (jaxdist.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
+  tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
+  forward and again in the backward's recompute (in the compute dtype), the float32 input gradient and
+  three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
+  The final norm is gathered twice per pass.
+- embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
+  rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
+  table's gradient is local (no fsdp reduction), then all-reduced over dp.
 - ep (jaxdist.parallel.moe): per MoE layer, an all-to-all of the E·C·D dispatch buffer to the experts
   and one back, forward and backward (4; +2 with remat=full), C = the capacity of the local tokens
   (dropless: all of them). Expert weights stay split over ep (gathered over fsdp only); the other
@@ -115,17 +119,29 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     # Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two uses,
     # each gathered and with its gradient reduced separately (as compiled).
     tables = {g.role: g for g in param_table(m) if g.role != "layer"}
-    uses = [("embedding lookup", tables["embed"]), ("head", tables["embed" if m.tie_embeddings else "head"]),
-            ("final norm", tables["norm"])]
-    for what, g in uses:
-        full = g.size * PARAM_BYTES / lay.tp_shards(g)  # after the fsdp gather
-        gathers = 2 if what == "final norm" or (what == "head" and m.tie_embeddings and tp > 1) else 1
-        add("fsdp", "all-gather", f"{what} weights", full, gathers * passes,
-            n=lay.weight_shards)
-        reduce_grads(f"{what} gradient", full, passes, dp_syncs)
     rows = pass_batch * T
-    add("tp", "all-reduce", "embedding lookup (vocab-sharded)", rows * D * PARAM_BYTES, passes)
-    add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
+    head = tables["embed" if m.tie_embeddings else "head"]
+    head_full = head.size * PARAM_BYTES / lay.tp_shards(head)  # after the fsdp gather
+    if m.loss_impl == "naive":
+        gathers = 2 if m.tie_embeddings and tp > 1 else 1
+        add("fsdp", "all-gather", "head weights", head_full, gathers * passes, n=lay.weight_shards)
+        add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
+    else:  # jaxdist.loss: every block gathered forward and again for the backward's recompute
+        add("fsdp", "all-gather", "head weight blocks (fwd + bwd)", head_full * lay.act_bytes / PARAM_BYTES,
+            2 * passes, n=lay.weight_shards)
+        add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
+        add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
+    reduce_grads("head gradient", head_full, passes, dp_syncs)
+    norm = tables["norm"]
+    add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2 * passes, n=lay.weight_shards)
+    reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, dp_syncs)
+    # Embedding lookup (jaxdist.parallel.embedding): tokens gathered over fsdp, rows summed over tp,
+    # then an all-to-all over fsdp (and its transpose in the backward); the table's gradient stays local.
+    table = tables["embed"]
+    add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * fsdp * 4, passes)
+    add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
+    add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
+    add("dp", "all-reduce", "embedding gradient", table.size * PARAM_BYTES / lay.shards(table), dp_syncs)
 
     if cp > 1:
         out += context_traffic(lay, layer_steps)

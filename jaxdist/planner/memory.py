@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxdist.loss import block_rows
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
 USABLE_FRACTION = 0.9  # of HBM: runtime, allocator fragmentation and buffers the model does not see
@@ -45,8 +46,13 @@ class Memory:
         return self.params + self.optimizer + self.batch + STATE_SCALARS
 
     @property
+    def compiled_temp(self) -> float:
+        """Comparable with memory_analysis().temp_size_in_bytes (see compiled_temp_bytes)."""
+        return compiled_temp_bytes(self)
+
+    @property
     def total(self) -> float:
-        return self.arguments + self.grads + self.activations + self.temporary
+        return self.arguments + self.compiled_temp
 
     @property
     def fits(self) -> bool:
@@ -68,16 +74,9 @@ def optimizer_bytes(lay: Layout) -> float:
 
 
 def grad_bytes(lay: Layout) -> float:
-    """One set of float32 gradients, sharded like the parameters — except on XLA:CPU, which all-reduces
-    layer gradients over fsdp (instead of reduce-scattering) and keeps the stacked, fsdp-unsharded
-    result until the optimizer slices it (seen in memory_analysis temp bytes)."""
-    total = 0.0
-    for g in param_table(lay.cfg.model):
-        shards = lay.shards(g)
-        if lay.hw.backend == "cpu" and g.role == "layer":
-            shards = lay.tp_shards(g) * lay.mesh["pp"]
-        total += g.size * PARAM_BYTES / shards
-    return total
+    """One set of float32 gradients, sharded like the parameters: the model reduces each layer's
+    gradient to its parameter's sharding inside the backward scan (jaxdist.models.llama.cast_sharded)."""
+    return param_bytes(lay)
 
 
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
@@ -119,15 +118,42 @@ def gathered_kv_bytes(lay: Layout) -> float:
     return 4 * lay.micro_batch * m.seq_len * m.num_kv_heads * m.head_dim / lay.mesh["tp"] * lay.act_bytes
 
 
+def loss_bytes(lay: Layout) -> float:
+    """The loss's working set per device, over the tokens of one pass (the pipeline's micro-batches
+    rejoin before the head). naive: float32 logits, one-hot labels, softmax and gradient over the vocab
+    shard (3 x tokens x V/tp). blockwise (jaxdist.loss): a block of logits (the probabilities and their gradient are fused
+    into its consumers), the gathered block weight, its unreduced float32 gradient and the reduced one,
+    and the input-gradient sum."""
+    m = lay.cfg.model
+    tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len // lay.cp
+    shards = lay.mesh["tp"]
+    # Both: the head weight in use (gathered over fsdp), its unreduced float32 gradient and the reduced one.
+    if m.loss_impl == "naive":
+        rows = m.vocab_size // shards
+        return 3 * tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES)
+    rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
+    return tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
+
+
 def temporary_bytes(lay: Layout) -> float:
-    """The larger of: the loss (float32 logits, their softmax and gradient over the vocab shard) and one
-    layer's backward (its full activations, its gathered weights twice — in use and prefetched — and its
-    gradient before the reduction)."""
-    m, tokens = lay.cfg.model, lay.micro_tokens
-    loss = 3 * tokens * m.vocab_size / lay.mesh["tp"] * 4
+    """The larger of: the loss (`loss_bytes`) and one layer's backward (its full activations, its
+    gathered weights and its gradient before the reduction)."""
+    tokens = lay.micro_tokens
+    loss = loss_bytes(lay)
     layer_weights = gathered_layer_bytes(lay)
-    one_layer = saved_per_token_layer(lay, "none") * tokens + 3 * layer_weights + gathered_kv_bytes(lay)
+    one_layer = saved_per_token_layer(lay, "none") * tokens + 2 * layer_weights + gathered_kv_bytes(lay)
     return max(loss, one_layer)
+
+
+OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
+
+
+def compiled_temp_bytes(mem: Memory) -> float:
+    """What memory_analysis() calls temp: the peak of the backward pass (gradients, saved activations
+    and the largest working set) and of the update (gradients and the optimizer's new state)."""
+    backward = mem.grads + mem.activations + mem.temporary
+    update = mem.grads + OPTIMIZER_COPIES * mem.params
+    return max(backward, update)
 
 
 def estimate(lay: Layout) -> Memory:

@@ -1,0 +1,175 @@
+"""The blockwise cross-entropy (jaxdist/loss.py), the sharded embedding lookup (parallel/embedding.py)
+and bf16 parameter gathers.
+
+Equivalence: the blockwise loss and its gradients equal the naive (full-logits, one-hot) loss of one
+device to 1e-5 (relative; gradients to 1e-5 of each tensor's largest entry), fp32, on 1 device, fsdp=8,
+tp=2,fsdp=4, inside the explicit dp reduction (dp=2,fsdp=2,tp=2) and under the pipeline (pp=2,fsdp=4),
+with several vocab blocks per device. Memory and bytes are read from the compiled program.
+"""
+
+import glob
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxdist import hlo, loss, mesh as mesh_mod, step
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import pipeline
+
+SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
+FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+CASES = {  # id -> (mesh, devices, overrides); loss_block=32: 8 blocks per device (4 with tp=2)
+    "1 device": ("fsdp=1", 1, {}),
+    "fsdp=8": ("fsdp=8", 8, {}),
+    "tp=2,fsdp=4": ("tp=2,fsdp=4", 8, {}),
+    "explicit dp=2,fsdp=2,tp=2": ("dp=2,fsdp=2,tp=2", 8, dict(reduce=dict(method="dense"))),
+    "pipeline pp=2,fsdp=4": ("pp=2,fsdp=4", 8, dict(pipeline=dict(microbatches=2))),
+}
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg):
+    return tiny_cfg.replace(model=SMALL, optim=dict(warmup_steps=2, lr=1e-3))
+
+
+@pytest.fixture(scope="module")
+def batches(cfg):
+    rng = np.random.default_rng(3)
+    return rng.integers(0, cfg.model.vocab_size, (3, cfg.train.global_batch, cfg.model.seq_len + 1)).astype(np.int32)
+
+
+def gradients(cfg, mesh_text, n, batch):
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
+    state = prog.init_state(0)
+    with jax.set_mesh(prog.mesh):
+        grads, loss_ = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])(
+            state.params, jax.device_put(batch, prog.batch_sharding))
+    grads = jax.device_get(grads)
+    return float(loss_), pipeline.from_stages(grads, prog.pipeline) if prog.pipeline else grads, prog, state
+
+
+@pytest.fixture(scope="module")
+def naive(cfg, batches):
+    return gradients(cfg.replace(model=dict(loss_impl="naive")), "fsdp=1", 1, batches[0])
+
+
+def test_blockwise_matches_optax_on_arrays():
+    """No mesh: per-token losses and the gradients of a weighted sum, targets on block edges included."""
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(2, 6, 8)).astype(np.float32), rng.normal(size=(8, 48)).astype(np.float32)
+    t = np.array([[0, 15, 16, 31, 32, 47], [47, 1, 17, 33, 5, 16]], np.int32)
+    g = rng.uniform(0.5, 2, size=t.shape).astype(np.float32)
+
+    def ours(x, w):
+        return loss.cross_entropy(loss.Head(x, w, "blockwise", 16), t)
+
+    def ref(x, w):
+        return optax.softmax_cross_entropy_with_integer_labels(jnp.einsum("btd,dv->btv", x, w), t)
+
+    np.testing.assert_allclose(ours(x, w), ref(x, w), rtol=1e-6)
+    for got, want in zip(jax.grad(lambda *a: (g * ours(*a)).sum(), (0, 1))(x, w),
+                         jax.grad(lambda *a: (g * ref(*a)).sum(), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blockwise_loss_and_gradients_match_naive(cfg, batches, naive, case):
+    mesh_text, n, overrides = CASES[case]
+    c = cfg.replace(**overrides, model=dict(loss_impl="blockwise", loss_block=32))
+    got_loss, got, _, _ = gradients(c, mesh_text, n, batches[0])
+    ref_loss, ref = naive[0], naive[1]
+    assert got_loss == pytest.approx(ref_loss, rel=1e-5)
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0)
+
+
+def test_loss_curve_matches_naive(cfg, batches, naive):
+    """Three optimizer steps of tp=2,fsdp=4 blockwise follow the one-device naive curve."""
+    def curve(c, mesh_text, n):
+        prog = step.build_program(c, mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
+        state, out = prog.init_state(0), []
+        for b in batches:
+            state, m = prog.train_step(state, jax.device_put(b, prog.batch_sharding))
+            out.append(float(m["loss"]))
+        return out
+    ref = curve(cfg.replace(model=dict(loss_impl="naive")), "fsdp=1", 1)
+    np.testing.assert_allclose(curve(cfg.replace(model=dict(loss_block=32)), "tp=2,fsdp=4", 8), ref, rtol=1e-5)
+
+
+def test_block_rows_and_errors():
+    assert loss.block_rows(128256, 1, 2048, 4096) == 128256 // 64  # 2004 rows x 4096 x 4 B < 32 MiB
+    assert loss.block_rows(128256, 2, 8192, 4096) == 1002  # tokens bound it: 1002 x 8192 x 4 B < 32 MiB
+    assert loss.block_rows(256, 2, 128, 64) == 128  # small: one block per device
+    assert loss.block_rows(256, 2, 128, 64, block=32) == 32
+    with pytest.raises(JaxdistError, match="model.loss_block=48 must divide"):
+        loss.block_rows(256, 2, 128, 64, block=48)
+    from jaxdist import config
+    with pytest.raises(JaxdistError, match="loss_impl"):
+        config.load(None, ["model.loss_impl=fused"])
+
+
+def compile_temp(cfg, mesh_text="fsdp=8", **model):
+    from jaxdist import measure
+    c = measure.compile_train_step(cfg.replace(model=model), mesh_mod.mesh_from_string(mesh_text))
+    return c.memory_analysis().temp_size_in_bytes
+
+
+VOCAB_SHAPES = dict(seq_len=128, vocab_size=8192, loss_block=256)
+
+
+@pytest.mark.parametrize("mesh_text", ["fsdp=8", "tp=2,fsdp=4"])
+def test_vocabulary_attributable_temp_bytes(cfg, mesh_text):
+    """temp(V=8192) - temp(V=256), same shapes, blockwise: at least the float32 gradients of the
+    embedding and the head (each V·D/8 per device: they must exist before the optimizer), at most those
+    plus 8 blocks of logits (a block: local tokens x 256 rows x 4 B). The naive loss's B·T·V logits
+    alone (local tokens x V/tp x 4 B) are above that bound."""
+    shards = 2 if "tp" in mesh_text else 1
+    tokens = cfg.train.global_batch // (8 // shards) * VOCAB_SHAPES["seq_len"]
+    grads = 2 * VOCAB_SHAPES["vocab_size"] * cfg.model.d_model * 4 / 8
+    block = tokens * VOCAB_SHAPES["loss_block"] * 4
+    base = compile_temp(cfg, mesh_text, **{**VOCAB_SHAPES, "vocab_size": 256, "loss_block": 0})
+    vocab = compile_temp(cfg, mesh_text, **VOCAB_SHAPES) - base
+    assert grads <= vocab <= grads + 8 * block, (vocab, grads, block)
+    logits = tokens * VOCAB_SHAPES["vocab_size"] / shards * 4
+    assert logits > grads + 8 * block
+    naive = compile_temp(cfg, mesh_text, **VOCAB_SHAPES, loss_impl="naive") - base
+    assert naive > grads + logits  # what the bound catches
+
+
+def partitioned_hlo(prog, cfg):
+    """The program after XLA's SPMD partitioner, before XLA:CPU's float normalisation (which computes
+    bf16 in f32 on CPU only): the collectives a GPU/TPU would run."""
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                  sharding=prog.batch_sharding)
+    d = tempfile.mkdtemp()
+    compiled = prog.train_step.lower(prog.abstract_state, tokens).compile(
+        {**FAST_COMPILE, "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    (path,) = glob.glob(f"{d}/*jit_train_step*after_spmd-partitioning*.txt")
+    return compiled, open(path).read()
+
+
+GATHER = re.compile(r"=\s*(f32|bf16)\[([\d,]*)\]\S*\s+all-gather(?:-start)?\(")
+
+
+def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
+    """fsdp=8: every all-gather of a weight matrix (rank >= 2) moves bf16 under bf16 compute, exactly half
+    the bytes of the float32 program's; the loss agrees with float32 to bf16 precision (2e-2)."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        c = cfg.replace(model=dict(compute_dtype=dtype))
+        prog = step.build_program(c, mesh_mod.mesh_from_string("fsdp=8"))
+        compiled, text = partitioned_hlo(prog, c)
+        gathers = [(dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in GATHER.findall(text)
+                   if dims.count(",") >= 1]
+        _, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
+        out[dtype] = gathers, float(metrics["loss"])
+    (f32, f32_loss), (bf16, bf16_loss) = out["float32"], out["bfloat16"]
+    assert f32 and {dt for dt, _ in f32} == {"f32"} and {dt for dt, _ in bf16} == {"bf16"}
+    assert sum(b for _, b in bf16) * 2 == sum(b for _, b in f32)
+    assert bf16_loss == pytest.approx(f32_loss, rel=2e-2) and bf16_loss != f32_loss
