@@ -179,7 +179,7 @@ class ReduceConfig:
     block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
     warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
-    freeze_variance: bool = True  # topk, powersgd: Adam's second moment frozen after the dense warm-up
+    freeze_variance: bool = False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam)
     variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
     sync_every: Positive = 16  # diloco: local steps between outer steps (H)
     outer_lr: PositiveFloat = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradient

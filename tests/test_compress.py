@@ -162,10 +162,13 @@ def test_frozen_variance_adam_matches_optax_then_freezes():
 
 
 def test_variance_frozen_only_where_compressing(small_cfg, dp8):
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) == 5
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8")), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", freeze_variance=False)), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), mesh_from_string("fsdp=8")) is None
+    """Off by default (measured worse on the study); when on, from the end of the dense warm-up, and
+    only where a method compresses."""
+    on = dict(freeze_variance=True)
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) == 5
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8")) is None
 
 
 # ---------------------------------------------------------------------------------------------------
