@@ -59,11 +59,8 @@ def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
 
 
 def format_mesh(shape: dict[str, int]) -> str:
-    return ",".join(f"{a}={shape[a]}" for a in AXES if a in shape)
-
-
-def resolved_text(shape: dict[str, int]) -> str:
-    """The mesh as a user writes it, sizes resolved: {'fsdp': 8, others 1} -> 'fsdp=8'."""
+    """The mesh as a user writes it: {'dp': 2, 'fsdp': 4, others 1} -> 'dp=2,fsdp=4' (size-1 axes left
+    out; a single device is 'dp=1')."""
     return ",".join(f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) > 1) or "dp=1"
 
 

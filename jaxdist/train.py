@@ -68,7 +68,7 @@ def resolve_config(args: argparse.Namespace):
 def with_resolved_mesh(cfg, num_devices: int):
     """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
     from jaxdist import mesh as mesh_mod
-    return cfg.replace(mesh=dict(shape=mesh_mod.resolved_text(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
+    return cfg.replace(mesh=dict(shape=mesh_mod.format_mesh(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
 
 
 def print_config(cfg) -> str:

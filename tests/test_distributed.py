@@ -161,7 +161,7 @@ def test_only_process_zero_speaks(runs):
     for i in (0, 1):  # every process reports its place ...
         assert f"[p{i}] process {i}/2 on " in log and f"[p{i}] process {i}/2: joining coordinator" in log
     assert "4 local cpu device(s)" in log and "8 global" in log
-    assert "[p0] mesh dp=2,pp=1,fsdp=4,tp=1 over 8 cpu devices" in log  # ... but only process 0 the run
+    assert "[p0] mesh dp=2,fsdp=4 over 8 cpu devices" in log  # ... but only process 0 the run
     assert "[p1] mesh" not in log and "[p1] done" not in log and "[p0] done: 10 steps" in log
     assert "[Gloo]" not in log  # gloo's chatter: one short line per process (and stream) at most
     assert all(log.count(f"[p{i}] gloo: rank ") <= 2 for i in (0, 1))

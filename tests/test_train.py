@@ -16,7 +16,7 @@ def test_cli_trains_on_the_default_corpus(tmp_path):
            "train.eval_every=30", "train.global_batch=16"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "mesh dp=2,pp=1,fsdp=4,tp=1 over 8 cpu devices" in out.stdout
+    assert "mesh dp=2,fsdp=4 over 8 cpu devices" in out.stdout
     assert "MFLOP/token" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("done: 60 steps")
 
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -46,7 +46,7 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--mesh", "dp=3", "--run-dir",
                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: mesh dp=3,pp=1,fsdp=1,tp=1 needs 3 devices but there are 8; " \
+    assert out.stderr.strip() == "error: mesh dp=3 needs 3 devices but there are 8; " \
                                  "make the sizes multiply to 8 (or use -1 on one axis)"
     assert not (tmp_path / "r").exists()
 

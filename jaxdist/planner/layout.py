@@ -82,7 +82,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return format_mesh({a: s for a, s in self.mesh.items() if s > 1}) or "single device"
+        return format_mesh(self.mesh) if any(s > 1 for s in self.mesh.values()) else "single device"
 
     @property
     def batch_shards(self) -> int:
