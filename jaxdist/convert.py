@@ -40,7 +40,13 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     if jax.process_index() == 0:
         (out / "config.yaml").write_text(config_mod.dump(cfg))
         hf_io.keep_source(hf_dir, out)
-    manager = checkpoint.open_manager(out / checkpoint.SUBDIR, keep=1, async_save=False)
+    from jaxdist.checkpoint import integrity
+    from jaxdist.checkpoint.storage import TMP_SUFFIX
+
+    directory = out / checkpoint.SUBDIR
+    # Checksummed like a training checkpoint: before orbax publishes step 0 (process 0).
+    manager = checkpoint.open_manager(directory, keep=1,
+                                      before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}"))
     meta = {"step": 0, "seed": cfg.train.seed, "config": cfg.to_dict(), "source": f"hf:{Path(hf_dir).resolve()}"}
     manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()

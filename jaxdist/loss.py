@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.errors import JaxdistError
+from jaxdist.parallel import context
 from jaxdist.sharding import constrain
 
 IMPLS = ("blockwise", "naive")
@@ -46,7 +47,10 @@ jax.tree_util.register_dataclass(Head, data_fields=["x_BTD", "w_DV"], meta_field
 def logits(head: Head) -> jax.Array:
     """Full float32 logits (B, T, V) — for generation, evaluation and the naive loss."""
     x, w = head.x_BTD, head.w_DV
-    out = (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)).reshape(*x.shape[:-1], w.shape[-1])
+    if context.splits_sequence():  # (batch, seq/cp) does not flatten locally: keep both token dims
+        out = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype))
+    else:
+        out = (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)).reshape(*x.shape[:-1], w.shape[-1])
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"), head.rules)
 
 
@@ -58,11 +62,22 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
         labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
         return optax.softmax_cross_entropy(logits_BTV, labels_BTV)
     B, T, D = head.x_BTD.shape
-    shards = vocab_shards(head.rules)
-    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(head.rules), D, head.block)
+    rules = token_rules(head.rules)
+    shards = vocab_shards(rules)
+    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(rules), D, head.block)
     losses = _blockwise(head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32),
-                        shards, vb, head.rules)
+                        shards, vb, rules)
     return losses.reshape(B, T)
+
+
+def token_rules(rules):
+    """Rules for the flattened (B·T) token dim, named "batch" here: when cp splits the sequence, the
+    flattened dim is split over the batch axes and then cp (row-major), so each device keeps its own
+    tokens — not an all-gather of the sequence."""
+    if rules is None or not context.splits_sequence():
+        return rules
+    r = dict(rules)
+    return tuple({**r, "batch": tuple(r["batch"]) + tuple(r["seq"])}.items())
 
 
 def _mesh_size(rules, name: str) -> int:

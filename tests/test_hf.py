@@ -170,7 +170,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     params, model = convert.import_params(FIXTURE, cfg, mesh)
     loader = data.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
     with jax.set_mesh(mesh):
-        s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x: nnx.merge(model.graphdef, q)(x), p, t))(
+        s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
             params, next(loader))
     assert abs(result.final_loss - float(s) / float(n)) < 1e-5
     convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)

@@ -16,6 +16,8 @@ as `jnp.take` does (the non-finite guard then skips the step).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -43,6 +45,12 @@ def lookup(table_VD, tokens_BT, rules, dtype):
         return constrain(jnp.take(table, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None), rules)
     if not (vocab or embed):
         return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None), rules)
+    B, T = tokens_BT.shape
+    if B % math.prod(mesh.shape[a] for a in batch) or T % math.prod(mesh.shape[a] for a in seq):
+        # A batch the mesh does not split evenly (a few prompts in generation, an odd test batch):
+        # XLA's own gather of the table is correct there, if heavier.
+        table = constrain(table_VD, ("vocab", None), rules)
+        return jnp.take(table, tokens_BT, axis=0).astype(dtype)
 
     V = table_VD.shape[0]
     spec = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes

@@ -85,7 +85,8 @@ def route_slots(idx_NK, experts: int, C: int):
     return jnp.where(keep, e * C + rank, experts * C).astype(jnp.int32), keep
 
 
-def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes):
+def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes,
+           seq_axes=()):
     """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
     on local tokens: left to the automatic partitioner it all-gathers the router scores."""
     idx_BTK, gate_BTK = route(logits_BTE)
@@ -121,6 +122,8 @@ def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, e
         y_ND = jax.lax.psum(y_ND, inner_axes)
     dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
     counts_BE = jax.nn.one_hot(idx_BTK, experts, dtype=jnp.float32).sum((1, 2))
+    if seq_axes:  # cp splits each sequence: per-sequence counts sum over its shards
+        dropped_B, counts_BE = jax.lax.psum((dropped_B, counts_BE), seq_axes)
     return y_ND.reshape(B, T, D), dropped_B, counts_BE
 
 
@@ -144,7 +147,10 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules
     down_spec = P(w_spec[0], w_spec[2], w_spec[1])
     used = lambda i: _axes(w_spec[i])  # noqa: E731
     gather = tuple((i, used(i)) for i in (1,) if used(i))
-    body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), **kw)  # noqa: E731
+    seq_axes = tuple(a for a in _axes(x_spec[1]) if mesh.shape[a] > 1)
+    body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, **kw)  # noqa: E731
+    # check_vma off: a size-1 cp axis still appears in x_spec; the per-sequence counts are summed over
+    # the axes that really split the sequence (seq_axes) and replicated over the rest.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
-                       out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])), axis_names=manual)
+                       out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])), axis_names=manual, check_vma=False)
     return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD)
