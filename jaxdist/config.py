@@ -153,7 +153,7 @@ class TrainConfig:
     microbatches: Positive = 1  # gradient accumulation steps per optimizer step
     seed: Annotated[int, Range(0, 2**32 - 1)] = 0  # parameter init and data order
     eval_every: NonNegative = 100  # steps between evals; 0 disables eval
-    eval_batches: Positive = 4  # held-out batches per eval
+    eval_batches: NonNegative = 4  # held-out batches per eval (0: no eval, with a warning at start-up)
     log_every: Positive = 10  # steps between metric lines
     peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
     max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops

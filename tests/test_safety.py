@@ -334,7 +334,7 @@ def test_mfu_is_timed_from_real_waits_and_never_above_100_percent(monkeypatch, c
     writer = type("W", (), {"write": lambda self, r: records.append(r)})()
     bar = type("B", (), {"set_postfix": lambda self, **k: None, "update": lambda self, n: None})()
     cfg = config.load(None, ["train.log_every=1"])
-    p = progress.Progress(cfg, writer, bar, tokens_per_step=100, flops_per_token=1.0, peak_flops=150.0)
+    p = progress.Progress(cfg, writer, tokens_per_step=100, flops_per_token=1.0, peak_flops=150.0)
 
     def metrics(ready):
         return {k: FakeMetric(0.0 if k == "skipped" else 1.0, ready) for k in progress.STEP_KEYS}
@@ -347,5 +347,5 @@ def test_mfu_is_timed_from_real_waits_and_never_above_100_percent(monkeypatch, c
     assert times == pytest.approx([1.0, 1.0, 3.0, 1.505, 4.0 / 3])
     assert all(0 < r["mfu"] <= 1 for r in records)
     assert records[0]["mfu"] == pytest.approx(100 / 150)
-    fast = progress.Progress(cfg, writer, bar, tokens_per_step=100, flops_per_token=1.0, peak_flops=50.0)
+    fast = progress.Progress(cfg, writer, tokens_per_step=100, flops_per_token=1.0, peak_flops=50.0)
     assert fast.mfu(100.0) == 1.0 and "exceeds the peak estimate" in capsys.readouterr().out
