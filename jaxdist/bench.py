@@ -22,17 +22,21 @@ from jaxdist.errors import JaxdistError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxdist.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")
     p.add_argument("--mesh", action="append", default=None, help="mesh to measure; repeat for several")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
     p.add_argument("--table", action="store_true", help="after the JSON lines, print them as a table with notes")
-    p.add_argument("--compile-only", action="store_true",
-                   help="compile with abstract inputs (nothing allocated, nothing run): memory and "
-                        "collectives of a real config without its hardware; no timings")
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile with abstract inputs (nothing allocated, nothing run): memory and "
+        "collectives of a real config without its hardware; no timings",
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after flags
 
@@ -40,9 +44,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def mesh_devices(text: str, devices: list) -> list:
     """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
     from jaxdist.mesh import AXES
+
     try:
-        sizes = [int(part.split("=")[1]) for part in text.split(",") if part.strip() and "=" in part
-                 and part.split("=")[0].strip() in AXES]
+        sizes = [
+            int(part.split("=")[1])
+            for part in text.split(",")
+            if part.strip() and "=" in part and part.split("=")[0].strip() in AXES
+        ]
     except ValueError:
         return devices  # not a valid mesh: parse_mesh names the problem
     if sizes and -1 not in sizes and math.prod(sizes) < len(devices):
@@ -54,7 +62,8 @@ def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
     import jax
 
-    from jaxdist import measure, mesh as mesh_mod, metrics
+    from jaxdist import measure, metrics
+    from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import pipeline
 
     devices = mesh_devices(mesh_text, jax.devices())
@@ -79,14 +88,16 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxdist import mesh as mesh_mod, metrics, step
+    from jaxdist import mesh as mesh_mod
+    from jaxdist import metrics, step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
     prog = step.build_program(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     tokens = jax.device_put(
-        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding)
+        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
+    )
 
     t0 = time.perf_counter()
     state = prog.init_state(cfg.train.seed)
@@ -127,6 +138,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
     from jaxdist import measure
     from jaxdist.parallel import pipeline
+
     record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction
     # Steady state (after a dense warm-up; DiLoCo: averaged over its sync period), and the average over
     # train.steps with the warm-up included (`_run`): what a whole run saves.
@@ -142,19 +154,24 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         from jaxdist import config
         from jaxdist.train import setup_platform
+
         if args.steps < 1 or args.warmup < 0:
-            raise JaxdistError(f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
-                               "(--steps >= 1) after --warmup >= 0 untimed ones")
+            raise JaxdistError(
+                f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
+                "(--steps >= 1) after --warmup >= 0 untimed ones"
+            )
         cfg = config.load(args.config, args.overrides)
         setup_platform(args.cpu_devices)
         records = []
         for mesh_text in args.mesh or [cfg.mesh.shape]:
-            record = (compile_only(cfg, mesh_text) if args.compile_only
-                      else measure(cfg, mesh_text, args.warmup, args.steps))
+            record = (
+                compile_only(cfg, mesh_text) if args.compile_only else measure(cfg, mesh_text, args.warmup, args.steps)
+            )
             records.append(record)
             print(json.dumps(record), flush=True)
         if args.table:
             from jaxdist.bench_table import table
+
             print("\n" + table(records))
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)

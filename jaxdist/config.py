@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
-
-import re
 
 import yaml
 
@@ -28,38 +27,50 @@ class _Loader(yaml.SafeLoader):
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
     ch: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
-    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"))
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)
 
+
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 # The shipped configs: configs/ of a source checkout, else the copy installed as jaxdist/configs.
-CONFIGS_DIR = (_SOURCE_ROOT / "configs" if (_SOURCE_ROOT / "pyproject.toml").is_file()
-               else Path(__file__).resolve().parent / "configs")
+CONFIGS_DIR = (
+    _SOURCE_ROOT / "configs"
+    if (_SOURCE_ROOT / "pyproject.toml").is_file()
+    else Path(__file__).resolve().parent / "configs"
+)
 DEFAULT_CONFIG = "tiny"
 
 
 @dataclasses.dataclass(frozen=True)
 class Range:
     """A field's allowed interval, checked by `validate` (floats must also be finite)."""
+
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
 
     def holds(self, v) -> bool:
-        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
-                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
+        return (self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)) and (
+            self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        )
 
     def __str__(self) -> str:
         lo = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
@@ -105,8 +116,12 @@ class ModelConfig:
     moe_capacity_factor: PositiveFloat = 1.25  # capacity dispatch: slots per expert / (tokens x topk / experts)
     moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_weight: NonNegativeFloat = 0.001  # router z-loss weight
-    context_impl: Literal["allgather", "ring", "ulysses"] = "allgather"  # cp > 1: attention across sequence shards (parallel/context.py)
-    loss_impl: Literal["blockwise", "naive"] = "blockwise"  # blockwise never materialises B·T·V logits; naive: full logits, one-hot
+    context_impl: Literal["allgather", "ring", "ulysses"] = (
+        "allgather"  # cp > 1: attention across sequence shards (parallel/context.py)
+    )
+    loss_impl: Literal["blockwise", "naive"] = (
+        "blockwise"  # blockwise never materialises B·T·V logits; naive: full logits, one-hot
+    )
     loss_block: NonNegative = 0  # blockwise: vocab rows per block on each device (divides V / tp); 0 = from the shapes
 
 
@@ -114,12 +129,16 @@ class ModelConfig:
 class MeshConfig:
     shape: str = "fsdp=-1"  # mesh axis sizes, e.g. "dp=2,fsdp=4"; one -1 fills (--mesh)
     dcn: str = ""  # axes spanning hosts, e.g. "dp=2"; default: dp spans hosts when multi-process (--dcn-mesh)
-    rules: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # logical axis -> mesh axes ([] = replicated); merged into the defaults
+    rules: dict[str, list[str]] = dataclasses.field(
+        default_factory=dict
+    )  # logical axis -> mesh axes ([] = replicated); merged into the defaults
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["text", "tokens"] = "text"  # text: UTF-8 files as bytes (or data.tokenizer); tokens: flat token-id files
+    source: Literal["text", "tokens"] = (
+        "text"  # text: UTF-8 files as bytes (or data.tokenizer); tokens: flat token-id files
+    )
     path: str = ""  # glob or folder (a prepare output: train/ + val/); empty with source=text: the stdlib
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of token-id files (source=tokens)
     eval_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.02  # tail of the stream held out for eval
@@ -158,7 +177,9 @@ class TrainConfig:
     peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
     max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops
     profile_steps: str = ""  # "10:15" writes a profiler trace for those steps
-    trackers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # several at once: tensorboard, wandb, mlflow (extras)
+    trackers: list[str] = dataclasses.field(
+        default_factory=lambda: ["tensorboard"]
+    )  # several at once: tensorboard, wandb, mlflow (extras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +199,9 @@ class ReduceConfig:
     error_feedback: bool = True  # keep what was not sent and add it next step
     block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
-    warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
+    warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = (
+        0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
+    )
     freeze_variance: bool = False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam)
     variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
     sync_every: Positive = 16  # diloco: local steps between outer steps (H)
@@ -209,7 +232,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **sections: Any) -> "Config":
+    def replace(self, **sections: Any) -> Config:
         """`cfg.replace(train=dict(steps=5))` -> a new, validated config."""
         raw = self.to_dict()
         for section, values in sections.items():
@@ -291,8 +314,10 @@ def _unknown(key: str, known: list[str]) -> JaxdistError:
 
 
 def _not_a_section(name: str, values: Any, where: str = "") -> JaxdistError:
-    return JaxdistError(f"config section '{name}'{where} must be a mapping of keys to values (e.g. "
-                        f"{name}: {{key: value}}), got {values!r}")
+    return JaxdistError(
+        f"config section '{name}'{where} must be a mapping of keys to values (e.g. "
+        f"{name}: {{key: value}}), got {values!r}"
+    )
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -343,8 +368,10 @@ def find(name_or_path: str | Path | None) -> Path:
         if shipped.is_file():
             return shipped
     names = ", ".join(shipped_configs())
-    raise JaxdistError(f"config file {name_or_path} not found; pass --config with an existing YAML path or "
-                       f"a shipped config name ({names})")
+    raise JaxdistError(
+        f"config file {name_or_path} not found; pass --config with an existing YAML path or "
+        f"a shipped config name ({names})"
+    )
 
 
 def shipped_configs() -> list[str]:
@@ -394,6 +421,7 @@ def validate(cfg: Config) -> None:
             if rng is not None and not rng.holds(v):
                 raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
     from jaxdist.trackers import TRACKERS
+
     for name in cfg.train.trackers:
         if name not in TRACKERS:
             raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
@@ -403,13 +431,17 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
             "grouped-query attention needs whole groups"
         )
-    if m.rope_scaling == "llama3" and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
-                                           and m.rope_original_max_len > 0):
-        raise JaxdistError("model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
-                           "rope_high_freq_factor and rope_original_max_len > 0")
+    if m.rope_scaling == "llama3" and not (
+        m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0
+    ):
+        raise JaxdistError(
+            "model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+            "rope_high_freq_factor and rope_original_max_len > 0"
+        )
     if m.loss_block and m.vocab_size % m.loss_block:
-        raise JaxdistError(f"model.loss_block={m.loss_block} must be 0 (automatic) or divide "
-                           f"model.vocab_size={m.vocab_size}")
+        raise JaxdistError(
+            f"model.loss_block={m.loss_block} must be 0 (automatic) or divide model.vocab_size={m.vocab_size}"
+        )
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
     if cfg.train.global_batch % cfg.train.microbatches:
@@ -431,8 +463,10 @@ def validate_moe(m: ModelConfig) -> None:
     if not 1 <= m.moe_topk <= m.moe_experts:
         raise JaxdistError(f"model.moe_topk={m.moe_topk} must be between 1 and model.moe_experts={m.moe_experts}")
     if m.moe_every < 1 or m.num_layers % m.moe_every:
-        raise JaxdistError(f"model.moe_every={m.moe_every} must be >= 1 and divide model.num_layers="
-                           f"{m.num_layers} (every n-th layer is sparse)")
+        raise JaxdistError(
+            f"model.moe_every={m.moe_every} must be >= 1 and divide model.num_layers="
+            f"{m.num_layers} (every n-th layer is sparse)"
+        )
     if m.moe_capacity_factor <= 0 or m.moe_aux_weight < 0 or m.moe_z_weight < 0:
         raise JaxdistError("model.moe_capacity_factor must be > 0, model.moe_aux_weight and model.moe_z_weight >= 0")
 
@@ -468,15 +502,26 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 # ---- documentation generated from the dataclasses (--help, the README's key reference) ----------------
 
-def field_docs(cls) -> dict[str, str]:
-    """Each field's trailing `# comment` in the class source: the one place a key is documented."""
-    import inspect
 
+def field_docs(cls) -> dict[str, str]:
+    """Each field's `# comment` in the class source (wherever the formatter wrapped it): the one place a
+    key is documented."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").replace("noqa", "").strip()
     docs = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+): .*?#\s*(.*)$", line)
-        if m:
-            docs[m.group(1)] = m.group(2).replace("noqa", "").strip()
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            lines = range(node.lineno, node.end_lineno + 1)
+            docs[node.target.id] = " ".join(comments[i] for i in lines if i in comments)
     return docs
 
 

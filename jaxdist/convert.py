@@ -28,6 +28,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     from jaxdist import checkpoint, hf_io
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
+
     # Decided together: process 0 must not write before every process has looked.
     if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
         raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
@@ -45,8 +46,9 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
 
     directory = out / checkpoint.SUBDIR
     # Checksummed like a training checkpoint: before orbax publishes step 0 (process 0).
-    manager = checkpoint.open_manager(directory, keep=1,
-                                      before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}"))
+    manager = checkpoint.open_manager(
+        directory, keep=1, before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}")
+    )
     meta = {"step": 0, "seed": cfg.train.seed, "config": cfg.to_dict(), "source": f"hf:{Path(hf_dir).resolve()}"}
     manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()
@@ -57,6 +59,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
 
 def latest_step_dir(path: Path) -> Path:
     from jaxdist import checkpoint
+
     directory, step = checkpoint.checkpoint_dir(Path(path))
     if step is None:
         steps = checkpoint.open_manager(directory, read_only=True).all_steps() if directory.is_dir() else []
@@ -72,6 +75,7 @@ def run_config(step_dir: Path):
 
     from jaxdist import checkpoint
     from jaxdist import config as config_mod
+
     manager = checkpoint.open_manager(step_dir.parent, read_only=True)
     meta = manager.restore(int(step_dir.name), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     return config_mod.from_dict(meta["config"])
@@ -88,6 +92,7 @@ def load_run_params(path: Path, mesh, rules=None):
     from jaxdist import checkpoint, sharding
     from jaxdist.parallel import pipeline
     from jaxdist.resolve import resolve
+
     step_dir = latest_step_dir(path)
     cfg = run_config(step_dir)
     cfg = cfg.replace(mesh={"shape": ",".join(f"{a}={s}" for a, s in mesh.shape.items()), "dcn": ""})
@@ -96,22 +101,28 @@ def load_run_params(path: Path, mesh, rules=None):
     manager = checkpoint.open_manager(step_dir.parent, read_only=True)
     saved = manager.item_metadata(int(step_dir.name))["params"]
     layers = cfg.model.num_layers
-    staged = any(len(s.shape) == len(a.shape) + 1 for s, a in zip(jax.tree.leaves(saved[pipeline.STACK]),
-                                                                 jax.tree.leaves(model.abstract[pipeline.STACK])))
+    staged = any(
+        len(s.shape) == len(a.shape) + 1
+        for s, a in zip(jax.tree.leaves(saved[pipeline.STACK]), jax.tree.leaves(model.abstract[pipeline.STACK]))
+    )
     shardings = sharding.named(mesh, model.specs)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, shardings)
     if staged:  # (stage, layers/stage, ...): read with the layer sharding, one more unsharded dim in front
         stages = jax.tree.leaves(saved[pipeline.STACK])[0].shape[0]
         repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
         plan = pipeline.Plan(cfg.pipeline.schedule, stages, 1, repeats, layers // (stages * repeats))
-        stack = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
-            (stages, a.shape[0] // stages, *a.shape[1:]), a.dtype,
-            sharding=NamedSharding(mesh, P(None, *s.spec))), model.abstract[pipeline.STACK],
-            shardings[pipeline.STACK])
+        stack = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(
+                (stages, a.shape[0] // stages, *a.shape[1:]), a.dtype, sharding=NamedSharding(mesh, P(None, *s.spec))
+            ),
+            model.abstract[pipeline.STACK],
+            shardings[pipeline.STACK],
+        )
         target = {**target, pipeline.STACK: stack}
     checkpoint.check_model(saved, target, step_dir)
-    params = manager.restore(int(step_dir.name), args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(target)))["params"]
+    params = manager.restore(int(step_dir.name), args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))[
+        "params"
+    ]
     if staged:
         with jax.set_mesh(mesh):
             params = jax.jit(lambda p: pipeline.from_stages(p, plan), out_shardings=shardings)(params)
@@ -121,6 +132,7 @@ def load_run_params(path: Path, mesh, rules=None):
 def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
     from jaxdist import checkpoint, hf_io
     from jaxdist import mesh as mesh_mod
+
     if not checkpoint.all_agree(not ((out / "config.json").exists() or list(out.glob("*.safetensors")))):
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
@@ -128,14 +140,23 @@ def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable
     cfg, params, _ = load_run_params(step_dir, mesh)
     run_dir = step_dir.parent.parent
     source = run_dir / hf_io.SOURCE
-    return hf_io.export(params, cfg.model, out, dtype, source if source.is_dir() else None,
-                        getattr(cfg.data, "tokenizer", ""), max_shard_bytes, log)
+    return hf_io.export(
+        params,
+        cfg.model,
+        out,
+        dtype,
+        source if source.is_dir() else None,
+        getattr(cfg.data, "tokenizer", ""),
+        max_shard_bytes,
+        log,
+    )
 
 
 def parse_args(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = argparse.ArgumentParser(prog="python -m jaxdist.convert", description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = argparse.ArgumentParser(
+        prog="python -m jaxdist.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     top.add_argument("command", choices=("from-hf", "to-hf"))
     if not argv or argv[0] not in ("from-hf", "to-hf"):
         top.parse_args(argv[:1])  # prints usage / the choices, exits 2
@@ -167,6 +188,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from jaxdist import distributed
     from jaxdist.train import setup_platform
+
     try:
         args = parse_args(argv)
         setup_platform(args.cpu_devices)

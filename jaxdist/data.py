@@ -32,12 +32,14 @@ from jaxdist.files import expand_path, stdlib_files
 def prepared(path: str) -> dict | None:
     """The manifest when `path` is a folder made by `python -m jaxdist.data prepare`."""
     from jaxdist.prepare import read_manifest
+
     return read_manifest(Path(path).expanduser()) if path and os.path.isdir(os.path.expanduser(path)) else None
 
 
 def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np.ndarray:
     """Tokens of all files, one document each, `[BOS] tokens EOS` by the tokenizer's rule."""
     from jaxdist import tokenizer
+
     tok = tokenizer.load(tokenizer_path)
     tokenizer.check_vocab(tok, vocab_size, f"data.tokenizer={tokenizer_path}")
     texts = []
@@ -53,6 +55,7 @@ def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np
 def document_eos(cfg: Config) -> int:
     """The id that ends a document in this config's token stream (for `data.document_mask`)."""
     from jaxdist import tokenizer
+
     d = cfg.data
     if d.source == "text" and not d.tokenizer:
         return d.separator
@@ -61,8 +64,10 @@ def document_eos(cfg: Config) -> int:
         return int(manifest["eos_id"])
     if d.tokenizer:
         return tokenizer.load(d.tokenizer).eos_id
-    raise JaxdistError("data.document_mask=true needs the end-of-document id of these token files: set "
-                       "data.tokenizer, or make them with python -m jaxdist.data prepare")
+    raise JaxdistError(
+        "data.document_mask=true needs the end-of-document id of these token files: set "
+        "data.tokenizer, or make them with python -m jaxdist.data prepare"
+    )
 
 
 def read_text(files: list[str], separator: int) -> np.ndarray:
@@ -82,8 +87,7 @@ def read_tokens(files: list[str], dtype: str) -> list[np.ndarray]:
     for f in files:
         size = os.path.getsize(f)
         if size % np.dtype(dtype).itemsize:
-            raise JaxdistError(f"token file {f} has {size} bytes, not a multiple of {dtype}; "
-                               "check data.token_dtype")
+            raise JaxdistError(f"token file {f} has {size} bytes, not a multiple of {dtype}; check data.token_dtype")
         if size:
             arrays.append(np.memmap(f, dtype=dtype, mode="r"))
     return arrays
@@ -94,12 +98,14 @@ def check_vocab(files: list[str], arrays: list[np.ndarray], vocab_size: int, chu
     later). Reads each memory-mapped file once, in chunks: ~0.1-0.3 s per GB from the page cache."""
     for f, a in zip(files, arrays):
         for lo in range(0, len(a), chunk):
-            block = a[lo:lo + chunk]
+            block = a[lo : lo + chunk]
             top = int(block.max())
             if top >= vocab_size:
                 at = lo + int(np.argmax(block >= vocab_size))
-                raise JaxdistError(f"token id {int(a[at])} at position {at} of {f} is >= model.vocab_size="
-                                   f"{vocab_size}; set model.vocab_size to the tokenizer's size (or fix the file)")
+                raise JaxdistError(
+                    f"token id {int(a[at])} at position {at} of {f} is >= model.vocab_size="
+                    f"{vocab_size}; set model.vocab_size to the tokenizer's size (or fix the file)"
+                )
 
 
 class Windows:
@@ -117,7 +123,7 @@ class Windows:
     def __getitem__(self, i: int) -> np.ndarray:
         k = int(np.searchsorted(self.offsets, i, side="right") - 1)
         start = (int(i) - int(self.offsets[k])) * (self.length - 1)
-        return np.asarray(self.arrays[k][start:start + self.length], dtype=np.int32)
+        return np.asarray(self.arrays[k][start : start + self.length], dtype=np.int32)
 
 
 class Subset:
@@ -136,13 +142,18 @@ class Subset:
 def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """A prepared folder's (train/, val/) shards, with the dtype and vocabulary its manifest records."""
     from jaxdist import tokenizer
+
     d, folder = cfg.data, Path(cfg.data.path).expanduser()
     if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise JaxdistError(f"{folder} was prepared with {manifest['vocab_size']} token ids but model.vocab_size="
-                           f"{cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more)")
+        raise JaxdistError(
+            f"{folder} was prepared with {manifest['vocab_size']} token ids but model.vocab_size="
+            f"{cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more)"
+        )
     if d.tokenizer and tokenizer.load(d.tokenizer).sha256 != manifest["tokenizer"]["sha256"]:
-        raise JaxdistError(f"data.tokenizer={d.tokenizer} is not the tokenizer {folder} was prepared with "
-                           f"(sha256 differs); use data.tokenizer={folder} or re-run prepare")
+        raise JaxdistError(
+            f"data.tokenizer={d.tokenizer} is not the tokenizer {folder} was prepared with "
+            f"(sha256 differs); use data.tokenizer={folder} or re-run prepare"
+        )
     arrays = []
     for name in ("train", "val"):
         files = [str(folder / f) for f in manifest["splits"][name]["files"]]
@@ -161,6 +172,7 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return prepared_arrays(cfg, manifest)
     if d.tokenizer:
         from jaxdist import tokenizer
+
         tokenizer.check_vocab(tokenizer.load(d.tokenizer), cfg.model.vocab_size, f"data.tokenizer={d.tokenizer}")
     files = [f for f in expand_path(d.path) if os.path.getsize(f)]
     arrays = read_tokens(files, d.token_dtype)
@@ -175,8 +187,10 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     held_out: list[np.ndarray] = []
     if d.source == "text":
         if cfg.model.vocab_size < 256 and not d.tokenizer:
-            raise JaxdistError(f"data.source=text uses byte tokens (256) but model.vocab_size="
-                               f"{cfg.model.vocab_size}; set model.vocab_size=256 or more (or data.tokenizer)")
+            raise JaxdistError(
+                f"data.source=text uses byte tokens (256) but model.vocab_size="
+                f"{cfg.model.vocab_size}; set model.vocab_size=256 or more (or data.tokenizer)"
+            )
         files = expand_path(d.path) if d.path else stdlib_files()
         if d.tokenizer:
             arrays = [read_documents(files, d.tokenizer, cfg.model.vocab_size)]
@@ -193,8 +207,10 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     n_eval = int(n * d.eval_fraction)
     if n - n_eval < 1:
         total = sum(len(a) for a in arrays)
-        raise JaxdistError(f"the corpus has {total} tokens, too few for one window of model.seq_len+1="
-                           f"{length}; add data or lower model.seq_len")
+        raise JaxdistError(
+            f"the corpus has {total} tokens, too few for one window of model.seq_len+1="
+            f"{length}; add data or lower model.seq_len"
+        )
     return Subset(windows, 0, n - n_eval), Subset(windows, n - n_eval, n)
 
 
@@ -206,13 +222,16 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch: int, width: int) -
     lo, hi = min(starts), max(stops)
     covered = sorted(set(zip(starts, stops)))
     if sum(b - a for a, b in covered) < hi - lo:
-        raise JaxdistError("this process's batch rows are not contiguous; use a mesh whose batch axes "
-                           "(dp, fsdp) are laid out host-major (the default --dcn-mesh)")
+        raise JaxdistError(
+            "this process's batch rows are not contiguous; use a mesh whose batch axes "
+            "(dp, fsdp) are laid out host-major (the default --dcn-mesh)"
+        )
     return lo, hi
 
 
-def batches(source, global_batch: int, seed: int, rows: tuple[int, int],
-            poison_step: int = -1, poison_value: int = 0) -> grain.MapDataset:
+def batches(
+    source, global_batch: int, seed: int, rows: tuple[int, int], poison_step: int = -1, poison_value: int = 0
+) -> grain.MapDataset:
     """Step-indexed dataset: element s is this process's rows of the global batch of step s."""
     shuffled = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
     lo, hi = rows
@@ -231,8 +250,7 @@ def eval_batches(source, global_batch: int, count: int, rows: tuple[int, int]) -
     if len(source) == 0 or count == 0:
         return []
     lo, hi = rows
-    return [np.stack([source[(s * global_batch + r) % len(source)] for r in range(lo, hi)])
-            for s in range(count)]
+    return [np.stack([source[(s * global_batch + r) % len(source)] for r in range(lo, hi)]) for s in range(count)]
 
 
 def test_poison_step() -> int:
@@ -249,8 +267,9 @@ class Loader:
         self.global_shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
         self.rows = local_rows(batch_sharding, *self.global_shape)
         self.train, self.held_out = load_windows(cfg)
-        dataset = batches(self.train, cfg.train.global_batch, cfg.train.seed, self.rows,
-                          test_poison_step(), cfg.model.vocab_size)
+        dataset = batches(
+            self.train, cfg.train.global_batch, cfg.train.seed, self.rows, test_poison_step(), cfg.model.vocab_size
+        )
         options = grain.ReadOptions(num_threads=cfg.data.prefetch, prefetch_buffer_size=cfg.data.prefetch)
         self.iterator = iter(dataset.to_iter_dataset(options))
         self._eval = eval_batches(self.held_out, cfg.train.global_batch, cfg.train.eval_batches, self.rows)
@@ -283,10 +302,13 @@ def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
         return None
     if cfg.train.eval_batches == 0:
         return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
-    return (f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "
-            f"{len(loader.train) + len(loader.held_out)} windows is no whole window; raise data.eval_fraction or add data")
+    return (
+        f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "
+        f"{len(loader.train) + len(loader.held_out)} windows is no whole window; raise data.eval_fraction or add data"
+    )
 
 
 if __name__ == "__main__":  # python -m jaxdist.data prepare ... (jaxdist/prepare.py)
     from jaxdist.prepare import main
+
     sys.exit(main())

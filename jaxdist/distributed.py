@@ -25,7 +25,7 @@ import os
 import re
 import socket
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from jaxdist.errors import JaxdistError
 
@@ -35,6 +35,7 @@ DEFAULT_PORT = 8476  # coordinator port when a cluster gives hosts but no port (
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """Where this process sits in a multi-process run."""
+
     coordinator: str  # HOST:PORT of process 0's coordination service
     num_processes: int
     process_id: int
@@ -75,9 +76,11 @@ def from_slurm(env: Mapping[str, str]) -> dict | None:
         return None
     # Port from the job id (as JAX does) so two jobs sharing a node do not collide.
     port = env.get("JAX_COORDINATOR_PORT") or 61440 + _int(env.get("SLURM_JOB_ID", 0), "SLURM_JOB_ID") % 4096
-    found = {"num_processes": _int(env["SLURM_NTASKS"], "SLURM_NTASKS"),
-             "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
-             "coordinator": f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}"}
+    found = {
+        "num_processes": _int(env["SLURM_NTASKS"], "SLURM_NTASKS"),
+        "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
+        "coordinator": f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}",
+    }
     if _tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")) > 1:
         found["local_device_ids"] = (_int(env.get("SLURM_LOCALID", 0), "SLURM_LOCALID"),)  # one GPU per task
     return found
@@ -86,8 +89,10 @@ def from_slurm(env: Mapping[str, str]) -> dict | None:
 def from_openmpi(env: Mapping[str, str]) -> dict | None:
     if "OMPI_COMM_WORLD_RANK" not in env or "OMPI_COMM_WORLD_SIZE" not in env:
         return None
-    found = {"num_processes": _int(env["OMPI_COMM_WORLD_SIZE"], "OMPI_COMM_WORLD_SIZE"),
-             "process_id": _int(env["OMPI_COMM_WORLD_RANK"], "OMPI_COMM_WORLD_RANK")}
+    found = {
+        "num_processes": _int(env["OMPI_COMM_WORLD_SIZE"], "OMPI_COMM_WORLD_SIZE"),
+        "process_id": _int(env["OMPI_COMM_WORLD_RANK"], "OMPI_COMM_WORLD_RANK"),
+    }
     # OpenMPI 4 publishes the launcher's address (mpirun's host); OpenMPI 5 does not: pass --coordinator.
     m = re.search(r"tcp://([^,:;/]+)", env.get("OMPI_MCA_orte_hnp_uri", ""))
     if m:
@@ -124,12 +129,19 @@ def from_jax_env(env: Mapping[str, str]) -> dict:
 CLUSTERS = (("slurm", from_slurm), ("openmpi", from_openmpi), ("kubernetes", from_kubernetes))
 
 
-def detect(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-           env: Mapping[str, str] | None = None) -> Launch | None:
+def detect(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Launch | None:
     """Resolve this process's place from flags, then JAX's variables, then the cluster; None = single process."""
     env = os.environ if env is None else env
-    flags = {k: v for k, v in (("coordinator", coordinator), ("num_processes", num_processes),
-                               ("process_id", process_id)) if v is not None}
+    flags = {
+        k: v
+        for k, v in (("coordinator", coordinator), ("num_processes", num_processes), ("process_id", process_id))
+        if v is not None
+    }
     sources = [("flags", flags), ("env", from_jax_env(env))]
     cluster = next(((name, found) for name, fn in CLUSTERS if (found := fn(env)) is not None), None)
     if cluster:
@@ -146,12 +158,18 @@ def detect(coordinator: str | None = None, num_processes: int | None = None, pro
     where = "+".join(used)
     missing = [k for k in ("coordinator", "num_processes", "process_id") if k not in facts]
     if missing:
-        flag = {"coordinator": "--coordinator HOST:PORT", "num_processes": "--num-processes N",
-                "process_id": "--process-id I"}
-        raise JaxdistError(f"multi-process run ({where}) lacks {', '.join(missing)}; pass "
-                           f"{' '.join(flag[k] for k in missing)} (or the JAX_* environment variables)")
-    launch = Launch(str(facts["coordinator"]), facts["num_processes"], facts["process_id"], where,
-                    facts.get("local_device_ids"))
+        flag = {
+            "coordinator": "--coordinator HOST:PORT",
+            "num_processes": "--num-processes N",
+            "process_id": "--process-id I",
+        }
+        raise JaxdistError(
+            f"multi-process run ({where}) lacks {', '.join(missing)}; pass "
+            f"{' '.join(flag[k] for k in missing)} (or the JAX_* environment variables)"
+        )
+    launch = Launch(
+        str(facts["coordinator"]), facts["num_processes"], facts["process_id"], where, facts.get("local_device_ids")
+    )
     validate(launch)
     return launch
 
@@ -159,13 +177,16 @@ def detect(coordinator: str | None = None, num_processes: int | None = None, pro
 def validate(launch: Launch) -> None:
     host, _, port = launch.coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise JaxdistError(f"coordinator address {launch.coordinator!r} ({launch.source}) must be HOST:PORT, "
-                           "e.g. 10.0.0.1:8476")
+        raise JaxdistError(
+            f"coordinator address {launch.coordinator!r} ({launch.source}) must be HOST:PORT, e.g. 10.0.0.1:8476"
+        )
     if launch.num_processes < 1:
         raise JaxdistError(f"process count {launch.num_processes} ({launch.source}) must be at least 1")
     if not 0 <= launch.process_id < launch.num_processes:
-        raise JaxdistError(f"process id {launch.process_id} ({launch.source}) must be in 0..{launch.num_processes - 1} "
-                           f"for {launch.num_processes} processes")
+        raise JaxdistError(
+            f"process id {launch.process_id} ({launch.source}) must be in 0..{launch.num_processes - 1} "
+            f"for {launch.num_processes} processes"
+        )
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -181,8 +202,10 @@ def check_port_free(address: str) -> None:
         try:
             s.bind(("", port))
         except OSError as e:
-            raise JaxdistError(f"process 0 cannot serve the coordinator on port {port} ({e.strerror}); "
-                               f"choose a free port in --coordinator / JAX_COORDINATOR_ADDRESS") from None
+            raise JaxdistError(
+                f"process 0 cannot serve the coordinator on port {port} ({e.strerror}); "
+                f"choose a free port in --coordinator / JAX_COORDINATOR_ADDRESS"
+            ) from None
 
 
 def wait_for_coordinator(address: str, timeout: float) -> None:
@@ -202,7 +225,8 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
                 why = getattr(e, "strerror", None) or str(e) or type(e).__name__
                 raise JaxdistError(
                     f"cannot reach the coordinator {address} within {timeout:g}s ({why}); check that process 0 "
-                    f"runs on that host and port and that the port is reachable from this host") from None
+                    f"runs on that host and port and that the port is reachable from this host"
+                ) from None
             time.sleep(0.5)
 
 
@@ -215,31 +239,44 @@ def initialize(launch: Launch | None, init_timeout: int = 300, heartbeat_timeout
     if launch is None or launch.num_processes == 1:
         return
     import jax
+
     start = time.monotonic()
     if launch.process_id == 0:
         check_port_free(launch.coordinator)
     else:
         wait_for_coordinator(launch.coordinator, init_timeout)
     # If peers never arrive JAX aborts with DEADLINE_EXCEEDED (RegisterTask); this line says what was expected.
-    print(f"process {launch.process_id}/{launch.num_processes}: joining coordinator {launch.coordinator} "
-          f"({launch.source}); all {launch.num_processes} processes must join within {init_timeout}s", flush=True)
+    print(
+        f"process {launch.process_id}/{launch.num_processes}: joining coordinator {launch.coordinator} "
+        f"({launch.source}); all {launch.num_processes} processes must join within {init_timeout}s",
+        flush=True,
+    )
     left = max(5, int(init_timeout - (time.monotonic() - start)))
     jax.distributed.initialize(
-        coordinator_address=launch.coordinator, num_processes=launch.num_processes,
-        process_id=launch.process_id, local_device_ids=launch.local_device_ids,
+        coordinator_address=launch.coordinator,
+        num_processes=launch.num_processes,
+        process_id=launch.process_id,
+        local_device_ids=launch.local_device_ids,
         cluster_detection_method="deactivate",  # everything was resolved above
-        initialization_timeout=left, heartbeat_timeout_seconds=heartbeat_timeout,
-        shutdown_timeout_seconds=heartbeat_timeout)
+        initialization_timeout=left,
+        heartbeat_timeout_seconds=heartbeat_timeout,
+        shutdown_timeout_seconds=heartbeat_timeout,
+    )
     if jax.process_count() != launch.num_processes:
-        raise JaxdistError(f"this process was told {launch.num_processes} processes but the coordinator "
-                           f"{launch.coordinator} runs {jax.process_count()}; give every process the same count")
+        raise JaxdistError(
+            f"this process was told {launch.num_processes} processes but the coordinator "
+            f"{launch.coordinator} runs {jax.process_count()}; give every process the same count"
+        )
 
 
 def topology_line() -> str:
     """One line per process: who it is and which devices it sees (printed by every process at start-up)."""
     import jax
+
     local = jax.local_devices()
     kinds = sorted({d.device_kind for d in local})
-    return (f"process {jax.process_index()}/{jax.process_count()} on {socket.gethostname()}: "
-            f"{len(local)} local {local[0].platform} device(s) ({', '.join(kinds)}) "
-            f"ids {[d.id for d in local]}, {jax.device_count()} global")
+    return (
+        f"process {jax.process_index()}/{jax.process_count()} on {socket.gethostname()}: "
+        f"{len(local)} local {local[0].platform} device(s) ({', '.join(kinds)}) "
+        f"ids {[d.id for d in local]}, {jax.device_count()} global"
+    )

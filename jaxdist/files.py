@@ -11,8 +11,11 @@ from jaxdist.errors import JaxdistError
 
 def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
-    return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                  if "site-packages" not in f and "dist-packages" not in f)
+    return sorted(
+        f
+        for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+        if "site-packages" not in f and "dist-packages" not in f
+    )
 
 
 def expand_path(pattern: str, what: str = "data.path") -> list[str]:
@@ -27,6 +30,8 @@ def expand_path(pattern: str, what: str = "data.path") -> list[str]:
     else:
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
-        raise JaxdistError(f"{what}={pattern!r} matches no files; give a folder or a glob of existing files"
-                           + (" (or leave data.path empty for the built-in corpus)" if what == "data.path" else ""))
+        raise JaxdistError(
+            f"{what}={pattern!r} matches no files; give a folder or a glob of existing files"
+            + (" (or leave data.path empty for the built-in corpus)" if what == "data.path" else "")
+        )
     return files

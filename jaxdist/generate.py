@@ -25,6 +25,7 @@ def sample(logits_BV, key, temperature: float, top_p: float):
     """-> (token_B, logprob_B): the chosen token and its log-probability before temperature."""
     import jax
     import jax.numpy as jnp
+
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     if temperature == 0:
         token_B = jnp.argmax(logits_BV, axis=-1)
@@ -47,6 +48,7 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
     from flax import nnx
 
     from jaxdist.resolve import compute_dtype
+
     m = cfg.model
     dtype = compute_dtype(m)
 
@@ -82,6 +84,7 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
 def generation_rules(cfg) -> dict:
     """The run's rules with the batch replicated: a few prompts need not divide the data axes."""
     from jaxdist import sharding
+
     return {**sharding.make_rules(cfg.mesh.rules), "batch": ()}
 
 
@@ -89,6 +92,7 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
     from jaxdist import convert
     from jaxdist import mesh as mesh_mod
+
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
@@ -114,14 +118,17 @@ class Text:
         self.tokenizer = None
         if path.is_file():
             from tokenizers import Tokenizer
+
             self.tokenizer = Tokenizer.from_file(str(path))
         self.usable = self.tokenizer is not None or cfg.model.vocab_size >= 256  # bytes need 256 ids
         self.vocab = cfg.model.vocab_size
 
     def encode(self, text: str) -> list[int]:
         if not self.usable:
-            raise JaxdistError(f"--prompt needs a tokenizer: the model has {self.vocab} tokens (fewer than "
-                               "bytes) and no tokenizer.json was found; pass --prompt-tokens")
+            raise JaxdistError(
+                f"--prompt needs a tokenizer: the model has {self.vocab} tokens (fewer than "
+                "bytes) and no tokenizer.json was found; pass --prompt-tokens"
+            )
         return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str | None:
@@ -148,11 +155,21 @@ def cut_at_eos(tokens: list[int], logprobs: list[float], stop: set[int]):
     return tokens[:cut], logprobs[:cut]
 
 
-def generate(cfg, params, graphdef, mesh, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0):
+def generate(
+    cfg,
+    params,
+    graphdef,
+    mesh,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+):
     """-> (new tokens (B, N), logprobs (B, N), seconds compiling, seconds running) as numpy."""
     import jax
     import numpy as np
+
     V = cfg.model.vocab_size
     for p in prompts:
         if not p or min(p) < 0 or max(p) >= V:
@@ -160,7 +177,7 @@ def generate(cfg, params, graphdef, mesh, prompts: list[list[int]], new_tokens: 
     P = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), P), np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, P - len(p):] = p
+        tokens[i, P - len(p) :] = p
     pad = np.array([P - len(p) for p in prompts], np.int32)
     run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
     key = jax.random.key(seed)
@@ -174,8 +191,9 @@ def generate(cfg, params, graphdef, mesh, prompts: list[list[int]], new_tokens: 
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxdist.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a jaxdist run dir or checkpoints/STEP (its latest checkpoint)")
     src.add_argument("--hf", help="a Hugging Face Llama directory")
@@ -191,7 +209,7 @@ def parse_args(argv):
     p.add_argument("--cpu-devices", type=int, default=8)
     args = p.parse_args(argv)
     if not args.prompt and not args.prompt_tokens:
-        raise JaxdistError("give at least one --prompt TEXT or --prompt-tokens \"ID ID ...\"")
+        raise JaxdistError('give at least one --prompt TEXT or --prompt-tokens "ID ID ..."')
     if args.max_new_tokens <= 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise JaxdistError("--max-new-tokens must be > 0, --temperature >= 0 and --top-p in (0, 1]")
     return args
@@ -199,6 +217,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     from jaxdist.train import setup_platform
+
     try:
         args = parse_args(argv)
         setup_platform(args.cpu_devices)
@@ -210,21 +229,24 @@ def main(argv: list[str] | None = None) -> int:
                 prompts.append([int(x) for x in ids.replace(",", " ").split()])
             except ValueError:
                 raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
-        new, logp, compile_s, run_s = generate(cfg, params, graphdef, mesh, prompts, args.max_new_tokens,
-                                               args.temperature, args.top_p, args.seed)
+        new, logp, compile_s, run_s = generate(
+            cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
+        )
         stop = set() if args.ignore_eos else eos_ids(source)
         for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
             toks, lps = cut_at_eos(toks, lps, stop)
             if args.json:
-                print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps,
-                                  "text": text.decode(toks)}))
+                print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": text.decode(toks)}))
             elif text.usable:
                 print(text.decode(prompt) + text.decode(toks))
             else:
                 print(f"{prompt} -> {toks}")
         n = new.size
-        print(f"generated {len(prompts)} x {args.max_new_tokens} tokens in {run_s:.2f}s "
-              f"({n / run_s:,.0f} tokens/s; compiled in {compile_s:.1f}s)", file=sys.stderr)
+        print(
+            f"generated {len(prompts)} x {args.max_new_tokens} tokens in {run_s:.2f}s "
+            f"({n / run_s:,.0f} tokens/s; compiled in {compile_s:.1f}s)",
+            file=sys.stderr,
+        )
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ table (implicit here; the explicit data-parallel reduction in `jaxdist.parallel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,7 @@ class GradientStage:
     `init(params) -> state`; `apply(params, tokens, state, step) -> (mean_grads, mean_loss, state, metrics)`;
     `state_specs(param_specs) -> PartitionSpecs of that state` (residuals are sharded like parameters).
     """
+
     init: Callable
     apply: Callable
     state_specs: Callable = lambda param_specs: ()
@@ -102,7 +103,9 @@ class GradientStage:
 
 def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> GradientStage:
     """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
+
     def apply(params, tokens, state, step):
         grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
+
     return GradientStage(init=lambda params: (), apply=apply)

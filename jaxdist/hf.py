@@ -17,25 +17,83 @@ from jaxdist.config import Config, ModelConfig
 from jaxdist.errors import JaxdistError
 
 # transformers' LlamaConfig defaults: a field absent from config.json takes these.
-HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-               "num_attention_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-               "tie_word_embeddings": False, "max_position_embeddings": 2048, "initializer_range": 0.02}
+HF_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+}
 # Fields that must hold these values (anything else would be a different model than ours).
-REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "partial_rotary_factor": 1.0}
+REQUIRED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "partial_rotary_factor": 1.0,
+}
 # Fields read into ModelConfig (model_type and architectures are checked separately).
-MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling",
-          "rope_parameters", "initializer_range", "model_type", "architectures"}
+MAPPED = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "initializer_range",
+    "model_type",
+    "architectures",
+}
 # Fields that do not change the computation of the forward pass (token ids are kept for the export).
-IGNORED = {"transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
-           "max_position_embeddings", "use_cache", "pretraining_tp", "_name_or_path", "output_attentions",
-           "output_hidden_states", "return_dict", "id2label", "label2id", "chunk_size_feed_forward",
-           "is_encoder_decoder", "_attn_implementation_autoset"}
+IGNORED = {
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+    "use_cache",
+    "pretraining_tp",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "_attn_implementation_autoset",
+}
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size",
-              "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_max_len")
+SHAPE_KEYS = (
+    "num_layers",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "vocab_size",
+    "tie_embeddings",
+    "rope_theta",
+    "norm_eps",
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -61,21 +119,27 @@ def _rope(hf: dict, where: Path) -> dict[str, Any]:
     if kind == "default":
         return {**out, "rope_scaling": "none"}
     if kind != "llama3":
-        raise JaxdistError(f"{where}: rope type {kind!r} is not supported (only default and llama3); "
-                           "convert another model")
-    params = {"original_max_position_embeddings": hf.get("max_position_embeddings",
-                                                         HF_DEFAULTS["max_position_embeddings"]), **params}
+        raise JaxdistError(
+            f"{where}: rope type {kind!r} is not supported (only default and llama3); convert another model"
+        )
+    params = {
+        "original_max_position_embeddings": hf.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]),
+        **params,
+    }
     missing = [k for k in ROPE_FIELDS if k not in params]
     if missing:
         raise JaxdistError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}; add them to config.json")
     unknown = set(params) - set(ROPE_FIELDS) - {"rope_type", "type", "rope_theta"}
     if unknown:
-        raise JaxdistError(f"{where}: rope field {min(unknown)!r} is not supported; remove it or "
-                           "convert another model")
-    return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
-            "rope_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_original_max_len": int(params["original_max_position_embeddings"])}
+        raise JaxdistError(f"{where}: rope field {min(unknown)!r} is not supported; remove it or convert another model")
+    return {
+        **out,
+        "rope_scaling": "llama3",
+        "rope_factor": float(params["factor"]),
+        "rope_low_freq_factor": float(params["low_freq_factor"]),
+        "rope_high_freq_factor": float(params["high_freq_factor"]),
+        "rope_original_max_len": int(params["original_max_position_embeddings"]),
+    }
 
 
 def model_fields(hf_dir: Path) -> dict[str, Any]:
@@ -83,27 +147,41 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
     where = Path(hf_dir) / "config.json"
     hf = read_json(where, "config.json")
     if hf.get("model_type") != "llama":
-        raise JaxdistError(f"{where}: model_type {hf.get('model_type')!r} is not supported; jaxdist imports "
-                           "Llama checkpoints (model_type 'llama')")
+        raise JaxdistError(
+            f"{where}: model_type {hf.get('model_type')!r} is not supported; jaxdist imports "
+            "Llama checkpoints (model_type 'llama')"
+        )
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if arch != ["LlamaForCausalLM"]:
         raise JaxdistError(f"{where}: architecture {arch} is not supported; jaxdist imports LlamaForCausalLM")
     for key, value in hf.items():
         if key in REQUIRED:
             if value != REQUIRED[key] and value is not None:
-                raise JaxdistError(f"{where}: {key}={value!r} is not supported (jaxdist's Llama has "
-                                   f"{key}={REQUIRED[key]!r}); convert another model")
+                raise JaxdistError(
+                    f"{where}: {key}={value!r} is not supported (jaxdist's Llama has "
+                    f"{key}={REQUIRED[key]!r}); convert another model"
+                )
         elif key not in MAPPED | IGNORED:
-            raise JaxdistError(f"{where}: field {key!r} is not supported by jaxdist's Llama; a model that "
-                               "needs it would compute differently — remove it only if it has no effect")
+            raise JaxdistError(
+                f"{where}: field {key!r} is not supported by jaxdist's Llama; a model that "
+                "needs it would compute differently — remove it only if it has no effect"
+            )
     get = lambda k: hf.get(k) if hf.get(k) is not None else HF_DEFAULTS[k]
     heads, d_model = int(get("num_attention_heads")), int(get("hidden_size"))
     head_dim = hf.get("head_dim") or d_model // heads
-    fields = {"num_layers": int(get("num_hidden_layers")), "d_model": d_model, "num_heads": heads,
-              "num_kv_heads": int(hf.get("num_key_value_heads") or heads), "head_dim": int(head_dim),
-              "mlp_dim": int(get("intermediate_size")), "vocab_size": int(get("vocab_size")),
-              "tie_embeddings": bool(get("tie_word_embeddings")), "norm_eps": float(get("rms_norm_eps")),
-              "init_std": float(get("initializer_range")), **_rope(hf, where)}
+    fields = {
+        "num_layers": int(get("num_hidden_layers")),
+        "d_model": d_model,
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(head_dim),
+        "mlp_dim": int(get("intermediate_size")),
+        "vocab_size": int(get("vocab_size")),
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+        "norm_eps": float(get("rms_norm_eps")),
+        "init_std": float(get("initializer_range")),
+        **_rope(hf, where),
+    }
     return fields
 
 
@@ -113,14 +191,17 @@ def apply(cfg: Config, hf_dir: Path, explicit: dict[str, Any] | None = None) -> 
     fields = model_fields(hf_dir)
     for key, value in (explicit or {}).items():
         if key in fields and key in SHAPE_KEYS and fields[key] != value:
-            raise JaxdistError(f"model.{key}={value!r} conflicts with {hf_dir}/config.json ({fields[key]!r}); "
-                               "drop the override: the model shape comes from the checkpoint")
+            raise JaxdistError(
+                f"model.{key}={value!r} conflicts with {hf_dir}/config.json ({fields[key]!r}); "
+                "drop the override: the model shape comes from the checkpoint"
+            )
     return cfg.replace(model=fields)
 
 
 def model_overrides(overrides: list[str]) -> dict:
     """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
     from jaxdist.config import parse_override
+
     out = {}
     for text in overrides:
         section, name, value = parse_override(text)
@@ -132,6 +213,7 @@ def model_overrides(overrides: list[str]) -> dict:
 def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
     """The run config for an HF model: a config file and overrides, the model shape from config.json."""
     from jaxdist import config
+
     overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
     return apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
 
@@ -142,26 +224,49 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
     source = source or {}
     rope = None
     if m.rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-                "high_freq_factor": m.rope_high_freq_factor,
-                "original_max_position_embeddings": m.rope_original_max_len}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.d_model,
-            "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-            "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "vocab_size": m.vocab_size,
-            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope,
-            "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": m.init_std,
-            "max_position_embeddings": source.get("max_position_embeddings", m.seq_len),
-            "bos_token_id": source.get("bos_token_id"), "eos_token_id": source.get("eos_token_id"),
-            "pad_token_id": source.get("pad_token_id"), "torch_dtype": dtype, "use_cache": True}
+        rope = {
+            "rope_type": "llama3",
+            "factor": m.rope_factor,
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.d_model,
+        "intermediate_size": m.mlp_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope,
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": m.init_std,
+        "max_position_embeddings": source.get("max_position_embeddings", m.seq_len),
+        "bos_token_id": source.get("bos_token_id"),
+        "eos_token_id": source.get("eos_token_id"),
+        "pad_token_id": source.get("pad_token_id"),
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
 
 
 # ------------------------------------------------------------------------------------ tensor layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One jaxdist parameter and its HF counterpart. `n_in` > 0: HF stores (out, in) = the transpose of
     ours with our first `n_in` dims flattened as `in` and the rest as `out`; 0: the same layout."""
+
     path: tuple[str, ...]  # in the params dict
     hf: str  # HF name; '{i}' is the layer index for stacked tensors
     n_in: int

@@ -30,8 +30,14 @@ from jaxdist.errors import JaxdistError
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 SOURCE = "hf_source"  # run-dir folder keeping the imported model's config, generation config, tokenizer
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 TOKENIZER_FILES = SIDE_FILES[2:]
 
 
@@ -47,22 +53,28 @@ class Weights:
                 raise JaxdistError(f"{index} has no weight_map; re-download the model")
             for name in sorted(set(weight_map.values())):
                 if not (self.dir / name).is_file():
-                    raise JaxdistError(f"shard {self.dir / name} listed in {index.name} is missing; "
-                                       "download every model-*.safetensors file")
+                    raise JaxdistError(
+                        f"shard {self.dir / name} listed in {index.name} is missing; "
+                        "download every model-*.safetensors file"
+                    )
             self.map = dict(weight_map)
         elif single.is_file():
             with self.open(single.name) as f:
                 self.map = dict.fromkeys(f.keys(), single.name)
         else:
-            raise JaxdistError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; "
-                               "pass a Hugging Face model directory with safetensors weights")
+            raise JaxdistError(
+                f"{self.dir} has no model.safetensors or model.safetensors.index.json; "
+                "pass a Hugging Face model directory with safetensors weights"
+            )
 
     def open(self, file: str):
         try:
             return safe_open(str(self.dir / file), framework="np")
         except (SafetensorError, OSError) as e:
-            raise JaxdistError(f"shard {self.dir / file} is unreadable ({str(e).splitlines()[0]}); "
-                               "it is corrupt or truncated: download it again") from None
+            raise JaxdistError(
+                f"shard {self.dir / file} is unreadable ({str(e).splitlines()[0]}); "
+                "it is corrupt or truncated: download it again"
+            ) from None
 
     def check(self, m: ModelConfig) -> None:
         """Every tensor present, with the shape and a dtype we read; nothing unexpected."""
@@ -74,36 +86,55 @@ class Weights:
         ignored = {"lm_head.weight"} if m.tie_embeddings else set()  # some tied exports keep the copy
         extra = sorted(k for k in set(self.map) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
         if extra:
-            raise JaxdistError(f"{self.dir}: unexpected tensor {extra[0]} (not part of a Llama with this "
-                               "config.json); is config.json from the same model?")
+            raise JaxdistError(
+                f"{self.dir}: unexpected tensor {extra[0]} (not part of a Llama with this "
+                "config.json); is config.json from the same model?"
+            )
         by_file: dict[str, list[str]] = {}
         for name in expected:
             if name not in self.map:
-                raise JaxdistError(f"{self.dir}: tensor {name} is missing from the checkpoint; download "
-                                   "every shard (or fix config.json)")
+                raise JaxdistError(
+                    f"{self.dir}: tensor {name} is missing from the checkpoint; download "
+                    "every shard (or fix config.json)"
+                )
             by_file.setdefault(self.map[name], []).append(name)
         for file, wanted in by_file.items():
             with self.open(file) as f:
                 present = set(f.keys())
                 for name in wanted:
                     if name not in present:
-                        raise JaxdistError(f"shard {self.dir / file} lacks tensor {name} that the index names "
-                                           "there; download the shard again")
+                        raise JaxdistError(
+                            f"shard {self.dir / file} lacks tensor {name} that the index names "
+                            "there; download the shard again"
+                        )
                     sl = f.get_slice(name)
                     if sl.get_dtype() not in DTYPES:
-                        raise JaxdistError(f"{name} is {sl.get_dtype()}; jaxdist imports float32, float16 "
-                                           "and bfloat16 weights (dequantize first)")
+                        raise JaxdistError(
+                            f"{name} is {sl.get_dtype()}; jaxdist imports float32, float16 "
+                            "and bfloat16 weights (dequantize first)"
+                        )
                     if tuple(sl.get_shape()) != expected[name]:
-                        raise JaxdistError(f"{name} has shape {tuple(sl.get_shape())} but config.json implies "
-                                           f"{expected[name]}; is config.json from the same model?")
+                        raise JaxdistError(
+                            f"{name} has shape {tuple(sl.get_shape())} but config.json implies "
+                            f"{expected[name]}; is config.json from the same model?"
+                        )
 
 
 def layer_shape(t: hf.Tensor, m: ModelConfig) -> tuple[int, ...]:
     """The jaxdist shape of one layer of `t` (no stacking dims)."""
     D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
-    return {"embed_VD": (V, D), "scale": (D,), "wq_DNH": (D, N, H), "wk_DKH": (D, K, H), "wv_DKH": (D, K, H),
-            "wo_NHD": (N, H, D), "w_gate_DF": (D, F), "w_up_DF": (D, F), "w_down_FD": (F, D),
-            "head_DV": (D, V)}[t.path[-1]]
+    return {
+        "embed_VD": (V, D),
+        "scale": (D,),
+        "wq_DNH": (D, N, H),
+        "wk_DKH": (D, K, H),
+        "wv_DKH": (D, K, H),
+        "wo_NHD": (N, H, D),
+        "w_gate_DF": (D, F),
+        "w_up_DF": (D, F),
+        "w_down_FD": (F, D),
+        "head_DV": (D, V),
+    }[t.path[-1]]
 
 
 def names(t: hf.Tensor, m: ModelConfig) -> list[str]:
@@ -118,7 +149,7 @@ def read_block(sl, idx: tuple[slice, ...], shape: tuple[int, ...], n_in: int) ->
     ins, outs = shape[:n_in], shape[n_in:]
     i_idx, o_idx = idx[:n_in], idx[n_in:]
     r_inner, c_inner = hf._prod(outs[1:]), hf._prod(ins[1:])
-    raw = sl[o_idx[0].start * r_inner:o_idx[0].stop * r_inner, i_idx[0].start * c_inner:i_idx[0].stop * c_inner]
+    raw = sl[o_idx[0].start * r_inner : o_idx[0].stop * r_inner, i_idx[0].start * c_inner : i_idx[0].stop * c_inner]
     raw = raw.reshape(o_idx[0].stop - o_idx[0].start, *outs[1:], i_idx[0].stop - i_idx[0].start, *ins[1:])
     raw = raw[(slice(None), *o_idx[1:], slice(None), *i_idx[1:])]
     return raw.transpose(*range(len(outs), len(outs) + len(ins)), *range(len(outs)))
@@ -146,7 +177,7 @@ def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: 
                     with weights.open(weights.map[name]) as f:
                         out.append(np.asarray(read_block(f.get_slice(name), per_layer, shape, t.n_in), np.float32))
             block = np.stack(out) if lead else out[0]
-            return block.reshape(tuple(len(r) for r in stack) + block.shape[1 if lead else 0:])
+            return block.reshape(tuple(len(r) for r in stack) + block.shape[1 if lead else 0 :])
 
         node = params
         for k in t.path[:-1]:
@@ -178,11 +209,18 @@ def import_params(hf_dir: Path, cfg, mesh, rules=None):
     """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
     from jaxdist import sharding
     from jaxdist.resolve import resolve
+
     rules = rules or sharding.make_rules(cfg.mesh.rules)
     model = resolve(cfg, mesh, rules)
     plan = model.pipeline
-    params = load(hf_dir, cfg.model, model.abstract, sharding.named(mesh, model.specs),
-                        stages=plan.stages if plan else 1, repeats=plan.repeats if plan else 1)
+    params = load(
+        hf_dir,
+        cfg.model,
+        model.abstract,
+        sharding.named(mesh, model.specs),
+        stages=plan.stages if plan else 1,
+        repeats=plan.repeats if plan else 1,
+    )
     return params, model
 
 
@@ -193,18 +231,26 @@ def restore_for_training(hf_dir: str, prog, cfg):
 
     from jaxdist.checkpoint import Restored
     from jaxdist.step import TrainState
+
     start = time.perf_counter()
     params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
 
     def state(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=prog.tx.init(p),
-                          reducer_state=prog.gradients.init(p), skipped=jnp.zeros((), jnp.int32))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=p,
+            opt_state=prog.tx.init(p),
+            reducer_state=prog.gradients.init(p),
+            skipped=jnp.zeros((), jnp.int32),
+        )
+
     with jax.set_mesh(prog.mesh):
         st = jax.jit(state, out_shardings=prog.state_shardings)(params)
     return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------- export
+
 
 def _host(x) -> np.ndarray:
     """A global array gathered onto this host (every process takes part)."""
@@ -213,8 +259,16 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def export(params: dict, m: ModelConfig, out_dir: Path, dtype: str, source_dir: Path | None = None,
-           tokenizer: str = "", max_shard_bytes: int = 5 * 10**9, log: Callable = print) -> list[Path]:
+def export(
+    params: dict,
+    m: ModelConfig,
+    out_dir: Path,
+    dtype: str,
+    source_dir: Path | None = None,
+    tokenizer: str = "",
+    max_shard_bytes: int = 5 * 10**9,
+    log: Callable = print,
+) -> list[Path]:
     """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes."""
     np_dtype = EXPORT_DTYPES[dtype]
     entries = []  # (hf name, tensor, layer or None, bytes)
@@ -250,7 +304,8 @@ def export(params: dict, m: ModelConfig, out_dir: Path, dtype: str, source_dir: 
     if len(shards) > 1:
         total = sum(e[3] for e in entries)
         (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     source = _source_config(source_dir)
     (out_dir / "config.json").write_text(json.dumps(hf.to_hf_config(m, dtype, source), indent=2))
     generation = source_dir / "generation_config.json" if source_dir else None

@@ -23,8 +23,25 @@ import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # Bytes per element by HLO type name; `dtype_bytes` also takes numpy / jax names ("bfloat16").
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
@@ -51,6 +68,7 @@ def dtype_bytes(name: str) -> int:
     if name in DTYPE_BYTES:
         return DTYPE_BYTES[name]
     import jax.numpy as jnp  # numpy names, bfloat16 included
+
     return jnp.dtype(name).itemsize
 
 
@@ -99,8 +117,11 @@ def parse_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
         shape, dims = _ints(m.group(1)), _ints(m.group(2))
         ids = _iota(dims, _ints(m.group(3)) if m.group(3) else None, shape)
         return tuple(tuple(int(x) for x in row) for row in ids.reshape(-1, shape[-1]))
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                      r"\s*\{([^}]*)\}", attrs):
+    if m := re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r"\s*\{([^}]*)\}",
+        attrs,
+    ):
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         if m.group(2):
@@ -135,6 +156,7 @@ def _type_tree(text: str):
             out.append(item())
         pos += 1
         return out
+
     return item()
 
 
@@ -195,6 +217,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                 lost = loose or (attr in ("body", "condition") and not trip)
                 for name in [callee] if callee else [b.strip().lstrip("%") for b in branches.split(",")]:
                     visit(name, mult * times, lost, depth + 1)
+
     if entry:
         visit(entry, 1, False)
 
@@ -212,14 +235,17 @@ def collectives(hlo_text: str) -> list[Collective]:
             groups = parse_groups(line)
             if not groups and kind != "collective-permute" and "replica_groups={}" in line:
                 if devices is None:
-                    raise ValueError(f"replica_groups={{}} (all devices) but no replica_count / num_partitions in "
-                                     f"the HloModule header: {line.strip()[:120]}")
+                    raise ValueError(
+                        f"replica_groups={{}} (all devices) but no replica_count / num_partitions in "
+                        f"the HloModule header: {line.strip()[:120]}"
+                    )
                 groups = (tuple(range(devices)),)
             n = 2 if kind == "collective-permute" else (len(groups[0]) if groups else 1)
             result = _result_bytes(op, m.group(2))  # S: the gathered / unscattered size
             full = result * n if kind == "reduce-scatter" else result
-            found.append(Collective(kind, full, n, groups, counts.get(comp, 0) or 1, comp,
-                                    comp not in unknown, line.strip()))
+            found.append(
+                Collective(kind, full, n, groups, counts.get(comp, 0) or 1, comp, comp not in unknown, line.strip())
+            )
     return found
 
 

@@ -18,6 +18,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """What the hooks know after optimizer step `index` (0-based) was dispatched."""
+
     index: int
     state: Any  # the state this step produced (device arrays, maybe not computed yet)
     metrics: dict
@@ -97,8 +98,9 @@ class Metrics(Hook):
         due = self.eval_due(end)
         if end.last or due:
             params = end.state.params
-            self.progress.record(end.index, end.metrics, final=end.last,
-                                 evaluate=(lambda: self.evaluate(params)) if due else None)
+            self.progress.record(
+                end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(params)) if due else None
+            )
             self.pending = None
 
 

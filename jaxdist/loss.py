@@ -34,6 +34,7 @@ BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, grad
 class Head:
     """What the loss needs from the model instead of logits: final-normed hidden states (compute
     dtype), the head weight (D, V) (float32 master) and how to apply it."""
+
     x_BTD: jax.Array
     w_DV: jax.Array
     impl: str = "blockwise"
@@ -65,8 +66,9 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
     rules = token_rules(head.rules)
     shards = vocab_shards(rules)
     vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(rules), D, head.block)
-    losses = _blockwise(head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32),
-                        shards, vb, rules)
+    losses = _blockwise(
+        head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32), shards, vb, rules
+    )
     return losses.reshape(B, T)
 
 
@@ -103,9 +105,11 @@ def block_rows(vocab: int, shards: int, tokens: int, d_model: int, block: int = 
     local = vocab // shards
     if block:
         if local % block:
-            raise JaxdistError(f"model.loss_block={block} must divide the vocab rows per device, "
-                               f"model.vocab_size={vocab} / {shards} vocab shards = {local}; "
-                               f"use a divisor of {local} or 0 (automatic)")
+            raise JaxdistError(
+                f"model.loss_block={block} must divide the vocab rows per device, "
+                f"model.vocab_size={vocab} / {shards} vocab shards = {local}; "
+                f"use a divisor of {local} or 0 (automatic)"
+            )
         return block
     limit = max(1, BLOCK_BYTES // (4 * max(tokens, d_model, 1)))
     return max(d for d in range(1, min(local, limit) + 1) if local % d == 0)
@@ -146,7 +150,7 @@ def _target_mask(targets_N, j, shape, nb: int):
     """Where block j's logits (N, S, vb) hold each token's target (all False for a target elsewhere)."""
     vb = shape[2]
     s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
-    hit_N = (r // vb == j)
+    hit_N = r // vb == j
     s_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     v_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
     return hit_N[:, None, None] & (s_iota == s_y[:, None, None]) & (v_iota == (r % vb)[:, None, None])

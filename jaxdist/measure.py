@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import hlo, sharding, step
 from jaxdist.config import Config
@@ -16,8 +17,10 @@ from jaxdist.errors import JaxdistError
 from jaxdist.parallel import reduce
 from jaxdist.resolve import resolve
 
-def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str = "steady",
-                      sync_every: int = 1) -> float:
+
+def dp_bytes_per_step(
+    compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str = "steady", sync_every: int = 1
+) -> float:
     """Bytes each device sends across `axis` per optimizer step: every collective whose replica
     groups span the axis, times its executions, costed with the ring model.
     `phase="steady"` leaves out a reducer's dense warm-up branch (reduce.WARMUP_SCOPE); `"warmup"`
@@ -30,8 +33,10 @@ def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phas
         if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
             continue
         if not c.trips_known:
-            raise JaxdistError(f"a {c.kind} across {axis} sits in a loop without a known trip count "
-                               f"({c.computation}): its bytes per step are unknown")
+            raise JaxdistError(
+                f"a {c.kind} across {axis} sits in a loop without a known trip count "
+                f"({c.computation}): its bytes per step are unknown"
+            )
         total += c.count * c.sent_bytes / (sync_every if reduce.SYNC_SCOPE in c.line else 1)
     return float(total)
 
@@ -39,8 +44,9 @@ def dp_bytes_per_step(compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phas
 def compile_train_step(cfg: Config, mesh: Mesh):
     """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
     prog = step.build_program(cfg, mesh)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=prog.batch_sharding)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
     return prog.train_step.lower(prog.abstract_state, tokens).compile()
 
 
@@ -51,8 +57,14 @@ def compile_reduction(cfg: Config, mesh: Mesh):
     model = resolve(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
     reducer = reduce.make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     state = jax.eval_shape(reducer.init, model.abstract)
-    fn = jax.shard_map(lambda g, s, i: reducer.update(g, s, i), mesh=mesh, in_specs=(P(), P(), P()),
-                       out_specs=(P(), P()), axis_names={axis}, check_vma=False)
+    fn = jax.shard_map(
+        lambda g, s, i: reducer.update(g, s, i),
+        mesh=mesh,
+        in_specs=(P(), P(), P()),
+        out_specs=(P(), P()),
+        axis_names={axis},
+        check_vma=False,
+    )
     return jax.jit(fn).lower(model.abstract, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
 
 

@@ -110,8 +110,10 @@ def mesh_from_string(text: str, devices=None, dcn_text: str = "") -> Mesh:
         dcn = parse_mesh(dcn_text, num_processes) if dcn_text else None
     except JaxdistError as e:  # parse_mesh speaks of devices; the DCN mesh lays out processes
         fix = "omit --dcn-mesh for a single process" if num_processes == 1 else f"e.g. --dcn-mesh dp={num_processes}"
-        raise JaxdistError(f"--dcn-mesh {dcn_text!r} must lay out the run's {num_processes} process(es) (sizes "
-                           f"multiplying to {num_processes}, counted in processes, not devices); {fix}") from e
+        raise JaxdistError(
+            f"--dcn-mesh {dcn_text!r} must lay out the run's {num_processes} process(es) (sizes "
+            f"multiplying to {num_processes}, counted in processes, not devices); {fix}"
+        ) from e
     return make_mesh(parse_mesh(text, len(devices)), devices, dcn)
 
 

@@ -23,8 +23,15 @@ from jaxdist.models.llama import count_params
 from jaxdist.planner import hardware
 
 # device_kind substring -> the planner's hardware entry (its datasheet peak FLOP/s per device).
-DEVICE_KINDS = {"h200": "h200-141gb", "h100": "h100-80gb", "a100": "a100-80gb",
-                "tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}
+DEVICE_KINDS = {
+    "h200": "h200-141gb",
+    "h100": "h100-80gb",
+    "a100": "a100-80gb",
+    "tpu v5 lite": "tpu-v5e",
+    "tpu v5e": "tpu-v5e",
+    "tpu v5p": "tpu-v5p",
+    "tpu v5": "tpu-v5p",
+}
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -47,10 +54,18 @@ def machine_key() -> str:
     """What the CPU matmul rate depends on: host, CPU model, cores, XLA version and flags."""
     model = ""
     with contextlib.suppress(OSError):
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-    return (f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jax {jax.__version__}"
-            f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+    return (
+        f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jax {jax.__version__}"
+        f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+    )
 
 
 def cpu_matmul_peak(n: int = 1024, repeats: int = 5, seconds: float = 1.0) -> float:
@@ -136,8 +151,11 @@ def device_memory(devices) -> dict | None:
     if not stats:
         return None
     out = {}
-    for key, name in (("bytes_in_use", "memory_in_use"), ("peak_bytes_in_use", "memory_peak"),
-                      ("bytes_limit", "memory_limit")):
+    for key, name in (
+        ("bytes_in_use", "memory_in_use"),
+        ("peak_bytes_in_use", "memory_peak"),
+        ("bytes_limit", "memory_limit"),
+    ):
         values = [int(st[key]) for st in stats if key in st]
         if values:
             out[name] = max(values)
@@ -149,8 +167,12 @@ def compiled_stats(compiled) -> dict:
     mem = compiled.memory_analysis()
     memory = {}
     if mem is not None:
-        memory = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
-                  "temp": int(mem.temp_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}
+        memory = {
+            "arguments": int(mem.argument_size_in_bytes),
+            "outputs": int(mem.output_size_in_bytes),
+            "temp": int(mem.temp_size_in_bytes),
+            "aliased": int(mem.alias_size_in_bytes),
+        }
     return {"bytes_per_device": memory, "collectives": hlo.summarize(hlo.collectives(compiled.as_text()))}
 
 
@@ -182,8 +204,7 @@ class MetricWriter:
     """metrics.jsonl (every logged step), and the same records to the experiment trackers
     (jaxdist.trackers); process 0 only."""
 
-    def __init__(self, run_dir: Path | None, enabled: bool = True, resume_step: int | None = None,
-                 trackers=None):
+    def __init__(self, run_dir: Path | None, enabled: bool = True, resume_step: int | None = None, trackers=None):
         """`resume_step`: a run resumed from that step drops the records logged after it by the attempt
         that was interrupted (they are about to be logged again), and that attempt's summary line.
         `trackers`: a jaxdist.trackers.Trackers (or None)."""

@@ -40,8 +40,11 @@ def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Sch
 def decay_mask(names_tree):
     """Weight decay on matrices only, judged from logical names so a stacked norm scale
     (`layers`, `embed`) counts as the vector it is per layer."""
-    return jax.tree.map(lambda names: len([n for n in names if n not in ("layers", "stage")]) >= 2,
-                        names_tree, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda names: len([n for n in names if n not in ("layers", "stage")]) >= 2,
+        names_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step: int, floor: float = 0.01):
@@ -49,6 +52,7 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
     Tang et al. 2021): Adam is then linear in the gradients, so error-feedback compression telescopes
     through it. Same state as optax.scale_by_adam (checkpoints are interchangeable); identical to it
     for the first `freeze_step` updates."""
+
     def init(params):
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
@@ -59,20 +63,28 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
         nu = jax.tree.map(lambda v, g: jnp.where(frozen, v, b2 * v + (1 - b2) * g * g), state.nu, grads)
         count = state.count + 1
         nu_count = jnp.minimum(count, freeze_step).astype(jnp.float32)
-        mu_c, nu_c = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** nu_count
+        mu_c, nu_c = 1 - b1 ** count.astype(jnp.float32), 1 - b2**nu_count
+
         def scale(m, v):
             v = v / nu_c
             # A coordinate whose gradient was ~0 through the warm-up (a rare token's embedding row) would
             # divide by ~eps once frozen: floor it at `floor` times its tensor's mean second moment.
             v = jnp.where(frozen, jnp.maximum(v, floor * jnp.mean(v)), v)
             return (m / mu_c) / (jnp.sqrt(v) + eps)
+
         return jax.tree.map(scale, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_mask_tree=None,
-                   freeze_variance_at: int | None = None, variance_floor: float = 0.01):
+def make_optimizer(
+    cfg: OptimConfig,
+    total_steps: int,
+    global_batch: int,
+    decay_mask_tree=None,
+    freeze_variance_at: int | None = None,
+    variance_floor: float = 0.01,
+):
     """Returns (optax transformation, schedule). `decay_mask_tree` marks tensors that get weight decay;
     `freeze_variance_at`: Adam's second moment is frozen after that many steps (compressed reducers)."""
     lr = schedule(cfg, total_steps, global_batch)
@@ -80,13 +92,17 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, global_batch: int, decay_
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     if freeze_variance_at is None:
-        parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                 mask=decay_mask_tree))
+        parts.append(
+            optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask_tree)
+        )
     else:  # optax.adamw's chain with the frozen-variance scaling
-        parts.append(optax.chain(scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at,
-                                                               variance_floor),
-                                 optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
-                                 optax.scale_by_learning_rate(lr)))
+        parts.append(
+            optax.chain(
+                scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at, variance_floor),
+                optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
+                optax.scale_by_learning_rate(lr),
+            )
+        )
     return optax.chain(*parts), lr
 
 
@@ -98,9 +114,11 @@ def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str
     total = o.schedule_steps or cfg.train.steps
     if o.warmup_steps > total - 1:
         warm = max(total - 1, 0)
-        notes.append(f"note: optim.warmup_steps={o.warmup_steps} does not fit the {total}-step LR schedule: warm-up "
-                     f"is clamped to {warm} steps, so the LR peaks at the end with {max(total - warm, 1)} step(s) of "
-                     "decay; lower optim.warmup_steps or set optim.schedule_steps")
+        notes.append(
+            f"note: optim.warmup_steps={o.warmup_steps} does not fit the {total}-step LR schedule: warm-up "
+            f"is clamped to {warm} steps, so the LR peaks at the end with {max(total - warm, 1)} step(s) of "
+            "decay; lower optim.warmup_steps or set optim.schedule_steps"
+        )
     changes = changes or {}
     if start and ("train.steps" in changes or "optim.schedule_steps" in changes):
         steps = changes.get("train.steps", (cfg.train.steps,) * 2)[0]
@@ -108,7 +126,9 @@ def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str
         before = pinned or steps
         if before != total:
             old, new = (float(schedule(o, n, cfg.train.global_batch)(start)) for n in (before, total))
-            notes.append(f"note: the LR schedule now spans {total} steps instead of {before}: from step {start} on "
-                         f"the LR follows the new schedule ({old:.3g} -> {new:.3g} at step {start}); pass "
-                         f"optim.schedule_steps={before} to keep the schedule the run had")
+            notes.append(
+                f"note: the LR schedule now spans {total} steps instead of {before}: from step {start} on "
+                f"the LR follows the new schedule ({old:.3g} -> {new:.3g} at step {start}); pass "
+                f"optim.schedule_steps={before} to keep the schedule the run had"
+            )
     return notes

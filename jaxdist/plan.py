@@ -26,13 +26,18 @@ SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxdist.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
     p.add_argument("--hardware", default="h100-80gb", help=f"one of {', '.join(hardware.HARDWARE)}")
-    p.add_argument("--mesh", default=None, help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "
-                                                "train.microbatches and pipeline settings as given")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "
+        "train.microbatches and pipeline settings as given",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
@@ -53,32 +58,42 @@ MEMORY_LEGEND = """columns: family = kind of mesh; mesh = axis sizes (>1); acc =
 
 
 def memory_table(ests: list[Estimate]) -> str:
-    head = (f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'params':>7} {'grads':>7} {'optim':>7} "
-            f"{'activ':>7} {'temp':>7} {'total':>7} {'fits':>4} {'step s':>8} {'no-ovl s':>8} {'bubble':>6} "
-            f"{'MFU':>5} {'tok/s':>9}")
+    head = (
+        f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'params':>7} {'grads':>7} {'optim':>7} "
+        f"{'activ':>7} {'temp':>7} {'total':>7} {'fits':>4} {'step s':>8} {'no-ovl s':>8} {'bubble':>6} "
+        f"{'MFU':>5} {'tok/s':>9}"
+    )
     rows = [head, "-" * len(head)]
     for e in ests:
         lay, mem = e.layout, e.memory
-        rows.append(f"{e.family:<11} {lay.name:<22} {lay.accum:>4} {lay.pipe_micro if lay.mesh['pp'] > 1 else '-':>4} "
-                    f"{gb(mem.params):>7} {gb(mem.grads):>7} {gb(mem.optimizer):>7} {gb(mem.activations):>7} "
-                    f"{gb(mem.temporary):>7} {gb(mem.total):>7} {'yes' if mem.fits else 'NO':>4} "
-                    f"{e.step_s:>8.3g} {e.step_no_overlap_s:>8.3g} {e.bubble_s / e.step_s:>6.1%} "
-                    f"{e.mfu:>5.0%} {e.tokens_per_s:>9.3g}")
+        rows.append(
+            f"{e.family:<11} {lay.name:<22} {lay.accum:>4} {lay.pipe_micro if lay.mesh['pp'] > 1 else '-':>4} "
+            f"{gb(mem.params):>7} {gb(mem.grads):>7} {gb(mem.optimizer):>7} {gb(mem.activations):>7} "
+            f"{gb(mem.temporary):>7} {gb(mem.total):>7} {'yes' if mem.fits else 'NO':>4} "
+            f"{e.step_s:>8.3g} {e.step_no_overlap_s:>8.3g} {e.bubble_s / e.step_s:>6.1%} "
+            f"{e.mfu:>5.0%} {e.tokens_per_s:>9.3g}"
+        )
     return "\n".join(rows + [MEMORY_LEGEND])
 
 
 def comm_table(e: Estimate) -> str:
     lay = e.layout
-    rows = [f"communication per step per device, {lay.name} on {lay.hw.name}:",
-            f"  {'axis':<5} {'collective':<19} {'count':>7} {'GB sent':>9} {'seconds':>9}  link"]
+    rows = [
+        f"communication per step per device, {lay.name} on {lay.hw.name}:",
+        f"  {'axis':<5} {'collective':<19} {'count':>7} {'GB sent':>9} {'seconds':>9}  link",
+    ]
     for axis, kinds in comms.by_axis(lay, list(e.traffic)).items():
         bw = comms.link_bandwidth(lay, axis)
         link = "fast" if bw == lay.hw.fast_bandwidth else "slow"
         for kind, v in kinds.items():
-            rows.append(f"  {axis:<5} {kind:<19} {v['count']:>7} {gb(v['bytes']):>9} {v['seconds']:>9.3g}  "
-                        f"{link} {bw / 1e9:.0f} GB/s")
-    rows.append(f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
-                f"({e.exposed_comm_s:.3g} s exposed with overlap)")
+            rows.append(
+                f"  {axis:<5} {kind:<19} {v['count']:>7} {gb(v['bytes']):>9} {v['seconds']:>9.3g}  "
+                f"{link} {bw / 1e9:.0f} GB/s"
+            )
+    rows.append(
+        f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
+        f"({e.exposed_comm_s:.3g} s exposed with overlap)"
+    )
     return "\n".join(rows)
 
 
@@ -86,22 +101,29 @@ def scaling_table(curves: dict) -> str:
     rows = []
     for mode, pts in curves.items():
         rows.append(f"{mode} scaling (best fitting mesh per device count):")
-        rows.append(f"  {'devices':>7} {'batch':>6} {'mesh':<22} {'acc':>4} {'pipe':>4} {'tok/s':>10} {'MFU':>5} "
-                    f"{'vs first':>8}")
+        rows.append(
+            f"  {'devices':>7} {'batch':>6} {'mesh':<22} {'acc':>4} {'pipe':>4} {'tok/s':>10} {'MFU':>5} "
+            f"{'vs first':>8}"
+        )
         for p in pts:
             if not p["fits"]:
                 rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {'(does not fit)':<22}")
                 continue
-            rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['microbatches']:>4} "
-                        f"{p['pipeline_microbatches'] or '-':>4} {p['tokens_per_s']:>10.3g} "
-                        f"{p['mfu']:>5.0%} {p['scaling_efficiency']:>8.0%}")
-    rows.append("  (strong: the config's global batch at every size; weak: the batch per device kept; acc / pipe as "
-                "above; 'vs first': tokens/s per device relative to the smallest device count that fits)")
+            rows.append(
+                f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['microbatches']:>4} "
+                f"{p['pipeline_microbatches'] or '-':>4} {p['tokens_per_s']:>10.3g} "
+                f"{p['mfu']:>5.0%} {p['scaling_efficiency']:>8.0%}"
+            )
+    rows.append(
+        "  (strong: the config's global batch at every size; weak: the batch per device kept; acc / pipe as "
+        "above; 'vs first': tokens/s per device relative to the smallest device count that fits)"
+    )
     return "\n".join(rows)
 
 
 def plot(curves: dict, path: str, title: str) -> list[str]:
     from jaxdist.planner.picture import scaling_png
+
     return scaling_png(curves, path, title)
 
 
@@ -118,20 +140,30 @@ def run(args: argparse.Namespace) -> dict:
     else:
         ests = candidates(cfg, args.devices, hw)
         if not ests:
-            raise JaxdistError(f"no mesh of {args.devices} devices can split this model and batch; "
-                               f"change --devices or train.global_batch")
+            raise JaxdistError(
+                f"no mesh of {args.devices} devices can split this model and batch; "
+                f"change --devices or train.global_batch"
+            )
         best, reason = recommend(ests)
     curves = {}
     if not args.no_scaling:
         curves = scaling(cfg, hw, SCALING_DEVICES, cfg.train.global_batch / args.devices)
-    return {"config": args.config or "configs/tiny.yaml", "hardware": hw.name, "devices": args.devices,
-            "candidates": ests, "recommended": best, "reason": reason, "scaling": curves}
+    return {
+        "config": args.config or "configs/tiny.yaml",
+        "hardware": hw.name,
+        "devices": args.devices,
+        "candidates": ests,
+        "recommended": best,
+        "reason": reason,
+        "scaling": curves,
+    }
 
 
 def check_plot_path(path: str) -> None:
     """Before planning: the plot's folder must exist and be writable (matplotlib would fail at the end)."""
     import os
     from pathlib import Path
+
     folder = Path(path).absolute().parent
     if Path(path).is_dir():
         raise JaxdistError(f"--plot {path} is a folder; give a file name such as {Path(path) / 'scaling.png'}")
@@ -151,8 +183,11 @@ def main(argv=None) -> int:
     if args.plot and out["scaling"]:
         plot(out["scaling"], args.plot, f"{out['config']} on {out['hardware']}")
     if args.json:
-        doc = dict(out, candidates=[e.as_dict() for e in out["candidates"]],
-                   recommended=out["recommended"].as_dict() if out["recommended"] else None)
+        doc = dict(
+            out,
+            candidates=[e.as_dict() for e in out["candidates"]],
+            recommended=out["recommended"].as_dict() if out["recommended"] else None,
+        )
         print(json.dumps(doc))
         return 0
     print(f"{out['config']} on {args.devices} x {out['hardware']}\n")

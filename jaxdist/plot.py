@@ -21,8 +21,12 @@ import yaml
 
 from jaxdist.errors import JaxdistError
 
-METRICS = {"loss": "train loss (nats/token)", "eval_loss": "eval loss (nats/token)",
-           "tokens_per_sec": "tokens / s", "mfu": "MFU"}
+METRICS = {
+    "loss": "train loss (nats/token)",
+    "eval_loss": "eval loss (nats/token)",
+    "tokens_per_sec": "tokens / s",
+    "mfu": "MFU",
+}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -59,8 +63,10 @@ def differing_labels(configs: list[dict], names: list[str]) -> list[str]:
 
 def pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -76,8 +82,13 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
     ax.plot(steps, [r["loss"] for r in recs], color="tab:blue", alpha=0.35, lw=1, label="train loss")
     if any("loss_smooth" in r for r in recs):
         sm = [r for r in recs if "loss_smooth" in r]
-        ax.plot([r["step"] for r in sm], [r["loss_smooth"] for r in sm], color="tab:blue", lw=2,
-                label="train loss, smoothed")
+        ax.plot(
+            [r["step"] for r in sm],
+            [r["loss_smooth"] for r in sm],
+            color="tab:blue",
+            lw=2,
+            label="train loss, smoothed",
+        )
     ev = [r for r in recs if r.get("eval_loss") is not None]
     if ev:
         ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="eval loss")
@@ -92,15 +103,19 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
     lr_ax.set_ylabel("learning rate")
     tokens_per_step = cfg.get("train.global_batch", 0) * cfg.get("model.seq_len", 0)
     if tokens_per_step:
-        top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step / 1e6,
-                                                   lambda t: t * 1e6 / tokens_per_step))
+        top = ax.secondary_xaxis(
+            "top", functions=(lambda s: s * tokens_per_step / 1e6, lambda t: t * 1e6 / tokens_per_step)
+        )
         top.set_xlabel("tokens (millions)")
     handles = ax.get_legend_handles_labels()
     more = lr_ax.get_legend_handles_labels()
     ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right", fontsize=8)
     final = next((r["loss_smooth"] for r in reversed(recs) if "loss_smooth" in r), recs[-1]["loss"])
-    ax.set_title(f"{run_dir.name}: {steps[-1]} steps, smoothed train loss {final:.3f}"
-                 + (f", eval {ev[-1]['eval_loss']:.3f}" if ev else ""), fontsize=10)
+    ax.set_title(
+        f"{run_dir.name}: {steps[-1]} steps, smoothed train loss {final:.3f}"
+        + (f", eval {ev[-1]['eval_loss']:.3f}" if ev else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     out = Path(out) if out else run_dir / "loss.png"
     fig.savefig(out, dpi=110)
@@ -118,8 +133,13 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
         pts = [r for r in recs if r.get(metric) is not None]
         if not pts:
             raise JaxdistError(f"{d / 'metrics.jsonl'} has no {metric!r} values; pick another --metric")
-        ax.plot([r["step"] for r in pts], [r[metric] for r in pts], "o-" if metric == "eval_loss" else "-",
-                ms=3, label=label)
+        ax.plot(
+            [r["step"] for r in pts],
+            [r[metric] for r in pts],
+            "o-" if metric == "eval_loss" else "-",
+            ms=3,
+            label=label,
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(METRICS[metric])
     ax.grid(True, alpha=0.3)
@@ -131,11 +151,16 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxdist.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("run_dirs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="PNG to write (default: RUN_DIR/loss.png for one run's loss, else METRIC.png here)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG to write (default: RUN_DIR/loss.png for one run's loss, else METRIC.png here)",
+    )
     p.add_argument("--metric", choices=list(METRICS), default="loss", help="what to overlay (default loss)")
     return p.parse_args(argv)
 

@@ -42,26 +42,44 @@ CHUNK_CHARS = 1 << 20  # text per task sent to a worker
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`prepare ARGS...` (the one subcommand so far); flags and inputs may be intermixed."""
     if not argv or argv[0] != "prepare":
-        top = argparse.ArgumentParser(prog="python -m jaxdist.data", description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        top = argparse.ArgumentParser(
+            prog="python -m jaxdist.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         top.add_argument("command", choices=["prepare"])
         top.parse_args(argv[:1])  # prints usage / help and exits
-    q = argparse.ArgumentParser(prog="python -m jaxdist.data prepare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    q = argparse.ArgumentParser(
+        prog="python -m jaxdist.data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     which = q.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokenizer", help="a tokenizer.json or a Hugging Face model folder")
-    which.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
-                       help="first train a byte-level BPE of VOCAB tokens on the input (no download)")
+    which.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
+        help="first train a byte-level BPE of VOCAB tokens on the input (no download)",
+    )
     q.add_argument("--out", required=True, help="output folder (must be new or empty, unless --overwrite)")
-    q.add_argument("inputs", nargs="*", metavar="INPUT",
-                   help="files, globs or folders (default: this Python's standard library source)")
+    q.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="files, globs or folders (default: this Python's standard library source)",
+    )
     q.add_argument("--field", default="text", help="JSONL/Parquet field holding the text (default text)")
-    q.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
-                   help="input format (auto: .jsonl/.ndjson, .parquet, else plain text)")
+    q.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "text", "jsonl", "parquet"),
+        help="input format (auto: .jsonl/.ndjson, .parquet, else plain text)",
+    )
     q.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="encoding processes")
     q.add_argument("--val-fraction", type=float, default=0.01, help="documents held out (default 0.01)")
-    q.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"),
-                   help="token dtype (auto: uint16 when the vocabulary fits)")
+    q.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "uint16", "uint32"),
+        help="token dtype (auto: uint16 when the vocabulary fits)",
+    )
     q.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     return q.parse_intermixed_args(argv[1:])
@@ -69,8 +87,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------------------- inputs
 
+
 def input_files(patterns: list[str]) -> list[str]:
     from jaxdist.files import expand_path, stdlib_files
+
     if not patterns:
         return stdlib_files()
     files: list[str] = []
@@ -131,8 +151,7 @@ def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
     except pa.ArrowException as e:
         raise JaxdistError(f"{f} is not a readable Parquet file ({str(e).splitlines()[0][:120]})") from None
     if field not in pf.schema_arrow.names:
-        raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                           "pass --field")
+        raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); pass --field")
     per_row = os.path.getsize(f) / max(pf.metadata.num_rows, 1)
     for batch in pf.iter_batches(columns=[field]):
         for value in batch.column(0).to_pylist():
@@ -142,7 +161,7 @@ def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
 
 def is_held_out(text: str, fraction: float) -> bool:
     digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2.0 ** 64
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
 
 
 def chunks(docs: Iterator[tuple[str, int]], fraction: float) -> Iterator[tuple[list[str], list[bool], int]]:
@@ -240,6 +259,7 @@ class ShardWriter:
 
 # ------------------------------------------------------------------------------------------ command
 
+
 def check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise JaxdistError(f"--out {out} is a file; give a folder")
@@ -272,8 +292,9 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     try:
         t0 = time.perf_counter()
         if tok is None:  # train on the documents that will be training data
-            train_texts = (t for t, _ in documents(files, args.format, args.field)
-                           if t and not is_held_out(t, args.val_fraction))
+            train_texts = (
+                t for t, _ in documents(files, args.format, args.field) if t and not is_held_out(t, args.val_fraction)
+            )
             tokenizer_mod.save_trained(tokenizer_mod.train_bpe(train_texts, args.train_tokenizer), tmp)
             tok = tokenizer_mod.load(str(tmp))
             dtype = check_dtype(tok.vocab_size, args.dtype, f"the trained tokenizer ({args.train_tokenizer})")
@@ -282,8 +303,10 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             tokenizer_mod.copy_files(tok, tmp)
         manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
         if manifest["splits"]["train"]["documents"] == 0:
-            raise JaxdistError(f"the input ({len(files)} file(s)) holds no training documents (all empty, "
-                               "or all held out); give more text or lower --val-fraction")
+            raise JaxdistError(
+                f"the input ({len(files)} file(s)) holds no training documents (all empty, "
+                "or all held out); give more text or lower --val-fraction"
+            )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         replace_folder(tmp, out)
     finally:
@@ -294,21 +317,31 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
 def check_dtype(vocab_size: int, requested: str, what: str) -> str:
     dtype = tokenizer_mod.smallest_dtype(vocab_size) if requested == "auto" else requested
     if vocab_size > np.iinfo(dtype).max + 1:
-        raise JaxdistError(f"{what} has {vocab_size} token ids, too many for {dtype}; "
-                           "use --dtype uint32 (or auto)")
+        raise JaxdistError(f"{what} has {vocab_size} token ids, too many for {dtype}; use --dtype uint32 (or auto)")
     return dtype
 
 
 def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
     from tqdm import tqdm
+
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
-    writers = {"train": ShardWriter(tmp / "train", dtype, args.shard_tokens),
-               "val": ShardWriter(tmp / "val", dtype, args.shard_tokens)}
+    writers = {
+        "train": ShardWriter(tmp / "train", dtype, args.shard_tokens),
+        "val": ShardWriter(tmp / "val", dtype, args.shard_tokens),
+    }
     t0 = time.perf_counter()
     tasks = chunks(documents(files, args.format, args.field), args.val_fraction)
     # A terminal shows the bar (cleared at the end, so an error stays one line); logs do not.
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", dynamic_ncols=True,
-              mininterval=1.0, leave=False, disable=None) as bar:
+    with tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="tokenize",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        leave=False,
+        disable=None,
+    ) as bar:
         for train, val, n_train, n_val, nbytes in encoded(tasks, tok, tmp, args.workers):
             writers["train"].write(train, n_train)
             writers["val"].write(val, n_val)
@@ -318,14 +351,20 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
     seconds = time.perf_counter() - t0
     splits = {name: w.summary() for name, w in writers.items()}
     tokens = sum(s["tokens"] for s in splits.values())
-    log(f"{tokens:,} tokens ({splits['train']['documents']:,} train / {splits['val']['documents']:,} held-out "
+    log(
+        f"{tokens:,} tokens ({splits['train']['documents']:,} train / {splits['val']['documents']:,} held-out "
         f"documents) from {len(files)} file(s), {total_bytes / 1e6:.1f} MB, in {seconds:.1f}s: "
-        f"{tokens / seconds:,.0f} tokens/s with {args.workers} worker(s); dtype {dtype} -> {args.out}")
+        f"{tokens / seconds:,.0f} tokens/s with {args.workers} worker(s); dtype {dtype} -> {args.out}"
+    )
     return {
-        "format": FORMAT, "dtype": dtype, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "format": FORMAT,
+        "dtype": dtype,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
         "prefix_ids": list(tok.prefix),
         "tokenizer": {"file": "tokenizer.json", "sha256": tok.sha256},
-        "splits": splits, "val_fraction": args.val_fraction,
+        "splits": splits,
+        "val_fraction": args.val_fraction,
         "input": {"files": len(files), "bytes": total_bytes, "field": args.field},
     }
 

@@ -52,9 +52,20 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, cfg, writer, tokens_per_step: int, flops_per_token: float, peak_flops: float,
-                 skipped_in_a_row: int = 0, start: int = 0, enabled: bool = True, mfu_approx: bool = False,
-                 memory=None, log=print):
+    def __init__(
+        self,
+        cfg,
+        writer,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        skipped_in_a_row: int = 0,
+        start: int = 0,
+        enabled: bool = True,
+        mfu_approx: bool = False,
+        memory=None,
+        log=print,
+    ):
         """`memory() -> dict | None`: the device allocator's figures, logged with every record.
         `log`: where messages and plain lines go (above the bar when there is one)."""
         self.cfg, self.writer, self.enabled, self.log = cfg, writer, enabled, log
@@ -63,8 +74,9 @@ class Progress:
         self.memory = memory or (lambda: None)
         self.byte_tokens = cfg.data.source == "text"
         self.plain = plain_output()
-        self.bar = tqdm(total=cfg.train.steps, initial=start, disable=not enabled or self.plain,
-                        dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(
+            total=cfg.train.steps, initial=start, disable=not enabled or self.plain, dynamic_ncols=True, mininterval=1.0
+        )
         self.in_a_row = skipped_in_a_row  # carried across a resume by the checkpointed state
         self.skipped_total, self.skipped_at = 0, []
         self.last_loss, self.eval_loss = math.nan, None
@@ -88,8 +100,10 @@ class Progress:
         raw = tokens_per_sec * self.flops_per_token / self.peak if self.peak else 0.0
         if raw > 1 and not self.capped:
             self.capped = True
-            self.say(f"note: measured {tokens_per_sec * self.flops_per_token:.3g} FLOP/s exceeds the peak estimate "
-                     f"{self.peak:.3g}; MFU is shown as at most 100% (set train.peak_flops to the true peak)")
+            self.say(
+                f"note: measured {tokens_per_sec * self.flops_per_token:.3g} FLOP/s exceeds the peak estimate "
+                f"{self.peak:.3g}; MFU is shown as at most 100% (set train.peak_flops to the true peak)"
+            )
         return min(raw, 1.0)
 
     @property
@@ -104,7 +118,8 @@ class Progress:
             if self.in_a_row >= self.cfg.train.max_skipped_steps:
                 raise JaxdistError(
                     f"{self.in_a_row} consecutive steps had non-finite loss or gradients (last at step {done}); "
-                    "lower optim.lr or check the data — the last good checkpoint is kept")
+                    "lower optim.lr or check the data — the last good checkpoint is kept"
+                )
         else:
             self.in_a_row, self.last_loss = 0, vals["loss"]
             self.ema = SMOOTHING * self.ema + (1 - SMOOTHING) * vals["loss"]
@@ -124,15 +139,26 @@ class Progress:
             self.step_time = (time.perf_counter() - self.clock) / self.steps_on_clock
             tps = self.tokens_per_step / self.step_time
             self.rates.append(tps)
-            record = {"loss": vals["loss"], "loss_smooth": self.smoothed, "lr": vals["lr"],
-                      "grad_norm": vals["grad_norm"], "tokens_per_sec": tps, "step_time_s": self.step_time,
-                      "mfu": self.mfu(tps), "skipped_steps": self.skipped_total,
-                      **({"skipped_at": self.skipped_at} if self.skipped_at else {}),
-                      **(self.memory() or {}),
-                      **{k: v for k, v in vals.items() if k not in STEP_KEYS}}
+            record = {
+                "loss": vals["loss"],
+                "loss_smooth": self.smoothed,
+                "lr": vals["lr"],
+                "grad_norm": vals["grad_norm"],
+                "tokens_per_sec": tps,
+                "step_time_s": self.step_time,
+                "mfu": self.mfu(tps),
+                "skipped_steps": self.skipped_total,
+                **({"skipped_at": self.skipped_at} if self.skipped_at else {}),
+                **(self.memory() or {}),
+                **{k: v for k, v in vals.items() if k not in STEP_KEYS},
+            }
             self.skipped_at = []
-            self.bar.set_postfix(loss=f"{vals['loss']:.3f}", smooth=f"{self.smoothed:.3f}", tok_s=f"{tps:,.0f}",
-                                 mfu=f"{self.mfu_mark}{record['mfu']:.1%}")
+            self.bar.set_postfix(
+                loss=f"{vals['loss']:.3f}",
+                smooth=f"{self.smoothed:.3f}",
+                tok_s=f"{tps:,.0f}",
+                mfu=f"{self.mfu_mark}{record['mfu']:.1%}",
+            )
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait
                 self.restart_clock()
         if evaluate is not None:
@@ -149,15 +175,23 @@ class Progress:
     def line(self, done: int, record: dict) -> str:
         """One plain log line: step, loss (raw and smoothed, with units), eval loss, tokens/s, MFU, ETA."""
         total = self.cfg.train.steps
-        parts = [f"step {done}/{total}", f"loss {loss_text(record['loss'], self.byte_tokens)}",
-                 f"smoothed {record['loss_smooth']:.4f}"]
+        parts = [
+            f"step {done}/{total}",
+            f"loss {loss_text(record['loss'], self.byte_tokens)}",
+            f"smoothed {record['loss_smooth']:.4f}",
+        ]
         if "eval_loss" in record:
             parts.append(f"eval loss {loss_text(record['eval_loss'], self.byte_tokens)}")
-        parts += [f"lr {record['lr']:.3g}", f"{record['tokens_per_sec']:,.0f} tok/s",
-                  f"MFU {self.mfu_mark}{record['mfu']:.1%}"]
+        parts += [
+            f"lr {record['lr']:.3g}",
+            f"{record['tokens_per_sec']:,.0f} tok/s",
+            f"MFU {self.mfu_mark}{record['mfu']:.1%}",
+        ]
         if "memory_in_use" in record:
-            parts.append(f"device memory {record['memory_in_use'] / 2**30:.2f} GiB "
-                         f"(peak {record.get('memory_peak', 0) / 2**30:.2f})")
+            parts.append(
+                f"device memory {record['memory_in_use'] / 2**30:.2f} GiB "
+                f"(peak {record.get('memory_peak', 0) / 2**30:.2f})"
+            )
         if record.get("skipped_at"):
             parts.append(f"skipped steps {record['skipped_at']}")
         parts.append(f"ETA {duration((total - done) * self.step_time)}" if done < total else "done")
@@ -169,6 +203,15 @@ class Progress:
     def summary(self, steps_done: int, compile_s: float) -> dict:
         # The first interval after a (re)start can include one-off work; the median ignores it.
         tps = statistics.median(self.rates) if self.rates else 0.0
-        return {"summary": True, "steps": steps_done, "final_loss": self.last_loss, "final_loss_smooth": self.smoothed,
-                "eval_loss": self.eval_loss, "tokens_per_sec": tps, "mfu": self.mfu(tps), "compile_s": compile_s,
-                "skipped_steps": self.skipped_total, **(self.memory() or {})}
+        return {
+            "summary": True,
+            "steps": steps_done,
+            "final_loss": self.last_loss,
+            "final_loss_smooth": self.smoothed,
+            "eval_loss": self.eval_loss,
+            "tokens_per_sec": tps,
+            "mfu": self.mfu(tps),
+            "compile_s": compile_s,
+            "skipped_steps": self.skipped_total,
+            **(self.memory() or {}),
+        }

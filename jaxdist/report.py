@@ -17,12 +17,19 @@ def artefact_lines(cfg, run_dir: Path) -> list[str]:
     r = Path(run_dir)
     where = [f"config {r / 'config.yaml'}", f"metrics {r / 'metrics.jsonl'}"]
     for name in cfg.train.trackers:
-        where.append({"tensorboard": f"events {r / 'tb'} (tensorboard --logdir {r / 'tb'})",
-                      "wandb": f"W&B files {r / 'wandb'}",
-                      "mlflow": "MLflow run (MLFLOW_TRACKING_URI, else sqlite " f"{r / 'mlflow.db'})"}[name])
+        where.append(
+            {
+                "tensorboard": f"events {r / 'tb'} (tensorboard --logdir {r / 'tb'})",
+                "wandb": f"W&B files {r / 'wandb'}",
+                "mlflow": f"MLflow run (MLFLOW_TRACKING_URI, else sqlite {r / 'mlflow.db'})",
+            }[name]
+        )
     ck = cfg.checkpoint
-    where.append(f"checkpoints {r / 'checkpoints'} every {ck.every} steps, keep {ck.keep}" if ck.every
-                 else f"checkpoints {r / 'checkpoints'} off (checkpoint.every=0)")
+    where.append(
+        f"checkpoints {r / 'checkpoints'} every {ck.every} steps, keep {ck.keep}"
+        if ck.every
+        else f"checkpoints {r / 'checkpoints'} off (checkpoint.every=0)"
+    )
     where.append(f"loss plot {r / 'loss.png'} at the end (python -m jaxdist.plot {r})")
     if cfg.train.profile_steps:
         where.append(f"profile of steps {cfg.train.profile_steps} in {r / 'profile'}")
@@ -33,41 +40,45 @@ def data_line(cfg, loader) -> str:
     """Files, tokens, windows, and how many passes over the training windows the run will make."""
     from jaxdist import data
     from jaxdist.files import expand_path
+
     d = cfg.data
     if d.source == "text":
         files = expand_path(d.path) if d.path else data.stdlib_files()
-        what = (f"{len(files):,} text files ({d.path or 'the Python standard library'}), byte tokens")
+        what = f"{len(files):,} text files ({d.path or 'the Python standard library'}), byte tokens"
     else:
         files = expand_path(d.path)
         what = f"{len(files):,} token files ({d.path}, {d.token_dtype})"
     tokens = sum(len(a) for a in loader.train.source.arrays)
     train, held = len(loader.train), len(loader.held_out)
     read = cfg.train.steps * cfg.train.global_batch
-    return (f"data: {what}, {tokens:,} tokens; {train:,} train windows of {cfg.model.seq_len + 1} tokens "
-            f"+ {held:,} held out; {cfg.train.steps} steps x {cfg.train.global_batch} windows = "
-            f"{read / max(train, 1):.3g} epochs")
+    return (
+        f"data: {what}, {tokens:,} tokens; {train:,} train windows of {cfg.model.seq_len + 1} tokens "
+        f"+ {held:,} held out; {cfg.train.steps} steps x {cfg.train.global_batch} windows = "
+        f"{read / max(train, 1):.3g} epochs"
+    )
 
 
 def units_line(cfg) -> str:
     v = cfg.model.vocab_size
     line = f"loss in nats/token; uniform baseline ln {v} = {math.log(v):.3f}"
     if cfg.data.source == "text":
-        line += (f" nats/token = {math.log(v) / math.log(2):.2f} bits/byte "
-                 "(byte tokens: bits/byte = nats / ln 2)")
+        line += f" nats/token = {math.log(v) / math.log(2):.2f} bits/byte (byte tokens: bits/byte = nats / ln 2)"
     return line
 
 
 def peak_line(peak: float, source: str, approximate: bool) -> str:
     if not peak:
         return f"MFU: not reported ({source})"
-    return (f"MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source})"
-            + ("; approximate (~): a measured CPU matmul rate, not a datasheet peak" if approximate else ""))
+    return f"MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source})" + (
+        "; approximate (~): a measured CPU matmul rate, not a datasheet peak" if approximate else ""
+    )
 
 
 def hardware_for(device):
     """The planner's hardware entry for this device, or None."""
     from jaxdist.metrics import DEVICE_KINDS
     from jaxdist.planner import hardware
+
     if device.platform == "cpu":
         return hardware.get("cpu")
     kind = device.device_kind.lower()
@@ -78,6 +89,7 @@ def predicted_bytes(cfg, mesh) -> float | None:
     """The planner's per-device memory for this config on this mesh (None if it cannot model it)."""
     from jaxdist.planner import memory
     from jaxdist.planner.layout import Layout
+
     hw = hardware_for(mesh.devices.flat[0])
     if hw is None:
         return None
@@ -93,8 +105,12 @@ def compiled_bytes(compiled) -> dict | None:
     mem = compiled.memory_analysis()
     if mem is None:
         return None
-    out = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
-           "temp": int(mem.temp_size_in_bytes), "aliased": int(mem.alias_size_in_bytes)}
+    out = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs": int(mem.output_size_in_bytes),
+        "temp": int(mem.temp_size_in_bytes),
+        "aliased": int(mem.alias_size_in_bytes),
+    }
     out["total"] = out["arguments"] + out["outputs"] + out["temp"] - out["aliased"]
     return out
 
@@ -116,8 +132,10 @@ def memory_line(figures: dict) -> str:
     parts = []
     if "memory_peak" in figures:
         limit = figures.get("memory_limit")
-        parts.append(f"device peak {figures['memory_peak'] / MiB:,.0f} MiB"
-                     + (f" of {limit / MiB:,.0f} MiB ({figures['memory_peak'] / limit:.0%})" if limit else ""))
+        parts.append(
+            f"device peak {figures['memory_peak'] / MiB:,.0f} MiB"
+            + (f" of {limit / MiB:,.0f} MiB ({figures['memory_peak'] / limit:.0%})" if limit else "")
+        )
     if "memory_compiled" in figures:
         parts.append(f"compiled step {figures['memory_compiled'] / MiB:,.1f} MiB")
     if "memory_predicted" in figures:
@@ -129,6 +147,8 @@ def compiled_line(compiled) -> str:
     c = compiled_bytes(compiled)
     if not c:
         return "compiled step memory: not reported by this backend"
-    return (f"compiled step per device: arguments {c['arguments'] / MiB:.1f} MiB, outputs {c['outputs'] / MiB:.1f}"
-            f" MiB, temporaries {c['temp'] / MiB:.1f} MiB, donated {c['aliased'] / MiB:.1f} MiB "
-            f"-> {c['total'] / MiB:.1f} MiB")
+    return (
+        f"compiled step per device: arguments {c['arguments'] / MiB:.1f} MiB, outputs {c['outputs'] / MiB:.1f}"
+        f" MiB, temporaries {c['temp'] / MiB:.1f} MiB, donated {c['aliased'] / MiB:.1f} MiB "
+        f"-> {c['total'] / MiB:.1f} MiB"
+    )

@@ -45,8 +45,11 @@ class ResolvedModel:
     @property
     def stacked_dims(self):
         """Per tensor, how many leading dims stack independent layers (from the logical names)."""
-        return jax.tree.map(lambda n: next((i for i, a in enumerate(n) if a not in STACKED_AXES), len(n)),
-                            self.names, is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(
+            lambda n: next((i for i, a in enumerate(n) if a not in STACKED_AXES), len(n)),
+            self.names,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
 
     def init_params(self, cfg: Config, rules, seed) -> dict:
         params = nnx.to_pure_dict(nnx.state(make_model(cfg, rules, seed), nnx.Param))

@@ -30,9 +30,11 @@ def check_storable(path: Path, flag: str = "--run-dir") -> None:
     text = str(Path(path).absolute())
     bad = sorted({c for c in text if c in UNSTORABLE})
     if bad:
-        raise JaxdistError(f"{flag} {path}: checkpoints cannot be stored under a path containing "
-                           f"{' '.join(repr(c) for c in bad)} (orbax reads it as a {UNSTORABLE[bad[0]]} "
-                           "character); choose a folder name without it")
+        raise JaxdistError(
+            f"{flag} {path}: checkpoints cannot be stored under a path containing "
+            f"{' '.join(repr(c) for c in bad)} (orbax reads it as a {UNSTORABLE[bad[0]]} "
+            "character); choose a folder name without it"
+        )
 
 
 def _owner(path: Path) -> str:
@@ -51,8 +53,10 @@ class RunLock:
         self.fd: int | None = None
 
     def refused(self) -> JaxdistError:
-        return JaxdistError(f"run dir {self.path.parent} is in use by another trainer ({_owner(self.path)}); "
-                            "wait for it to finish, stop it, or choose another --run-dir")
+        return JaxdistError(
+            f"run dir {self.path.parent} is in use by another trainer ({_owner(self.path)}); "
+            "wait for it to finish, stop it, or choose another --run-dir"
+        )
 
     def check(self) -> None:
         if not self.path.is_file():
@@ -98,7 +102,9 @@ def record_config(run_dir: Path, text: str, step: int, changes: dict) -> Path | 
         return first
     numbers = sorted(int(p.name.split(".")[1]) for p in run_dir.glob("config.*.yaml") if p.name.split(".")[1].isdigit())
     try:
-        latest = (run_dir / f"config.{numbers[-1]}.yaml").read_text().split("\n", 2)[2] if numbers else first.read_text()
+        latest = (
+            (run_dir / f"config.{numbers[-1]}.yaml").read_text().split("\n", 2)[2] if numbers else first.read_text()
+        )
     except (OSError, UnicodeDecodeError, IndexError):
         latest = None
     if latest == text:

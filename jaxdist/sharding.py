@@ -7,11 +7,13 @@ used twice in one array, and sharded dimensions must divide evenly — checked a
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
@@ -81,18 +83,22 @@ def _is_var(x) -> bool:
 
 def logical_names(state) -> Any:
     """Pytree of logical-name tuples, one per variable of an (abstract) nnx.State."""
+
     def names(path, var):
         meta = var.get_metadata()
         found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
         if found is None:
-            raise JaxdistError(f"parameter {jax.tree_util.keystr(path)} has no logical axis names; "
-                               "create it with sharding_names=(...)")
+            raise JaxdistError(
+                f"parameter {jax.tree_util.keystr(path)} has no logical axis names; create it with sharding_names=(...)"
+            )
         return tuple(found)
+
     return jax.tree_util.tree_map_with_path(names, state, is_leaf=_is_var)
 
 
 def state_specs(state, rules: Rules, mesh: Mesh | None = None):
     """PartitionSpecs for every variable of an nnx.State, validated against `mesh` when given."""
+
     def spec(path, var):
         what = f"parameter {jax.tree_util.keystr(path)}"
         names = logical_names(var)
@@ -104,6 +110,7 @@ def state_specs(state, rules: Rules, mesh: Mesh | None = None):
             _check_axes_exist(s, mesh, what)
             check_divisible(value.shape, s, mesh, what)
         return s
+
     return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
 
 

@@ -10,22 +10,25 @@ The gradient stage is swappable: `implicit_gradients` lets XLA insert the data-p
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import sharding
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import axis_size
 from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums, without_aux
+from jaxdist.mesh import axis_size
 from jaxdist.models.llama import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import context, diloco, moe as moe_parallel, pipeline, reduce
+from jaxdist.parallel import context, diloco, pipeline, reduce
+from jaxdist.parallel import moe as moe_parallel
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -46,6 +49,7 @@ def tree_where(pred, on_true, on_false):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """Everything compiled for one (config, mesh): build with `build_program`."""
+
     cfg: Config
     mesh: Mesh
     rules: dict
@@ -96,38 +100,53 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     model = resolve(cfg, mesh, rules)
     graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
 
-    tx, lr_schedule = make_optimizer(cfg.optim, cfg.optim.schedule_steps or cfg.train.steps, cfg.train.global_batch,
-                                     decay_mask(param_names), reduce.variance_freeze_step(cfg, mesh),
-                                     cfg.reduce.variance_floor)
+    tx, lr_schedule = make_optimizer(
+        cfg.optim,
+        cfg.optim.schedule_steps or cfg.train.steps,
+        cfg.train.global_batch,
+        decay_mask(param_names),
+        reduce.variance_freeze_step(cfg, mesh),
+        cfg.reduce.variance_floor,
+    )
 
     eos_id = document_eos(cfg, layout)
     if layout:  # pp > 1: the layer stack runs as a pipeline schedule
         apply_fn = pipeline.pipelined_apply(graphdef, layout, order_T)
     else:
+
         def apply_fn(params, tokens_BT, features=False):
             segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
             return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
+
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
     if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
         tx = diloco.outer_optimizer()
 
     def init_state(seed):
         params = model.init_params(cfg, rules, seed)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          reducer_state=stage.init(params), skipped=jnp.zeros((), jnp.int32))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            reducer_state=stage.init(params),
+            skipped=jnp.zeros((), jnp.int32),
+        )
 
     abstract_state = jax.eval_shape(lambda: init_state(0))
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    opt_specs = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, param_specs,
-                                      transform_non_params=lambda _: P(), is_leaf=is_spec)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_state.opt_state, param_specs, transform_non_params=lambda _: P(), is_leaf=is_spec
+    )
     reducer_specs = stage.state_specs(param_specs)
-    state_specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
-                             reducer_state=reducer_specs, skipped=P())
+    state_specs = TrainState(
+        step=P(), params=param_specs, opt_state=opt_specs, reducer_state=reducer_specs, skipped=P()
+    )
     state_shardings = sharding.named(mesh, state_specs)
     opt_on_device = state_shardings.opt_state
     if cfg.optim.offload == "host":  # optimizer state lives in pinned host memory between steps
-        state_shardings = dataclasses.replace(state_shardings, opt_state=jax.tree.map(
-            lambda s: s.with_memory_kind("pinned_host"), opt_on_device))
+        state_shardings = dataclasses.replace(
+            state_shardings, opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_on_device)
+        )
     batch_sharding = NamedSharding(mesh, sharding.batch_spec(rules))
     scalar = NamedSharding(mesh, P())
 
@@ -140,11 +159,21 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # Non-finite guard: a poisoned step leaves params, optimizer and reducer state untouched.
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                         reducer_state=reducer_state, skipped=jnp.zeros((), jnp.int32))
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            reducer_state=reducer_state,
+            skipped=jnp.zeros((), jnp.int32),
+        )
         old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
-                   "skipped": (~ok).astype(jnp.int32), **extra}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr_schedule(state.step),
+            "skipped": (~ok).astype(jnp.int32),
+            **extra,
+        }
         return tree_where(ok, new, old), metrics
 
     def eval_step(params, tokens):
@@ -152,16 +181,35 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
 
     with jax.set_mesh(mesh):
         jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
-        jit_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                            out_shardings=(state_shardings, scalar), donate_argnums=0)
-        jit_eval = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding),
-                           out_shardings=(scalar, scalar))
+        jit_train = jax.jit(
+            train_step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, scalar),
+            donate_argnums=0,
+        )
+        jit_eval = jax.jit(
+            eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=(scalar, scalar)
+        )
 
-    return Program(cfg=cfg, mesh=mesh, rules=rules, graphdef=graphdef, param_names=param_names,
-                   param_specs=param_specs, state_shardings=state_shardings, batch_sharding=batch_sharding,
-                   tx=tx, lr_schedule=lr_schedule, gradients=stage, init_state=_in_mesh(mesh, jit_init),
-                   train_step=_in_mesh(mesh, jit_train), eval_step=_in_mesh(mesh, jit_eval),
-                   abstract_state=abstract_state, apply_fn=apply_fn, model=model)
+    return Program(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        param_names=param_names,
+        param_specs=param_specs,
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        gradients=stage,
+        init_state=_in_mesh(mesh, jit_init),
+        train_step=_in_mesh(mesh, jit_train),
+        eval_step=_in_mesh(mesh, jit_eval),
+        abstract_state=abstract_state,
+        apply_fn=apply_fn,
+        model=model,
+    )
 
 
 def document_eos(cfg: Config, layout) -> int | None:
@@ -169,9 +217,12 @@ def document_eos(cfg: Config, layout) -> int | None:
     if not cfg.data.document_mask:
         return None
     if layout:
-        raise JaxdistError("data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
-                           "use pp=1 or turn the mask off")
+        raise JaxdistError(
+            "data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
+            "use pp=1 or turn the mask off"
+        )
     from jaxdist import data  # reads the tokenizer or the prepared folder's manifest
+
     return data.document_eos(cfg)
 
 

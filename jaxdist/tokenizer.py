@@ -82,8 +82,10 @@ def _locate(path: str) -> tuple[Path, Path]:
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "tokenizer.json").is_file():
-            raise JaxdistError(f"tokenizer directory {p} has no tokenizer.json; give a Hugging Face model "
-                               "folder with a fast tokenizer, or the tokenizer.json itself")
+            raise JaxdistError(
+                f"tokenizer directory {p} has no tokenizer.json; give a Hugging Face model "
+                "folder with a fast tokenizer, or the tokenizer.json itself"
+            )
         return p / "tokenizer.json", p
     if not p.is_file():
         raise JaxdistError(f"tokenizer {p} not found; give a tokenizer.json or a Hugging Face model folder")
@@ -95,20 +97,24 @@ def _id_of(tokenizer, text: str | None, what: str, file: Path) -> int | None:
         return None
     i = tokenizer.token_to_id(text)
     if i is None:
-        raise JaxdistError(f"{what} {text!r} from the tokenizer config is not in {file}'s vocabulary; "
-                           "fix tokenizer_config.json")
+        raise JaxdistError(
+            f"{what} {text!r} from the tokenizer config is not in {file}'s vocabulary; fix tokenizer_config.json"
+        )
     return i
 
 
 def load(path: str) -> Tok:
     """A tokenizer and its BOS/EOS rule (see the module docstring) from a file or an HF model folder."""
     from tokenizers import Tokenizer
+
     file, folder = _locate(path)
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # noqa: BLE001 (the Rust side raises plain Exceptions for bad JSON or unknown models)
-        raise JaxdistError(f"{file} is not a tokenizers JSON file ({str(e).splitlines()[0][:120]}); "
-                           "give the tokenizer.json of a fast tokenizer")
+        raise JaxdistError(
+            f"{file} is not a tokenizers JSON file ({str(e).splitlines()[0][:120]}); "
+            "give the tokenizer.json of a fast tokenizer"
+        )
     tokenizer.encode_special_tokens = True  # document text never turns into special ids
     config: dict = {}
     for name in reversed(CONFIG_FILES):  # tokenizer_config.json wins over special_tokens_map.json
@@ -118,8 +124,8 @@ def load(path: str) -> Tok:
     # What the post-processor adds around one sequence: its leading and trailing special ids.
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     full = tokenizer.encode("a", add_special_tokens=True).ids
-    start = next((i for i in range(len(full)) if full[i:i + len(plain)] == plain), 0)
-    lead, trail = tuple(full[:start]), tuple(full[start + len(plain):])
+    start = next((i for i in range(len(full)) if full[i : i + len(plain)] == plain), 0)
+    lead, trail = tuple(full[:start]), tuple(full[start + len(plain) :])
 
     bos_id = _id_of(tokenizer, _token_text(config.get("bos_token")), "bos_token", file)
     if "add_bos_token" in config:
@@ -135,8 +141,10 @@ def load(path: str) -> Tok:
     if eos_id is None:
         eos_id = next((tokenizer.token_to_id(n) for n in EOS_NAMES if tokenizer.token_to_id(n) is not None), None)
     if eos_id is None:
-        raise JaxdistError(f"tokenizer {file} has no end-of-text token to separate documents; put a "
-                           "tokenizer_config.json with \"eos_token\" beside it")
+        raise JaxdistError(
+            f"tokenizer {file} has no end-of-text token to separate documents; put a "
+            'tokenizer_config.json with "eos_token" beside it'
+        )
     vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
     return Tok(tokenizer, file, config, prefix, eos_id, vocab_size)
 
@@ -144,22 +152,32 @@ def load(path: str) -> Tok:
 def check_vocab(tok: Tok, model_vocab: int, where: str) -> None:
     """The rule: every tokenizer id must have an embedding row (a larger, padded model vocab is fine)."""
     if tok.vocab_size > model_vocab:
-        raise JaxdistError(f"{where} has {tok.vocab_size} token ids but model.vocab_size={model_vocab}; "
-                           f"set model.vocab_size={tok.vocab_size} (or more, e.g. a multiple of 128)")
+        raise JaxdistError(
+            f"{where} has {tok.vocab_size} token ids but model.vocab_size={model_vocab}; "
+            f"set model.vocab_size={tok.vocab_size} (or more, e.g. a multiple of 128)"
+        )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None):
     """A byte-level BPE (GPT-2 style: no unknown tokens, exact round trip) trained on `texts`; its only
     special token, `<|endoftext|>` (id 0), ends documents."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     if vocab_size < 257:
-        raise JaxdistError(f"--train-tokenizer {vocab_size} is too small: a byte-level BPE needs 256 byte "
-                           "tokens + <|endoftext|>; use 257 or more (e.g. 4096, 32000)")
+        raise JaxdistError(
+            f"--train-tokenizer {vocab_size} is too small: a byte-level BPE needs 256 byte "
+            "tokens + <|endoftext|>; use 257 or more (e.g. 4096, 32000)"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[TRAINED_EOS],
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     return tokenizer
 
@@ -167,8 +185,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None):
 def save_trained(tokenizer, folder: Path) -> None:
     """tokenizer.json plus a tokenizer_config.json that transformers' AutoTokenizer and `load` read."""
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": TRAINED_EOS, "bos_token": None,
-              "add_bos_token": False, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": TRAINED_EOS,
+        "bos_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -180,7 +203,9 @@ def copy_files(tok: Tok, folder: Path) -> None:
     for name in present:
         shutil.copyfile(tok.file.parent / name, folder / name)
     if not present:
-        rule = {"eos_token": tok.tokenizer.id_to_token(tok.eos_id), "add_bos_token": bool(tok.prefix),
-                "bos_token": tok.tokenizer.id_to_token(tok.prefix[0]) if tok.prefix else None}
+        rule = {
+            "eos_token": tok.tokenizer.id_to_token(tok.eos_id),
+            "add_bos_token": bool(tok.prefix),
+            "bos_token": tok.tokenizer.id_to_token(tok.prefix[0]) if tok.prefix else None,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(rule, indent=2) + "\n")
-

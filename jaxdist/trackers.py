@@ -18,8 +18,7 @@ from pathlib import Path
 from jaxdist.errors import JaxdistError
 
 # tracker name -> (module to import, the pyproject extra that installs it)
-TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow")}
+TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
 def check_installed(names: list[str]) -> None:
@@ -29,13 +28,18 @@ def check_installed(names: list[str]) -> None:
         try:
             __import__(module)
         except ImportError:
-            raise JaxdistError(f"train.trackers includes {name} but {module} is not installed; "
-                               f"pip install -e \".[{extra}]\" or remove {name} from train.trackers") from None
+            raise JaxdistError(
+                f"train.trackers includes {name} but {module} is not installed; "
+                f'pip install -e ".[{extra}]" or remove {name} from train.trackers'
+            ) from None
 
 
 def _numeric(record: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, object]:
@@ -61,6 +65,7 @@ def _run_id(run_dir: Path, name: str, new) -> str:
 class TensorBoard:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
         from tensorboardX import SummaryWriter
+
         self.writer = SummaryWriter(str(run_dir / "tb"))
         self.writer.add_text("config", "```\n" + config_text + "\n```")
 
@@ -76,9 +81,16 @@ class TensorBoard:
 class WandB:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
         import wandb
+
         run_id = _run_id(run_dir, "wandb", lambda: uuid.uuid4().hex[:12])
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxdist"), dir=str(run_dir),
-                              name=run_dir.name, id=run_id, resume="allow", config=config)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "jaxdist"),
+            dir=str(run_dir),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            config=config,
+        )
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -92,29 +104,33 @@ class MLflow:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "jaxdist")
         found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        self.run_id = _run_id(run_dir, "mlflow",
-                              lambda: self.client.create_run(exp_id, run_name=run_dir.name).info.run_id)
+        self.run_id = _run_id(
+            run_dir, "mlflow", lambda: self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        )
         self.client.update_run(self.run_id, status="RUNNING")
         if not self.client.get_run(self.run_id).data.params:  # params are write-once: not again on resume
             params = [Param(k, str(v)[:500]) for k, v in _flat(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.client.log_text(self.run_id, config_text, "config.yaml")
 
     def log(self, step: int, values: dict[str, float]) -> None:
         import time
 
         from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
     def finish(self, summary: dict[str, float]) -> None:
         from mlflow.entities import RunTag
+
         self.client.log_batch(self.run_id, tags=[RunTag(f"summary.{k}", f"{v:.6g}") for k, v in summary.items()])
         self.client.set_terminated(self.run_id)
 

@@ -67,6 +67,7 @@ def _gpu_plugin_installed() -> bool:
     names = {ep.value for ep in importlib.metadata.entry_points(group="jax_plugins")}
     try:
         import jax_plugins  # namespace package of PJRT plugins
+
         names |= {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
     except ImportError:
         pass
@@ -88,8 +89,7 @@ def _requested_platforms() -> str:
     return os.environ.get("JAX_PLATFORMS", "")
 
 
-def gpu_backend_expected(platforms: str | None = None, plugin: bool | None = None,
-                         devices: bool | None = None) -> bool:
+def gpu_backend_expected(platforms: str | None = None, plugin: bool | None = None, devices: bool | None = None) -> bool:
     """Will JAX pick a GPU backend? Decided before it starts: an explicit platform list says so;
     otherwise a GPU plugin must be installed and a GPU device node visible."""
     platforms = _requested_platforms() if platforms is None else platforms
@@ -113,8 +113,7 @@ def unknown_flags(flags: dict[str, str], timeout_s: float = 60.0) -> set[str]:
     """Which of `flags` the installed jaxlib does not accept (XLA aborts on those, so ask a child)."""
     env = {**os.environ, "XLA_FLAGS": format_flags(flags), "JAX_PLATFORMS": "cpu", DISABLE_ENV: "0"}
     try:
-        run = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                             timeout=timeout_s)
+        run = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return set(flags)  # cannot tell: pass nothing rather than risk an abort
     if run.returncode == 0:
@@ -148,9 +147,12 @@ def apply() -> dict[str, str]:
         return {}
     if "jax" in sys.modules:
         from jax._src import xla_bridge
+
         if xla_bridge.backends_are_initialized():
-            warnings.warn("jaxdist.xla_flags.apply() ran after the JAX backend started, so its XLA flags "
-                          "cannot take effect; call it before any JAX computation")
+            warnings.warn(
+                "jaxdist.xla_flags.apply() ran after the JAX backend started, so its XLA flags "
+                "cannot take effect; call it before any JAX computation"
+            )
             return {}
     value, _applied, bad = resolve(os.environ.get("XLA_FLAGS", ""), GPU_FLAGS)
     if bad:

@@ -30,8 +30,10 @@ def main() -> None:
     args = p.parse_args()
 
     from jaxdist.train import setup_platform
+
     setup_platform(args.cpu_devices)
     import jax
+
     from jaxdist import checkpoint, config, data, step
     from jaxdist.mesh import mesh_from_string
     from jaxdist.models.llama import count_params
@@ -57,11 +59,19 @@ def main() -> None:
     jax.block_until_ready(restored.state)
     restore_s = time.perf_counter() - start
 
-    print(json.dumps({
-        "config": args.config or "configs/tiny.yaml", "params": count_params(cfg.model)["total"],
-        "state_bytes": state_bytes, "devices": len(jax.devices()), "backend": jax.default_backend(),
-        "saves": saver.timings, "restore_s": restore_s,
-    }))
+    print(
+        json.dumps(
+            {
+                "config": args.config or "configs/tiny.yaml",
+                "params": count_params(cfg.model)["total"],
+                "state_bytes": state_bytes,
+                "devices": len(jax.devices()),
+                "backend": jax.default_backend(),
+                "saves": saver.timings,
+                "restore_s": restore_s,
+            }
+        )
+    )
     if args.dir is None:
         shutil.rmtree(root)
 

@@ -66,10 +66,18 @@ def run_method(label, base, mesh, out: Path):
     curve = [(r["step"], r["loss"]) for r in records if "loss" in r and not r.get("summary")]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and not r.get("summary")]
     steps = cfg.train.steps
-    return {"label": label, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
-            "dp_bytes_per_step": steady, "warmup_bytes_per_step": warm, "warmup_steps": warm_steps,
-            "run_bytes_per_step": (warm * min(warm_steps, steps) + steady * max(steps - warm_steps, 0)) / steps,
-            "curve": curve, "evals": evals, "tokens_per_sec": result.tokens_per_sec}
+    return {
+        "label": label,
+        "final_loss": result.final_loss,
+        "eval_loss": result.eval_loss,
+        "dp_bytes_per_step": steady,
+        "warmup_bytes_per_step": warm,
+        "warmup_steps": warm_steps,
+        "run_bytes_per_step": (warm * min(warm_steps, steps) + steady * max(steps - warm_steps, 0)) / steps,
+        "curve": curve,
+        "evals": evals,
+        "tokens_per_sec": result.tokens_per_sec,
+    }
 
 
 def cumulative_bytes(r, step):
@@ -81,26 +89,37 @@ def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
     """dp bytes of the reduction alone (dense vs top-k), compiled for each N on the first N devices."""
     import jax
 
-    from jaxdist import mesh as mesh_mod
     from jaxdist import measure
+    from jaxdist import mesh as mesh_mod
 
     rows = []
     for n in replicas:
         mesh = mesh_mod.mesh_from_string(f"dp={n}", jax.devices()[:n])
 
-        def bytes_of(knobs):
-            return measure.dp_bytes_per_step(measure.compile_reduction(base.replace(reduce=knobs), mesh).as_text(), mesh)
+        def bytes_of(knobs, mesh=mesh):
+            return measure.dp_bytes_per_step(
+                measure.compile_reduction(base.replace(reduce=knobs), mesh).as_text(), mesh
+            )
 
         dense = bytes_of(dict(method="dense"))
         for r in ratios:
             sent = bytes_of(dict(method="topk", ratio=r))
-            rows.append({"N": n, "ratio": r, "dense_bytes": dense, "topk_bytes": sent,
-                         "compression": dense / sent, "2/(N*ratio)": 2 / (n * r)})
+            rows.append(
+                {
+                    "N": n,
+                    "ratio": r,
+                    "dense_bytes": dense,
+                    "topk_bytes": sent,
+                    "compression": dense / sent,
+                    "2/(N*ratio)": 2 / (n * r),
+                }
+            )
     return rows
 
 
 def plot(results, path: Path, title: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -108,8 +127,13 @@ def plot(results, path: Path, title: str):
     for r in results:
         steps, losses = zip(*r["evals"])
         sent = [max(cumulative_bytes(r, s), 1.0) for s in steps]
-        ax.plot(sent, losses, marker="o", ms=3,
-                label=f"{r['label']} (eval {r['eval_loss']:.3f}, {r['ratio_run']:.1f}x run avg)")
+        ax.plot(
+            sent,
+            losses,
+            marker="o",
+            ms=3,
+            label=f"{r['label']} (eval {r['eval_loss']:.3f}, {r['ratio_run']:.1f}x run avg)",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bytes sent per device across dp")
     ax.set_ylabel("eval loss")
@@ -123,15 +147,25 @@ def plot(results, path: Path, title: str):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxdist.train import setup_platform
+
     setup_platform(8)
-    from jaxdist import config, mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist import mesh as mesh_mod
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     eval_every = max(args.steps // 10, 1)
-    base = config.load(args.config, [f"train.steps={args.steps}", f"train.eval_every={eval_every}",
-                                     "train.log_every=5", "checkpoint.every=0", f"mesh.shape={args.mesh}",
-                                     *args.overrides])
+    base = config.load(
+        args.config,
+        [
+            f"train.steps={args.steps}",
+            f"train.eval_every={eval_every}",
+            "train.log_every=5",
+            "checkpoint.every=0",
+            f"mesh.shape={args.mesh}",
+            *args.overrides,
+        ],
+    )
     mesh = mesh_mod.mesh_from_string(args.mesh)
     stored = out / "results.json"
     results = json.loads(stored.read_text()) if stored.exists() else []
@@ -146,25 +180,38 @@ def main(argv=None) -> int:
         print(f"{label}: done, final loss {row['final_loss']:.4f}", file=sys.stderr, flush=True)
     dense = next((r for r in results if r["label"] == "dense"), None)
     m = base.model
-    title = (f"{args.config or 'tiny'} (d_model {m.d_model}, {m.num_layers} layers, seq {m.seq_len}), mesh {args.mesh}, "
-             f"{args.steps} steps, seed {base.train.seed}")
-    lines = [f"{title}; steady = after the dense "
-             "warm-up (DiLoCo: averaged over a sync period), run = averaged over all steps, warm-up included",
-             "| method | final train loss | eval loss | eval vs dense | dense warm-up steps | dp bytes/step steady "
-             "| dp bytes/step run | ratio steady | ratio run |", "|---|---|---|---|---|---|---|---|---|"]
+    title = (
+        f"{args.config or 'tiny'} (d_model {m.d_model}, {m.num_layers} layers, seq {m.seq_len}), mesh {args.mesh}, "
+        f"{args.steps} steps, seed {base.train.seed}"
+    )
+    lines = [
+        f"{title}; steady = after the dense "
+        "warm-up (DiLoCo: averaged over a sync period), run = averaged over all steps, warm-up included",
+        "| method | final train loss | eval loss | eval vs dense | dense warm-up steps | dp bytes/step steady "
+        "| dp bytes/step run | ratio steady | ratio run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         r["ratio"] = dense["dp_bytes_per_step"] / r["dp_bytes_per_step"] if dense else float("nan")
         r["ratio_run"] = dense["dp_bytes_per_step"] / r["run_bytes_per_step"] if dense else float("nan")
         rel = f"{(r['eval_loss'] / dense['eval_loss'] - 1) * 100:+.2f}%" if dense else "-"
-        lines.append(f"| {r['label']} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} | {rel} | {r['warmup_steps']} | "
-                     f"{r['dp_bytes_per_step']:,.0f} | {r['run_bytes_per_step']:,.0f} | {r['ratio']:.1f}x | "
-                     f"{r['ratio_run']:.1f}x |")
+        lines.append(
+            f"| {r['label']} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} | {rel} | {r['warmup_steps']} | "
+            f"{r['dp_bytes_per_step']:,.0f} | {r['run_bytes_per_step']:,.0f} | {r['ratio']:.1f}x | "
+            f"{r['ratio_run']:.1f}x |"
+        )
     if args.scaling:
-        lines += ["", "top-k reduction bytes against N and ratio (dense / top-k; model 2/(N*ratio))",
-                  "| N | ratio | dense bytes | top-k bytes | compression | 2/(N*ratio) |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "top-k reduction bytes against N and ratio (dense / top-k; model 2/(N*ratio))",
+            "| N | ratio | dense bytes | top-k bytes | compression | 2/(N*ratio) |",
+            "|---|---|---|---|---|---|",
+        ]
         for s in topk_scaling(base):
-            lines.append(f"| {s['N']} | {s['ratio']} | {s['dense_bytes']:,.0f} | {s['topk_bytes']:,.0f} | "
-                         f"{s['compression']:.2f}x | {s['2/(N*ratio)']:.2f} |")
+            lines.append(
+                f"| {s['N']} | {s['ratio']} | {s['dense_bytes']:,.0f} | {s['topk_bytes']:,.0f} | "
+                f"{s['compression']:.2f}x | {s['2/(N*ratio)']:.2f} |"
+            )
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")

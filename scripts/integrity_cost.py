@@ -42,6 +42,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for i in range(0, total, chunk):
         (step_dir / f"{i // chunk:04d}").write_bytes(rng.bytes(min(chunk, total - i)))
+
     def timed(fn):
         wall, cpu = time.perf_counter(), time.process_time()
         out = fn()
@@ -58,10 +59,21 @@ def main() -> None:
     arrays = data.read_tokens([str(tokens)], "uint16")
     _, vocab_s, vocab_cpu = timed(lambda: data.check_vocab([str(tokens)], arrays, 50257))
     gb, token_gb = nbytes / 1e9, os.path.getsize(tokens) / 1e9
-    print(json.dumps({"bytes": nbytes, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
-                      "checksum_write_s_per_gb": write_s / gb, "checksum_write_cpu_s_per_gb": write_cpu / gb,
-                      "checksum_verify_s_per_gb": verify_s / gb, "checksum_verify_cpu_s_per_gb": verify_cpu / gb,
-                      "token_check_s_per_gb": vocab_s / token_gb, "token_check_cpu_s_per_gb": vocab_cpu / token_gb}))
+    print(
+        json.dumps(
+            {
+                "bytes": nbytes,
+                "cpus": os.cpu_count(),
+                "load_average": os.getloadavg()[0],
+                "checksum_write_s_per_gb": write_s / gb,
+                "checksum_write_cpu_s_per_gb": write_cpu / gb,
+                "checksum_verify_s_per_gb": verify_s / gb,
+                "checksum_verify_cpu_s_per_gb": verify_cpu / gb,
+                "token_check_s_per_gb": vocab_s / token_gb,
+                "token_check_cpu_s_per_gb": vocab_cpu / token_gb,
+            }
+        )
+    )
     if args.dir is None:
         shutil.rmtree(root)
 

@@ -25,24 +25,53 @@ def main() -> int:
     args = p.parse_args()
     from jaxdist import bench, config
     from jaxdist.train import setup_platform
+
     setup_platform(8)
     for mesh in args.mesh:
         for impl in args.impl:
             temps = {}
             for vocab in args.vocab:
-                cfg = config.load("configs/llama3-8b.yaml", [
-                    "model.num_layers=2", f"model.seq_len={args.seq}", "train.global_batch=8",
-                    "model.compute_dtype=float32", f"model.vocab_size={vocab}", f"model.loss_impl={impl}"])
+                cfg = config.load(
+                    "configs/llama3-8b.yaml",
+                    [
+                        "model.num_layers=2",
+                        f"model.seq_len={args.seq}",
+                        "train.global_batch=8",
+                        "model.compute_dtype=float32",
+                        f"model.vocab_size={vocab}",
+                        f"model.loss_impl={impl}",
+                    ],
+                )
                 r = bench.compile_only(cfg, mesh)
                 b = r["bytes_per_device"]
                 temps[vocab] = b["temp"]
-                print(json.dumps({"mesh": mesh, "impl": impl, "vocab": vocab, "seq": args.seq, **b,
-                                  "total": b["arguments"] + b["temp"] + b["outputs"] - b["aliased"],
-                                  "compile_s": round(r["compile_s"], 1)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "mesh": mesh,
+                            "impl": impl,
+                            "vocab": vocab,
+                            "seq": args.seq,
+                            **b,
+                            "total": b["arguments"] + b["temp"] + b["outputs"] - b["aliased"],
+                            "compile_s": round(r["compile_s"], 1),
+                        }
+                    ),
+                    flush=True,
+                )
             if len(temps) > 1:
                 big, small = max(temps), min(temps)
-                print(json.dumps({"mesh": mesh, "impl": impl, "seq": args.seq,
-                                  "vocab_attributable_temp": temps[big] - temps[small]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "mesh": mesh,
+                            "impl": impl,
+                            "seq": args.seq,
+                            "vocab_attributable_temp": temps[big] - temps[small],
+                        }
+                    ),
+                    flush=True,
+                )
     return 0
 
 

@@ -34,16 +34,44 @@ SEQUENCES_SEED = 1234
 PROMPTS = [[5, 17, 42, 8, 99], [3, 1, 4, 1, 5, 9, 2, 6, 53]]
 NEW_TOKENS = 12
 
-MAIN = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 128, "rope_theta": 50000.0, "tie_word_embeddings": False,
-        "initializer_range": 0.15, "bos_token_id": 1, "eos_token_id": 2,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64}}
-TIED = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 64, "tie_word_embeddings": True, "initializer_range": 0.15,
-        "bos_token_id": 1, "eos_token_id": 2}
+MAIN = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 128,
+    "rope_theta": 50000.0,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
+TIED = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def build(fields: dict, seed: int) -> LlamaForCausalLM:
@@ -68,10 +96,16 @@ def reference(model: LlamaForCausalLM) -> dict:
     for k, prompt in enumerate(PROMPTS):
         prompt = [t % vocab for t in prompt]
         with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
-                                 output_logits=True)
-        new = gen.sequences[0, len(prompt):].numpy()
+            gen = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        new = gen.sequences[0, len(prompt) :].numpy()
         step_logits = torch.stack(gen.logits)[:, 0].float()
         logp = torch.log_softmax(step_logits, -1)
         out[f"prompt{k}"] = np.array(prompt, np.int32)
@@ -124,16 +158,25 @@ def check_export(fixture: Path) -> None:
         jaxdist("jaxdist.convert", "to-hf", str(tmp / "run"), str(tmp / "hf16"), "--dtype", "bfloat16")
         compare(tmp / "hf16", ref["logits"], ref["sequences"], "fixture -> jaxdist -> HF (bf16)")
         # A model jaxdist trained itself: its own logits against transformers' on the export.
-        jaxdist("jaxdist.train", "--run-dir", str(tmp / "tiny"), "--steps", "20", "train.eval_every=0",
-                "checkpoint.every=20")
+        jaxdist(
+            "jaxdist.train",
+            "--run-dir",
+            str(tmp / "tiny"),
+            "--steps",
+            "20",
+            "train.eval_every=0",
+            "checkpoint.every=20",
+        )
         jaxdist("jaxdist.convert", "to-hf", str(tmp / "tiny"), str(tmp / "tiny_hf"))
         seqs = np.random.default_rng(0).integers(0, 256, size=(2, 64))
         np.save(tmp / "seqs.npy", seqs)
-        code = ("import sys, numpy as np; from pathlib import Path; from jaxdist.train import setup_platform; "
-                "setup_platform(1); from jaxdist import convert, mesh; import jax; "
-                "cfg, p, m = convert.load_run_params(Path(sys.argv[1]), mesh.mesh_from_string('fsdp=-1')); "
-                "from flax import nnx; model = nnx.merge(m.graphdef, p); "
-                "np.save(sys.argv[2], np.asarray(model(np.load(sys.argv[3]))))")
+        code = (
+            "import sys, numpy as np; from pathlib import Path; from jaxdist.train import setup_platform; "
+            "setup_platform(1); from jaxdist import convert, mesh; import jax; "
+            "cfg, p, m = convert.load_run_params(Path(sys.argv[1]), mesh.mesh_from_string('fsdp=-1')); "
+            "from flax import nnx; model = nnx.merge(m.graphdef, p); "
+            "np.save(sys.argv[2], np.asarray(model(np.load(sys.argv[3]))))"
+        )
         python("-c", code, str(tmp / "tiny"), str(tmp / "tiny_logits.npy"), str(tmp / "seqs.npy"))
         compare(tmp / "tiny_hf", np.load(tmp / "tiny_logits.npy"), seqs, "jaxdist-trained tiny -> HF (fp32)")
 

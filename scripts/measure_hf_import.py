@@ -24,17 +24,41 @@ import ml_dtypes
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-SHAPE = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5,
-         "rope_theta": 500000.0, "tie_word_embeddings": True, "max_position_embeddings": 131072,
-         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192},
-         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "torch_dtype": "bfloat16"}
+SHAPE = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
 
 
 def hf_tensors(c: dict):
-    D, F, N, K, H, V = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"],
-                        c["head_dim"], c["vocab_size"])
+    D, F, N, K, H, V = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["vocab_size"],
+    )
     yield "model.embed_tokens.weight", (V, D)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -52,6 +76,7 @@ def hf_tensors(c: dict):
 
 def write_model(out: Path, shard_bytes: int = 10**9) -> None:
     from safetensors.numpy import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     shards, current, size = [], {}, 0
@@ -72,8 +97,9 @@ def write_model(out: Path, shard_bytes: int = 10**9) -> None:
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
     total = sum(int(np.prod(s)) * 2 for _, s in hf_tensors(SHAPE))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (out / "config.json").write_text(json.dumps(SHAPE, indent=2))
 
 
@@ -115,24 +141,38 @@ def main() -> None:
     largest = max(int(np.prod(s)) for _, s in hf_tensors(SHAPE))
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     gib = 2**30
-    print(f"largest tensor: {largest / 1e6:.0f}M entries = {largest * 2 / gib:.2f} GiB bf16 on disk, "
-          f"{largest * 4 / gib:.2f} GiB as float32")
+    print(
+        f"largest tensor: {largest / 1e6:.0f}M entries = {largest * 2 / gib:.2f} GiB bf16 on disk, "
+        f"{largest * 4 / gib:.2f} GiB as float32"
+    )
     if args.cli:
         out = hf_dir.parent / (hf_dir.name + "-run")
         subprocess.run(["rm", "-rf", str(out)], check=True)
-        subprocess.run([sys.executable, "-m", "jaxdist.convert", "from-hf", str(hf_dir), str(out), "--mesh", args.mesh],
-                       cwd=REPO, env=env, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "jaxdist.convert", "from-hf", str(hf_dir), str(out), "--mesh", args.mesh],
+            cwd=REPO,
+            env=env,
+            check=True,
+        )
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         print(f"from-hf end to end (orbax save included): peak RSS {peak / gib:.2f} GiB")
         return
-    r = subprocess.run([sys.executable, "-c", CHILD, str(hf_dir), args.mesh], cwd=REPO, env=env, check=True,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(hf_dir), args.mesh],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     m = json.loads(r.stdout.strip().splitlines()[-1])
     overhead = m["peak"] - m["baseline"] - m["params"]
-    print(f"import onto {args.mesh} in {m['seconds']:.0f}s: baseline RSS {m['baseline'] / gib:.2f} GiB, peak "
-          f"{m['peak'] / gib:.2f} GiB, imported float32 parameters {m['params'] / gib:.2f} GiB (CPU devices = host "
-          f"memory); loader overhead {overhead / gib:.3f} GiB = {overhead / (largest * 4):.2f} x the largest "
-          "tensor in float32")
+    print(
+        f"import onto {args.mesh} in {m['seconds']:.0f}s: baseline RSS {m['baseline'] / gib:.2f} GiB, peak "
+        f"{m['peak'] / gib:.2f} GiB, imported float32 parameters {m['params'] / gib:.2f} GiB (CPU devices = host "
+        f"memory); loader overhead {overhead / gib:.3f} GiB = {overhead / (largest * 4):.2f} x the largest "
+        "tensor in float32"
+    )
 
 
 if __name__ == "__main__":

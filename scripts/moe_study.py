@@ -19,17 +19,35 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUNS = {"dense": ("configs/tiny.yaml", []), "moe": ("configs/tiny-moe.yaml", []),
-        "moe_noaux": ("configs/tiny-moe.yaml", ["model.moe_aux_weight=0"])}
+RUNS = {
+    "dense": ("configs/tiny.yaml", []),
+    "moe": ("configs/tiny-moe.yaml", []),
+    "moe_noaux": ("configs/tiny-moe.yaml", ["model.moe_aux_weight=0"]),
+}
 
 
 def train(out: Path, steps: int, eval_every: int, warmup: int) -> None:
     procs = []
     for name, (config, extra) in RUNS.items():
-        cmd = [sys.executable, "-m", "jaxdist.train", "--config", config, "--cpu-devices", "1", "--mesh", "fsdp=1",
-               "--run-dir", str(out / name), f"train.steps={steps}", f"train.eval_every={eval_every}",
-               f"optim.warmup_steps={warmup}", f"train.log_every={max(1, eval_every // 2)}",
-               "checkpoint.every=0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxdist.train",
+            "--config",
+            config,
+            "--cpu-devices",
+            "1",
+            "--mesh",
+            "fsdp=1",
+            "--run-dir",
+            str(out / name),
+            f"train.steps={steps}",
+            f"train.eval_every={eval_every}",
+            f"optim.warmup_steps={warmup}",
+            f"train.log_every={max(1, eval_every // 2)}",
+            "checkpoint.every=0",
+            *extra,
+        ]
         log = open(out / f"{name}.log", "w")
         procs.append(subprocess.Popen(["nice", "-n", "10", *cmd], stdout=log, stderr=subprocess.STDOUT, env=os.environ))
     for p in procs:
@@ -61,11 +79,16 @@ def report(out: Path, balance_step: int) -> dict:
 
 def plot(runs: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = {"dense": "dense tiny (4.07M)", "moe": "tiny-moe E=8 K=2 (13.5M, 4.07M active)",
-              "moe_noaux": "tiny-moe, no aux loss"}
+    labels = {
+        "dense": "dense tiny (4.07M)",
+        "moe": "tiny-moe E=8 K=2 (13.5M, 4.07M active)",
+        "moe_noaux": "tiny-moe, no aux loss",
+    }
     for name, rs in runs.items():
         train = [(r["step"], r["loss"]) for r in rs if "loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in rs if "eval_loss" in r]

@@ -34,17 +34,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
+
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
-    from jaxdist import config, hlo, mesh as mesh_mod, step
+    from jaxdist import config, hlo, step
+    from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import pipeline
 
-    cfg = config.load(None, ["model.num_layers=8", "train.global_batch=32", "train.eval_every=0",
-                             *args.overrides])
+    cfg = config.load(None, ["model.num_layers=8", "train.global_batch=32", "train.eval_every=0", *args.overrides])
     runs = [("fsdp=8", 0, "none"), ("fsdp=8", 0, "full")]
-    runs += [(mesh, m, "none") for mesh, stages in (("pp=2,fsdp=4", 2), ("pp=4,fsdp=2", 4))
-             for m in (stages, 2 * stages, 4 * stages)]
+    runs += [
+        (mesh, m, "none")
+        for mesh, stages in (("pp=2,fsdp=4", 2), ("pp=4,fsdp=2", 4))
+        for m in (stages, 2 * stages, 4 * stages)
+    ]
     B, T, D = cfg.train.global_batch, cfg.model.seq_len, cfg.model.d_model
     tokens_np = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
 
@@ -65,13 +69,22 @@ def main(argv=None) -> int:
             stage_inputs = pl.iterations * micro_bytes * c.train.microbatches
         state, _ = compiled(state, tokens)  # warm-up
         jax.block_until_ready(state)
-        configs.append(dict(name=f"{mesh_text} M={info['microbatches']}" + (" remat=full" if remat != "none" else ""),
-                            mesh=mesh_text, compiled=compiled, state=state, tokens=tokens, times=[],
-                            compile_s=time.perf_counter() - t0, describe=info,
-                            permute_bytes=colls.get("collective-permute", {}).get("bytes", 0.0),
-                            temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-                            arg_bytes=compiled.memory_analysis().argument_size_in_bytes,
-                            stage_input_bytes=stage_inputs))
+        configs.append(
+            dict(
+                name=f"{mesh_text} M={info['microbatches']}" + (" remat=full" if remat != "none" else ""),
+                mesh=mesh_text,
+                compiled=compiled,
+                state=state,
+                tokens=tokens,
+                times=[],
+                compile_s=time.perf_counter() - t0,
+                describe=info,
+                permute_bytes=colls.get("collective-permute", {}).get("bytes", 0.0),
+                temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                arg_bytes=compiled.memory_analysis().argument_size_in_bytes,
+                stage_input_bytes=stage_inputs,
+            )
+        )
         print(f"compiled {configs[-1]['name']} in {configs[-1]['compile_s']:.1f}s", file=sys.stderr, flush=True)
 
     for r in range(args.rounds):
@@ -84,23 +97,37 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     base = min(configs[0]["times"])
-    print(f"tiny, {cfg.model.num_layers} layers, d_model {D}, seq {T}, global batch {B} "
-          f"({B * T} tokens/step), 8 CPU devices; best of {args.rounds * args.steps} steps")
-    print(f"{'config':28s} {'tok/s':>8s} {'slowdown':>8s} {'bubble':>7s} {'pred':>6s} "
-          f"{'permute MB/step':>15s} {'temp MB':>8s} {'stage-in MB':>11s} {'args MB':>8s}")
+    print(
+        f"tiny, {cfg.model.num_layers} layers, d_model {D}, seq {T}, global batch {B} "
+        f"({B * T} tokens/step), 8 CPU devices; best of {args.rounds * args.steps} steps"
+    )
+    print(
+        f"{'config':28s} {'tok/s':>8s} {'slowdown':>8s} {'bubble':>7s} {'pred':>6s} "
+        f"{'permute MB/step':>15s} {'temp MB':>8s} {'stage-in MB':>11s} {'args MB':>8s}"
+    )
     records = []
     for c in configs:
         best, d = min(c["times"]), c["describe"]
         predicted = d["iterations"] / (d["microbatches"] * d["repeats"]) if d["stages"] > 1 else 1.0
-        rec = {"config": c["name"], "tokens_per_sec": B * T / best, "step_time_s": best,
-               "slowdown_vs_fsdp8": best / base, "predicted_slowdown": predicted, **d,
-               "collective_permute_bytes_per_step": c["permute_bytes"], "temp_bytes": c["temp_bytes"],
-               "stage_input_bytes": c["stage_input_bytes"], "argument_bytes": c["arg_bytes"],
-               "compile_s": c["compile_s"]}
+        rec = {
+            "config": c["name"],
+            "tokens_per_sec": B * T / best,
+            "step_time_s": best,
+            "slowdown_vs_fsdp8": best / base,
+            "predicted_slowdown": predicted,
+            **d,
+            "collective_permute_bytes_per_step": c["permute_bytes"],
+            "temp_bytes": c["temp_bytes"],
+            "stage_input_bytes": c["stage_input_bytes"],
+            "argument_bytes": c["arg_bytes"],
+            "compile_s": c["compile_s"],
+        }
         records.append(rec)
-        print(f"{c['name']:28s} {rec['tokens_per_sec']:8.0f} {rec['slowdown_vs_fsdp8']:8.2f} "
-              f"{d['bubble_fraction']:7.3f} {predicted:6.2f} {c['permute_bytes'] / 1e6:15.2f} "
-              f"{c['temp_bytes'] / 1e6:8.2f} {c['stage_input_bytes'] / 1e6:11.2f} {c['arg_bytes'] / 1e6:8.2f}")
+        print(
+            f"{c['name']:28s} {rec['tokens_per_sec']:8.0f} {rec['slowdown_vs_fsdp8']:8.2f} "
+            f"{d['bubble_fraction']:7.3f} {predicted:6.2f} {c['permute_bytes'] / 1e6:15.2f} "
+            f"{c['temp_bytes'] / 1e6:8.2f} {c['stage_input_bytes'] / 1e6:11.2f} {c['arg_bytes'] / 1e6:8.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             for rec in records:

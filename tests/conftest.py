@@ -11,8 +11,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxd
 os.environ.setdefault("JAXDIST_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-cache-"))
 # Tests check numerics, HLO and memory, not speed: skip LLVM's expensive optimisations (compiles ~2x
 # faster on CPU; subprocesses inherit it). Benchmarks run without this.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+).strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -6,14 +6,37 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "model.h
 
 
 def test_bench_prints_one_json_line_per_mesh(capsys):
-    assert bench.main(["--mesh", "fsdp=1", "--mesh", "pp=2,fsdp=4", "--warmup", "1", "--steps", "2", *SMALL,
-                       "pipeline.microbatches=2", "--table"]) == 0
+    assert (
+        bench.main(
+            [
+                "--mesh",
+                "fsdp=1",
+                "--mesh",
+                "pp=2,fsdp=4",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                *SMALL,
+                "pipeline.microbatches=2",
+                "--table",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
     assert [r["devices"] for r in lines] == [1, 8]
     for r in lines:
-        for key in ("tokens_per_sec", "step_time_s", "mfu", "flops_per_token", "compile_s",
-                    "bytes_per_device", "collectives"):
+        for key in (
+            "tokens_per_sec",
+            "step_time_s",
+            "mfu",
+            "flops_per_token",
+            "compile_s",
+            "bytes_per_device",
+            "collectives",
+        ):
             assert key in r, key
         assert r["tokens_per_sec"] > 0 and r["bytes_per_device"]["arguments"] > 0
     one, eight = lines
@@ -21,8 +44,14 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert one["pipeline"]["schedule"] == "none"
     assert "all-gather" in eight["collectives"]  # fsdp gathers parameters
     assert eight["collectives"]["collective-permute"]["bytes"] > 0  # stages pass activations
-    assert eight["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 2, "repeats": 1,
-                                 "iterations": 3, "bubble_fraction": 1 / 3}
+    assert eight["pipeline"] == {
+        "schedule": "gpipe",
+        "stages": 2,
+        "microbatches": 2,
+        "repeats": 1,
+        "iterations": 3,
+        "bubble_fraction": 1 / 3,
+    }
     assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 4
     # --table: one row per mesh after the JSON lines, then the legend and the CPU all-reduce note
     rows = out.split("\n\n", 1)[1].splitlines()

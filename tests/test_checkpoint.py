@@ -33,8 +33,15 @@ from jaxdist.errors import JaxdistError
 from jaxdist.mesh import mesh_from_string
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
-         "optim.warmup_steps=2", "train.eval_every=0", "train.log_every=1"]
+SMALL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "model.mlp_dim=128",
+    "optim.warmup_steps=2",
+    "train.eval_every=0",
+    "train.log_every=1",
+]
 SCHEDULE = ["train.steps=40", "checkpoint.every=10", "checkpoint.keep=2"]
 
 
@@ -166,6 +173,7 @@ def test_restore_from_another_run_onto_another_mesh(runs):
 
 # ---- in-process: restore paths on run A's checkpoints ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def small_program():
     cfg = config.load(None, SMALL + SCHEDULE)
@@ -175,6 +183,7 @@ def small_program():
 
 def test_unreadable_latest_is_reported_and_previous_used(runs, small_program, tmp_path):
     import shutil
+
     cfg, prog, loader = small_program
     copy = tmp_path / "run"
     shutil.copytree(runs["root"] / "a", copy)
@@ -205,12 +214,16 @@ def test_params_only_starts_a_fresh_optimizer(runs, small_program):
 def test_different_model_names_the_tensor(runs):
     cfg = config.load(None, SMALL + SCHEDULE + ["model.mlp_dim=256"])
     prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
-    with pytest.raises(JaxdistError, match=r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) "
-                                           r"there but \(2, 256, 64\)"):
+    with pytest.raises(
+        JaxdistError,
+        match=r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) "
+        r"there but \(2, 256, 64\)",
+    ):
         checkpoint.restore(runs["root"] / "a", prog, None, cfg)
 
 
 # ---- the non-finite guard ------------------------------------------------------------------------------
+
 
 def test_nonfinite_step_leaves_state_unchanged(small_program):
     cfg, prog, loader = small_program
@@ -222,7 +235,9 @@ def test_nonfinite_step_leaves_state_unchanged(small_program):
     state, m = prog.train_step(state, bad)
     assert int(m["skipped"]) == 1 and not np.isfinite(float(m["grad_norm"]))
     assert int(state.step) == 1 and int(state.skipped) == 1
-    for x, y in zip(jax.tree.leaves((before.params, before.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
+    for x, y in zip(
+        jax.tree.leaves((before.params, before.opt_state)), jax.tree.leaves((state.params, state.opt_state))
+    ):
         assert x.tobytes() == np.asarray(y).tobytes()
     state, m = prog.train_step(state, good)
     assert int(m["skipped"]) == 0 and int(state.skipped) == 0 and np.isfinite(float(m["loss"]))
@@ -230,6 +245,7 @@ def test_nonfinite_step_leaves_state_unchanged(small_program):
 
 def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monkeypatch):
     from jaxdist.train import run
+
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "4")
     cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2"])
     run(cfg, tmp_path / "run", log=lambda *a: None)
@@ -240,11 +256,12 @@ def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monk
     assert all(np.isfinite(by_step[s]["loss"]) and np.isfinite(by_step[s]["grad_norm"]) for s in (6, 7, 8))
     assert by_step[8]["loss"] < by_step[4]["loss"]  # still learning after the skipped step
     assert by_step[8]["skipped_steps"] == 1 and records[-1]["skipped_steps"] == 1
-    assert listing(tmp_path / "run") == ["2", "4", "6", "8"][-cfg.checkpoint.keep:]
+    assert listing(tmp_path / "run") == ["2", "4", "6", "8"][-cfg.checkpoint.keep :]
 
 
 def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path, monkeypatch):
     from jaxdist.train import run
+
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "5")
     cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "train.max_skipped_steps=1"])
     messages = []

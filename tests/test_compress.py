@@ -48,12 +48,16 @@ def expected_bytes(codec, abstract, batch_dims, n):
     return total
 
 
-@pytest.mark.parametrize("knobs,codec", [
-    (dict(method="topk", ratio=0.01), compress.topk(0.01)),
-    (dict(method="topk", ratio=0.001), compress.topk(0.001)),
-    (dict(method="int8"), compress.int8(256)),
-    (dict(method="powersgd", rank=4), compress.powersgd(4)),
-], ids=["topk0.01", "topk0.001", "int8", "powersgd4"])
+@pytest.mark.parametrize(
+    "knobs,codec",
+    [
+        (dict(method="topk", ratio=0.01), compress.topk(0.01)),
+        (dict(method="topk", ratio=0.001), compress.topk(0.001)),
+        (dict(method="int8"), compress.int8(256)),
+        (dict(method="powersgd", rank=4), compress.powersgd(4)),
+    ],
+    ids=["topk0.01", "topk0.001", "int8", "powersgd4"],
+)
 def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     """Two-sided: the compiled reduction sends exactly what the codec accounts for (steady state),
     and its dense warm-up branch exactly a dense float32 all-reduce of every tensor."""
@@ -64,7 +68,9 @@ def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
     if knobs["method"] in reduce.WARMED_UP:  # warm-up branch: the dense reduction, to the byte
         assert measure.dp_bytes_per_step(text, dp8, phase="warmup") == pytest.approx(dense, rel=1e-12)
-    assert dense / want > {"topk": 15 if knobs.get("ratio") == 0.01 else 100, "int8": 3.5, "powersgd": 8}[knobs["method"]]
+    assert (
+        dense / want > {"topk": 15 if knobs.get("ratio") == 0.01 else 100, "int8": 3.5, "powersgd": 8}[knobs["method"]]
+    )
 
 
 def test_topk_costs_four_bytes_per_kept_entry(small_cfg, dp8):
@@ -97,8 +103,9 @@ def test_train_step_bytes_and_run_average(tiny_cfg, dp8):
     assert steady == pytest.approx(reduction + loss_psum, rel=1e-12)
     warm = measure.dp_bytes_per_step(text, dp8, phase="warmup")
     model = step.resolve(base, dp8, step.sharding.DEFAULT_RULES)
-    assert warm == pytest.approx(sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
-                                 + loss_psum, rel=1e-12)
+    assert warm == pytest.approx(
+        sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract)) + loss_psum, rel=1e-12
+    )
     assert reduce.warmup_steps(cfg) == 5
     assert run == pytest.approx((5 * warm + 95 * steady) / 100, rel=1e-12) and steady < run < warm
 
@@ -119,6 +126,7 @@ def test_chunked_topk_error_feedback_is_exact(dp8):
     def body(g, e):
         total, s = reducer.update({"w": g[0]}, reduce.CompressedState({"w": e[0]}, ((),)), None)
         return total["w"], s.residual["w"][None]
+
     fn = jax.shard_map(body, mesh=dp8, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")), check_vma=False)
     total, residual = jax.jit(fn)(grads["w"], old["w"])
     x = np.asarray(grads["w"] + old["w"]).reshape(8, -1)
@@ -128,11 +136,11 @@ def test_chunked_topk_error_feedback_is_exact(dp8):
     assert chunks == 3 and chunk == 50_000
     k = int(np.ceil(ratio * chunk))
     for c in range(chunks):
-        xs, ss = x[:, c * chunk:(c + 1) * chunk], sent[:, c * chunk:(c + 1) * chunk]
+        xs, ss = x[:, c * chunk : (c + 1) * chunk], sent[:, c * chunk : (c + 1) * chunk]
         assert ((ss != 0).sum(1) == k).all()
-        kth = -np.sort(-np.abs(xs), axis=1)[:, k - 1:k]
+        kth = -np.sort(-np.abs(xs), axis=1)[:, k - 1 : k]
         np.testing.assert_array_equal(ss != 0, np.abs(xs) >= kth)
-        np.testing.assert_allclose(ss[ss != 0], xs[ss != 0], rtol=2 ** -8)  # bfloat16-rounded values
+        np.testing.assert_allclose(ss[ss != 0], xs[ss != 0], rtol=2**-8)  # bfloat16-rounded values
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,7 +176,10 @@ def test_variance_frozen_only_where_compressing(small_cfg, dp8):
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) == 5
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8")) is None
+    assert (
+        reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8"))
+        is None
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,7 +246,7 @@ def test_diloco_matches_reference(diloco_run):
         for r in range(8):
             p, s = theta, inner.init(theta)
             for b in batches:
-                p, s = inner_step(p, s, b[2 * r:2 * r + 2])
+                p, s = inner_step(p, s, b[2 * r : 2 * r + 2])
             locals_.append(p)
     delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
     want = jax.tree.map(lambda t, d: t - 0.7 * (d + 0.9 * d), theta, delta)
@@ -261,8 +272,11 @@ def test_diloco_state_is_per_replica_and_refuses_another_dp(mini_cfg, dp8, tmp_p
     axis); restoring them onto dp=4 is a one-line error naming the method and the fix."""
     cfg = mini_cfg.replace(reduce=dict(method="diloco", sync_every=4), checkpoint=dict(every=1))
     prog = step.build_program(cfg, dp8)
-    for s, p, ps in zip(jax.tree.leaves(prog.state_shardings.reducer_state.params),
-                        jax.tree.leaves(prog.abstract_state.params), jax.tree.leaves(prog.state_shardings.params)):
+    for s, _, ps in zip(
+        jax.tree.leaves(prog.state_shardings.reducer_state.params),
+        jax.tree.leaves(prog.abstract_state.params),
+        jax.tree.leaves(prog.state_shardings.params),
+    ):
         assert s.spec == P("dp", *ps.spec)
     state = prog.init_state(0)
     loader = data.Loader(cfg, prog.batch_sharding)

@@ -27,19 +27,22 @@ def test_dump_roundtrips(tmp_path):
     assert config.load(path) == cfg
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.stepz=3", "did you mean 'train.steps'"),
-    ("trian.steps=3", "unknown config key 'trian.steps': did you mean 'train.steps'"),
-    ("train.steps=abc", "train.steps must be int"),
-    ("train.steps=2.5", "train.steps must be int"),
-    ("model.tie_embeddings=3", "model.tie_embeddings must be bool"),
-    ("optim.schedule=exp", "not one of cosine, linear, constant"),
-    ("train.global_batch=0", "train.global_batch=0 is out of range: it must be >= 1"),
-    ("train.microbatches=3", "not divisible by train.microbatches=3"),
-    ("model.num_kv_heads=3", "not a multiple of model.num_kv_heads"),
-    ("train.profile_steps=5", "START:STOP"),
-    ("steps=3", "section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", "did you mean 'train.steps'"),
+        ("trian.steps=3", "unknown config key 'trian.steps': did you mean 'train.steps'"),
+        ("train.steps=abc", "train.steps must be int"),
+        ("train.steps=2.5", "train.steps must be int"),
+        ("model.tie_embeddings=3", "model.tie_embeddings must be bool"),
+        ("optim.schedule=exp", "not one of cosine, linear, constant"),
+        ("train.global_batch=0", "train.global_batch=0 is out of range: it must be >= 1"),
+        ("train.microbatches=3", "not divisible by train.microbatches=3"),
+        ("model.num_kv_heads=3", "not a multiple of model.num_kv_heads"),
+        ("train.profile_steps=5", "START:STOP"),
+        ("steps=3", "section.key=value"),
+    ],
+)
 def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(JaxdistError, match=message) as err:
         config.load(None, [override])
@@ -69,23 +72,26 @@ def test_shipped_configs_load(name):
     assert config.load(f"configs/{name}.yaml").model.num_layers > 0
 
 
-@pytest.mark.parametrize("override, message", [
-    ("optim.lr=inf", "optim.lr=inf must be a finite number"),
-    ("optim.lr=.nan", "optim.lr=nan must be a finite number"),
-    ("optim.lr=0", "optim.lr=0.0 is out of range: it must be > 0"),
-    ("train.eval_every=-1", "train.eval_every=-1 is out of range: it must be >= 0"),
-    ("checkpoint.every=-5", "checkpoint.every=-5 is out of range: it must be >= 0"),
-    ("optim.b2=1", "optim.b2=1.0 is out of range: it must be >= 0 and < 1"),
-    ("optim.clip_norm=-1", "optim.clip_norm=-1.0 is out of range: it must be >= 0"),
-    ("train.max_skipped_steps=0", "train.max_skipped_steps=0 is out of range: it must be >= 1"),
-    ("data.separator=256", "data.separator=256 is out of range: it must be >= 0 and <= 255"),
-    ("train.seed=-1", "train.seed=-1 is out of range: it must be >= 0"),
-    ("reduce.ratio=0", "reduce.ratio=0.0 is out of range: it must be > 0 and <= 1"),
-    ("model.remat=ful", "model.remat='ful' is not one of none, full, dots_saveable; did you mean 'full'"),
-    ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
-    ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
-    ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+        ("optim.lr=.nan", "optim.lr=nan must be a finite number"),
+        ("optim.lr=0", "optim.lr=0.0 is out of range: it must be > 0"),
+        ("train.eval_every=-1", "train.eval_every=-1 is out of range: it must be >= 0"),
+        ("checkpoint.every=-5", "checkpoint.every=-5 is out of range: it must be >= 0"),
+        ("optim.b2=1", "optim.b2=1.0 is out of range: it must be >= 0 and < 1"),
+        ("optim.clip_norm=-1", "optim.clip_norm=-1.0 is out of range: it must be >= 0"),
+        ("train.max_skipped_steps=0", "train.max_skipped_steps=0 is out of range: it must be >= 1"),
+        ("data.separator=256", "data.separator=256 is out of range: it must be >= 0 and <= 255"),
+        ("train.seed=-1", "train.seed=-1 is out of range: it must be >= 0"),
+        ("reduce.ratio=0", "reduce.ratio=0.0 is out of range: it must be > 0 and <= 1"),
+        ("model.remat=ful", "model.remat='ful' is not one of none, full, dots_saveable; did you mean 'full'"),
+        ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
+        ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
+        ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
+    ],
+)
 def test_ranges_and_names_are_checked_in_one_place(override, message):
     with pytest.raises(JaxdistError, match="^" + re.escape(message)) as err:
         config.load(None, [override])
@@ -102,11 +108,14 @@ def test_yaml_reads_values_as_written(tmp_path):
     assert config.parse_step_range(cfg.train.profile_steps) == (10, 15)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train: 5\n", "config section 'train' in .* must be a mapping of keys to values"),
-    ("- a\n- b\n", "must be a mapping of sections"),
-    ("model:\n  d_model: 64\n  num_heads: [4]\n", "model.num_heads must be int"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train: 5\n", "config section 'train' in .* must be a mapping of keys to values"),
+        ("- a\n- b\n", "must be a mapping of sections"),
+        ("model:\n  d_model: 64\n  num_heads: [4]\n", "model.num_heads must be int"),
+    ],
+)
 def test_malformed_sections(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -139,6 +148,7 @@ def test_readme_key_reference_is_generated_from_the_dataclasses():
 
 def test_every_package_is_listed_in_pyproject():
     import tomllib
+
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "jaxdist").rglob("__init__.py")}
     assert found <= listed and "jaxdist.configs" in listed
@@ -147,9 +157,24 @@ def test_every_package_is_listed_in_pyproject():
 def test_print_config_from_another_directory(tmp_path):
     """A shipped config by name from any directory; --print-config resolves the mesh and exits 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--config", "llama3-8b", "--print-config",
-                          "--cpu-devices", "8", "train.steps=3"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.train",
+            "--config",
+            "llama3-8b",
+            "--print-config",
+            "--cpu-devices",
+            "8",
+            "train.steps=3",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     cfg = config.from_dict(yaml.safe_load(out.stdout))
     assert cfg.mesh.shape == "fsdp=8" and cfg.model.vocab_size == 128256 and cfg.train.steps == 3
@@ -160,11 +185,32 @@ def test_print_config_from_another_directory(tmp_path):
 def test_shipped_configs_from_a_non_editable_install(tmp_path):
     """`pip install .` (not -e) ships configs/ as package data: found by name outside the checkout."""
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     code = "from jaxdist import config; print(config.CONFIGS_DIR); print(config.load('llama3-8b').model.d_model)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     where, d_model = out.stdout.split()
     assert where.startswith(str(target)) and d_model == "4096"

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from jaxdist import data, mesh as mesh_mod, step
+from jaxdist import data, step
+from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 
 
@@ -13,8 +14,7 @@ def token_file(tmp_path_factory):
 
 
 def tokens_cfg(tiny_cfg, path, **model):
-    return tiny_cfg.replace(data=dict(source="tokens", path=str(path)),
-                            model=dict(vocab_size=300, seq_len=16, **model))
+    return tiny_cfg.replace(data=dict(source="tokens", path=str(path)), model=dict(vocab_size=300, seq_len=16, **model))
 
 
 def test_windows_are_contiguous_and_cover_the_stream(tiny_cfg, token_file):

@@ -20,22 +20,39 @@ from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
-         "train.log_every=1", "train.eval_every=0", "optim.schedule=constant", "optim.warmup_steps=2",
-         "checkpoint.every=5", "checkpoint.async_save=false"]
+SMALL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "model.mlp_dim=128",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "optim.schedule=constant",
+    "optim.warmup_steps=2",
+    "checkpoint.every=5",
+    "checkpoint.async_save=false",
+]
 RTOL = 1e-5
 WAIT = 400  # seconds: a hung run fails the test instead of hanging it
 
 
 # ---- detection: which source supplies coordinator, count and id --------------------------------------
 
+
 def test_no_source_means_single_process():
     assert distributed.detect(env={}) is None
 
 
 def test_flags_beat_jax_variables_beat_the_cluster():
-    env = {"JAX_COORDINATOR_ADDRESS": "envhost:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "1",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_ID": "5"}
+    env = {
+        "JAX_COORDINATOR_ADDRESS": "envhost:1",
+        "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "node[07-08]",
+        "SLURM_JOB_ID": "5",
+    }
     assert distributed.detect("flaghost:9", None, 2, env=env) == distributed.Launch("flaghost:9", 4, 2, "flags+env")
     launch = distributed.detect(env={k: v for k, v in env.items() if not k.startswith("JAX_NUM")})
     assert (launch.coordinator, launch.num_processes, launch.process_id) == ("envhost:1", 2, 1)
@@ -43,8 +60,14 @@ def test_flags_beat_jax_variables_beat_the_cluster():
 
 
 def test_slurm():
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "4097", "SLURM_LOCALID": "1",
-           "SLURM_STEP_NODELIST": "gpu[003-004,9],cpu1", "SLURM_STEP_TASKS_PER_NODE": "1(x4)"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_ID": "4097",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "gpu[003-004,9],cpu1",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+    }
     assert distributed.detect(env=env) == distributed.Launch("gpu003:61441", 4, 3, "slurm")
     # two tasks on a node: each takes the GPU of its local rank; JAX_COORDINATOR_PORT sets the port
     shared = distributed.detect(env={**env, "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "JAX_COORDINATOR_PORT": "777"})
@@ -55,34 +78,46 @@ def test_slurm():
 
 
 def test_openmpi():
-    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
-           "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+        "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+    }
     assert distributed.detect(env=env) == distributed.Launch(f"10.96.0.1:{distributed.DEFAULT_PORT}", 2, 1, "openmpi")
     with pytest.raises(JaxdistError, match="lacks coordinator; pass --coordinator"):  # OpenMPI 5: no URI
         distributed.detect(env={k: v for k, v in env.items() if k != "OMPI_MCA_orte_hnp_uri"})
 
 
 def test_kubernetes_jobset():
-    env = {"JOB_COMPLETION_INDEX": "2", "JOBSET_NAME": "llama", "REPLICATED_JOB_NAME": "workers",
-           "JAX_NUM_PROCESSES": "4"}
+    env = {
+        "JOB_COMPLETION_INDEX": "2",
+        "JOBSET_NAME": "llama",
+        "REPLICATED_JOB_NAME": "workers",
+        "JAX_NUM_PROCESSES": "4",
+    }
     launch = distributed.detect(env=env)
     assert launch == distributed.Launch(f"llama-workers-0-0.llama:{distributed.DEFAULT_PORT}", 4, 2, "env+kubernetes")
     with pytest.raises(JaxdistError, match="lacks num_processes; pass --num-processes N"):
         distributed.detect(env={k: v for k, v in env.items() if k != "JAX_NUM_PROCESSES"})
 
 
-@pytest.mark.parametrize("args, env, match", [
-    (("h:1", 2, 2), {}, r"process id 2 \(flags\) must be in 0..1"),
-    (("nohostport", 2, 0), {}, "must be HOST:PORT"),
-    ((None, None, None), {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' is not an integer"),
-    ((None, 2, 0), {}, "lacks coordinator"),
-])
+@pytest.mark.parametrize(
+    "args, env, match",
+    [
+        (("h:1", 2, 2), {}, r"process id 2 \(flags\) must be in 0..1"),
+        (("nohostport", 2, 0), {}, "must be HOST:PORT"),
+        ((None, None, None), {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' is not an integer"),
+        ((None, 2, 0), {}, "lacks coordinator"),
+    ],
+)
 def test_bad_input_names_the_problem(args, env, match):
     with pytest.raises(JaxdistError, match=match):
         distributed.detect(*args, env=env)
 
 
 # ---- real processes ---------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -126,22 +161,52 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     common = ["--steps", "10", *SMALL]
     first = {
-        "1x8": start(train_cmd("--mesh", "fsdp=8", "--run-dir", str(tmp / "1x8"), *common), cpu_env(8),
-                     tmp / "1x8.log"),
-        "2x4_fsdp": start([str(LAUNCH), "2", "--mesh", "fsdp=8", "--run-dir", str(tmp / "2x4_fsdp"), *common],
-                          cpu_env(4), tmp / "2x4_fsdp.log"),
-        "2x4_dp": start([str(LAUNCH), "2", "--mesh", "dp=2,fsdp=4", "--run-dir", str(tmp / "2x4_dp"), *common],
-                        cpu_env(4), tmp / "2x4_dp.log"),
+        "1x8": start(
+            train_cmd("--mesh", "fsdp=8", "--run-dir", str(tmp / "1x8"), *common), cpu_env(8), tmp / "1x8.log"
+        ),
+        "2x4_fsdp": start(
+            [str(LAUNCH), "2", "--mesh", "fsdp=8", "--run-dir", str(tmp / "2x4_fsdp"), *common],
+            cpu_env(4),
+            tmp / "2x4_fsdp.log",
+        ),
+        "2x4_dp": start(
+            [str(LAUNCH), "2", "--mesh", "dp=2,fsdp=4", "--run-dir", str(tmp / "2x4_dp"), *common],
+            cpu_env(4),
+            tmp / "2x4_dp.log",
+        ),
     }
     t0 = time.perf_counter()
     finish(first, tmp)
     first_s = time.perf_counter() - t0
     second = {
-        "2to1": start(train_cmd("--mesh", "fsdp=8", "--run-dir", str(tmp / "2to1"),
-                                "--restore", str(tmp / "2x4_dp" / "checkpoints" / "5"), *common),
-                      cpu_env(8), tmp / "2to1.log"),
-        "1to2": start([str(LAUNCH), "2", "--mesh", "dp=2,fsdp=4", "--run-dir", str(tmp / "1to2"),
-                       "--restore", str(tmp / "1x8" / "checkpoints" / "5"), *common], cpu_env(4), tmp / "1to2.log"),
+        "2to1": start(
+            train_cmd(
+                "--mesh",
+                "fsdp=8",
+                "--run-dir",
+                str(tmp / "2to1"),
+                "--restore",
+                str(tmp / "2x4_dp" / "checkpoints" / "5"),
+                *common,
+            ),
+            cpu_env(8),
+            tmp / "2to1.log",
+        ),
+        "1to2": start(
+            [
+                str(LAUNCH),
+                "2",
+                "--mesh",
+                "dp=2,fsdp=4",
+                "--run-dir",
+                str(tmp / "1to2"),
+                "--restore",
+                str(tmp / "1x8" / "checkpoints" / "5"),
+                *common,
+            ],
+            cpu_env(4),
+            tmp / "1to2.log",
+        ),
     }
     finish(second, tmp)
     return tmp, first_s
@@ -175,18 +240,44 @@ def test_checkpoint_moves_between_process_counts(runs):
 
 
 def test_launcher_fails_when_a_process_fails(tmp_path):
-    r = subprocess.run([str(LAUNCH), "2", "--run-dir", str(tmp_path / "run"), "train.stepz=1"], env=cpu_env(4),
-                       cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    r = subprocess.run(
+        [str(LAUNCH), "2", "--run-dir", str(tmp_path / "run"), "train.stepz=1"],
+        env=cpu_env(4),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
     assert r.returncode == 2
     assert "error: unknown config key 'train.stepz'" in r.stderr and "launch_local: process" in r.stderr
 
 
 def test_killed_process_stops_the_other(tmp_path):
     port = free_port()
-    procs = [start(train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-                             "--heartbeat-timeout", "10", "--steps", "100000", "--run-dir", str(tmp_path / "run"),
-                             "--mesh", "fsdp=8", *SMALL), cpu_env(4), tmp_path / f"p{i}.log")
-             for i in (0, 1)]
+    procs = [
+        start(
+            train_cmd(
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--heartbeat-timeout",
+                "10",
+                "--steps",
+                "100000",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--mesh",
+                "fsdp=8",
+                *SMALL,
+            ),
+            cpu_env(4),
+            tmp_path / f"p{i}.log",
+        )
+        for i in (0, 1)
+    ]
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + WAIT
@@ -209,9 +300,26 @@ def test_killed_process_stops_the_other(tmp_path):
 def test_unreachable_coordinator_is_named(tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
-    r = subprocess.run(train_cmd("--coordinator", address, "--num-processes", "2", "--process-id", "1",
-                                 "--init-timeout", "3", "--run-dir", str(tmp_path / "run"), *SMALL),
-                       env=cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    r = subprocess.run(
+        train_cmd(
+            "--coordinator",
+            address,
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--init-timeout",
+            "3",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *SMALL,
+        ),
+        env=cpu_env(4),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
     assert r.returncode == 2 and time.monotonic() - t0 < 60
     assert f"error: cannot reach the coordinator {address} within 3s (Connection refused)" in r.stderr
     assert not (tmp_path / "run").exists()
@@ -225,10 +333,25 @@ def test_mismatched_process_counts_stop_in_bounded_time(tmp_path):
     for case, counts in cases.items():
         port = free_port()
         for i, n in enumerate(counts):
-            procs[case, i] = start(train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
-                                             "--process-id", str(i), "--init-timeout", "10", "--heartbeat-timeout",
-                                             "5", "--run-dir", str(tmp_path / case), *SMALL),
-                                   cpu_env(4), tmp_path / f"{case}{i}.log")
+            procs[case, i] = start(
+                train_cmd(
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    str(n),
+                    "--process-id",
+                    str(i),
+                    "--init-timeout",
+                    "10",
+                    "--heartbeat-timeout",
+                    "5",
+                    "--run-dir",
+                    str(tmp_path / case),
+                    *SMALL,
+                ),
+                cpu_env(4),
+                tmp_path / f"{case}{i}.log",
+            )
     t0 = time.monotonic()
     rcs = {k: p.wait(timeout=WAIT) for k, p in procs.items()}
     assert time.monotonic() - t0 < 90 and all(rc != 0 for rc in rcs.values()), rcs

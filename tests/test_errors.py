@@ -19,8 +19,14 @@ from jaxdist import checkpoint, config, data, step
 from jaxdist.mesh import mesh_from_string
 from jaxdist.train import main
 
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
-         "train.steps=4", "train.eval_every=0"]
+SMALL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "model.mlp_dim=128",
+    "train.steps=4",
+    "train.eval_every=0",
+]
 
 
 @dataclasses.dataclass
@@ -60,30 +66,57 @@ def _root_skip():
 
 ROWS = [  # (id, paths -> (options, overrides), expected message)
     ("mesh/device mismatch", lambda p: (["--mesh", "dp=3"], []), r"needs 3 devices but there are 8"),
-    ("indivisible global batch", lambda p: ([], ["train.global_batch=12"]),
-     r"train.global_batch=12 must be divisible by .* 8 batch shards"),
-    ("unknown config key", lambda p: ([], ["optim.lrr=1e-3"]),
-     r"unknown config key 'optim.lrr': did you mean 'optim.lr'"),
+    (
+        "indivisible global batch",
+        lambda p: ([], ["train.global_batch=12"]),
+        r"train.global_batch=12 must be divisible by .* 8 batch shards",
+    ),
+    (
+        "unknown config key",
+        lambda p: ([], ["optim.lrr=1e-3"]),
+        r"unknown config key 'optim.lrr': did you mean 'optim.lr'",
+    ),
     ("wrong value type", lambda p: ([], ["train.steps=ten"]), r"train.steps must be int, got 'ten'"),
     ("missing data files", lambda p: ([], [f"data.path={p.tmp}/none/*.txt"]), r"matches no files"),
-    ("empty corpus", lambda p: ([], ["data.source=tokens", f"data.path={p.file('empty.bin')}"]),
-     r"the corpus has 0 tokens"),
-    ("sequence longer than the model supports", lambda p: (["--run-dir", str(p.saved)], ["model.seq_len=64"]),
-     r"model.seq_len=64 is longer than the 32 tokens the checkpoint .* was trained on"),
-    ("checkpoint dir of a different model", lambda p: (["--run-dir", str(p.saved)], ["model.mlp_dim=256"]),
-     r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) there but \(2, 256, 64\)"),
-    ("--restore of a different model", lambda p: (["--restore", str(p.saved)], ["model.d_model=32"]),
-     r"checkpoint .* is of a different model: tensor params/"),
-    ("unreadable checkpoint", lambda p: (["--restore", str(p.unreadable_copy())], []),
-     r"no checkpoint under .*broken/checkpoints could be restored \(step 1:"),
+    (
+        "empty corpus",
+        lambda p: ([], ["data.source=tokens", f"data.path={p.file('empty.bin')}"]),
+        r"the corpus has 0 tokens",
+    ),
+    (
+        "sequence longer than the model supports",
+        lambda p: (["--run-dir", str(p.saved)], ["model.seq_len=64"]),
+        r"model.seq_len=64 is longer than the 32 tokens the checkpoint .* was trained on",
+    ),
+    (
+        "checkpoint dir of a different model",
+        lambda p: (["--run-dir", str(p.saved)], ["model.mlp_dim=256"]),
+        r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) there but \(2, 256, 64\)",
+    ),
+    (
+        "--restore of a different model",
+        lambda p: (["--restore", str(p.saved)], ["model.d_model=32"]),
+        r"checkpoint .* is of a different model: tensor params/",
+    ),
+    (
+        "unreadable checkpoint",
+        lambda p: (["--restore", str(p.unreadable_copy())], []),
+        r"no checkpoint under .*broken/checkpoints could be restored \(step 1:",
+    ),
     ("--restore path missing", lambda p: (["--restore", str(p.tmp / "nowhere")], []), r"does not exist"),
     ("--restore without checkpoints", lambda p: (["--restore", str(p.tmp)], []), r"holds no checkpoint"),
-    ("resume with another seed", lambda p: (["--run-dir", str(p.saved)], ["train.seed=1"]),
-     r"train.seed=1 differs from the seed 0 of checkpoint"),
+    (
+        "resume with another seed",
+        lambda p: (["--run-dir", str(p.saved)], ["train.seed=1"]),
+        r"train.seed=1 differs from the seed 0 of checkpoint",
+    ),
     ("run dir that is a file", lambda p: (["--run-dir", str(p.file("afile"))], []), r"is a file; pass a folder path"),
     ("run dir inside a file", lambda p: (["--run-dir", str(p.file("afile") / "sub")], []), r"is not writable"),
-    ("unwritable run dir", lambda p: (_root_skip(), (["--run-dir", str(p.locked_dir() / "sub")], []))[1],
-     r"is not writable"),
+    (
+        "unwritable run dir",
+        lambda p: (_root_skip(), (["--run-dir", str(p.locked_dir() / "sub")], []))[1],
+        r"is not writable",
+    ),
 ]
 
 
@@ -116,6 +149,7 @@ def snapshot(*roots: Path) -> dict:
 @pytest.mark.parametrize("build, message", [pytest.param(a, m, id=i) for i, a, m in ROWS])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(build, message, saved_run, tmp_path, capsys):
     import re
+
     paths = Paths(tmp_path, saved_run)
     options, overrides = build(paths)
     if "--run-dir" not in options:

@@ -26,9 +26,18 @@ from jaxdist.checkpoint import integrity
 from jaxdist.mesh import mesh_from_string
 from jaxdist.train import main, run
 
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
-         "optim.warmup_steps=2", "optim.schedule_steps=8", "train.eval_every=0", "train.log_every=1",
-         "checkpoint.every=2", "checkpoint.keep=3"]
+SMALL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "model.mlp_dim=128",
+    "optim.warmup_steps=2",
+    "optim.schedule_steps=8",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "checkpoint.every=2",
+    "checkpoint.keep=3",
+]
 
 
 def quiet(*args, **kwargs):
@@ -45,8 +54,9 @@ def reference(tmp_path_factory):
 
 
 def _largest(folder: Path) -> Path:
-    return max((f for f in folder.rglob("*") if f.is_file() and "ocdbt.process_0/d/" in str(f)),
-               key=lambda f: f.stat().st_size)
+    return max(
+        (f for f in folder.rglob("*") if f.is_file() and "ocdbt.process_0/d/" in str(f)), key=lambda f: f.stat().st_size
+    )
 
 
 def flip_bit(step_dir: Path) -> None:
@@ -91,6 +101,7 @@ def test_damaged_latest_checkpoint_falls_back_and_ends_where_an_uninterrupted_ru
 
 # ---- a full disk -------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_tmpfs(tmp_path, reference):
     """A tmpfs with room for ~2.5 checkpoints of the SMALL model; skipped where mounting is not allowed."""
@@ -98,8 +109,9 @@ def small_tmpfs(tmp_path, reference):
     mount = tmp_path / "tmpfs"
     mount.mkdir()
     size_kb = int(2.5 * ckpt / 1024) + 64
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mount)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): full-disk test not run")
     try:

@@ -26,8 +26,22 @@ def test_greedy_cli_matches_transformers_batched_and_sharded(capsys, monkeypatch
     prompts = [" ".join(map(str, ref[f"prompt{k}"])) for k in (0, 1)]
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     capsys.readouterr()
-    rc = generate.main(["--hf", str(FIXTURE), "--mesh", "fsdp=4,tp=2", "--prompt-tokens", prompts[0],
-                        "--prompt-tokens", prompts[1], "--max-new-tokens", str(n), "--ignore-eos", "--json"])
+    rc = generate.main(
+        [
+            "--hf",
+            str(FIXTURE),
+            "--mesh",
+            "fsdp=4,tp=2",
+            "--prompt-tokens",
+            prompts[0],
+            "--prompt-tokens",
+            prompts[1],
+            "--max-new-tokens",
+            str(n),
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
@@ -69,10 +83,12 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from jaxdist import config, hf_io
+
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["hello world", "hello there"] * 10, trainers.BpeTrainer(vocab_size=40,
-                                                                                     special_tokens=["[UNK]"]))
+    tok.train_from_iterator(
+        ["hello world", "hello there"] * 10, trainers.BpeTrainer(vocab_size=40, special_tokens=["[UNK]"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     byte_cfg = config.load(None, [])
     text = generate.Text(byte_cfg, tmp_path / "nowhere")
@@ -93,6 +109,7 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
 def test_run_dir_generation_equals_hf_generation(tmp_path):
     """--run-dir: a converted run decodes exactly as the HF directory it came from (and keeps its EOS)."""
     from jaxdist import convert
+
     ref = np.load(FIXTURE / "reference.npz")
     convert.from_hf(FIXTURE, tmp_path / "run", convert.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None)
     cfg, params, graphdef, mesh, source = generate.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")

@@ -30,8 +30,11 @@ def test_flags_are_well_formed():
 
 def test_user_flags_win_and_unknown_ones_are_dropped():
     user = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x"
-    ours = {"xla_gpu_enable_latency_hiding_scheduler": "true", "xla_gpu_enable_pipelined_all_gather": "true",
-            "xla_gpu_renamed_flag": "1"}
+    ours = {
+        "xla_gpu_enable_latency_hiding_scheduler": "true",
+        "xla_gpu_enable_pipelined_all_gather": "true",
+        "xla_gpu_renamed_flag": "1",
+    }
     seen = {}
 
     def probe(flags):
@@ -44,15 +47,18 @@ def test_user_flags_win_and_unknown_ones_are_dropped():
     assert value == user + " --xla_gpu_enable_pipelined_all_gather=true"
 
 
-@pytest.mark.parametrize("platforms,plugin,devices,expected", [
-    ("cpu", True, True, False),  # explicit CPU wins over an installed plugin
-    ("cuda", False, False, True),
-    ("cuda,cpu", False, False, True),
-    ("cpu,cuda", True, True, False),  # the first listed platform is the default backend
-    ("", True, True, True),
-    ("", True, False, False),  # plugin installed, no GPU visible: JAX falls back to CPU
-    ("", False, True, False),
-])
+@pytest.mark.parametrize(
+    "platforms,plugin,devices,expected",
+    [
+        ("cpu", True, True, False),  # explicit CPU wins over an installed plugin
+        ("cuda", False, False, True),
+        ("cuda,cpu", False, False, True),
+        ("cpu,cuda", True, True, False),  # the first listed platform is the default backend
+        ("", True, True, True),
+        ("", True, False, False),  # plugin installed, no GPU visible: JAX falls back to CPU
+        ("", False, True, False),
+    ],
+)
 def test_gpu_detection(platforms, plugin, devices, expected):
     assert xla_flags.gpu_backend_expected(platforms, plugin, devices) is expected
 
@@ -85,8 +91,10 @@ def test_applied_before_backend_start_with_user_override():
 
 
 def test_too_late_warns_and_does_nothing():
-    code = ("import os, warnings, jax; jax.devices(); from jaxdist import xla_flags\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always'); xla_flags.gpu_backend_expected = lambda: True\n"
-            "    print(xla_flags.apply(), os.environ.get('XLA_FLAGS', ''), 'backend started' in str(w[0].message))")
+    code = (
+        "import os, warnings, jax; jax.devices(); from jaxdist import xla_flags\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always'); xla_flags.gpu_backend_expected = lambda: True\n"
+        "    print(xla_flags.apply(), os.environ.get('XLA_FLAGS', ''), 'backend started' in str(w[0].message))"
+    )
     assert run_child({"JAX_PLATFORMS": "cpu"}, code) == "{}  True"

@@ -63,6 +63,7 @@ def sharded():
         out = real(sl, idx, shape, n_in)
         reads.append((tuple(sl.get_shape()), out.size))
         return out
+
     hf_io.read_block = spy
     try:
         result = imported(FIXTURE, "fsdp=4,tp=2")
@@ -113,7 +114,10 @@ def test_bf16_and_fp16_files_import_exactly(tmp_path):
 def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     cfg, mesh, params, _, _ = sharded
     hf_io.export(params, cfg.model, tmp_path / "one", "float32", log=lambda *a: None)
-    original, exported = load_file(str(FIXTURE / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+    original, exported = (
+        load_file(str(FIXTURE / "model.safetensors")),
+        load_file(str(tmp_path / "one" / "model.safetensors")),
+    )
     assert sorted(original) == sorted(exported) and all(np.array_equal(original[k], exported[k]) for k in original)
     files = hf_io.export(params, cfg.model, tmp_path / "many", "float32", max_shard_bytes=60_000, log=lambda *a: None)
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
@@ -137,9 +141,19 @@ def test_tied_model_round_trips(tmp_path):
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
 
 
-SCRATCH = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "model.num_heads=2", "model.num_kv_heads=1",
-           "model.head_dim=16", "model.seq_len=16", "train.steps=1", "train.eval_every=0", "checkpoint.every=1",
-           "checkpoint.async_save=false"]
+SCRATCH = [
+    "model.num_layers=1",
+    "model.d_model=32",
+    "model.mlp_dim=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.seq_len=16",
+    "train.steps=1",
+    "train.eval_every=0",
+    "checkpoint.every=1",
+    "checkpoint.async_save=false",
+]
 
 
 def test_trained_run_exports_and_reimports_bit_identically(tmp_path):
@@ -162,8 +176,16 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     fine-tuned run exports with the source's token ids and re-imports bit-identically."""
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 128, 50_000).astype(np.uint16).tofile(tokens)
-    overrides = ["model.seq_len=32", "train.steps=1", "train.eval_every=0", "train.global_batch=8",
-                 "checkpoint.every=1", "checkpoint.async_save=false", "data.source=tokens", f"data.path={tokens}"]
+    overrides = [
+        "model.seq_len=32",
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.global_batch=8",
+        "checkpoint.every=1",
+        "checkpoint.async_save=false",
+        "data.source=tokens",
+        f"data.path={tokens}",
+    ]
     cfg = hf.apply(config.load(None, overrides), FIXTURE)
     result = train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
     mesh = mesh_from_string(cfg.mesh.shape)
@@ -171,7 +193,8 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     loader = data.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
     with jax.set_mesh(mesh):
         s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
-            params, next(loader))
+            params, next(loader)
+        )
     assert abs(result.final_loss - float(s) / float(n)) < 1e-5
     convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -198,12 +221,18 @@ def test_both_rope_spellings_read_alike(tmp_path):
     assert fields["rope_factor"] == 8.0 and fields["rope_original_max_len"] == 64
 
 
-@pytest.mark.parametrize("edit, named", [
-    ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
-    ({"model_type": "mistral"}, "mistral"), ({"sliding_window": 4096}, "sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
-    ({"hidden_act": "gelu"}, "hidden_act"), ({"architectures": ["LlamaForSequenceClassification"]}, "architecture"),
-])
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "mistral"}, "mistral"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "architecture"),
+    ],
+)
 def test_unsupported_fields_are_named(tmp_path, edit, named):
     raw = {**json.loads((FIXTURE / "config.json").read_text()), **edit}
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -245,6 +274,7 @@ def test_cli_missing_or_corrupt_shard_exit_2(sharded, tmp_path, capsys, monkeypa
 def test_import_onto_a_pipeline_layout(sharded):
     """With pp > 1 the stack is stored (stage, layers, ...): the loader fills it directly, layer by layer."""
     from jaxdist.parallel import pipeline
+
     _, _, params, _, _ = sharded
     _, _, staged, model = imported(FIXTURE, "pp=2,fsdp=4")
     assert model.pipeline is not None and staged["blocks"]["attn"]["wq_DNH"].shape[:2] == (2, 1)
@@ -254,6 +284,7 @@ def test_import_onto_a_pipeline_layout(sharded):
 
 def test_layer_ids_follow_the_circular_stage_layout():
     from jaxdist.parallel import pipeline
+
     plan = pipeline.Plan("circular", stages=2, microbatches=2, repeats=2, layers_per_group=2)
     staged = pipeline.to_stages({"blocks": np.arange(8)}, plan)["blocks"]  # (stage, position) -> layer
     assert hf_io._layer_ids([range(2), range(4)], 8, 2, 2) == staged.tolist()
@@ -285,10 +316,25 @@ def test_two_process_import_and_export(tmp_path):
             port = s.getsockname()[1]
         procs = []
         for i in range(2):
-            env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4",
-                   "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
-            procs.append(subprocess.Popen([sys.executable, "-m", "jaxdist.convert", *args], cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "JAX_PLATFORMS": "cpu",
+                "JAX_NUM_CPU_DEVICES": "4",
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "jaxdist.convert", *args],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         for p in procs:
             out, _ = p.communicate(timeout=300)
             assert p.returncode == 0, out[-3000:]

@@ -82,15 +82,23 @@ def test_golden_cpu_sync_program():
     (its promotion pass converts first): 256 bytes, as compiled."""
     colls = hlo.collectives((FIXTURES / "cpu_sync.txt").read_text())
     got = sorted((c.kind, c.full_bytes, c.group_size, c.count) for c in colls)
-    assert got == sorted([
-        ("all-reduce", 256, 4, 1), ("all-gather", 256, 2, 1), ("reduce-scatter", 256, 8, 1),
-        ("all-to-all", 256, 4, 1), ("collective-permute", 32, 2, 1), ("all-reduce", 64, 2, 3),
-        ("all-reduce", 32, 2, 1), ("all-reduce", 32, 2, 1),
-    ])
+    assert got == sorted(
+        [
+            ("all-reduce", 256, 4, 1),
+            ("all-gather", 256, 2, 1),
+            ("reduce-scatter", 256, 8, 1),
+            ("all-to-all", 256, 4, 1),
+            ("collective-permute", 32, 2, 1),
+            ("all-reduce", 64, 2, 3),
+            ("all-reduce", 32, 2, 1),
+            ("all-reduce", 32, 2, 1),
+        ]
+    )
     assert all(c.trips_known for c in colls)
     total = sum(c.count * c.sent_bytes for c in colls)
-    assert total == pytest.approx(2 * 3 / 4 * 256 + 1 / 2 * 256 + 7 / 8 * 256 + 3 / 4 * 256 + 32
-                                  + 3 * 2 * 1 / 2 * 64 + 2 * (2 * 1 / 2 * 32))
+    assert total == pytest.approx(
+        2 * 3 / 4 * 256 + 1 / 2 * 256 + 7 / 8 * 256 + 3 / 4 * 256 + 32 + 3 * 2 * 1 / 2 * 64 + 2 * (2 * 1 / 2 * 32)
+    )
 
 
 def test_golden_gpu_async_program():
@@ -106,8 +114,11 @@ def test_golden_gpu_async_program():
     assert a2a.groups == (tuple(range(8)),) and a2a.full_bytes == 512  # replica_groups={}: all 8 devices
     (cp,) = colls["collective-permute"]
     assert (cp.full_bytes, cp.count) == (128, 5)  # the f32[32] result, not the u32 context; 5 trips
-    assert ar_loop.trips_known is False and all(c.trips_known for c in hlo.collectives(
-        (FIXTURES / "gpu_async.txt").read_text()) if c is not ar_loop and c.computation != "body.unknown")
+    assert ar_loop.trips_known is False and all(
+        c.trips_known
+        for c in hlo.collectives((FIXTURES / "gpu_async.txt").read_text())
+        if c is not ar_loop and c.computation != "body.unknown"
+    )
     s = hlo.summarize(hlo.collectives((FIXTURES / "gpu_async.txt").read_text()))
     assert s["all-reduce"]["bytes"] == pytest.approx(2 * 7 / 8 * 4160 + 2 * 1 / 2 * 64)
     assert s["all-gather"]["bytes"] == pytest.approx(7 / 8 * 1024 + 1 / 2 * 512)
@@ -117,14 +128,16 @@ def test_golden_gpu_async_program():
 
 
 def test_empty_replica_groups_need_the_device_count():
-    text = "\n".join(line for line in (FIXTURES / "gpu_async.txt").read_text().splitlines()
-                     if not line.startswith("HloModule"))
+    text = "\n".join(
+        line for line in (FIXTURES / "gpu_async.txt").read_text().splitlines() if not line.startswith("HloModule")
+    )
     with pytest.raises(ValueError, match="replica_groups=\\{\\} .*header"):
         hlo.collectives(text)
 
 
 def test_ring_model_is_one_function():
     from jaxdist.planner import comms
+
     assert comms.ring_bytes is hlo.ring_bytes
     assert hlo.ring_bytes("all-reduce", 8, 800) == 1400 and hlo.ring_bytes("all-gather", 4, 400) == 300
     assert hlo.ring_bytes("collective-permute", 2, 64) == 64 and hlo.ring_bytes("all-reduce", 1, 64) == 0
@@ -135,6 +148,7 @@ def test_unknown_trip_count_is_refused_not_undercounted():
     from jaxdist import measure
     from jaxdist.errors import JaxdistError
     from jaxdist.mesh import mesh_from_string
+
     text = (FIXTURES / "gpu_async.txt").read_text()
     with pytest.raises(JaxdistError, match="loop without a known trip count \\(body.unknown\\)"):
         measure.dp_bytes_per_step(text, mesh_from_string("dp=8"))

@@ -18,12 +18,24 @@ class Recorder(hooks.Hook):
 
 def test_hooks_run_in_list_order_around_each_step():
     events = []
-    state, done = hooks.run_steps(lambda s: (s + 1, {}), 0, 2, 5, lambda: False,
-                                  [Recorder("a", events), Recorder("b", events)])
+    state, done = hooks.run_steps(
+        lambda s: (s + 1, {}), 0, 2, 5, lambda: False, [Recorder("a", events), Recorder("b", events)]
+    )
     assert (state, done) == (3, 5)
-    assert events == [("a", "before", 2), ("b", "before", 2), ("a", "after", 3, False), ("b", "after", 3, False),
-                      ("a", "before", 3), ("b", "before", 3), ("a", "after", 4, False), ("b", "after", 4, False),
-                      ("a", "before", 4), ("b", "before", 4), ("a", "after", 5, True), ("b", "after", 5, True)]
+    assert events == [
+        ("a", "before", 2),
+        ("b", "before", 2),
+        ("a", "after", 3, False),
+        ("b", "after", 3, False),
+        ("a", "before", 3),
+        ("b", "before", 3),
+        ("a", "after", 4, False),
+        ("b", "after", 4, False),
+        ("a", "before", 4),
+        ("b", "before", 4),
+        ("a", "after", 5, True),
+        ("b", "after", 5, True),
+    ]
 
 
 def test_a_stop_makes_this_step_the_last():
@@ -34,8 +46,9 @@ def test_a_stop_makes_this_step_the_last():
 
 def test_metrics_are_read_one_step_late_and_eval_steps_at_once():
     recorded = []
-    progress = types.SimpleNamespace(record=lambda i, m, final=False, evaluate=None: recorded.append(
-        (i, final, evaluate() if evaluate else None)))
+    progress = types.SimpleNamespace(
+        record=lambda i, m, final=False, evaluate=None: recorded.append((i, final, evaluate() if evaluate else None))
+    )
     evaluations = []
     metrics = hooks.Metrics(progress, lambda params: evaluations.append(params) or len(evaluations), eval_every=3)
     batches = hooks.Batches(iter(range(100, 110)), first=99)
@@ -44,6 +57,7 @@ def test_metrics_are_read_one_step_late_and_eval_steps_at_once():
     def step_fn(s):
         seen.append(batches.current)
         return types.SimpleNamespace(params=f"p{s.params}", n=s.n + 1), {"n": s.n}
+
     start = types.SimpleNamespace(params="0", n=0)
     hooks.run_steps(step_fn, start, 0, 5, lambda: False, [batches, metrics])
     assert seen == [99, 100, 101, 102, 103]  # each step gets the batch drawn after the previous one

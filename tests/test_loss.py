@@ -17,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import hlo, loss, mesh as mesh_mod, step
+from jaxdist import hlo, loss, step
+from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline
 
@@ -48,7 +49,8 @@ def gradients(cfg, mesh_text, n, batch):
     state = prog.init_state(0)
     with jax.set_mesh(prog.mesh):
         grads, loss_ = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])(
-            state.params, jax.device_put(batch, prog.batch_sharding))
+            state.params, jax.device_put(batch, prog.batch_sharding)
+        )
     grads = jax.device_get(grads)
     return float(loss_), pipeline.from_stages(grads, prog.pipeline) if prog.pipeline else grads, prog, state
 
@@ -72,8 +74,9 @@ def test_blockwise_matches_optax_on_arrays():
         return optax.softmax_cross_entropy_with_integer_labels(jnp.einsum("btd,dv->btv", x, w), t)
 
     np.testing.assert_allclose(ours(x, w), ref(x, w), rtol=1e-6)
-    for got, want in zip(jax.grad(lambda *a: (g * ours(*a)).sum(), (0, 1))(x, w),
-                         jax.grad(lambda *a: (g * ref(*a)).sum(), (0, 1))(x, w)):
+    for got, want in zip(
+        jax.grad(lambda *a: (g * ours(*a)).sum(), (0, 1))(x, w), jax.grad(lambda *a: (g * ref(*a)).sum(), (0, 1))(x, w)
+    ):
         np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max())
 
 
@@ -91,6 +94,7 @@ def test_blockwise_loss_and_gradients_match_naive(cfg, batches, naive, case):
 
 def test_loss_curve_matches_naive(cfg, batches, naive):
     """Three optimizer steps of tp=2,fsdp=4 blockwise follow the one-device naive curve."""
+
     def curve(c, mesh_text, n):
         prog = step.build_program(c, mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
         state, out = prog.init_state(0), []
@@ -98,6 +102,7 @@ def test_loss_curve_matches_naive(cfg, batches, naive):
             state, m = prog.train_step(state, jax.device_put(b, prog.batch_sharding))
             out.append(float(m["loss"]))
         return out
+
     ref = curve(cfg.replace(model=dict(loss_impl="naive")), "fsdp=1", 1)
     np.testing.assert_allclose(curve(cfg.replace(model=dict(loss_block=32)), "tp=2,fsdp=4", 8), ref, rtol=1e-5)
 
@@ -110,12 +115,14 @@ def test_block_rows_and_errors():
     with pytest.raises(JaxdistError, match="model.loss_block=48 must divide"):
         loss.block_rows(256, 2, 128, 64, block=48)
     from jaxdist import config
+
     with pytest.raises(JaxdistError, match="loss_impl"):
         config.load(None, ["model.loss_impl=fused"])
 
 
 def compile_temp(cfg, mesh_text="fsdp=8", **model):
     from jaxdist import measure
+
     c = measure.compile_train_step(cfg.replace(model=model), mesh_mod.mesh_from_string(mesh_text))
     return c.memory_analysis().temp_size_in_bytes
 
@@ -145,11 +152,13 @@ def test_vocabulary_attributable_temp_bytes(cfg, mesh_text):
 def partitioned_hlo(prog, cfg):
     """The program after XLA's SPMD partitioner, before XLA:CPU's float normalisation (which computes
     bf16 in f32 on CPU only): the collectives a GPU/TPU would run."""
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=prog.batch_sharding)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
     d = tempfile.mkdtemp()
     compiled = prog.train_step.lower(prog.abstract_state, tokens).compile(
-        {**FAST_COMPILE, "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        {**FAST_COMPILE, "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+    )
     (path,) = glob.glob(f"{d}/*jit_train_step*after_spmd-partitioning*.txt")
     return compiled, open(path).read()
 
@@ -165,8 +174,9 @@ def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
         c = cfg.replace(model=dict(compute_dtype=dtype))
         prog = step.build_program(c, mesh_mod.mesh_from_string("fsdp=8"))
         compiled, text = partitioned_hlo(prog, c)
-        gathers = [(dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in GATHER.findall(text)
-                   if dims.count(",") >= 1]
+        gathers = [
+            (dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in GATHER.findall(text) if dims.count(",") >= 1
+        ]
         _, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
         out[dtype] = gathers, float(metrics["loss"])
     (f32, f32_loss), (bf16, bf16_loss) = out["float32"], out["bfloat16"]

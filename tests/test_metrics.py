@@ -9,10 +9,16 @@ from jaxdist.gradients import token_loss_sums
 from jaxdist.mesh import make_mesh, parse_mesh
 
 
-@pytest.mark.parametrize("overrides", [
-    [], ["model.d_model=128", "model.mlp_dim=512", "model.seq_len=256"], ["model.tie_embeddings=true"],
-    ["model.vocab_size=4096", "model.seq_len=64", "model.num_kv_heads=4"],
-], ids=["tiny", "narrow-long", "tied", "big-vocab-mha"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.d_model=128", "model.mlp_dim=512", "model.seq_len=256"],
+        ["model.tie_embeddings=true"],
+        ["model.vocab_size=4096", "model.seq_len=64", "model.num_kv_heads=4"],
+    ],
+    ids=["tiny", "narrow-long", "tied", "big-vocab-mha"],
+)
 def test_flops_per_token_match_the_compiler(overrides):
     """The model's FLOPs per trained token against XLA's own count (`cost_analysis`) of the compiled
     forward + backward on one device. One layer: XLA counts a loop body once, whatever its trip count.
@@ -29,8 +35,12 @@ def test_flops_per_token_match_the_compiler(overrides):
 
 
 def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
-    lines = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5}, {"step": 30, "loss": 2.0},
-             {"summary": True, "steps": 30}]
+    lines = [
+        {"step": 10, "loss": 3.0},
+        {"step": 20, "loss": 2.5},
+        {"step": 30, "loss": 2.0},
+        {"summary": True, "steps": 30},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     writer = metrics.MetricWriter(tmp_path, resume_step=20)
     writer.write({"step": 30, "loss": 2.1})
@@ -51,6 +61,7 @@ def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch)
 
     def no_probe():
         raise AssertionError("probe ran again")
+
     monkeypatch.setattr(metrics, "cpu_matmul_peak", no_probe)
     assert metrics.cached_cpu_peak() == (peak, f"CPU matmul probe cached in {tmp_path / 'cpu_peak.json'}")
     total, source, approximate = metrics.peak_flops(jax.devices(), "float32")
@@ -82,5 +93,6 @@ def test_device_memory_takes_the_most_loaded_local_device():
 
         def memory_stats(self):
             return self.stats
+
     got = metrics.device_memory([Device(3 << 30, 5 << 30), Device(4 << 30, 4 << 30)])
     assert got == {"memory_in_use": 4 << 30, "memory_peak": 5 << 30, "memory_limit": 80 << 30}

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import mesh as mesh_mod, step
+from jaxdist import mesh as mesh_mod
+from jaxdist import step
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
 STEPS = 3

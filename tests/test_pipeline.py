@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import hlo, mesh as mesh_mod, step
+from jaxdist import hlo, step
+from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline
 
@@ -40,8 +41,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def cfg(tiny_cfg):
-    return tiny_cfg.replace(model=TINY, train=dict(steps=STEPS, global_batch=BATCH),
-                            optim=dict(warmup_steps=2, lr=1e-3))
+    return tiny_cfg.replace(
+        model=TINY, train=dict(steps=STEPS, global_batch=BATCH), optim=dict(warmup_steps=2, lr=1e-3)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,10 @@ def tokens_spec(prog):
 
 def compiled_gradients(prog):
     """The gradient stage alone (loss and mean gradients), compiled for the program's shardings."""
-    fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
-                 in_shardings=(prog.state_shardings.params, prog.batch_sharding))
+    fn = jax.jit(
+        lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
+        in_shardings=(prog.state_shardings.params, prog.batch_sharding),
+    )
     with jax.set_mesh(prog.mesh):
         return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(FAST_COMPILE)
 
@@ -73,8 +77,9 @@ def in_layout(prog, params):
 def loss_curve(prog, params, batches):
     """Losses of len(batches) optimizer steps from `params` (model layout)."""
     params = in_layout(prog, params)
-    state = step.TrainState(step=np.int32(0), params=params, opt_state=prog.tx.init(params),
-                            reducer_state=(), skipped=np.int32(0))
+    state = step.TrainState(
+        step=np.int32(0), params=params, opt_state=prog.tx.init(params), reducer_state=(), skipped=np.int32(0)
+    )
     state = jax.device_put(state, prog.state_shardings)
     train_step = prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile(FAST_COMPILE)
     curve = []
@@ -101,13 +106,13 @@ def build(cfg, reference, batches):
     def get(case_id):
         if case_id not in cache:
             mesh_text, n, overrides = CASES[case_id]
-            prog = step.build_program(cfg.replace(**overrides),
-                                      mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
+            prog = step.build_program(cfg.replace(**overrides), mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
             compiled = compiled_gradients(prog)
             params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
             grads, loss = compiled(params, jax.device_put(batches[0], prog.batch_sharding))
             cache[case_id] = prog, compiled, float(loss), pipeline.from_stages(jax.device_get(grads), prog.pipeline)
         return cache[case_id]
+
     return get
 
 
@@ -135,8 +140,11 @@ def test_schedule_length_and_permute_bytes(case):
     assert trips.count(pl.iterations) == 2, trips  # one forward loop, one backward loop
     per_pass = BATCH // prog.cfg.train.microbatches
     microbatch_bytes = per_pass // pl.microbatches // prog.batch_shards() * m.seq_len * m.d_model * 4
-    in_loop = [c for c in hlo.collectives(text)
-               if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.microbatches]
+    in_loop = [
+        c
+        for c in hlo.collectives(text)
+        if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.microbatches
+    ]
     assert len(in_loop) == 2 and all(c.result_bytes == microbatch_bytes for c in in_loop), in_loop
 
 
@@ -173,22 +181,30 @@ def test_to_stages_places_circular_groups():
 def test_describe(cfg):
     mesh = mesh_mod.mesh_from_string("pp=4,fsdp=2")
     assert pipeline.describe(cfg.replace(pipeline=dict(microbatches=8)), mesh) == {
-        "schedule": "gpipe", "stages": 4, "microbatches": 8, "repeats": 1, "iterations": 11,
-        "bubble_fraction": 3 / 11}
+        "schedule": "gpipe",
+        "stages": 4,
+        "microbatches": 8,
+        "repeats": 1,
+        "iterations": 11,
+        "bubble_fraction": 3 / 11,
+    }
     c = cfg.replace(model=dict(num_layers=8), pipeline=dict(schedule="circular", repeats=2, microbatches=4))
     assert pipeline.describe(c, mesh)["iterations"] == 2 * 4 + 3
     assert pipeline.describe(c, mesh)["bubble_fraction"] == 3 / 11
     assert pipeline.describe(cfg, mesh_mod.mesh_from_string("fsdp=8"))["schedule"] == "none"
 
 
-@pytest.mark.parametrize("mesh_text, overrides, message", [
-    ("pp=4,fsdp=2", dict(model=dict(num_layers=6)), "num_layers=6 cannot be split into pp=4"),
-    ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=3)), "multiple of 12"),
-    ("pp=2,fsdp=4", dict(train=dict(microbatches=2), pipeline=dict(microbatches=4)), "multiple of 32"),
-    ("pp=4,fsdp=2", dict(pipeline=dict(schedule="circular", repeats=2)), "num_layers divisible by 8"),
-    ("pp=2,fsdp=4", dict(pipeline=dict(schedule="circular", repeats=2, microbatches=1)), "microbatches >= pp=2"),
-    ("pp=2,fsdp=4", dict(pipeline=dict(repeats=2)), "needs pipeline.schedule=circular"),
-])
+@pytest.mark.parametrize(
+    "mesh_text, overrides, message",
+    [
+        ("pp=4,fsdp=2", dict(model=dict(num_layers=6)), "num_layers=6 cannot be split into pp=4"),
+        ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=3)), "multiple of 12"),
+        ("pp=2,fsdp=4", dict(train=dict(microbatches=2), pipeline=dict(microbatches=4)), "multiple of 32"),
+        ("pp=4,fsdp=2", dict(pipeline=dict(schedule="circular", repeats=2)), "num_layers divisible by 8"),
+        ("pp=2,fsdp=4", dict(pipeline=dict(schedule="circular", repeats=2, microbatches=1)), "microbatches >= pp=2"),
+        ("pp=2,fsdp=4", dict(pipeline=dict(repeats=2)), "needs pipeline.schedule=circular"),
+    ],
+)
 def test_errors_name_the_fix(cfg, mesh_text, overrides, message):
     with pytest.raises(JaxdistError, match=re.escape(message)):
         step.build_program(cfg.replace(**overrides), mesh_mod.mesh_from_string(mesh_text))

@@ -53,11 +53,15 @@ def compile_pair(path, mesh, overrides):
     """(layout, memory_analysis, collective summary) of the train step, lowered and compiled, not run."""
     cfg = config.load(path, ["train.steps=10", *overrides])
     prog = build_program(cfg, mesh_from_string(mesh))
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=prog.batch_sharding)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
     compiled = prog.train_step.lower(prog.abstract_state, tokens).compile()
-    return (Layout(cfg, parse_mesh(mesh, 8), CPU), compiled.memory_analysis(),
-            hlo.summarize(hlo.collectives(compiled.as_text())))
+    return (
+        Layout(cfg, parse_mesh(mesh, 8), CPU),
+        compiled.memory_analysis(),
+        hlo.summarize(hlo.collectives(compiled.as_text())),
+    )
 
 
 def pair_id(pair):
@@ -161,8 +165,22 @@ def test_recommendation_and_candidates_70b():
 
 def test_cli_json_and_plot(tmp_path, capsys):
     png = tmp_path / "scaling.png"
-    assert plan.main(["--config", "configs/125m.yaml", "--devices", "16", "--hardware", "a100-40gb",
-                      "--json", "--plot", str(png)]) == 0
+    assert (
+        plan.main(
+            [
+                "--config",
+                "configs/125m.yaml",
+                "--devices",
+                "16",
+                "--hardware",
+                "a100-40gb",
+                "--json",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"]["memory"]["fits"] and png.stat().st_size > 0
     strong = [p for p in doc["scaling"]["strong"] if p["fits"]]
@@ -173,8 +191,12 @@ def test_cli_json_and_plot(tmp_path, capsys):
 
 
 def test_cli_given_mesh_and_errors(capsys):
-    assert plan.main(["--config", "configs/llama2-70b.yaml", "--devices", "64", "--mesh", "pp=4,tp=8,fsdp=2",
-                      "--no-scaling"]) == 0
+    assert (
+        plan.main(
+            ["--config", "configs/llama2-70b.yaml", "--devices", "64", "--mesh", "pp=4,tp=8,fsdp=2", "--no-scaling"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pp=4,fsdp=2,tp=8" in out and "collective-permute" in out
     assert plan.main(["--hardware", "h100-40gb"]) == 2
@@ -186,6 +208,7 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(tmp_
     """Every fitting point of the picture names the mesh chosen there and its accumulation; one A100-40GB
     cannot hold 125m's 256 x 2048 batch at once, so the single-device point must show accumulation > 1."""
     import matplotlib.image
+
     assert plan.main(["--config", "configs/125m.yaml", "--devices", "16", "--hardware", "a100-40gb", "--json"]) == 0
     curves = json.loads(capsys.readouterr().out)["scaling"]
     png = tmp_path / "s.png"
@@ -195,7 +218,11 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(tmp_
     for label, p in zip(labels, points):
         assert label.startswith(p["mesh"] + " acc") and f"acc{p['microbatches']}" in label
     single = curves["strong"][0]
-    assert single["devices"] == 1 and single["microbatches"] > 1 and labels[0] == f"single device acc{single['microbatches']}"
+    assert (
+        single["devices"] == 1
+        and single["microbatches"] > 1
+        and labels[0] == f"single device acc{single['microbatches']}"
+    )
     assert matplotlib.image.imread(png).shape[1] > 1000
     assert "acc = gradient-accumulation micro-batches" in plan.memory_table([])
 

@@ -11,12 +11,21 @@ import pytest
 
 from jaxdist import config, plot, progress, train
 
-SMALL = {"num_layers": 1, "d_model": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "mlp_dim": 64, "seq_len": 16}
+SMALL = {
+    "num_layers": 1,
+    "d_model": 32,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "mlp_dim": 64,
+    "seq_len": 16,
+}
 
 
 def five_step_config():
-    return config.load(None, ["train.steps=5", "optim.warmup_steps=2", "train.eval_every=4", "train.log_every=2",
-                              "checkpoint.every=0"]).replace(model=SMALL)
+    return config.load(
+        None, ["train.steps=5", "optim.warmup_steps=2", "train.eval_every=4", "train.log_every=2", "checkpoint.every=0"]
+    ).replace(model=SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +82,11 @@ def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
     """A constant loss smooths to itself from the first step (bias-corrected EMA, not 0.1 x loss); a
     skipped (non-finite) step leaves it unchanged; a noisy loss smooths to within its range."""
     from jaxdist import metrics
+
     lines = []
-    p = progress.Progress(tiny_cfg.replace(train={"log_every": 1}), metrics.MetricWriter(None), 100, 1.0, 0.0,
-                          log=lines.append)
+    p = progress.Progress(
+        tiny_cfg.replace(train={"log_every": 1}), metrics.MetricWriter(None), 100, 1.0, 0.0, log=lines.append
+    )
     step = lambda i, loss, skipped=0.0: p.record(i, {"loss": loss, "lr": 1e-3, "grad_norm": 1.0, "skipped": skipped})
     step(0, 2.0)
     assert p.smoothed == pytest.approx(2.0, rel=1e-12)
@@ -104,13 +115,20 @@ def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path
 
 def test_plot_cli_errors_are_one_line(tmp_path, capsys):
     assert plot.main([str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'metrics.jsonl'} not found; pass a run dir " \
-                                              "written by python -m jaxdist.train"
+    assert (
+        capsys.readouterr().err.strip() == f"error: {tmp_path / 'metrics.jsonl'} not found; pass a run dir "
+        "written by python -m jaxdist.train"
+    )
 
 
 def test_resumed_segments_are_joined_by_step(tmp_path):
-    lines = [{"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.5}, {"summary": True, "steps": 4},
-             {"step": 4, "loss": 2.4}, {"step": 6, "loss": 2.0}]
+    lines = [
+        {"step": 2, "loss": 3.0},
+        {"step": 4, "loss": 2.5},
+        {"summary": True, "steps": 4},
+        {"step": 4, "loss": 2.4},
+        {"step": 6, "loss": 2.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "lo')
     assert [(r["step"], r["loss"]) for r in plot.read_metrics(tmp_path)] == [(2, 3.0), (4, 2.4), (6, 2.0)]
 
@@ -119,6 +137,7 @@ def test_tqdm_disable_and_non_terminals_get_plain_lines(monkeypatch):
     class Tty:
         def isatty(self):
             return True
+
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     assert not progress.plain_output(Tty())
     monkeypatch.setenv("TQDM_DISABLE", "1")

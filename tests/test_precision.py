@@ -8,10 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import mesh as mesh_mod, step
+from jaxdist import mesh as mesh_mod
+from jaxdist import step
 
-SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16,
-             compute_dtype="bfloat16")
+SMALL = dict(
+    num_layers=2,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    seq_len=16,
+    compute_dtype="bfloat16",
+)
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 
@@ -39,8 +48,11 @@ def bf16_program(tiny_cfg):
 def test_master_weights_and_optimizer_state_stay_float32(bf16_program):
     prog, _, compiled = bf16_program
     assert step.compute_dtype(prog.cfg.model) == jnp.bfloat16
-    floats = [x.dtype for x in jax.tree.leaves((prog.abstract_state.params, prog.abstract_state.opt_state))
-              if jnp.issubdtype(x.dtype, jnp.floating)]
+    floats = [
+        x.dtype
+        for x in jax.tree.leaves((prog.abstract_state.params, prog.abstract_state.opt_state))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
     assert floats and set(floats) == {jnp.dtype(jnp.float32)}
     tokens = jax.device_put(np.random.default_rng(0).integers(0, 256, (4, 17), dtype=np.int32), prog.batch_sharding)
     state, metrics = compiled(prog.init_state(0), tokens)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import hlo, measure, step
 from jaxdist.mesh import mesh_from_string
@@ -122,9 +123,11 @@ def per_replica_tree(key, n=8):
 
 def run_reducer(reducer, mesh, grads, state):
     """Apply `reducer.update` per replica; grads/state carry a leading replica axis."""
+
     def body(g, s):
         total, s = reducer.update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s), jnp.int32(100))
         return total, jax.tree.map(lambda x: x[None], s)
+
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")), check_vma=False)
     return jax.jit(fn)(grads, state)
 
@@ -134,15 +137,16 @@ def make(codec, mesh, error_feedback=True):
     return reduce.compressed(codec, "dp", mesh.shape["dp"], abstract, BATCH_DIMS, error_feedback)
 
 
-@pytest.mark.parametrize("codec", [compress.topk(0.05), compress.powersgd(2), compress.int8(16)],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [compress.topk(0.05), compress.powersgd(2), compress.int8(16)], ids=lambda c: c.name)
 def test_error_feedback_is_exact(dp8, codec):
     """Per replica, sent + new residual == gradient + old residual, where `sent` is what the codec
     delivered on this replica's behalf: the senders' shares add up to what every replica received."""
     reducer = make(codec, dp8)
     grads = per_replica_tree(jax.random.key(0))
     old = jax.tree.map(lambda x: 0.1 * x, per_replica_tree(jax.random.key(1)))
-    init = jax.tree.map(lambda s: jnp.broadcast_to(s, (8,) + s.shape), reducer.init({k: v[0] for k, v in grads.items()}))
+    init = jax.tree.map(
+        lambda s: jnp.broadcast_to(s, (8,) + s.shape), reducer.init({k: v[0] for k, v in grads.items()})
+    )
     total, state = run_reducer(reducer, dp8, grads, init._replace(residual=old))
     sent = jax.tree.map(lambda g, e, e_new: g + e - e_new, grads, old, state.residual)
     for name in SHAPES:
@@ -158,7 +162,7 @@ def test_error_feedback_is_exact(dp8, codec):
         x = np.asarray(grads["w"] + old["w"]).reshape(8, -1)
         s = np.asarray(sent["w"]).reshape(8, -1)
         assert ((s != 0).sum(1) == k).all()
-        kth = -np.sort(-np.abs(x), axis=1)[:, k - 1:k]
+        kth = -np.sort(-np.abs(x), axis=1)[:, k - 1 : k]
         np.testing.assert_array_equal(s != 0, np.abs(x) >= kth)
     if codec.name == "powersgd":  # each replica's share of each layer's matrix has rank <= 2
         ranks = np.linalg.matrix_rank(np.asarray(sent["w"]), tol=1e-4)
@@ -173,8 +177,11 @@ def test_without_error_feedback_the_rest_is_dropped(dp8):
     assert float(jnp.abs(total["w"] - grads["w"].sum(0)).max()) > 0.1  # lossy, and nothing kept
 
 
-@pytest.mark.parametrize("codec,atol", [(compress.topk(1.0), 1e-5), (compress.powersgd(40), 1e-3),
-                                        (compress.int8(16), None)], ids=["topk-all", "powersgd-full-rank", "int8"])
+@pytest.mark.parametrize(
+    "codec,atol",
+    [(compress.topk(1.0), 1e-5), (compress.powersgd(40), 1e-3), (compress.int8(16), None)],
+    ids=["topk-all", "powersgd-full-rank", "int8"],
+)
 def test_codec_sums(dp8, codec, atol):
     """At full ratio / full rank the codecs sum exactly (top-k: the bfloat16-rounded values it sends);
     int8 is within its quantisation steps."""
@@ -183,6 +190,7 @@ def test_codec_sums(dp8, codec, atol):
     def body(x_local):
         total, _, _ = codec.reduce(x_local[0], codec.init(SHAPES["w"], 1), 1, "dp")
         return total
+
     total = jax.jit(jax.shard_map(body, mesh=dp8, in_specs=P("dp"), out_specs=P(), check_vma=False))(x)
     if atol is None:  # two quantisations: each replica's blocks (8 of them), then the sum's
         atol = 8 * float(jnp.abs(x).max()) / 127 / 2 + float(jnp.abs(x.sum(0)).max()) / 127 / 2
@@ -202,8 +210,12 @@ def test_reducer_state_is_sharded_like_params(small_cfg, dp8):
     prog = step.build_program(small_cfg.replace(reduce=dict(method="topk")), dp8)
     residual = prog.abstract_state.reducer_state.residual
     residual_specs = prog.state_shardings.reducer_state.residual
-    for r, p, s, ps in zip(jax.tree.leaves(residual), jax.tree.leaves(prog.abstract_state.params),
-                           jax.tree.leaves(residual_specs), jax.tree.leaves(prog.state_shardings.params)):
+    for r, p, s, ps in zip(
+        jax.tree.leaves(residual),
+        jax.tree.leaves(prog.abstract_state.params),
+        jax.tree.leaves(residual_specs),
+        jax.tree.leaves(prog.state_shardings.params),
+    ):
         assert r.shape == (8,) + p.shape  # one residual per replica
         assert isinstance(s, NamedSharding) and s.spec == P("dp", *ps.spec)
 
@@ -220,9 +232,13 @@ def test_reducer_state_checkpoint_round_trip(small_cfg, dp8, tmp_path, method):
     jaxdist.checkpoint saves the train state: StandardSave, then StandardRestore onto abstract arrays
     carrying the target shardings."""
     import orbax.checkpoint as ocp
+
     prog = step.build_program(small_cfg.replace(reduce=dict(method=method)), dp8)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            prog.abstract_state.reducer_state, prog.state_shardings.reducer_state)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        prog.abstract_state.reducer_state,
+        prog.state_shardings.reducer_state,
+    )
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda a: jax.device_put(rng.normal(size=a.shape).astype(a.dtype), a.sharding), abstract)
     with ocp.StandardCheckpointer() as ckpt:

@@ -31,9 +31,17 @@ from jaxdist.train import main
 REPO = Path(__file__).resolve().parent.parent
 # The schedule is pinned, so every run here (and in test_faults.py) compiles one program: the
 # persistent compilation cache makes all but the first compile a load.
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.seq_len=32", "model.mlp_dim=128",
-         "optim.warmup_steps=2", "optim.schedule_steps=8", "train.eval_every=0", "train.log_every=1",
-         "checkpoint.every=1"]
+SMALL = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "model.mlp_dim=128",
+    "optim.warmup_steps=2",
+    "optim.schedule_steps=8",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "checkpoint.every=1",
+]
 
 
 def snapshot(*roots: Path) -> dict:
@@ -74,7 +82,7 @@ def saved(small, tmp_path_factory) -> Path:
 
 # ---- run-dir paths -----------------------------------------------------------------------------------
 
-STORABLE = ["lr{3e-3}", "a b", "ünï©ode-λ", "100%", "a:b,x=1;y", "it's \"q\"", "a!b&c#d~"]
+STORABLE = ["lr{3e-3}", "a b", "ünï©ode-λ", "100%", "a:b,x=1;y", 'it\'s "q"', "a!b&c#d~"]
 UNSTORABLE = ["lr[3e-3]", "a*b", "what?", "back\\slash"]
 
 
@@ -111,14 +119,17 @@ def test_refused_bracket_name_is_really_unreadable_by_orbax(small, tmp_path):
 
 # ---- resuming with a changed config ------------------------------------------------------------------
 
+
 def test_config_drift_is_refused_listing_keys_and_allowed_by_name(saved, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(saved, run_dir)
     before = snapshot(run_dir)
     for extra, message in (
-        (["optim.lr=1e-3", "data.separator=7"],
-         r"changed config \(data.separator 0 -> 7, optim.lr 0.003 -> 0.001\); pass --allow-config-change "
-         r"data.separator,optim.lr"),
+        (
+            ["optim.lr=1e-3", "data.separator=7"],
+            r"changed config \(data.separator 0 -> 7, optim.lr 0.003 -> 0.001\); pass --allow-config-change "
+            r"data.separator,optim.lr",
+        ),
         (["--allow-config-change", "optim.lrr"], r"unknown config key 'optim.lrr': did you mean 'optim.lr'"),
     ):
         assert main(["--run-dir", str(run_dir), *SMALL, "train.steps=2", *extra]) == 2
@@ -130,8 +141,19 @@ def test_config_drift_is_refused_listing_keys_and_allowed_by_name(saved, tmp_pat
     original = (run_dir / "config.yaml").read_bytes()
     (run_dir / rundir.LOCK).write_text('{"host": "gone", "pid": 999999999, "since": "yesterday"}\n')
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')
-    rc = main(["--run-dir", str(run_dir), *SMALL, "train.steps=3", "data.separator=7", "train.eval_every=1",
-               "train.eval_batches=0", "--allow-config-change", "data.separator"])
+    rc = main(
+        [
+            "--run-dir",
+            str(run_dir),
+            *SMALL,
+            "train.steps=3",
+            "data.separator=7",
+            "train.eval_every=1",
+            "train.eval_batches=0",
+            "--allow-config-change",
+            "data.separator",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     assert "restored step 1 from" in out and "done: 3 steps" in out
@@ -147,12 +169,21 @@ def test_config_drift_is_refused_listing_keys_and_allowed_by_name(saved, tmp_pat
 
 # ---- two trainers on one run dir ---------------------------------------------------------------------
 
+
 def test_second_trainer_on_a_run_dir_is_refused(saved, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(saved, run_dir)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jaxdist.rundir import RunLock; "
-                               f"RunLock({str(run_dir)!r}).acquire(); print('locked', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from jaxdist.rundir import RunLock; "
+            f"RunLock({str(run_dir)!r}).acquire(); print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(run_dir)
@@ -168,26 +199,36 @@ def test_second_trainer_on_a_run_dir_is_refused(saved, tmp_path, capsys):
 
 # ---- data ----------------------------------------------------------------------------------------------
 
+
 def test_token_ids_beyond_the_vocabulary_anywhere_in_a_file_are_refused(tmp_path):
     tokens = np.zeros((1 << 20) + 4096, np.uint16)
     (tmp_path / "a.bin").write_bytes(tokens.tobytes())
     tokens[-7] = 300  # far beyond the first 2^20 tokens the old check sampled
     (tmp_path / "b.bin").write_bytes(tokens.tobytes())
     cfg = config.load(None, SMALL + ["data.source=tokens", f"data.path={tmp_path}/*.bin"])
-    with pytest.raises(JaxdistError, match=rf"token id 300 at position {len(tokens) - 7} of .*b.bin is >= "
-                                           r"model.vocab_size=256"):
+    with pytest.raises(
+        JaxdistError,
+        match=rf"token id 300 at position {len(tokens) - 7} of .*b.bin is >= "
+        r"model.vocab_size=256",
+    ):
         data.load_windows(cfg)
 
 
 # ---- signals during start-up ---------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path):
     """SIGTERM as compilation starts (the process is inside `compile`; the handler runs once it returns)."""
     sig = signal.SIGTERM
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "jaxdist.train", "--run-dir", str(run_dir), *SMALL,
-                             "train.steps=3"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "jaxdist.train", "--run-dir", str(run_dir), *SMALL, "train.steps=3"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out = []
     for line in proc.stdout:  # the summary comes just before compilation
         out.append(line)
@@ -205,16 +246,23 @@ def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path):
 @pytest.mark.slow
 def test_resume_error_from_the_command_line_is_exactly_one_line(saved):
     """As a user sees it (a subprocess): no absl WARNING lines around a resume error."""
-    r = subprocess.run([sys.executable, "-m", "jaxdist.train", "--run-dir", str(saved), *SMALL, "train.seed=1"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxdist.train", "--run-dir", str(saved), *SMALL, "train.seed=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(
-        "error: train.seed=1 differs from the seed 0 of checkpoint"), r.stderr
+        "error: train.seed=1 differs from the seed 0 of checkpoint"
+    ), r.stderr
 
 
 def test_first_ctrl_c_during_start_up_stops_and_the_second_aborts(capsys):
     import os
     import time
+
     with checkpoint.StopSignal() as stopper:  # as main() installs it, before JAX work
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
@@ -227,6 +275,7 @@ def test_first_ctrl_c_during_start_up_stops_and_the_second_aborts(capsys):
 
 # ---- bad command-line input ----------------------------------------------------------------------------
 
+
 def _train(*args):
     return lambda tmp: main(["--run-dir", str(tmp / "run"), *SMALL, *args])
 
@@ -234,13 +283,22 @@ def _train(*args):
 CLI_ROWS = [  # (id, callable(tmp) -> exit code, expected message)
     ("--cpu-devices 0", _train("--cpu-devices", "0"), r"--cpu-devices 0 must be at least 1"),
     ("--cpu-devices -2", _train("--cpu-devices", "-2"), r"--cpu-devices -2 must be at least 1"),
-    ("--dcn-mesh on one process", _train("--dcn-mesh", "dp=2"),
-     r"--dcn-mesh 'dp=2' must lay out the run's 1 process\(es\) .* counted in processes, not devices"),
-    ("bench --mesh dp=a", lambda tmp: bench.main(["--mesh", "dp=a", *SMALL]),
-     r"mesh axis 'dp' needs an integer size, got 'dp=a'"),
+    (
+        "--dcn-mesh on one process",
+        _train("--dcn-mesh", "dp=2"),
+        r"--dcn-mesh 'dp=2' must lay out the run's 1 process\(es\) .* counted in processes, not devices",
+    ),
+    (
+        "bench --mesh dp=a",
+        lambda tmp: bench.main(["--mesh", "dp=a", *SMALL]),
+        r"mesh axis 'dp' needs an integer size, got 'dp=a'",
+    ),
     ("bench --steps 0", lambda tmp: bench.main(["--steps", "0", *SMALL]), r"--steps 0 / --warmup 3: bench times"),
-    ("plan --plot into a missing folder", lambda tmp: plan.main(["--plot", str(tmp / "no" / "s.png")]),
-     r"--plot .*s.png: folder .*/no does not exist"),
+    (
+        "plan --plot into a missing folder",
+        lambda tmp: plan.main(["--plot", str(tmp / "no" / "s.png")]),
+        r"--plot .*s.png: folder .*/no does not exist",
+    ),
 ]
 
 
@@ -261,34 +319,40 @@ def test_bad_jax_num_cpu_devices_is_one_line(value, tmp_path, monkeypatch, capsy
 
 def test_launch_local_refuses_an_uneven_split():
     env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    r = subprocess.run(["bash", str(REPO / "scripts" / "launch_local.sh"), "3"], capture_output=True, text=True,
-                       env=env, timeout=30)
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "launch_local.sh"), "3"], capture_output=True, text=True, env=env, timeout=30
+    )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "error: 8 simulated devices do not split evenly over 3 processes; set JAX_NUM_CPU_DEVICES "
-        "(devices per process, e.g. JAX_NUM_CPU_DEVICES=3)"]
+        "(devices per process, e.g. JAX_NUM_CPU_DEVICES=3)"
+    ]
 
 
 # ---- the LR schedule -----------------------------------------------------------------------------------
+
 
 def test_schedule_clamping_and_extension_are_said_and_schedule_steps_pins_it():
     cfg = config.load(None, ["train.steps=30", "optim.warmup_steps=50"])
     assert optim.schedule_notes(cfg) == [
         "note: optim.warmup_steps=50 does not fit the 30-step LR schedule: warm-up is clamped to 29 steps, so the "
-        "LR peaks at the end with 1 step(s) of decay; lower optim.warmup_steps or set optim.schedule_steps"]
+        "LR peaks at the end with 1 step(s) of decay; lower optim.warmup_steps or set optim.schedule_steps"
+    ]
     longer = config.load(None, ["train.steps=40", "optim.warmup_steps=5"])
     notes = optim.schedule_notes(longer, 30, {"train.steps": (30, 40)})
     old = float(optim.schedule(longer.optim, 30, 8)(30))
     new = float(optim.schedule(longer.optim, 40, 8)(30))
     assert old < new and notes == [
         f"note: the LR schedule now spans 40 steps instead of 30: from step 30 on the LR follows the new "
-        f"schedule ({old:.3g} -> {new:.3g} at step 30); pass optim.schedule_steps=30 to keep the schedule the run had"]
+        f"schedule ({old:.3g} -> {new:.3g} at step 30); pass optim.schedule_steps=30 to keep the schedule the run had"
+    ]
     pinned = longer.replace(optim=dict(schedule_steps=30))
     assert optim.schedule_notes(pinned, 30, {"train.steps": (30, 40), "optim.schedule_steps": (0, 30)}) == []
     # the pinned 40-step program follows the 30-step schedule (optax clamps it at the end)
     _, lr = optim.make_optimizer(pinned.optim, pinned.optim.schedule_steps or 40, 8)
-    assert [float(lr(s)) for s in range(0, 40, 3)] == [float(optim.schedule(longer.optim, 30, 8)(s))
-                                                       for s in range(0, 40, 3)]
+    assert [float(lr(s)) for s in range(0, 40, 3)] == [
+        float(optim.schedule(longer.optim, 30, 8)(s)) for s in range(0, 40, 3)
+    ]
 
 
 def test_profile_steps_as_yaml_reads_them():
@@ -300,6 +364,7 @@ def test_profile_steps_as_yaml_reads_them():
 
 # ---- warnings and MFU ------------------------------------------------------------------------------------
 
+
 def test_compressed_method_with_one_replica_warns_in_one_line():
     quiet.libraries()
     cfg = config.load(None, SMALL + ["reduce.method=topk"])
@@ -307,8 +372,9 @@ def test_compressed_method_with_one_replica_warns_in_one_line():
         warnings.simplefilter("always")
         step.build_program(cfg, mesh_from_string("fsdp=8"))
     printed = {warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught}
-    assert printed == {"warning: reduce.method=topk does nothing with dp=1 (one replica, nothing to compress); "
-                       "reducing dense\n"}, printed
+    assert printed == {
+        "warning: reduce.method=topk does nothing with dp=1 (one replica, nothing to compress); reducing dense\n"
+    }, printed
 
 
 class FakeMetric:
@@ -332,12 +398,12 @@ def test_mfu_is_timed_from_real_waits_and_never_above_100_percent(monkeypatch, c
     monkeypatch.setattr(progress.jax, "device_get", lambda m: m)
     records = []
     writer = type("W", (), {"write": lambda self, r: records.append(r)})()
-    bar = type("B", (), {"set_postfix": lambda self, **k: None, "update": lambda self, n: None})()
     cfg = config.load(None, ["train.log_every=1"])
     p = progress.Progress(cfg, writer, tokens_per_step=100, flops_per_token=1.0, peak_flops=150.0)
 
     def metrics(ready):
         return {k: FakeMetric(0.0 if k == "skipped" else 1.0, ready) for k in progress.STEP_KEYS}
+
     for s, (t, ready) in enumerate([(1.0, False), (2.0, False), (5.0, True), (5.01, True), (6.0, False)]):
         now[0] = t
         p.record(s, metrics(ready))

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import mesh as mesh_mod, step
+from jaxdist import mesh as mesh_mod
+from jaxdist import step
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
 MESHES = ["dp=8", "fsdp=8", "tp=2,fsdp=4", "dp=2,fsdp=2,tp=2"]
@@ -31,8 +32,9 @@ def batches(cfg):
 
 
 def compile_step(prog, cfg):
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=prog.batch_sharding)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
     return prog.train_step.lower(prog.abstract_state, tokens).compile()
 
 
@@ -85,9 +87,11 @@ def test_matches_single_device(cfg, batches, reference, mesh_text):
 def test_microbatches_match_full_batch(cfg, batches, reference):
     """Token-weighted accumulation over 4 micro-batches gives the full-batch loss and gradients."""
     ref_loss, ref_grads, _, _ = reference
-    loss, grads, _, _ = loss_grads_and_curve(cfg.replace(train=dict(microbatches=4, steps=1)),
-                                             mesh_mod.mesh_from_string("dp=2,fsdp=1,tp=1", jax.devices()[:2]),
-                                             batches[:1])
+    loss, grads, _, _ = loss_grads_and_curve(
+        cfg.replace(train=dict(microbatches=4, steps=1)),
+        mesh_mod.mesh_from_string("dp=2,fsdp=1,tp=1", jax.devices()[:2]),
+        batches[:1],
+    )
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, atol=1e-5 * np.abs(r).max(), rtol=0)

@@ -15,7 +15,6 @@ import pytest
 from jaxdist import data, prepare, step, tokenizer
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import token_loss_sums
 from jaxdist.models.llama import document_segments
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -24,27 +23,44 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=256", "model.h
 
 
 def run_prepare(*argv):
-    return subprocess.run([sys.executable, "-m", "jaxdist.data", "prepare", *map(str, argv)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.data", "prepare", *map(str, argv)], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """The corpus prepared twice with a trained 4k BPE: 2 worker processes (the CLI) and in-process."""
     root = tmp_path_factory.mktemp("prep")
-    out = run_prepare("--train-tokenizer", 4096, "--out", root / "a", "--workers", 2, CORPUS,
-                      "--val-fraction", 0.15)
+    out = run_prepare("--train-tokenizer", 4096, "--out", root / "a", "--workers", 2, CORPUS, "--val-fraction", 0.15)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tokens/s with 2 worker(s)" in out.stdout
-    assert prepare.main(["prepare", "--train-tokenizer", "4096", "--out", str(root / "b"), "--workers", "1",
-                         CORPUS, "--val-fraction", "0.15"]) == 0
+    assert (
+        prepare.main(
+            [
+                "prepare",
+                "--train-tokenizer",
+                "4096",
+                "--out",
+                str(root / "b"),
+                "--workers",
+                "1",
+                CORPUS,
+                "--val-fraction",
+                "0.15",
+            ]
+        )
+        == 0
+    )
     return root / "a", root / "b"
 
 
 def corpus_documents():
     docs = [Path(f).read_bytes().decode("utf-8", errors="replace") for f in data.expand_path(CORPUS)]
-    return {"train": [d for d in docs if not prepare.is_held_out(d, 0.15)],
-            "val": [d for d in docs if prepare.is_held_out(d, 0.15)]}
+    return {
+        "train": [d for d in docs if not prepare.is_held_out(d, 0.15)],
+        "val": [d for d in docs if prepare.is_held_out(d, 0.15)],
+    }
 
 
 def split_at(ids: np.ndarray, eos: int) -> list[np.ndarray]:
@@ -57,8 +73,13 @@ def test_prepare_is_deterministic_whatever_the_worker_count(prepared):
     a, b = prepared
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    assert {str(f) for f in files_a} >= {"manifest.json", "tokenizer.json", "tokenizer_config.json",
-                                         "train/000000.bin", "val/000000.bin"}
+    assert {str(f) for f in files_a} >= {
+        "manifest.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train/000000.bin",
+        "val/000000.bin",
+    }
     for f in files_a:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
@@ -87,10 +108,25 @@ def test_prepared_shards_round_trip_the_text(prepared):
 def test_cli_trains_on_prepared_tokens_with_document_mask(prepared, tmp_path):
     a, _ = prepared
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxdist.train", "--steps", "40", "--run-dir", str(run_dir), *SMALL,
-           "data.source=tokens", f"data.path={a}", "data.document_mask=true", "model.vocab_size=4096",
-           "optim.lr=1e-2", "optim.warmup_steps=5", "train.log_every=5", "train.eval_every=40",
-           "train.eval_batches=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.train",
+        "--steps",
+        "40",
+        "--run-dir",
+        str(run_dir),
+        *SMALL,
+        "data.source=tokens",
+        f"data.path={a}",
+        "data.document_mask=true",
+        "model.vocab_size=4096",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=5",
+        "train.log_every=5",
+        "train.eval_every=40",
+        "train.eval_batches=2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,10 +138,22 @@ def test_cli_trains_on_prepared_tokens_with_document_mask(prepared, tmp_path):
 
 # ------------------------------------------------------------------------------ document masking
 
+
 def mask_cfg(tiny_cfg, **data_cfg):
-    return tiny_cfg.replace(model=dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                                       mlp_dim=64, vocab_size=64, seq_len=24, init_std=0.3),
-                            data=dict(document_mask=True, separator=1, **data_cfg))
+    return tiny_cfg.replace(
+        model=dict(
+            num_layers=2,
+            d_model=32,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            mlp_dim=64,
+            vocab_size=64,
+            seq_len=24,
+            init_std=0.3,
+        ),
+        data=dict(document_mask=True, separator=1, **data_cfg),
+    )
 
 
 def packed_rows(rows: int, eos: int = 1):
@@ -134,6 +182,7 @@ def mask_program(tiny_cfg):
     logits with no mask. A document run alone is a row that starts with it; what follows it cannot
     matter under causal attention."""
     from flax import nnx
+
     prog = step.build_program(mask_cfg(tiny_cfg), mesh_mod.mesh_from_string("fsdp=4,tp=2"))
     params = prog.init_state(0).params
     host = jax.device_get(params)
@@ -148,7 +197,7 @@ def alone_rows(batch: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]
     rows, where = [], []
     for r, row in enumerate(batch):
         for start, stop in documents_of(row):
-            rows.append(np.concatenate([row[start:stop + 1], np.full(24 - (stop - start), 5)]))
+            rows.append(np.concatenate([row[start : stop + 1], np.full(24 - (stop - start), 5)]))
             where.append((r, start, stop))
     return np.array(rows, np.int32), where
 
@@ -161,9 +210,9 @@ def test_document_mask_equals_each_document_alone(mask_program):
     singles = alone(rows[:, :24])
     worst = crossed = 0.0
     for i, (r, start, stop) in enumerate(where):
-        worst = max(worst, float(jnp.abs(singles[i, :stop - start] - masked[r, start:stop]).max()))
+        worst = max(worst, float(jnp.abs(singles[i, : stop - start] - masked[r, start:stop]).max()))
         if start:
-            crossed = max(crossed, float(jnp.abs(singles[i, :stop - start] - unmasked[r, start:stop]).max()))
+            crossed = max(crossed, float(jnp.abs(singles[i, : stop - start] - unmasked[r, start:stop]).max()))
     assert len(where) > 8 and worst < 1e-5
     assert crossed > 1e-2  # without the mask a document sees its predecessors: the test can fail
 
@@ -177,10 +226,11 @@ def test_document_mask_loss_on_a_sharded_mesh(mask_program):
     rows, where = alone_rows(batch)
     logp = jax.nn.log_softmax(alone(rows[:, :24]), axis=-1)
     picked = jnp.take_along_axis(logp, jnp.asarray(rows[:, 1:])[..., None], axis=-1)[..., 0]
-    expected = -sum(float(picked[i, :stop - start].sum()) for i, (_, start, stop) in enumerate(where))
+    expected = -sum(float(picked[i, : stop - start].sum()) for i, (_, start, stop) in enumerate(where))
     assert float(count) == 8 * 24
     np.testing.assert_allclose(float(loss_sum), expected, rtol=1e-5)
     import optax
+
     tokens = jnp.asarray(batch)
     unmasked = float(optax.softmax_cross_entropy_with_integer_labels(alone(tokens[:, :-1]), tokens[:, 1:]).sum())
     assert abs(unmasked - expected) > 1e-3 * expected  # 100x the tolerance: the mask matters
@@ -197,9 +247,11 @@ def test_document_mask_needs_an_eos_and_no_pipeline(tiny_cfg, tmp_path):
 
 # --------------------------------------------------------------------------- BOS/EOS and tokenizers
 
+
 def word_tokenizer(folder: Path, post_bos: bool, config: dict | None = None, extra: int = 0) -> Path:
     """A word-level tokenizer.json (optionally a post-processor adding <s>) and tokenizer_config.json."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
     vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4, **{f"w{i}": 5 + i for i in range(extra)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -221,9 +273,13 @@ def test_bos_eos_follow_the_tokenizer_config(tmp_path):
     assert 1 not in docs[1][1:-1].tolist()  # literal "</s>" text is not the EOS id
     off = tokenizer.load(str(word_tokenizer(tmp_path / "c", True, {"add_bos_token": False, "eos_token": "</s>"})))
     assert off.prefix == () and off.eos_id == 1
-    on = tokenizer.load(str(word_tokenizer(tmp_path / "d", False, {"add_bos_token": True,
-                                                                   "bos_token": {"content": "<s>"},
-                                                                   "eos_token": "b"})))
+    on = tokenizer.load(
+        str(
+            word_tokenizer(
+                tmp_path / "d", False, {"add_bos_token": True, "bos_token": {"content": "<s>"}, "eos_token": "b"}
+            )
+        )
+    )
     assert on.prefix == (0,) and on.eos_id == 4  # eos_token of the config wins over the usual names
     (tmp_path / "c2").mkdir()
     tokenizer.copy_files(llama_like, tmp_path / "c2")
@@ -238,14 +294,15 @@ def test_text_source_with_a_tokenizer(prepared, tiny_cfg, tmp_path):
     (tmp_path / "docs" / "one.py").write_text(texts[0])
     (tmp_path / "docs" / "sub" / "two.py").write_text(texts[1])
     (tmp_path / "docs" / ".hidden").write_text("not data")
-    cfg = tiny_cfg.replace(data=dict(path=str(tmp_path / "docs"), tokenizer=str(a), eval_fraction=0.0),
-                           model=dict(vocab_size=4096, seq_len=16))
+    cfg = tiny_cfg.replace(
+        data=dict(path=str(tmp_path / "docs"), tokenizer=str(a), eval_fraction=0.0),
+        model=dict(vocab_size=4096, seq_len=16),
+    )
     train, _ = data.load_windows(cfg)
     tok = tokenizer.load(str(a))
     stream = np.concatenate(tok.encode_documents(texts))
     assert len(train) == (len(stream) - 1) // 16
-    np.testing.assert_array_equal(np.concatenate([train[i][:-1] for i in range(len(train))]),
-                                  stream[: 16 * len(train)])
+    np.testing.assert_array_equal(np.concatenate([train[i][:-1] for i in range(len(train))]), stream[: 16 * len(train)])
     with pytest.raises(JaxdistError, match="set model.vocab_size=4096"):
         data.load_windows(cfg.replace(model=dict(vocab_size=1000)))
 
@@ -256,18 +313,22 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     np.arange(3000, dtype=np.uint16).tofile(tmp_path / "tok" / "b" / "1.bin")
     np.arange(3000, 5000, dtype=np.uint16).tofile(tmp_path / "tok" / "0.bin")
     (tmp_path / "tok" / ".DS_Store").write_bytes(b"x")
-    assert data.expand_path(str(tmp_path / "tok")) == [str(tmp_path / "tok" / "0.bin"),
-                                                         str(tmp_path / "tok" / "b" / "1.bin")]
+    assert data.expand_path(str(tmp_path / "tok")) == [
+        str(tmp_path / "tok" / "0.bin"),
+        str(tmp_path / "tok" / "b" / "1.bin"),
+    ]
     base = dict(model=dict(vocab_size=5000, seq_len=16))
     by_dir, _ = data.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok")), **base))
-    by_glob, _ = data.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok/**/*.bin")),
-                                                    **base))
+    by_glob, _ = data.load_windows(
+        tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok/**/*.bin")), **base)
+    )
     assert len(by_dir) == len(by_glob) > 0 and by_dir[0][0] == 3000
     assert all(np.array_equal(by_dir[i], by_glob[i]) for i in range(len(by_dir)))
 
     # A prepared folder: train/ for training, val/ for eval, dtype from its manifest.
-    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(a), token_dtype="uint32"),
-                           model=dict(vocab_size=4096, seq_len=16))
+    cfg = tiny_cfg.replace(
+        data=dict(source="tokens", path=str(a), token_dtype="uint32"), model=dict(vocab_size=4096, seq_len=16)
+    )
     train, held_out = data.load_windows(cfg)
     np.testing.assert_array_equal(train[0], np.fromfile(a / "train" / "000000.bin", np.uint16)[:17])
     np.testing.assert_array_equal(held_out[0], np.fromfile(a / "val" / "000000.bin", np.uint16)[:17])
@@ -281,9 +342,11 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
 
 # ---------------------------------------------------------------------------------------- inputs
 
+
 def test_jsonl_and_parquet_inputs(prepared, tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
+
     a, _ = prepared
     texts = ["first document\nwith two lines", "second: é ü ✓", "third <|endoftext|> is text here"]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(texts)))
@@ -291,8 +354,25 @@ def test_jsonl_and_parquet_inputs(prepared, tmp_path):
     outs = []
     for name in ("d.jsonl", "d.parquet"):
         out = tmp_path / f"out-{name}"
-        assert prepare.main(["prepare", "--tokenizer", str(a), "--out", str(out), str(tmp_path / name),
-                             "--field", "body", "--val-fraction", "0", "--workers", "1"]) == 0
+        assert (
+            prepare.main(
+                [
+                    "prepare",
+                    "--tokenizer",
+                    str(a),
+                    "--out",
+                    str(out),
+                    str(tmp_path / name),
+                    "--field",
+                    "body",
+                    "--val-fraction",
+                    "0",
+                    "--workers",
+                    "1",
+                ]
+            )
+            == 0
+        )
         outs.append(np.fromfile(out / "train" / "000000.bin", np.uint16))
     np.testing.assert_array_equal(outs[0], outs[1])
     tok = tokenizer.load(str(a))
@@ -315,8 +395,7 @@ def test_bad_prepare_input_is_one_line_exit_2(prepared, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"other": 1}\n')
     big = word_tokenizer(tmp_path / "big", post_bos=False, extra=70_000)
-    assert "too many for uint16" in fails("--tokenizer", big, "--dtype", "uint16", "--out", tmp_path / "o",
-                                          CORPUS)
+    assert "too many for uint16" in fails("--tokenizer", big, "--dtype", "uint16", "--out", tmp_path / "o", CORPUS)
     assert "are empty" in fails("--tokenizer", a, "--out", tmp_path / "o", tmp_path / "empty.txt")
     assert "matches no files" in fails("--tokenizer", a, "--out", tmp_path / "o", tmp_path / "nope*.txt")
     assert "no string field 'text'" in fails("--tokenizer", a, "--out", tmp_path / "o", tmp_path / "x.jsonl")

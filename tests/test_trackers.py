@@ -13,7 +13,15 @@ import pytest
 
 from jaxdist import train
 
-SMALL = {"num_layers": 1, "d_model": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "mlp_dim": 64, "seq_len": 16}
+SMALL = {
+    "num_layers": 1,
+    "d_model": 32,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "mlp_dim": 64,
+    "seq_len": 16,
+}
 HAVE = {name: importlib.util.find_spec(name) is not None for name in ("tensorboard", "wandb", "mlflow")}
 
 
@@ -28,8 +36,19 @@ def tracked_run(tmp_path_factory):
     mp.setenv("MLFLOW_TRACKING_URI", (run_dir.parent / "mlruns").as_uri())
     mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
     from jaxdist import config
-    cfg = config.load(None, ["train.steps=6", "optim.warmup_steps=2", "train.eval_every=0", "train.log_every=2",
-                             "checkpoint.every=0", "optim.lr=0.002", f"train.trackers={json.dumps(names)}"])
+
+    cfg = config.load(
+        None,
+        [
+            "train.steps=6",
+            "optim.warmup_steps=2",
+            "train.eval_every=0",
+            "train.log_every=2",
+            "checkpoint.every=0",
+            "optim.lr=0.002",
+            f"train.trackers={json.dumps(names)}",
+        ],
+    )
     cfg = cfg.replace(model=SMALL)
     try:
         train.run(cfg, run_dir, log=lambda *a: None)
@@ -39,9 +58,12 @@ def tracked_run(tmp_path_factory):
     return run_dir, [r for r in records if "loss" in r]
 
 
-@pytest.mark.skipif(not HAVE["tensorboard"], reason="tensorboard (the reader) not installed: pip install -e '.[tensorboard]'")
+@pytest.mark.skipif(
+    not HAVE["tensorboard"], reason="tensorboard (the reader) not installed: pip install -e '.[tensorboard]'"
+)
 def test_tensorboard_events_hold_the_logged_losses(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run_dir, steps = tracked_run
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
@@ -54,13 +76,15 @@ def test_wandb_offline_run_holds_losses_and_config(tracked_run):
     run_dir, steps = tracked_run
     [offline] = (run_dir / "wandb").glob("offline-run-*")  # the files live under the run dir
     wandb_cli = shutil.which("wandb") or pytest.skip("wandb command not on PATH")
-    out = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(offline)], capture_output=True, text=True,
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--json", str(offline)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
-    assert [(h["_step"], h["loss"]) for h in history if "loss" in h] == \
-        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
+    assert [(h["_step"], h["loss"]) for h in history if "loss" in h] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps
+    ]
     config = next(r["run"]["config"]["update"] for r in records if r["type"] == "run")
     assert config["optim"]["lr"] == 0.002 and config["model"]["d_model"] == 32
 
@@ -68,6 +92,7 @@ def test_wandb_offline_run_holds_losses_and_config(tracked_run):
 @pytest.mark.skipif(not HAVE["mlflow"], reason="mlflow not installed (pip install -e '.[mlflow]')")
 def test_mlflow_file_store_run_holds_losses_and_config(tracked_run):
     from mlflow.tracking import MlflowClient
+
     run_dir, steps = tracked_run
     client = MlflowClient(tracking_uri=(run_dir.parent / "mlruns").as_uri())
     run_id = (run_dir / ".mlflow_run_id").read_text()
@@ -80,17 +105,22 @@ def test_mlflow_file_store_run_holds_losses_and_config(tracked_run):
 def test_missing_tracker_package_is_exit_2_and_one_line(tmp_path):
     """A tracker whose package cannot be imported (here: hidden from this interpreter) is a start-up
     error naming the extra to install; nothing is written."""
-    code = ("import sys; sys.modules['mlflow'] = None; from jaxdist.train import main; "
-            f"sys.exit(main(['--run-dir', {str(tmp_path / 'r')!r}, 'train.trackers=[tensorboard,mlflow]']))")
+    code = (
+        "import sys; sys.modules['mlflow'] = None; from jaxdist.train import main; "
+        f"sys.exit(main(['--run-dir', {str(tmp_path / 'r')!r}, 'train.trackers=[tensorboard,mlflow]']))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: train.trackers includes mlflow but mlflow is not installed; "
-                                  "pip install -e \".[mlflow]\" or remove mlflow from train.trackers")
+    assert out.stderr.strip() == (
+        "error: train.trackers includes mlflow but mlflow is not installed; "
+        'pip install -e ".[mlflow]" or remove mlflow from train.trackers'
+    )
     assert not (tmp_path / "r").exists()
 
 
 def test_unknown_tracker_is_a_config_error():
     from jaxdist import config
     from jaxdist.errors import JaxdistError
+
     with pytest.raises(JaxdistError, match="train.trackers: 'neptune' is not one of tensorboard, wandb, mlflow"):
         config.load(None, ["train.trackers=[neptune]"])

@@ -11,9 +11,23 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=256", "model.h
 
 def test_cli_trains_on_the_default_corpus(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "dp=2,fsdp=4", "--steps", "60", "--run-dir",
-           str(run_dir), *SMALL, "optim.lr=1e-2", "optim.warmup_steps=5", "train.log_every=5",
-           "train.eval_every=30", "train.global_batch=16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.train",
+        "--mesh",
+        "dp=2,fsdp=4",
+        "--steps",
+        "60",
+        "--run-dir",
+        str(run_dir),
+        *SMALL,
+        "optim.lr=1e-2",
+        "optim.warmup_steps=5",
+        "train.log_every=5",
+        "train.eval_every=30",
+        "train.global_batch=16",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh dp=2,fsdp=4 over 8 cpu devices" in out.stdout
@@ -43,16 +57,23 @@ def test_cli_trains_on_the_default_corpus(tmp_path):
 
 
 def test_cli_bad_input_exits_2_without_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--mesh", "dp=3", "--run-dir",
-                          str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxdist.train", "--mesh", "dp=3", "--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: mesh dp=3 needs 3 devices but there are 8; " \
-                                 "make the sizes multiply to 8 (or use -1 on one axis)"
+    assert (
+        out.stderr.strip() == "error: mesh dp=3 needs 3 devices but there are 8; "
+        "make the sizes multiply to 8 (or use -1 on one axis)"
+    )
     assert not (tmp_path / "r").exists()
 
 
 def test_overrides_may_come_before_and_after_flags():
     from jaxdist import train
+
     args = train.parse_args(["model.num_layers=2", "--steps", "3", "optim.lr=1e-3", "--mesh", "dp=2,fsdp=4"])
     assert args.overrides == ["model.num_layers=2", "optim.lr=1e-3"] and args.steps == 3
     cfg = train.resolve_config(args)

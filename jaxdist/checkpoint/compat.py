@@ -22,12 +22,31 @@ from jaxdist.errors import JaxdistError
 
 # Keys that may differ from the checkpoint's config without a flag: how long and how the run is
 # driven, not what it computes (the mesh may change: arrays are resharded on restore).
-FREE_KEYS = frozenset({
-    "train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.peak_flops",
-    "train.max_skipped_steps", "train.profile_steps", "train.microbatches", "pipeline.microbatches",
-    "optim.schedule_steps", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.params_only",
-    "mesh.shape", "mesh.dcn", "mesh.rules", "model.remat", "optim.offload", "data.prefetch", "data.poison_step",
-})
+FREE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.log_every",
+        "train.peak_flops",
+        "train.max_skipped_steps",
+        "train.profile_steps",
+        "train.microbatches",
+        "pipeline.microbatches",
+        "optim.schedule_steps",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "checkpoint.async_save",
+        "checkpoint.params_only",
+        "mesh.shape",
+        "mesh.dcn",
+        "mesh.rules",
+        "model.remat",
+        "optim.offload",
+        "data.prefetch",
+        "data.poison_step",
+    }
+)
 
 
 def _path_str(path) -> str:
@@ -46,23 +65,29 @@ def check_model(saved_params, abstract_params, where: Path) -> None:
             raise JaxdistError(
                 f"checkpoint {where} stores the layer stack in another pipeline layout: params/{name} is "
                 f"{saved[name]} there but {shape} here; resume with the pp and pipeline.repeats it was saved "
-                "with (moving a checkpoint across pipeline layouts is not supported yet)")
+                "with (moving a checkpoint across pipeline layouts is not supported yet)"
+            )
         if saved[name] != shape:
-            raise JaxdistError(f"checkpoint {where} is of a different model: tensor params/{name} has shape "
-                               f"{saved[name]} there but {shape} in this config; {fix}")
+            raise JaxdistError(
+                f"checkpoint {where} is of a different model: tensor params/{name} has shape "
+                f"{saved[name]} there but {shape} in this config; {fix}"
+            )
     extra = sorted(set(saved) - set(wanted))
     if extra:
-        raise JaxdistError(f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that "
-                           f"this config lacks; {fix}")
+        raise JaxdistError(
+            f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that this config lacks; {fix}"
+        )
 
 
 def _restaged(saved: tuple, wanted: tuple) -> bool:
     """The same layer stack laid out (layers, ...) vs (stage, layers/stage, ...), or staged differently."""
+
     def stack(shape):  # leading dims that hold layers: one, or two when staged
         return [shape[:1], shape[:2]]
+
     for a in stack(saved):
         for b in stack(wanted):
-            if (a != b and math.prod(a) == math.prod(b) and saved[len(a):] == wanted[len(b):]):
+            if a != b and math.prod(a) == math.prod(b) and saved[len(a) :] == wanted[len(b) :]:
                 return True
     return False
 
@@ -80,11 +105,13 @@ def check_resume(meta: dict, cfg: Config, where: Path) -> None:
         raise JaxdistError(
             f"model.seq_len={cfg.model.seq_len} is longer than the {seq} tokens the checkpoint {where} was "
             f"trained on; resume with model.seq_len={seq}, or fine-tune longer sequences with "
-            f"--restore {where} checkpoint.params_only=true in a new --run-dir")
+            f"--restore {where} checkpoint.params_only=true in a new --run-dir"
+        )
     if meta.get("seed", cfg.train.seed) != cfg.train.seed:
         raise JaxdistError(
             f"train.seed={cfg.train.seed} differs from the seed {meta['seed']} of checkpoint {where}, which "
-            f"fixes the data order; drop the override (or start a new --run-dir)")
+            f"fixes the data order; drop the override (or start a new --run-dir)"
+        )
 
 
 def flat(tree: dict) -> dict[str, Any]:
@@ -107,7 +134,8 @@ def check_config_drift(meta: dict, cfg: Config, where: Path, allowed: frozenset[
         listing = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)
         raise JaxdistError(
             f"resuming {where} with a changed config ({listing}); pass --allow-config-change "
-            f"{','.join(refused)} to continue with the change, or drop the overrides (or use a new --run-dir)")
+            f"{','.join(refused)} to continue with the change, or drop the overrides (or use a new --run-dir)"
+        )
     return changes
 
 
@@ -116,6 +144,7 @@ def check_allowed_keys(keys: frozenset[str]) -> None:
     unknown = sorted(keys - known)
     if unknown:
         import difflib
+
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "give section.key names, e.g. optim.lr"
         raise JaxdistError(f"--allow-config-change names unknown config key '{unknown[0]}': {hint}")
@@ -126,6 +155,7 @@ def saved_config(run_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     import yaml
+
     try:
         return yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError):
@@ -138,9 +168,19 @@ def check_run_dir_model(run_dir: Path, cfg: Config) -> None:
     if not isinstance(saved, dict):
         return
     now = cfg.to_dict()["model"]
-    shape_keys = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size",
-                  "tie_embeddings")
+    shape_keys = (
+        "num_layers",
+        "d_model",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "vocab_size",
+        "tie_embeddings",
+    )
     for key in shape_keys:
         if key in saved and saved[key] != now[key]:
-            raise JaxdistError(f"run dir {run_dir} holds a run of a different model (model.{key}={saved[key]} "
-                               f"there, {now[key]} here); choose a new --run-dir")
+            raise JaxdistError(
+                f"run dir {run_dir} holds a run of a different model (model.{key}={saved[key]} "
+                f"there, {now[key]} here); choose a new --run-dir"
+            )

@@ -33,8 +33,11 @@ def _digest(path: Path) -> str:
 
 
 def _files(step_dir: Path) -> list[str]:
-    return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
-                  if p.is_file() and str(p.relative_to(step_dir)) not in UNCOVERED)
+    return sorted(
+        str(p.relative_to(step_dir))
+        for p in step_dir.rglob("*")
+        if p.is_file() and str(p.relative_to(step_dir)) not in UNCOVERED
+    )
 
 
 def _pool() -> ThreadPoolExecutor:

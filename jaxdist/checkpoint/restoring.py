@@ -44,21 +44,35 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def _restore_step(manager, directory: Path, step: int, prog: Program, loader, cfg: Config,
-                  params_only: bool, allowed: frozenset, drift: bool) -> tuple[TrainState, dict]:
+def _restore_step(
+    manager,
+    directory: Path,
+    step: int,
+    prog: Program,
+    loader,
+    cfg: Config,
+    params_only: bool,
+    allowed: frozenset,
+    drift: bool,
+) -> tuple[TrainState, dict]:
     where = directory / str(step)
     metadata = manager.item_metadata(step)
     compat.check_model(metadata["params"], prog.abstract_state.params, where)
     if not params_only and metadata.get("train") is None:
-        raise JaxdistError(f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
-                           f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir")
+        raise JaxdistError(
+            f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
+            f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir"
+        )
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     changes = {}
     if not params_only:
         compat.check_resume(meta, cfg, where)
         reduce.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
-        changes = (compat.check_config_drift(meta, cfg, where, allowed) if drift
-                   else compat.changed_keys(meta.get("config", {}), cfg))
+        changes = (
+            compat.check_config_drift(meta, cfg, where, allowed)
+            if drift
+            else compat.changed_keys(meta.get("config", {}), cfg)
+        )
     abstract = _abstract(prog.abstract_state, prog.state_shardings)
     items = {"params": ocp.args.StandardRestore(abstract.params)}
     if not params_only:
@@ -86,8 +100,16 @@ def _verify(where: Path, log: Callable) -> float:
     return time.perf_counter() - start
 
 
-def restore(path: Path, prog: Program, loader, cfg: Config, params_only: bool = False,
-            log: Callable = print, allowed: frozenset = frozenset(), drift: bool = True) -> Restored:
+def restore(
+    path: Path,
+    prog: Program,
+    loader,
+    cfg: Config,
+    params_only: bool = False,
+    log: Callable = print,
+    allowed: frozenset = frozenset(),
+    drift: bool = True,
+) -> Restored:
     """Restore the newest readable, intact checkpoint under `path` onto `prog`'s mesh (and `loader`'s position).
 
     `drift`: refuse config changes outside `compat.FREE_KEYS` and `allowed` (a run resuming itself);
@@ -100,15 +122,18 @@ def restore(path: Path, prog: Program, loader, cfg: Config, params_only: bool = 
     try:
         steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
         if not steps:
-            raise JaxdistError(f"{path} holds no checkpoint; pass a run dir (or checkpoints/<step>) written by "
-                               "jaxdist.train")
+            raise JaxdistError(
+                f"{path} holds no checkpoint; pass a run dir (or checkpoints/<step>) written by jaxdist.train"
+            )
         failures = []
         for step in steps:
             start = time.perf_counter()
             try:
                 verify_s = _verify(directory / str(step), log)
-                (state, changes), error = _restore_step(manager, directory, step, prog, loader, cfg, params_only,
-                                                        allowed, drift), None
+                (state, changes), error = (
+                    _restore_step(manager, directory, step, prog, loader, cfg, params_only, allowed, drift),
+                    None,
+                )
             except JaxdistError:
                 raise
             except Exception as e:  # noqa: BLE001 — any read failure means "try the previous checkpoint"
@@ -116,13 +141,20 @@ def restore(path: Path, prog: Program, loader, cfg: Config, params_only: bool = 
                 if isinstance(e, Corrupted):
                     error = f"{e}"
             if all_agree(error is None):
-                return Restored(state, 0 if params_only else step, directory / str(step),
-                                time.perf_counter() - start, changes, verify_s)
+                return Restored(
+                    state,
+                    0 if params_only else step,
+                    directory / str(step),
+                    time.perf_counter() - start,
+                    changes,
+                    verify_s,
+                )
             error = error or "failed on another process"
             failures.append(f"step {step}: {error}")
-            log(f"warning: checkpoint {directory / str(step)} could not be restored ({error}); "
-                "trying the previous one")
-        raise JaxdistError(f"no checkpoint under {directory} could be restored ({failures[0]}); "
-                           "pass a checkpoint written by jaxdist.train, or move the unreadable ones away")
+            log(f"warning: checkpoint {directory / str(step)} could not be restored ({error}); trying the previous one")
+        raise JaxdistError(
+            f"no checkpoint under {directory} could be restored ({failures[0]}); "
+            "pass a checkpoint written by jaxdist.train, or move the unreadable ones away"
+        )
     finally:
         manager.close()

@@ -22,8 +22,12 @@ from jaxdist.step import TrainState
 
 
 def train_part(state: TrainState) -> dict:
-    return {"step": state.step, "opt_state": state.opt_state, "reducer_state": state.reducer_state,
-            "skipped": state.skipped}
+    return {
+        "step": state.step,
+        "opt_state": state.opt_state,
+        "reducer_state": state.reducer_state,
+        "skipped": state.skipped,
+    }
 
 
 def _reason(e: BaseException) -> str:
@@ -69,8 +73,10 @@ class Saver:
     def _fail(self, step: int, e: BaseException) -> JaxdistError:
         kept = [s for s in self.manager.all_steps() if s != step]
         older = f"checkpoints {', '.join(map(str, sorted(kept)))} are intact" if kept else "no older checkpoint exists"
-        return JaxdistError(f"checkpoint step {step} could not be written to {self.directory} ({_reason(e)}); "
-                            f"stopping: {older}; free space or fix the folder, then run the same command to resume")
+        return JaxdistError(
+            f"checkpoint step {step} could not be written to {self.directory} ({_reason(e)}); "
+            f"stopping: {older}; free space or fix the folder, then run the same command to resume"
+        )
 
     def _guard(self, step: int, fn: Callable) -> None:
         try:
@@ -93,12 +99,25 @@ class Saver:
             self._guard(self.pending[0], self.manager.wait_until_finished)
         self.poll()
         start = time.perf_counter()
-        meta = {"step": step, "seed": self.cfg.train.seed, "data_state": loader.get_state(),
-                "config": self.cfg.to_dict()}
+        meta = {
+            "step": step,
+            "seed": self.cfg.train.seed,
+            "data_state": loader.get_state(),
+            "config": self.cfg.to_dict(),
+        }
         self.pending = (step, start, 0.0)
-        self._guard(step, lambda: self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train_part(state)),
-            data=grain.checkpoint.CheckpointSave(loader.iterator), meta=ocp.args.JsonSave(meta))))
+        self._guard(
+            step,
+            lambda: self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(state.params),
+                    train=ocp.args.StandardSave(train_part(state)),
+                    data=grain.checkpoint.CheckpointSave(loader.iterator),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            ),
+        )
         blocking = time.perf_counter() - start
         self.pending = (step, start, blocking)
         if self.cfg.checkpoint.async_save:
@@ -120,8 +139,9 @@ class Saver:
             raise self._fail(step, RuntimeError("orbax did not publish it"))
         total = time.perf_counter() - start
         checksum_s, nbytes = self._checksum
-        self.timings.append({"step": step, "blocking_s": blocking, "total_s": total, "checksum_s": checksum_s,
-                             "bytes": nbytes})
+        self.timings.append(
+            {"step": step, "blocking_s": blocking, "total_s": total, "checksum_s": checksum_s, "bytes": nbytes}
+        )
         self.log(f"checkpoint step {step} saved to {final} ({blocking:.2f}s blocking, {total:.2f}s total)")
         self.pending, self.last_saved = None, step
 

@@ -38,14 +38,16 @@ class StopSignal:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: abort without saving
         self.received = signal.Signals(signum).name
-        doing = ("finishing the current step and saving a checkpoint" if self.training
-                 else "stopping before the first step")
+        doing = (
+            "finishing the current step and saving a checkpoint" if self.training else "stopping before the first step"
+        )
         print(f"{self.received} received: {doing} (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
         import jax  # late: the handlers are installed before JAX loads
 
         from jaxdist.checkpoint.agree import all_agree
+
         flag = self.received is not None
         if jax.process_count() > 1:
             flag = not all_agree(not flag)

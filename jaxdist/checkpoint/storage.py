@@ -15,24 +15,33 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes <step><suffix> and renames 
 
 
 def _handlers() -> dict:
-    return {"params": ocp.StandardCheckpointHandler(), "train": ocp.StandardCheckpointHandler(),
-            "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
 
 
-def open_manager(directory: Path, keep: int = 1, read_only: bool = False,
-                 before_commit: Callable[[], None] | None = None) -> ocp.CheckpointManager:
+def open_manager(
+    directory: Path, keep: int = 1, read_only: bool = False, before_commit: Callable[[], None] | None = None
+) -> ocp.CheckpointManager:
     """A manager for `directory`. Writing managers are always asynchronous (a synchronous save waits
     for it): orbax runs `before_commit` on process 0 after every process has written and before the
     rename that makes the step visible, which is where the checksums are written."""
     if read_only:  # only reads: no deletion, no tmp cleanup, nothing created
         # save_root_metadata=False: even read-only, orbax would enter a cross-process barrier, and the
         # processes that open a manager here need not be all of them (a folder another process just made).
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                               save_root_metadata=False)
+        options = ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0, save_root_metadata=False
+        )
     else:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=before_commit))
+            max_to_keep=keep,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=before_commit),
+        )
     return ocp.CheckpointManager(Path(directory).resolve(), item_handlers=_handlers(), options=options)
 
 

@@ -94,8 +94,9 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None):
     mask = document_mask(segment_ids_BT)
     if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True,
-                                                implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation="cudnn"
+            )
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
             warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
@@ -111,8 +112,9 @@ def document_segments(tokens_BT, eos_id: int):
 def document_positions(segment_ids_BT):
     """Positions that restart at 0 where the segment id changes (RoPE sees each document alone)."""
     idx_BT = jnp.broadcast_to(jnp.arange(segment_ids_BT.shape[1]), segment_ids_BT.shape)
-    starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
-                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    starts_BT = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BT[:, :1], bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
+    )
     return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
 
 
@@ -163,8 +165,9 @@ class Attention(nnx.Module):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_BT)
         k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
         v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
-        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-                                              mask=mask_BTS[:, None])
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask=mask_BTS[:, None]
+        )
         return self.out(o_BTNH), k_BSKH, v_BSKH
 
 
@@ -201,8 +204,7 @@ class Block(nnx.Module):
         return x_BTD if aux is None else (x_BTD, aux)
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
-        a_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH, index,
-                                                 mask_BTS)
+        a_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH, index, mask_BTS)
         x_BTD = x_BTD + a_BTD
         y_BTD = self.mlp(self.mlp_norm(x_BTD))
         x_BTD = x_BTD + (y_BTD[0] if self.sparse else y_BTD)
@@ -279,7 +281,10 @@ class Llama(nnx.Module):
             # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
             layer_state = jax.tree.map(
                 lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
-                names, layer_state, is_leaf=lambda n: isinstance(n, tuple))
+                names,
+                layer_state,
+                is_leaf=lambda n: isinstance(n, tuple),
+            )
             out = nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT)
             return out if isinstance(out, tuple) else (out, None)
 
@@ -324,6 +329,7 @@ class Llama(nnx.Module):
 def cast_sharded(w, names, dtype, rules):
     """`w` in `dtype`, converted on its shard before any all-gather (half the bytes for bf16). The
     gradient goes back to float32 on the same sharding, so its reduction runs in float32."""
+
     @jax.custom_vjp
     def cast(w):
         return constrain(w.astype(dtype), names, rules)
@@ -342,8 +348,15 @@ def _freeze(rules):
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts by group, from the config alone."""
-    D, N, K, H, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                           cfg.vocab_size, cfg.num_layers)
+    D, N, K, H, F, V, L = (
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
     per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
     embed = V * D
     head = 0 if cfg.tie_embeddings else D * V
@@ -351,5 +364,11 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     moe_total, moe_active = moe.count_moe_layer(cfg) if sparse else (0, 0)
     layers = L * per_layer + sparse * (moe_total - 3 * D * F)
     total = embed + layers + head + D
-    return {"embed": embed, "layers": layers, "head": head, "final_norm": D, "total": total,
-            "active": total - sparse * (moe_total - moe_active)}
+    return {
+        "embed": embed,
+        "layers": layers,
+        "head": head,
+        "final_norm": D,
+        "total": total,
+        "active": total - sparse * (moe_total - moe_active),
+    }

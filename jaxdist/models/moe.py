@@ -84,19 +84,31 @@ class MoE(nnx.Module):
         """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
         route_fn = functools.partial(route, topk=self.topk, router=self.router)
-        y_BTD, dropped_B, counts_BE = expert_ffn(x_BTD, logits_BTE, self.w_gate_EDF[...], self.w_up_EDF[...],
-                                                 self.w_down_EFD[...], EXPERT_NAMES, self.rules, self.factor,
-                                                 route_fn)
+        y_BTD, dropped_B, counts_BE = expert_ffn(
+            x_BTD,
+            logits_BTE,
+            self.w_gate_EDF[...],
+            self.w_up_EDF[...],
+            self.w_down_EFD[...],
+            EXPERT_NAMES,
+            self.rules,
+            self.factor,
+            route_fn,
+        )
         if self.shared:
             dt = x_BTD.dtype
             h = jax.nn.silu(_matmul(x_BTD, self.shared_gate_DS[...].astype(dt)))
-            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"),
-                          self.rules)
+            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"), self.rules)
             y_BTD = y_BTD + _matmul(h, self.shared_down_SD[...].astype(dt))
         lb = balance_loss_sum(counts_BE, logits_BTE, self.topk, self.router)
         z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
-        aux = {"objective": self.weights[0] * lb + self.weights[1] * z, "moe_aux_loss": lb, "moe_z_loss": z,
-               "moe_dropped": dropped_B.sum(), "moe_load": counts_BE.sum(0)}
+        aux = {
+            "objective": self.weights[0] * lb + self.weights[1] * z,
+            "moe_aux_loss": lb,
+            "moe_z_loss": z,
+            "moe_dropped": dropped_B.sum(),
+            "moe_load": counts_BE.sum(0),
+        }
         return y_BTD, aux
 
 
@@ -116,9 +128,13 @@ def metrics_from_sums(stats: dict, count) -> dict:
     load_LE = stats["moe_load"]
     cv = jnp.mean(jnp.std(load_LE, axis=-1) / jnp.mean(load_LE, axis=-1))
     assignments = jnp.sum(load_LE)  # over layers, like the dropped count
-    return {"moe_aux_loss": stats["moe_aux_loss"] / count, "moe_z_loss": stats["moe_z_loss"] / count,
-            "moe_dropped": stats["moe_dropped"], "moe_dropped_fraction": stats["moe_dropped"] / assignments,
-            "moe_load_cv": cv}
+    return {
+        "moe_aux_loss": stats["moe_aux_loss"] / count,
+        "moe_z_loss": stats["moe_z_loss"] / count,
+        "moe_dropped": stats["moe_dropped"],
+        "moe_dropped_fraction": stats["moe_dropped"] / assignments,
+        "moe_load_cv": cv,
+    }
 
 
 def count_moe_layer(cfg: ModelConfig) -> tuple[int, int]:

@@ -12,7 +12,8 @@ to it.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ def topk(ratio: float) -> Codec:
     float32). Replicas scatter-add what they gather. Against a dense float32 all-reduce
     (2(N-1)/N·4 bytes per entry) the bytes shrink by ~ 2/(N·ratio): the gather of N sparse sets
     limits it. `sent` is the bfloat16-rounded values, so error feedback keeps the rounding too."""
+
     def k_of(size):
         chunks, chunk = chunking(size)
         return chunks, chunk, max(1, math.ceil(ratio * chunk))
@@ -65,11 +67,12 @@ def topk(ratio: float) -> Codec:
         every = jax.lax.all_gather(packed, axis)  # (n, chunks, k)
         got_vals = jax.lax.bitcast_convert_type((every >> 16).astype(jnp.uint16), jnp.bfloat16)
         got_idx = (every & 0xFFFF).astype(jnp.int32) + chunk * jnp.arange(chunks, dtype=jnp.int32)[:, None]
-        total = jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(
-            got_vals.astype(jnp.float32).reshape(-1))
+        total = (
+            jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(got_vals.astype(jnp.float32).reshape(-1))
+        )
         rows = jnp.arange(chunks)[:, None]
         sent = jnp.zeros_like(flat).at[rows, idx].set(vals.astype(jnp.float32))
-        unpad = lambda a: a.reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)  # noqa: E731
+        unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)  # noqa: E731
         return unpad(total), unpad(sent), state
 
     def bytes_sent(shape, batch_dims, n):
@@ -81,6 +84,7 @@ def topk(ratio: float) -> Codec:
 
 # ---------------------------------------------------------------------------------------------------
 # int8: quantise blocks, all-to-all, sum in float32, requantise, all-gather (ZeRO++ qgZ)
+
 
 def quantize(x_NB):
     """Rows of `block` entries -> int8 codes and one float32 scale per row (max-abs / 127)."""
@@ -97,6 +101,7 @@ def int8(block: int) -> Codec:
     """Each replica quantises its tensor in blocks of `block` entries; all-to-all hands replica j the
     j-th chunk from everyone; it sums them in float32, requantises, and the sums are all-gathered.
     Bytes: 2(N-1)/N · (size + 4·size/block), ~4x less than float32 dense."""
+
     def padded_size(shape, n):
         return -(-math.prod(shape) // (n * block)) * n * block
 
@@ -105,12 +110,12 @@ def int8(block: int) -> Codec:
         flat = x.reshape(-1).astype(jnp.float32)
         flat = jnp.pad(flat, (0, padded_size(x.shape, n) - flat.size))
         q, scale = quantize(flat.reshape(n, -1, block))  # chunk j goes to replica j
-        sent = dequantize(q, scale).reshape(-1)[:x.size]
+        sent = dequantize(q, scale).reshape(-1)[: x.size]
         q_in = jax.lax.all_to_all(q, axis, 0, 0)  # (n senders, blocks per chunk, block)
         scale_in = jax.lax.all_to_all(scale, axis, 0, 0)
         q_sum, scale_sum = quantize(dequantize(q_in, scale_in).sum(0))
         total = dequantize(jax.lax.all_gather(q_sum, axis), jax.lax.all_gather(scale_sum, axis))
-        return total.reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype), sent.reshape(x.shape), state
+        return total.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype), sent.reshape(x.shape), state
 
     def bytes_sent(shape, batch_dims, n):
         size = padded_size(shape, n)
@@ -123,14 +128,16 @@ def int8(block: int) -> Codec:
 # ---------------------------------------------------------------------------------------------------
 # PowerSGD (Vogels et al. 2019): rank-r power iteration with a warm-started Q
 
+
 def matrix_view(shape, batch_dims: int) -> tuple[int, int, int]:
     """(batch, rows, cols): leading stacked-layer dims are a batch of matrices; the rest is split
     where rows + cols (the bytes sent per rank) is smallest."""
     batch, rest = math.prod(shape[:batch_dims]), shape[batch_dims:]
     if len(rest) < 2:
         return batch, math.prod(rest), 1
-    rows, cols = min(((math.prod(rest[:i]), math.prod(rest[i:])) for i in range(1, len(rest))),
-                     key=lambda rc: rc[0] + rc[1])
+    rows, cols = min(
+        ((math.prod(rest[:i]), math.prod(rest[i:])) for i in range(1, len(rest))), key=lambda rc: rc[0] + rc[1]
+    )
     return batch, rows, cols
 
 
@@ -139,10 +146,11 @@ def powersgd(rank: int, seed: int = 0) -> Codec:
     the sum is P·Qᵀ, this replica's share P·(Mᵀ·P)ᵀ. Q carries over to warm-start the next step's
     single power iteration. Bytes: 2(N-1)/N · 4·r·(rows + cols) per matrix; a tensor where that is
     not smaller than dense (1-D tensors, thin matrices) is sent dense."""
+
     def init(shape, batch_dims):
         batch, rows, cols = matrix_view(shape, batch_dims)
         # The same seed on every replica: Q starts (and stays, being summed) identical everywhere.
-        key = jax.random.fold_in(jax.random.key(seed), hash((tuple(shape), batch_dims)) % (2 ** 31))
+        key = jax.random.fold_in(jax.random.key(seed), hash((tuple(shape), batch_dims)) % (2**31))
         return jax.random.normal(key, (batch, cols, rank), jnp.float32)
 
     def reduce(x, q_BCR, batch_dims, axis):
@@ -161,5 +169,3 @@ def powersgd(rank: int, seed: int = 0) -> Codec:
         return hlo.ring_bytes("all-reduce", n, 4 * batch * rank * (rows + cols))
 
     return Codec("powersgd", init, reduce, bytes_sent)
-
-

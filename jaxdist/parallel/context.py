@@ -40,6 +40,7 @@ NEG = -1e30  # masked score: finite, so a fully masked block row never makes NaN
 
 # ---- layout ----------------------------------------------------------------------------------------
 
+
 def order(seq_len: int, cp: int) -> np.ndarray:
     """Positions in the load-balanced layout: device i's shard (contiguous after the reorder) holds
     chunks i and 2cp-1-i. order(8, 2) = [0 1 6 7 2 3 4 5]."""
@@ -71,25 +72,35 @@ def check(cfg, mesh, rules) -> None:
         raise JaxdistError(f"cp={cp} needs mesh.rules.seq=[cp] (got {list(rules['seq'])}); remove the seq override")
     for name in ("batch", "heads", "kv_heads", "mlp", "vocab"):
         if AXIS in rules[name]:
-            raise JaxdistError(f"mesh.rules.{name} uses 'cp', which shards the sequence of activations; "
-                               "only parameter axes (e.g. mesh.rules.embed=[fsdp, cp]) may add cp")
+            raise JaxdistError(
+                f"mesh.rules.{name} uses 'cp', which shards the sequence of activations; "
+                "only parameter axes (e.g. mesh.rules.embed=[fsdp, cp]) may add cp"
+            )
     if cfg.data.document_mask:
-        raise JaxdistError(f"data.document_mask=true with cp={cp} is not supported (segment masks are not split "
-                           "over sequence shards); use cp=1 or data.document_mask=false")
+        raise JaxdistError(
+            f"data.document_mask=true with cp={cp} is not supported (segment masks are not split "
+            "over sequence shards); use cp=1 or data.document_mask=false"
+        )
     if cfg.reduce.method == "diloco":
         raise JaxdistError(f"reduce.method=diloco with cp={cp} is not supported; use cp=1 or another reduce.method")
     pp = dict(mesh.shape).get("pp", 1)
     if pp > 1:  # checked here: Shardy rejects the cp shard_map nested in the pipeline's (jax 0.10.2)
-        raise JaxdistError(f"cp={cp} with pp={pp} is not supported (XLA rejects the attention's cp shard_map "
-                           "inside a pipeline stage); use cp with dp/fsdp/tp, or pp without cp")
+        raise JaxdistError(
+            f"cp={cp} with pp={pp} is not supported (XLA rejects the attention's cp shard_map "
+            "inside a pipeline stage); use cp with dp/fsdp/tp, or pp without cp"
+        )
     if m.seq_len % (2 * cp):
-        raise JaxdistError(f"model.seq_len={m.seq_len} must be divisible by 2*cp={2 * cp} (two chunks per "
-                           f"device for the load-balanced causal layout); choose a seq_len multiple of {2 * cp}")
+        raise JaxdistError(
+            f"model.seq_len={m.seq_len} must be divisible by 2*cp={2 * cp} (two chunks per "
+            f"device for the load-balanced causal layout); choose a seq_len multiple of {2 * cp}"
+        )
     if m.context_impl == "ulysses":
         tp = dict(mesh.shape).get("tp", 1)
         if (m.num_kv_heads // tp) % cp or (m.num_heads // tp) % cp:
-            raise JaxdistError(f"model.context_impl=ulysses splits heads over cp={cp}, but model.num_kv_heads="
-                               f"{m.num_kv_heads} / tp={tp} is not divisible by it; use context_impl=ring or allgather")
+            raise JaxdistError(
+                f"model.context_impl=ulysses splits heads over cp={cp}, but model.num_kv_heads="
+                f"{m.num_kv_heads} / tp={tp} is not divisible by it; use context_impl=ring or allgather"
+            )
 
 
 def sequence_order(cfg, mesh) -> np.ndarray | None:
@@ -106,11 +117,11 @@ def splits_sequence() -> bool:
 def active(rules) -> bool:
     """Inside a mesh whose cp axis shards the sequence (rules: the model's logical rules)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return (rules is not None and not mesh.empty and size(mesh) > 1
-            and tuple(dict(rules).get("seq", ())) == (AXIS,))
+    return rules is not None and not mesh.empty and size(mesh) > 1 and tuple(dict(rules).get("seq", ())) == (AXIS,)
 
 
 # ---- attention -------------------------------------------------------------------------------------
+
 
 def attention(q_BTNH, k_BTKH, v_BTKH, impl: str, rules):
     """Causal grouped-query attention of sequence-sharded q, k, v (global arrays, seq in `order`).
@@ -122,8 +133,9 @@ def attention(q_BTNH, k_BTKH, v_BTKH, impl: str, rules):
     kv_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "kv_heads", None), dict(rules)), manual)
     axes = {a for spec in (q_spec, kv_spec) for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
     local = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[impl]
-    return jax.shard_map(functools.partial(local, cp=size(mesh)), in_specs=(q_spec, kv_spec, kv_spec),
-                         out_specs=q_spec, axis_names=axes)(q_BTNH, k_BTKH, v_BTKH)
+    return jax.shard_map(
+        functools.partial(local, cp=size(mesh)), in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=axes
+    )(q_BTNH, k_BTKH, v_BTKH)
 
 
 def local_positions(chunk: int, cp: int):
@@ -151,6 +163,7 @@ def _ulysses(q, k, v, cp):
 
 
 # ---- ring attention: blocks in (B, K, G, T, H) layout, statistics in float32 ------------------------
+
 
 def _groups(q, kv_heads):
     B, T, N, H = q.shape
@@ -200,8 +213,11 @@ def _ring_forward(q, k, v, cp):
     c = q.shape[3] // 2
     pq = local_positions(c, cp)
     B, K, G, T, H = q.shape
-    acc = (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.full((B, K, G, T), NEG, jnp.float32),
-           jnp.zeros((B, K, G, T), jnp.float32))
+    acc = (
+        jnp.zeros((B, K, G, T, H), jnp.float32),
+        jnp.full((B, K, G, T), NEG, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+    )
     nxt = _send((k, v), cp)  # in flight while the local block is computed
     acc = _merge(acc, q, k, v, pq[:, None] >= pq[None, :])
     for s in range(1, cp):

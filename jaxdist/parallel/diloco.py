@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.gradients import GradientStage, accumulate_gradients
@@ -52,8 +53,9 @@ def pseudo_gradient_reducer(cfg: Config, mesh: Mesh, model: ResolvedModel) -> re
 def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     r, axis = cfg.reduce, cfg.reduce.axis
     replicas, H = mesh.shape[axis], r.sync_every
-    inner_tx, _ = make_optimizer(cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas,
-                                 decay_mask(model.names))
+    inner_tx, _ = make_optimizer(
+        cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas, decay_mask(model.names)
+    )
     exchange = pseudo_gradient_reducer(cfg, mesh, model)
     outer_lr, mu = r.outer_lr, r.outer_momentum
 
@@ -83,25 +85,31 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) ->
         return step_out, total[0] / total[1], jax.tree.map(lambda s: s[None], new_state)
 
     def apply(params, tokens, state, step):
-        fn = jax.shard_map(lambda o, t, s, i: per_replica(o, t, jax.tree.map(lambda x: x[0], s), i),
-                           mesh=mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=(P(), P(), P(axis)),
-                           axis_names={axis}, check_vma=False)
+        fn = jax.shard_map(
+            lambda o, t, s, i: per_replica(o, t, jax.tree.map(lambda x: x[0], s), i),
+            mesh=mesh,
+            in_specs=(P(), P(axis), P(axis), P()),
+            out_specs=(P(), P(), P(axis)),
+            axis_names={axis},
+            check_vma=False,
+        )
         delta, loss, state = fn(params, tokens, state, step)
         return delta, loss, state, {}
 
     def init(params):  # every replica starts from the outer parameters
         zeros = jax.tree.map(jnp.zeros_like, params)
-        local = DilocoState(params=params, inner=inner_tx.init(params), momentum=zeros,
-                            codec=exchange.init(params))
+        local = DilocoState(params=params, inner=inner_tx.init(params), momentum=zeros, codec=exchange.init(params))
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), local)
 
     def state_specs(param_specs):
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         inner_abstract = jax.eval_shape(inner_tx.init, model.abstract)
-        inner = optax.tree_map_params(inner_tx, lambda _, s: s, inner_abstract, param_specs,
-                                      transform_non_params=lambda _: P(), is_leaf=is_spec)
-        local = DilocoState(params=param_specs, inner=inner, momentum=param_specs,
-                            codec=exchange.state_specs(param_specs))
+        inner = optax.tree_map_params(
+            inner_tx, lambda _, s: s, inner_abstract, param_specs, transform_non_params=lambda _: P(), is_leaf=is_spec
+        )
+        local = DilocoState(
+            params=param_specs, inner=inner, momentum=param_specs, codec=exchange.state_specs(param_specs)
+        )
         return jax.tree.map(lambda s: P(axis, *s), local, is_leaf=is_spec)
 
     return GradientStage(init=init, apply=apply, state_specs=state_specs, name="explicit-diloco")

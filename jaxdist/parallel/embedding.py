@@ -71,6 +71,10 @@ def lookup(table_VD, tokens_BT, rules, dtype):
             x = jax.lax.all_to_all(x, embed, split_axis=0, concat_axis=2, tiled=True)
         return x
 
-    fn = jax.shard_map(local, in_specs=(P(spec(vocab), spec(embed)), P(spec(batch), spec(seq))),
-                       out_specs=P(spec(batch), spec(seq), None), axis_names=set(vocab) | set(embed) | token_axes)
+    fn = jax.shard_map(
+        local,
+        in_specs=(P(spec(vocab), spec(embed)), P(spec(batch), spec(seq))),
+        out_specs=P(spec(batch), spec(seq), None),
+        axis_names=set(vocab) | set(embed) | token_axes,
+    )
     return fn(table_VD, tokens_BT)

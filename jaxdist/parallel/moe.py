@@ -58,13 +58,17 @@ def check(cfg: Config, mesh) -> None:
     if not m.moe_experts:
         return
     if mesh.shape.get("pp", 1) > 1:
-        raise JaxdistError("model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
-                           "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models")
+        raise JaxdistError(
+            "model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
+            "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models"
+        )
     rules = make_rules(cfg.mesh.rules)
     ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
     if m.moe_experts % ep:
-        raise JaxdistError(f"model.moe_experts={m.moe_experts} experts cannot be split over ep={ep} devices; "
-                           f"use an ep that divides {m.moe_experts}")
+        raise JaxdistError(
+            f"model.moe_experts={m.moe_experts} experts cannot be split over ep={ep} devices; "
+            f"use an ep that divides {m.moe_experts}"
+        )
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -85,8 +89,9 @@ def route_slots(idx_NK, experts: int, C: int):
     return jnp.where(keep, e * C + rank, experts * C).astype(jnp.int32), keep
 
 
-def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes,
-           seq_axes=()):
+def _local(
+    x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes, seq_axes=()
+):
     """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
     on local tokens: left to the automatic partitioner it all-gathers the router scores."""
     idx_BTK, gate_BTK = route(logits_BTE)
@@ -127,8 +132,9 @@ def _local(x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, e
     return y_ND.reshape(B, T, D), dropped_B, counts_BE
 
 
-def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None,
-               factor: float | None, route):
+def expert_ffn(
+    x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None, factor: float | None, route
+):
     """Route tokens by their router logits and apply the experts. Returns y_BTD, dropped assignments
     per sequence (B,) and assignments per sequence and expert (B, E).
     `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless;
@@ -137,8 +143,7 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules
     mesh = jax.sharding.get_abstract_mesh()
     kw = dict(route=route, experts=experts, factor=factor)
     if rules is None or mesh.empty:
-        return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(),
-                      inner_axes=(), **kw)
+        return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
     rules = dict(rules)
     done = set(mesh.manual_axes)
     manual = frozenset(a for a in mesh.axis_names if a not in done)
@@ -151,6 +156,12 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules
     body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, **kw)  # noqa: E731
     # check_vma off: a size-1 cp axis still appears in x_spec; the per-sequence counts are summed over
     # the axes that really split the sequence (seq_axes) and replicated over the rest.
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
-                       out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])), axis_names=manual, check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
+        out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])),
+        axis_names=manual,
+        check_vma=False,
+    )
     return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD)

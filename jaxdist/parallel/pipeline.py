@@ -22,7 +22,8 @@ the stage's layers during backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +66,17 @@ def plan(cfg: Config, mesh) -> Plan | None:
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
     if p.schedule == "gpipe" and p.repeats != 1:
-        raise JaxdistError(f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular; "
-                           "set pipeline.repeats=1 for gpipe")
+        raise JaxdistError(
+            f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular; set pipeline.repeats=1 for gpipe"
+        )
     repeats = p.repeats if p.schedule == "circular" else 1
     micro = p.microbatches or stages
     if layers % (stages * repeats):
-        fits = [f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
-                for d in range(2, layers + 1) if layers % (d * repeats) == 0]
+        fits = [
+            f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
+            for d in range(2, layers + 1)
+            if layers % (d * repeats) == 0
+        ]
         raise JaxdistError(
             f"model.num_layers={layers} cannot be split into pp={stages} stages x {repeats} repeats; "
             f"use num_layers divisible by {stages * repeats}" + (f", or {' / '.join(fits)}" if fits else "")
@@ -92,8 +97,9 @@ def plan(cfg: Config, mesh) -> Plan | None:
             f"{cfg.train.microbatches * micro * shards}"
         )
     if AXIS in sum((tuple(v) for k, v in rules.items() if k != "stage"), ()):
-        raise JaxdistError("mesh.rules maps a logical axis other than 'stage' to 'pp'; "
-                           "with pp > 1 only 'stage' may use the pp axis")
+        raise JaxdistError(
+            "mesh.rules maps a logical axis other than 'stage' to 'pp'; with pp > 1 only 'stage' may use the pp axis"
+        )
     return Plan(p.schedule, stages, micro, repeats, layers // (stages * repeats))
 
 
@@ -102,48 +108,70 @@ def describe(cfg: Config, mesh) -> dict[str, Any]:
     bubble_fraction (iterations and bubble per pipeline pass)."""
     pl = plan(cfg, mesh)
     if pl is None:
-        return {"schedule": "none", "stages": 1, "microbatches": 1, "repeats": 1, "iterations": 1,
-                "bubble_fraction": 0.0}
-    return {"schedule": pl.schedule, "stages": pl.stages, "microbatches": pl.microbatches,
-            "repeats": pl.repeats, "iterations": pl.iterations, "bubble_fraction": pl.bubble_fraction}
+        return {
+            "schedule": "none",
+            "stages": 1,
+            "microbatches": 1,
+            "repeats": 1,
+            "iterations": 1,
+            "bubble_fraction": 0.0,
+        }
+    return {
+        "schedule": pl.schedule,
+        "stages": pl.stages,
+        "microbatches": pl.microbatches,
+        "repeats": pl.repeats,
+        "iterations": pl.iterations,
+        "bubble_fraction": pl.bubble_fraction,
+    }
 
 
 # ---- parameter layout: layer stack (L, ...) <-> stages (P, V * L/(PV), ...) -----------------------
 
+
 def to_stages(params: dict, pl: Plan) -> dict:
     """Layer l = (v P + s) G + j (G layers per group) goes to row s, position v G + j."""
+
     def one(a):
         a = a.reshape(pl.repeats, pl.stages, pl.layers_per_group, *a.shape[1:]).swapaxes(0, 1)
         return a.reshape(pl.stages, pl.repeats * pl.layers_per_group, *a.shape[3:])
+
     return {**params, STACK: jax.tree.map(one, params[STACK])}
 
 
 def from_stages(params: dict, pl: Plan) -> dict:
     """Inverse of `to_stages`: back to the model's plain layer stack."""
+
     def one(a):
         a = a.reshape(pl.stages, pl.repeats, pl.layers_per_group, *a.shape[2:]).swapaxes(0, 1)
         return a.reshape(pl.repeats * pl.stages * pl.layers_per_group, *a.shape[3:])
+
     return {**params, STACK: jax.tree.map(one, params[STACK])}
 
 
 def stage_names(names: dict) -> dict:
     """Logical names of the staged stack: ('layers', ...) -> ('stage', 'layers', ...)."""
-    return {**names, STACK: jax.tree.map(lambda n: ("stage",) + tuple(n), names[STACK],
-                                         is_leaf=lambda x: isinstance(x, tuple))}
+    return {
+        **names,
+        STACK: jax.tree.map(lambda n: ("stage",) + tuple(n), names[STACK], is_leaf=lambda x: isinstance(x, tuple)),
+    }
 
 
 def stage_specs(names: dict, abstract_params: dict, rules, mesh) -> dict:
     """PartitionSpecs for the staged parameters, checked to divide the mesh."""
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+
     def spec(path, n, a):
         what = f"parameter {jax.tree_util.keystr(path)}"
         s = sharding.logical_to_spec(n, rules, what)
         sharding.check_divisible(a.shape, s, mesh, what)
         return s
+
     return jax.tree_util.tree_map_with_path(spec, names, abstract_params, is_leaf=is_names)
 
 
 # ---- the schedule -----------------------------------------------------------------------------------
+
 
 def from_microbatches(x_MbTD):
     return x_MbTD.swapaxes(0, 1).reshape(-1, *x_MbTD.shape[2:])
@@ -189,11 +217,14 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
     """apply_fn(params, tokens_BT) -> logits_BTV (features=True: the loss.Head) with the layer stack run as a
     pipeline. `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
     positions when not 0..T-1 (context parallelism)."""
+
     def apply_fn(params, tokens_BT, features=False):
         B = tokens_BT.shape[0]
         if B % pl.microbatches:
-            raise JaxdistError(f"batch of {B} sequences does not split into pipeline.microbatches="
-                               f"{pl.microbatches}; use a batch that is a multiple of {pl.microbatches}")
+            raise JaxdistError(
+                f"batch of {B} sequences does not split into pipeline.microbatches="
+                f"{pl.microbatches}; use a batch that is a multiple of {pl.microbatches}"
+            )
         model = nnx.merge(graphdef, params)
         blocks_def, _ = nnx.split(model.blocks)
 
@@ -206,8 +237,10 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
 
         x_MbTD = split_microbatches(model.embed(tokens_BT), pl.microbatches)
         params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
-        out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS),
-                                  axis_names={AXIS})(params[STACK], x_MbTD)
+        out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS), axis_names={AXIS})(
+            params[STACK], x_MbTD
+        )
         x_BTD = from_microbatches(out_SMbTD[pl.stages - 1])
         return model.head(x_BTD) if features else model.logits(x_BTD)
+
     return apply_fn

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
@@ -41,6 +43,7 @@ SYNC_SCOPE = "reduce_sync"  # collectives that run once per sync period (DiLoCo'
 
 class Reducer(NamedTuple):
     """Sums per-replica gradients over the reduce axis; `update` runs inside the manual shard_map."""
+
     init: Callable  # params -> per-replica state
     update: Callable  # (grads, state, step) -> (grads summed over replicas, state)
     state_specs: Callable  # param PartitionSpecs -> PartitionSpecs of the per-replica state
@@ -49,10 +52,14 @@ class Reducer(NamedTuple):
 def dense(axis: str, dtype=jnp.float32) -> Reducer:
     """`psum` in `dtype` (bfloat16 halves the bytes; the sum is then rounded to bfloat16)."""
     if jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu":
-        raise JaxdistError(f"reduce.dtype={jnp.dtype(dtype).name} crashes XLA's CPU compiler (its all-reduce "
-                           "promotion pass, jax 0.10.2); use reduce.dtype=float32 on CPU")
+        raise JaxdistError(
+            f"reduce.dtype={jnp.dtype(dtype).name} crashes XLA's CPU compiler (its all-reduce "
+            "promotion pass, jax 0.10.2); use reduce.dtype=float32 on CPU"
+        )
+
     def update(grads, state, step=None):
         return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), axis).astype(g.dtype), grads), state
+
     return Reducer(init=lambda params: (), update=update, state_specs=lambda specs: ())
 
 
@@ -61,8 +68,9 @@ class CompressedState(NamedTuple):
     codec: tuple  # per-tensor codec state in tree-flatten order; () for stateless or dense tensors
 
 
-def compressed(codec: compress.Codec, axis: str, replicas: int, abstract_params, batch_dims,
-               error_feedback: bool = True) -> Reducer:
+def compressed(
+    codec: compress.Codec, axis: str, replicas: int, abstract_params, batch_dims, error_feedback: bool = True
+) -> Reducer:
     """A lossy sum with error feedback (Stich et al. 2018; Karimireddy et al. 2019): each replica
     compresses gradient + residual and keeps, as its new residual, exactly what it did not send.
     Tensors the codec would not shrink (by the ring model) are sent dense. `batch_dims`: a tree like
@@ -101,9 +109,11 @@ def with_warmup(warmup: Reducer, main: Reducer, start_step: int) -> Reducer:
         def warm(grads, state):
             with jax.named_scope(WARMUP_SCOPE):
                 return warmup.update(grads, (), step)[0], state
+
         def compressed(grads, state):
             with jax.named_scope(COMPRESSED_SCOPE):
                 return main.update(grads, state, step)
+
         return jax.lax.cond(step < start_step, warm, compressed, grads, state)
 
     return main._replace(update=update)
@@ -137,15 +147,21 @@ def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reduce
         if r.method != "dense":
             warn_one_replica(cfg)
         return dense(axis, jnp.dtype(r.dtype))
-    codec = {"topk": lambda: compress.topk(r.ratio), "int8": lambda: compress.int8(r.block_size),
-             "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed)}[r.method]()
+    codec = {
+        "topk": lambda: compress.topk(r.ratio),
+        "int8": lambda: compress.int8(r.block_size),
+        "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed),
+    }[r.method]()
     reducer = compressed(codec, axis, replicas, abstract_params, batch_dims, r.error_feedback)
     return with_warmup(dense(axis), reducer, warmup_steps(cfg))
 
 
 def warn_one_replica(cfg: Config) -> None:
-    warnings.warn(f"reduce.method={cfg.reduce.method} does nothing with {cfg.reduce.axis}=1 (one replica, "
-                  "nothing to compress); reducing dense", stacklevel=3)
+    warnings.warn(
+        f"reduce.method={cfg.reduce.method} does nothing with {cfg.reduce.axis}=1 (one replica, "
+        "nothing to compress); reducing dense",
+        stacklevel=3,
+    )
 
 
 def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
@@ -156,9 +172,11 @@ def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
         raise JaxdistError(f"reduce.axis={axis!r} is not a mesh axis {tuple(mesh.shape)}; set reduce.axis=dp")
     for spec in jax.tree.leaves(model.specs, is_leaf=lambda x: isinstance(x, P)):
         if axis in {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}:
-            raise JaxdistError(f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
-                               f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
-                               f"reduce.method=implicit")
+            raise JaxdistError(
+                f"reduce.method={cfg.reduce.method} needs parameters replicated over {axis}, but "
+                f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
+                f"reduce.method=implicit"
+            )
     if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
         if cfg.reduce.method != "dense":
             warn_one_replica(cfg)
@@ -186,19 +204,23 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
         return summed, loss / count, jax.tree.map(lambda s: s[None], state), extra
 
     def apply(params, tokens, state, step):
-        fn = jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P(axis), P(axis), P()),
-                           out_specs=(P(), P(), P(axis), P()), axis_names={axis}, check_vma=False)
+        fn = jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P(), P(axis), P(axis), P()),
+            out_specs=(P(), P(), P(axis), P()),
+            axis_names={axis},
+            check_vma=False,
+        )
         return fn(params, tokens, state, step)
 
     def init(params):  # every replica starts from the same state
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), reducer.init(params))
 
     def state_specs(param_specs):
-        return jax.tree.map(lambda s: P(axis, *s), reducer.state_specs(param_specs),
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda s: P(axis, *s), reducer.state_specs(param_specs), is_leaf=lambda x: isinstance(x, P))
 
-    return GradientStage(init=init, apply=apply, state_specs=state_specs,
-                                  name=f"explicit-{cfg.reduce.method}")
+    return GradientStage(init=init, apply=apply, state_specs=state_specs, name=f"explicit-{cfg.reduce.method}")
 
 
 def check_replica_count(saved_metadata, abstract_state, cfg: Config, where) -> None:
@@ -213,6 +235,8 @@ def check_replica_count(saved_metadata, abstract_state, cfg: Config, where) -> N
     saved = [tuple(m.shape) for m in jax.tree.leaves(saved_state) if hasattr(m, "shape") and len(m.shape)]
     if saved and wanted and saved[0][0] != wanted[0][0]:
         axis = cfg.reduce.axis
-        raise JaxdistError(f"checkpoint {where} holds per-replica reduce.method={cfg.reduce.method} state for "
-                           f"{axis}={saved[0][0]}, but this mesh has {axis}={wanted[0][0]}; resume on {axis}="
-                           f"{saved[0][0]}, or restart the optimizer from its weights with checkpoint.params_only=true")
+        raise JaxdistError(
+            f"checkpoint {where} holds per-replica reduce.method={cfg.reduce.method} state for "
+            f"{axis}={saved[0][0]}, but this mesh has {axis}={wanted[0][0]}; resume on {axis}="
+            f"{saved[0][0]}, or restart the optimizer from its weights with checkpoint.params_only=true"
+        )

@@ -49,9 +49,9 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from jaxdist.hlo import ring_bytes
 from jaxdist.mesh import AXES
 from jaxdist.parallel.moe import a2a_bytes_per_direction
-from jaxdist.hlo import ring_bytes
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes
 
@@ -108,8 +108,14 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     experts = expert_layer_bytes(lay)
     layer = gathered_layer_bytes(lay) - experts
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
-    add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer,
-        (3 if pp > 1 else 2) * layer_steps, n=lay.weight_shards)
+    add(
+        "fsdp",
+        "all-gather",
+        "layer weights (fwd + bwd)",
+        layer,
+        (3 if pp > 1 else 2) * layer_steps,
+        n=lay.weight_shards,
+    )
     reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
@@ -127,8 +133,14 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         add("fsdp", "all-gather", "head weights", head_full, gathers * passes, n=lay.weight_shards)
         add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
     else:  # jaxdist.loss: every block gathered forward and again for the backward's recompute
-        add("fsdp", "all-gather", "head weight blocks (fwd + bwd)", head_full * lay.act_bytes / PARAM_BYTES,
-            2 * passes, n=lay.weight_shards)
+        add(
+            "fsdp",
+            "all-gather",
+            "head weight blocks (fwd + bwd)",
+            head_full * lay.act_bytes / PARAM_BYTES,
+            2 * passes,
+            n=lay.weight_shards,
+        )
         add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
         add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
     reduce_grads("head gradient", head_full, passes, dp_syncs)
@@ -147,10 +159,20 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         out += context_traffic(lay, layer_steps)
     if pp > 1:
         iters = passes * lay.pipe_iterations
-        add("pp", "collective-permute", "stage activations (fwd + bwd)",
-            lay.micro_batch * T * D * lay.act_bytes, 2 * iters)
-        add("pp", "collective-permute", "micro-batches into / out of the pipeline (fwd + bwd)",
-            rows * D * lay.act_bytes, 2 * passes)
+        add(
+            "pp",
+            "collective-permute",
+            "stage activations (fwd + bwd)",
+            lay.micro_batch * T * D * lay.act_bytes,
+            2 * iters,
+        )
+        add(
+            "pp",
+            "collective-permute",
+            "micro-batches into / out of the pipeline (fwd + bwd)",
+            rows * D * lay.act_bytes,
+            2 * passes,
+        )
         add("pp", "all-reduce", "pipeline output to every stage (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
     return out
 
@@ -159,8 +181,11 @@ def expert_layer_bytes(lay: Layout) -> float:
     """One MoE layer's expert weights after the fsdp all-gather (split by ep and tp), float32, averaged
     over all layers (moe_every), as `gathered_layer_bytes`."""
     L = lay.cfg.model.num_layers
-    return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model)
-               if g.role == "layer" and "expert" in g.names)
+    return sum(
+        g.size / L * PARAM_BYTES / lay.tp_shards(g)
+        for g in param_table(lay.cfg.model)
+        if g.role == "layer" and "expert" in g.names
+    )
 
 
 def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit: bool) -> None:
@@ -173,8 +198,13 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
     per_sparse = experts * n  # `experts` is averaged over all layers
     add("fsdp", "all-gather", "expert weights (fwd)", per_sparse, (1 + remat) * sparse_steps)
     add("fsdp", "reduce-scatter", "expert gradients", per_sparse, sparse_steps)
-    add("dp", "all-reduce", "expert gradients", per_sparse / lay.mesh["fsdp"],
-        sparse_steps if implicit else m.num_layers // n)
+    add(
+        "dp",
+        "all-reduce",
+        "expert gradients",
+        per_sparse / lay.mesh["fsdp"],
+        sparse_steps if implicit else m.num_layers // n,
+    )
     if ep > 1:
         tokens = lay.micro_batch * m.seq_len
         buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
@@ -189,21 +219,56 @@ def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:
     fwd = 2 if m.remat == "full" else 1  # the recomputed forward exchanges again
     out = []
     if m.context_impl == "allgather":
-        out.append(Traffic("cp", "all-gather", "K and V", 2 * fwd * layer_steps * ring_bytes("all-gather", cp, kv),
-                           2 * fwd * layer_steps))
-        out.append(Traffic("cp", "reduce-scatter", "K and V gradients", 2 * layer_steps *
-                           ring_bytes("reduce-scatter", cp, kv), 2 * layer_steps))
+        out.append(
+            Traffic(
+                "cp",
+                "all-gather",
+                "K and V",
+                2 * fwd * layer_steps * ring_bytes("all-gather", cp, kv),
+                2 * fwd * layer_steps,
+            )
+        )
+        out.append(
+            Traffic(
+                "cp",
+                "reduce-scatter",
+                "K and V gradients",
+                2 * layer_steps * ring_bytes("reduce-scatter", cp, kv),
+                2 * layer_steps,
+            )
+        )
     elif m.context_impl == "ring":
         block = kv / cp
         n_fwd, n_bwd, n_grad = 2 * (cp - 1) * fwd, 2 * (cp - 1), 2 * cp
-        out.append(Traffic("cp", "collective-permute", "K/V blocks (fwd + bwd)",
-                           (n_fwd + n_bwd) * layer_steps * block, (n_fwd + n_bwd) * layer_steps))
-        out.append(Traffic("cp", "collective-permute", "dK/dV blocks home (float32)",
-                           n_grad * layer_steps * block * 4 / lay.act_bytes, n_grad * layer_steps))
+        out.append(
+            Traffic(
+                "cp",
+                "collective-permute",
+                "K/V blocks (fwd + bwd)",
+                (n_fwd + n_bwd) * layer_steps * block,
+                (n_fwd + n_bwd) * layer_steps,
+            )
+        )
+        out.append(
+            Traffic(
+                "cp",
+                "collective-permute",
+                "dK/dV blocks home (float32)",
+                n_grad * layer_steps * block * 4 / lay.act_bytes,
+                n_grad * layer_steps,
+            )
+        )
     else:  # ulysses: q, k, v and the output each way; each all-to-all's result is 1/cp of the tensor
         passes = fwd + 1
-        out.append(Traffic("cp", "all-to-all", "heads <-> sequence", passes * layer_steps *
-                           ring_bytes("all-to-all", cp, (2 * q + 2 * kv) / cp), 4 * passes * layer_steps))
+        out.append(
+            Traffic(
+                "cp",
+                "all-to-all",
+                "heads <-> sequence",
+                passes * layer_steps * ring_bytes("all-to-all", cp, (2 * q + 2 * kv) / cp),
+                4 * passes * layer_steps,
+            )
+        )
     return out
 
 
@@ -213,7 +278,7 @@ def link_bandwidth(lay: Layout, axis: str) -> float:
     its size times the sizes of the faster axes."""
     order = AXES
     span = lay.mesh[axis]
-    for inner in order[order.index(axis) + 1:]:
+    for inner in order[order.index(axis) + 1 :]:
         span *= lay.mesh[inner]
     return lay.hw.fast_bandwidth if span <= lay.hw.devices_per_node else lay.hw.slow_bandwidth
 

@@ -26,7 +26,6 @@ from jaxdist.metrics import flops_per_token
 from jaxdist.models.llama import count_params
 from jaxdist.planner import comms, memory
 from jaxdist.planner.hardware import Hardware
-from jaxdist.mesh import AXES
 from jaxdist.planner.layout import Layout, param_table
 
 
@@ -52,14 +51,26 @@ class Estimate:
 
     def as_dict(self) -> dict:
         lay = self.layout
-        return {"mesh": lay.name, "family": self.family, "devices": lay.devices, "hardware": lay.hw.name,
-                "global_batch": lay.cfg.train.global_batch, "microbatches": lay.accum,
-                "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
-                "memory": self.memory.as_dict(), "communication": comms.by_axis(lay, list(self.traffic)),
-                "compute_s": self.compute_s, "bubble_s": self.bubble_s, "comm_s": self.comm_s,
-                "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
-                "step_no_overlap_s": self.step_no_overlap_s, "mfu": self.mfu, "efficiency": self.efficiency,
-                "tokens_per_s": self.tokens_per_s}
+        return {
+            "mesh": lay.name,
+            "family": self.family,
+            "devices": lay.devices,
+            "hardware": lay.hw.name,
+            "global_batch": lay.cfg.train.global_batch,
+            "microbatches": lay.accum,
+            "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
+            "memory": self.memory.as_dict(),
+            "communication": comms.by_axis(lay, list(self.traffic)),
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "step_s": self.step_s,
+            "step_no_overlap_s": self.step_no_overlap_s,
+            "mfu": self.mfu,
+            "efficiency": self.efficiency,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 def compute_flops(lay: Layout) -> tuple[float, float, float]:
@@ -95,10 +106,20 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     step = max(compute, hidden) + exposed_serial + bubble
     exposed = step - compute - bubble
     tokens = lay.cfg.train.global_batch * lay.cfg.model.seq_len
-    return Estimate(layout=lay, family=family, memory=memory.estimate(lay), traffic=tuple(traffic),
-                    compute_s=compute, bubble_s=bubble, comm_s=comm, exposed_comm_s=exposed, step_s=step,
-                    step_no_overlap_s=compute + bubble + comm, mfu=model_flops / (lay.devices * peak * step),
-                    tokens_per_s=tokens / step)
+    return Estimate(
+        layout=lay,
+        family=family,
+        memory=memory.estimate(lay),
+        traffic=tuple(traffic),
+        compute_s=compute,
+        bubble_s=bubble,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        step_s=step,
+        step_no_overlap_s=compute + bubble + comm,
+        mfu=model_flops / (lay.devices * peak * step),
+        tokens_per_s=tokens / step,
+    )
 
 
 def _powers_of_two(limit: int, start: int = 1) -> list[int]:
@@ -118,33 +139,49 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     tps = [t for t in _powers_of_two(min(8, node), 2) if devices % t == 0]
     pps = [p for p in _powers_of_two(min(16, devices), 2) if devices % p == 0 and cfg.model.num_layers % p == 0]
     out = [("DP", dict(dp=devices)), ("FSDP", dict(fsdp=devices))]
-    out += [("HSDP", dict(dp=devices // f, fsdp=f)) for f in _powers_of_two(devices // 2, 2)
-            if devices % f == 0 and f >= node // 2]
+    out += [
+        ("HSDP", dict(dp=devices // f, fsdp=f))
+        for f in _powers_of_two(devices // 2, 2)
+        if devices % f == 0 and f >= node // 2
+    ]
     out += [("TPxFSDP", dict(tp=t, fsdp=devices // t)) for t in tps]
     out += [("PPxFSDP", dict(pp=p, fsdp=devices // p)) for p in pps if devices // p > 1]
-    out += [("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps
-            if devices % (p * t) == 0]
-    out += [("CPxFSDP", dict(cp=c, fsdp=devices // c)) for c in _powers_of_two(node, 2)
-            if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0]
+    out += [
+        ("PPxTPxFSDP", dict(pp=p, tp=t, fsdp=devices // (p * t))) for p in pps for t in tps if devices % (p * t) == 0
+    ]
+    out += [
+        ("CPxFSDP", dict(cp=c, fsdp=devices // c))
+        for c in _powers_of_two(node, 2)
+        if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0
+    ]
     if cfg.model.moe_experts:  # expert parallelism: experts over ep (inside a node), fsdp or tp beside it
-        eps = [e for e in _powers_of_two(min(cfg.model.moe_experts, node), 2)
-               if devices % e == 0 and cfg.model.moe_experts % e == 0]
+        eps = [
+            e
+            for e in _powers_of_two(min(cfg.model.moe_experts, node), 2)
+            if devices % e == 0 and cfg.model.moe_experts % e == 0
+        ]
         out = [(n, m) for n, m in out if not m.get("pp")]  # MoE runs without a pipeline (parallel/moe.py)
         out += [("EP", dict(ep=e, dp=devices // e)) for e in eps]
         out += [("EPxFSDP", dict(ep=e, fsdp=devices // e)) for e in eps if devices // e > 1]
-        out += [("EPxTPxFSDP", dict(ep=e, tp=t, fsdp=devices // (e * t))) for e in eps for t in tps
-                if devices % (e * t) == 0 and e * t <= node]
+        out += [
+            ("EPxTPxFSDP", dict(ep=e, tp=t, fsdp=devices // (e * t)))
+            for e in eps
+            for t in tps
+            if devices % (e * t) == 0 and e * t <= node
+        ]
     if devices == 1:
         out = [("single", {})]
     full = lambda m: {a: m.get(a, 1) for a in AXES}  # noqa: E731
     return [(name, full(m)) for name, m in out]
 
 
-def with_batch(cfg: Config, global_batch: int | None = None, accum: int | None = None,
-               pipe_micro: int | None = None) -> Config:
+def with_batch(
+    cfg: Config, global_batch: int | None = None, accum: int | None = None, pipe_micro: int | None = None
+) -> Config:
     """`cfg` with other batch settings (no re-validation: Layout.validate checks what the planner needs)."""
-    train = dataclasses.replace(cfg.train, global_batch=global_batch or cfg.train.global_batch,
-                                microbatches=accum or cfg.train.microbatches)
+    train = dataclasses.replace(
+        cfg.train, global_batch=global_batch or cfg.train.global_batch, microbatches=accum or cfg.train.microbatches
+    )
     pipeline = cfg.pipeline if pipe_micro is None else dataclasses.replace(cfg.pipeline, microbatches=pipe_micro)
     return dataclasses.replace(cfg, train=train, pipeline=pipeline)
 
@@ -182,8 +219,11 @@ def with_cp_weights(cfg: Config) -> Config:
 
 def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     """Best setting of every candidate mesh: fitting ones fastest first, then the rest by memory."""
-    out = [e for name, mesh in candidate_meshes(cfg, devices, hw)
-           if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))]
+    out = [
+        e
+        for name, mesh in candidate_meshes(cfg, devices, hw)
+        if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
+    ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
 
 
@@ -199,23 +239,31 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
     hw = lay.hw
     tokens_dev = lay.cfg.train.global_batch * lay.cfg.model.seq_len / lay.devices
     slowest = max(best.traffic, key=lambda t: comms.traffic_time(lay, t), default=None)
-    reason = (f"{best.family} {lay.name} (accumulation {lay.accum}"
-              + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh['pp'] > 1 else "")
-              + f") is the fastest of {len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
-              f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable")
+    reason = (
+        f"{best.family} {lay.name} (accumulation {lay.accum}"
+        + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh["pp"] > 1 else "")
+        + f") is the fastest of {len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
+        f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable"
+    )
     if lay.cp > 1:
-        reason += (f"; the sequence is split over cp={lay.cp} (model.context_impl={lay.cfg.model.context_impl}, "
-                   f"mesh.rules.embed={list(lay.rules['embed'])})")
+        reason += (
+            f"; the sequence is split over cp={lay.cp} (model.context_impl={lay.cfg.model.context_impl}, "
+            f"mesh.rules.embed={list(lay.rules['embed'])})"
+        )
     if slowest:
-        reason += (f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
-                   f"({comms.traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"
-                   f" compute)")
+        reason += (
+            f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
+            f"({comms.traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"
+            f" compute)"
+        )
     hidden = sum(comms.traffic_time(lay, t) for t in best.traffic if t.overlappable)
     bound = "compute-bound" if best.compute_s >= hidden else "communication-bound"
-    reason += (f". Compute {best.compute_s:.3g} s vs {hidden:.3g} s of weight gathers and gradient reductions "
-               f"that overlap it: {bound} ({tokens_dev:.0f} tokens per device per step; the scaling book's "
-               f"FSDP threshold 2C/W is {2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth:.0f} tokens across "
-               f"nodes, {2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth:.0f} inside one)")
+    reason += (
+        f". Compute {best.compute_s:.3g} s vs {hidden:.3g} s of weight gathers and gradient reductions "
+        f"that overlap it: {bound} ({tokens_dev:.0f} tokens per device per step; the scaling book's "
+        f"FSDP threshold 2C/W is {2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth:.0f} tokens across "
+        f"nodes, {2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth:.0f} inside one)"
+    )
     if len(fitting) > 1:
         nxt = fitting[1]
         reason += f"; next: {nxt.family} {nxt.layout.name} ({nxt.step_s / best.step_s - 1:+.0%} step time)"
@@ -237,10 +285,21 @@ def scaling(cfg: Config, hw: Hardware, device_counts: list[int], per_device_batc
                 continue
             per_dev = best.tokens_per_s / n
             base = base or (n, per_dev)
-            out[mode].append({"devices": n, "global_batch": batch, "fits": True, "mesh": best.layout.name,
-                              "family": best.family, "microbatches": best.layout.accum,
-                              "pipeline_microbatches": best.layout.pipe_micro if best.layout.mesh["pp"] > 1 else 0,
-                              "tokens_per_s": best.tokens_per_s, "step_s": best.step_s, "mfu": best.mfu,
-                              "efficiency": best.efficiency, "scaling_efficiency": per_dev / base[1],
-                              "relative_to_devices": base[0]})
+            out[mode].append(
+                {
+                    "devices": n,
+                    "global_batch": batch,
+                    "fits": True,
+                    "mesh": best.layout.name,
+                    "family": best.family,
+                    "microbatches": best.layout.accum,
+                    "pipeline_microbatches": best.layout.pipe_micro if best.layout.mesh["pp"] > 1 else 0,
+                    "tokens_per_s": best.tokens_per_s,
+                    "step_s": best.step_s,
+                    "mfu": best.mfu,
+                    "efficiency": best.efficiency,
+                    "scaling_efficiency": per_dev / base[1],
+                    "relative_to_devices": base[0],
+                }
+            )
     return out

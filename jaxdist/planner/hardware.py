@@ -37,29 +37,96 @@ class Hardware:
 
 
 def _gpu(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, note):
-    return Hardware(name, {"bfloat16": bf16, "float32": fp32}, hbm, hbm_bw, nvlink, ib, 8, 10e-6, True, "gpu",
-                    note=note)
+    return Hardware(
+        name, {"bfloat16": bf16, "float32": fp32}, hbm, hbm_bw, nvlink, ib, 8, 10e-6, True, "gpu", note=note
+    )
 
 
 HARDWARE: dict[str, Hardware] = {
-    "a100-40gb": _gpu("a100-40gb", 312e12, 19.5e12, 40 * GiB, 1.555e12, 300e9, 25e9,
-                      "A100 SXM 40GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node"),
-    "a100-80gb": _gpu("a100-80gb", 312e12, 19.5e12, 80 * GiB, 2.039e12, 300e9, 25e9,
-                      "A100 SXM 80GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node"),
-    "h100-80gb": _gpu("h100-80gb", 989e12, 67e12, 80 * GiB, 3.35e12, 450e9, 50e9,
-                      "H100 SXM 80GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node"),
-    "h200-141gb": _gpu("h200-141gb", 989e12, 67e12, 141e9, 4.8e12, 450e9, 50e9,
-                       "H200 SXM 141GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node"),
+    "a100-40gb": _gpu(
+        "a100-40gb",
+        312e12,
+        19.5e12,
+        40 * GiB,
+        1.555e12,
+        300e9,
+        25e9,
+        "A100 SXM 40GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node",
+    ),
+    "a100-80gb": _gpu(
+        "a100-80gb",
+        312e12,
+        19.5e12,
+        80 * GiB,
+        2.039e12,
+        300e9,
+        25e9,
+        "A100 SXM 80GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node",
+    ),
+    "h100-80gb": _gpu(
+        "h100-80gb",
+        989e12,
+        67e12,
+        80 * GiB,
+        3.35e12,
+        450e9,
+        50e9,
+        "H100 SXM 80GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node",
+    ),
+    "h200-141gb": _gpu(
+        "h200-141gb",
+        989e12,
+        67e12,
+        141e9,
+        4.8e12,
+        450e9,
+        50e9,
+        "H200 SXM 141GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node",
+    ),
     # TPUs: the MXU runs bf16; float32 matmuls go through several bf16 passes (we count them at the bf16
     # rate, optimistic). A ring over one torus axis: 2 x 4.5e10 (v5e) / 2 x 9e10 (v5p) bytes/s.
-    "tpu-v5e": Hardware("tpu-v5e", {"bfloat16": 197e12, "float32": 197e12}, 16 * GiB, 8.1e11, 9e10, 6.25e9,
-                        256, 5e-6, False, "tpu", note="TPU v5e, 2D torus ICI up to 256 chips, DCN beyond"),
-    "tpu-v5p": Hardware("tpu-v5p", {"bfloat16": 459e12, "float32": 459e12}, 95 * GiB, 2.76e12, 1.8e11, 6.25e9,
-                        8960, 5e-6, False, "tpu", note="TPU v5p, 3D torus ICI up to 8960 chips, DCN beyond"),
+    "tpu-v5e": Hardware(
+        "tpu-v5e",
+        {"bfloat16": 197e12, "float32": 197e12},
+        16 * GiB,
+        8.1e11,
+        9e10,
+        6.25e9,
+        256,
+        5e-6,
+        False,
+        "tpu",
+        note="TPU v5e, 2D torus ICI up to 256 chips, DCN beyond",
+    ),
+    "tpu-v5p": Hardware(
+        "tpu-v5p",
+        {"bfloat16": 459e12, "float32": 459e12},
+        95 * GiB,
+        2.76e12,
+        1.8e11,
+        6.25e9,
+        8960,
+        5e-6,
+        False,
+        "tpu",
+        note="TPU v5p, 3D torus ICI up to 8960 chips, DCN beyond",
+    ),
     # This machine class: 2 cores shared by the simulated devices (XLA fp32 matmul ~120 GFLOP/s in all),
     # "links" are memory copies. Good for relative numbers only.
-    "cpu": Hardware("cpu", {"bfloat16": 120e9, "float32": 120e9}, 23 * GiB, 10e9, 5e9, 5e9, 8, 20e-6, False,
-                    "cpu", matmul_efficiency=1.0, note="2-core CPU host with simulated devices"),
+    "cpu": Hardware(
+        "cpu",
+        {"bfloat16": 120e9, "float32": 120e9},
+        23 * GiB,
+        10e9,
+        5e9,
+        5e9,
+        8,
+        20e-6,
+        False,
+        "cpu",
+        matmul_efficiency=1.0,
+        note="2-core CPU host with simulated devices",
+    ),
 }
 
 

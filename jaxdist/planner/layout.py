@@ -46,8 +46,10 @@ def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     names = nnx.to_pure_dict(sharding.logical_names(state))
     shapes = nnx.to_pure_dict(state)
     groups = []
-    for (path, n), (_, v) in zip(jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0],
-                                 jax.tree_util.tree_flatten_with_path(shapes)[0]):
+    for (path, n), (_, v) in zip(
+        jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0],
+        jax.tree_util.tree_flatten_with_path(shapes)[0],
+    ):
         key = "/".join(str(getattr(p, "key", p)) for p in path)
         top = key.split("/")[0]
         role = {"blocks": "layer", "embed_VD": "embed", "head_DV": "head"}.get(top, "norm")
@@ -72,6 +74,7 @@ def _split(group: ParamGroup, rules: tuple, mesh: tuple, only_axis: str | None) 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A config on a mesh (axis sizes), with the derived per-device shapes the cost model needs."""
+
     cfg: Config
     mesh: dict[str, int]  # {'dp':, 'pp':, 'fsdp':, 'cp':, 'tp':}
     hw: Hardware
@@ -162,8 +165,10 @@ class Layout:
             raise JaxdistError(f"mesh needs the axes {AXES}")
         per = self.batch_shards * self.accum * self.pipe_micro
         if cfg.train.global_batch % per:
-            raise JaxdistError(f"train.global_batch={cfg.train.global_batch} does not split into {per} "
-                               f"(batch shards x accumulation x pipeline micro-batches)")
+            raise JaxdistError(
+                f"train.global_batch={cfg.train.global_batch} does not split into {per} "
+                f"(batch shards x accumulation x pipeline micro-batches)"
+            )
         if self.cp > 1 and (cfg.model.seq_len % (2 * self.cp) or m["pp"] > 1):
             raise JaxdistError(f"cp={self.cp} needs model.seq_len divisible by {2 * self.cp} and pp=1")
         if cfg.model.num_layers % (m["pp"] * self.repeats):

@@ -32,6 +32,7 @@ STATE_SCALARS = 2 * 4  # TrainState.step and .skipped (int32)
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Bytes per device."""
+
     params: float
     grads: float
     optimizer: float
@@ -160,5 +161,12 @@ def estimate(lay: Layout) -> Memory:
     params = param_bytes(lay)
     grads = grad_bytes(lay) + (params if lay.accum > 1 else 0)  # + the accumulator across micro-batches
     batch = lay.cfg.train.global_batch // lay.batch_shards * (lay.cfg.model.seq_len + 1) * 4
-    return Memory(params=params, grads=grads, optimizer=optimizer_bytes(lay), activations=activation_bytes(lay),
-                  temporary=temporary_bytes(lay), batch=batch, capacity=lay.hw.hbm_bytes * USABLE_FRACTION)
+    return Memory(
+        params=params,
+        grads=grads,
+        optimizer=optimizer_bytes(lay),
+        activations=activation_bytes(lay),
+        temporary=temporary_bytes(lay),
+        batch=batch,
+        capacity=lay.hw.hbm_bytes * USABLE_FRACTION,
+    )

@@ -21,6 +21,7 @@ def point_label(p: dict) -> str:
 def scaling_png(curves: dict, path: str, title: str) -> list[str]:
     """Write the picture; returns the point labels drawn (strong first, then weak)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -33,17 +34,31 @@ def scaling_png(curves: dict, path: str, title: str) -> list[str]:
         n = [p["devices"] for p in pts]
         color = COLORS.get(mode)
         batch = "fixed global batch" if mode == "strong" else "batch grows with devices"
-        tput.plot(n, [p["tokens_per_s"] / p["devices"] for p in pts], "o-", color=color,
-                  label=f"{mode} scaling ({batch})")
+        tput.plot(
+            n, [p["tokens_per_s"] / p["devices"] for p in pts], "o-", color=color, label=f"{mode} scaling ({batch})"
+        )
         for p in pts:
             text = point_label(p)
             labels.append(text)
             up = mode == "strong"
-            tput.annotate(f"{text} B={p['global_batch']}", (p["devices"], p["tokens_per_s"] / p["devices"]),
-                          textcoords="offset points", xytext=(0, 6 if up else -6), ha="center",
-                          va="bottom" if up else "top", rotation=90, fontsize=6, color=color)
-        eff.plot(n, [p["scaling_efficiency"] for p in pts], "o-", color=color,
-                 label=f"{mode}: per-device tokens/s vs {pts[0]['devices']} device(s)")
+            tput.annotate(
+                f"{text} B={p['global_batch']}",
+                (p["devices"], p["tokens_per_s"] / p["devices"]),
+                textcoords="offset points",
+                xytext=(0, 6 if up else -6),
+                ha="center",
+                va="bottom" if up else "top",
+                rotation=90,
+                fontsize=6,
+                color=color,
+            )
+        eff.plot(
+            n,
+            [p["scaling_efficiency"] for p in pts],
+            "o-",
+            color=color,
+            label=f"{mode}: per-device tokens/s vs {pts[0]['devices']} device(s)",
+        )
         eff.plot(n, [p["mfu"] for p in pts], "s--", color=color, alpha=0.6, label=f"{mode}: MFU")
     eff.axhline(1.0, color="grey", ls=":", lw=1, label="linear scaling (100%)")
     for ax in (tput, eff):
@@ -53,8 +68,7 @@ def scaling_png(curves: dict, path: str, title: str) -> list[str]:
         ax.legend(fontsize=7, loc="best")
     tput.set_ylabel("tokens / s per device (predicted)")
     tput.set_ylim(0, tput.get_ylim()[1] * 1.45)  # room above for the vertical labels
-    tput.set_title("throughput per device; labels: mesh, accumulation (acc), pipeline micro-batches (pipe)",
-                   fontsize=8)
+    tput.set_title("throughput per device; labels: mesh, accumulation (acc), pipeline micro-batches (pipe)", fontsize=8)
     eff.set_ylabel("fraction")
     eff.set_ylim(0, max(1.1, eff.get_ylim()[1]))
     eff.set_title("scaling efficiency and MFU", fontsize=9)
