@@ -169,7 +169,7 @@ class OptimConfig:
 class TrainConfig:
     steps: Positive = 300  # optimizer steps (--steps)
     global_batch: Positive = 8  # sequences per optimizer step
-    microbatches: Positive = 1  # gradient accumulation steps per optimizer step
+    grad_accum_steps: Positive = 1  # gradient accumulation: micro-batches summed per optimizer step
     seed: Annotated[int, Range(0, 2**32 - 1)] = 0  # parameter init and data order
     eval_every: NonNegative = 100  # steps between evals; 0 disables eval
     eval_batches: NonNegative = 4  # held-out batches per eval (0: no eval, with a warning at start-up)
@@ -320,6 +320,10 @@ def _not_a_section(name: str, values: Any, where: str = "") -> JaxdistError:
     )
 
 
+# Keys renamed since an earlier release: old -> new. Using the old one is a one-line error naming the new.
+RENAMED = {"train.microbatches": "train.grad_accum_steps"}
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
     """Build a validated Config from nested dicts (missing keys take defaults)."""
     sections = {}
@@ -335,6 +339,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
         hints = _field_types(cls)
         kwargs = {}
         for key, value in values.items():
+            if f"{name}.{key}" in RENAMED:
+                new = RENAMED[f"{name}.{key}"]
+                raise JaxdistError(f"config key {name}.{key} was renamed {new}; use {new}={value!r}")
             if key not in hints:
                 raise _unknown(f"{name}.{key}", [f"{name}.{k}" for k in hints])
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
@@ -444,10 +451,10 @@ def validate(cfg: Config) -> None:
         )
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
-    if cfg.train.global_batch % cfg.train.microbatches:
+    if cfg.train.global_batch % cfg.train.grad_accum_steps:
         raise JaxdistError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by "
-            f"train.microbatches={cfg.train.microbatches}; pick a divisor"
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
         )
     _validate_rules(cfg.mesh.rules)
     if cfg.train.profile_steps:

@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mesh",
         default=None,
         help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "
-        "train.microbatches and pipeline settings as given",
+        "train.grad_accum_steps and pipeline settings as given",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
@@ -50,7 +50,7 @@ def gb(x: float) -> str:
 
 
 MEMORY_LEGEND = """columns: family = kind of mesh; mesh = axis sizes (>1); acc = gradient-accumulation micro-batches
-  (train.microbatches); pipe = pipeline micro-batches per accumulation step (pipeline.microbatches; '-' without
+  (train.grad_accum_steps); pipe = pipeline micro-batches per accumulation step (pipeline.microbatches; '-' without
   pp); params, grads, optim (AdamW moments), activ (saved for backward), temp (largest scratch), total: GB per
   device; fits = total within 90% of the device's memory; step s / no-ovl s = predicted step time with / without
   communication overlapping compute; bubble = share of the step idle in the pipeline bubble; MFU = model FLOPs /
@@ -110,7 +110,7 @@ def scaling_table(curves: dict) -> str:
                 rows.append(f"  {p['devices']:>7} {p['global_batch']:>6} {'(does not fit)':<22}")
                 continue
             rows.append(
-                f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['microbatches']:>4} "
+                f"  {p['devices']:>7} {p['global_batch']:>6} {p['mesh']:<22} {p['grad_accum_steps']:>4} "
                 f"{p['pipeline_microbatches'] or '-':>4} {p['tokens_per_s']:>10.3g} "
                 f"{p['mfu']:>5.0%} {p['scaling_efficiency']:>8.0%}"
             )

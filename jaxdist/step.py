@@ -78,11 +78,11 @@ class Program:
 
 def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
     shards = axis_size(mesh, sharding.batch_spec(rules)[0])
-    per_step = cfg.train.microbatches * shards
+    per_step = cfg.train.grad_accum_steps * shards
     if cfg.train.global_batch % per_step:
         raise JaxdistError(
-            f"train.global_batch={cfg.train.global_batch} must be divisible by train.microbatches="
-            f"{cfg.train.microbatches} x {shards} batch shards (dp*fsdp*ep); use a multiple of {per_step}"
+            f"train.global_batch={cfg.train.global_batch} must be divisible by train.grad_accum_steps="
+            f"{cfg.train.grad_accum_steps} x {shards} batch shards (dp*fsdp*ep); use a multiple of {per_step}"
         )
 
 
@@ -229,11 +229,11 @@ def document_eos(cfg: Config, layout) -> int | None:
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
     if cfg.reduce.method == "implicit":
-        return implicit_gradients(apply_fn, cfg.train.microbatches, context.sequence_order(cfg, mesh))
+        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
     if cfg.reduce.method == "diloco":  # one replica (warned): nothing to average, train as usual
         if reduce.check_axis(cfg, mesh, model):
             return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
-        return implicit_gradients(apply_fn, cfg.train.microbatches, context.sequence_order(cfg, mesh))
+        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
     return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
 
 

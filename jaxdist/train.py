@@ -151,7 +151,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
         f"model {n / 1e6:.2f}M params{active}; per device: params {p_bytes / 2**20:.1f} MiB, "
         f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
-        f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.microbatches} micro-batch(es), "
+        f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.grad_accum_steps} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
     ]
     cp = int(prog.mesh.shape.get("cp", 1))

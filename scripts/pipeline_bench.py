@@ -65,8 +65,8 @@ def main(argv=None) -> int:
         stage_inputs = 0
         if prog.pipeline:
             pl = prog.pipeline
-            micro_bytes = B // c.train.microbatches // pl.microbatches // prog.batch_shards() * T * D * 4
-            stage_inputs = pl.iterations * micro_bytes * c.train.microbatches
+            micro_bytes = B // c.train.grad_accum_steps // pl.microbatches // prog.batch_shards() * T * D * 4
+            stage_inputs = pl.iterations * micro_bytes * c.train.grad_accum_steps
         state, _ = compiled(state, tokens)  # warm-up
         jax.block_until_ready(state)
         configs.append(

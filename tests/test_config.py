@@ -37,10 +37,11 @@ def test_dump_roundtrips(tmp_path):
         ("model.tie_embeddings=3", "model.tie_embeddings must be bool"),
         ("optim.schedule=exp", "not one of cosine, linear, constant"),
         ("train.global_batch=0", "train.global_batch=0 is out of range: it must be >= 1"),
-        ("train.microbatches=3", "not divisible by train.microbatches=3"),
+        ("train.grad_accum_steps=3", "not divisible by train.grad_accum_steps=3"),
         ("model.num_kv_heads=3", "not a multiple of model.num_kv_heads"),
         ("train.profile_steps=5", "START:STOP"),
         ("steps=3", "section.key=value"),
+        ("train.microbatches=2", "train.microbatches was renamed train.grad_accum_steps; use train.grad_accum_steps=2"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):

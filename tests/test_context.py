@@ -43,7 +43,7 @@ CASES = {
     "dp=2,cp=4 ring dense accum embed->fsdp,cp": (
         "dp=2,cp=4",
         "ring",
-        dict(reduce=dict(method="dense"), train=dict(microbatches=2), mesh=dict(rules={"embed": ["fsdp", "cp"]})),
+        dict(reduce=dict(method="dense"), train=dict(grad_accum_steps=2), mesh=dict(rules={"embed": ["fsdp", "cp"]})),
     ),
 }
 SHARDED = "dp=2,cp=4 ring dense accum embed->fsdp,cp"

@@ -30,7 +30,7 @@ CASES = {
     "pp=2": ("pp=2", 2, {}),
     "pp=4": ("pp=4", 4, {}),
     # with gradient accumulation: 2 accumulation micro-batches, each split into 2 pipeline micro-batches
-    "pp=2,fsdp=2,dp=2": ("dp=2,pp=2,fsdp=2", 8, dict(pipeline=dict(microbatches=2), train=dict(microbatches=2))),
+    "pp=2,fsdp=2,dp=2": ("dp=2,pp=2,fsdp=2", 8, dict(pipeline=dict(microbatches=2), train=dict(grad_accum_steps=2))),
     "pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, dict(pipeline=dict(microbatches=4))),
     # M = 4 > P = 2: micro-batches wait at stage 0 between repeats
     "circular V=2": ("pp=2,fsdp=2", 4, dict(pipeline=dict(schedule="circular", repeats=2, microbatches=4))),
@@ -138,12 +138,12 @@ def test_schedule_length_and_permute_bytes(case):
     text = compiled.as_text()
     trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
     assert trips.count(pl.iterations) == 2, trips  # one forward loop, one backward loop
-    per_pass = BATCH // prog.cfg.train.microbatches
+    per_pass = BATCH // prog.cfg.train.grad_accum_steps
     microbatch_bytes = per_pass // pl.microbatches // prog.batch_shards() * m.seq_len * m.d_model * 4
     in_loop = [
         c
         for c in hlo.collectives(text)
-        if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.microbatches
+        if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.grad_accum_steps
     ]
     assert len(in_loop) == 2 and all(c.result_bytes == microbatch_bytes for c in in_loop), in_loop
 
@@ -199,7 +199,7 @@ def test_describe(cfg):
     [
         ("pp=4,fsdp=2", dict(model=dict(num_layers=6)), "num_layers=6 cannot be split into pp=4"),
         ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=3)), "multiple of 12"),
-        ("pp=2,fsdp=4", dict(train=dict(microbatches=2), pipeline=dict(microbatches=4)), "multiple of 32"),
+        ("pp=2,fsdp=4", dict(train=dict(grad_accum_steps=2), pipeline=dict(microbatches=4)), "multiple of 32"),
         ("pp=4,fsdp=2", dict(pipeline=dict(schedule="circular", repeats=2)), "num_layers divisible by 8"),
         ("pp=2,fsdp=4", dict(pipeline=dict(schedule="circular", repeats=2, microbatches=1)), "microbatches >= pp=2"),
         ("pp=2,fsdp=4", dict(pipeline=dict(repeats=2)), "needs pipeline.schedule=circular"),

@@ -27,7 +27,7 @@ SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=f
 PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp / pp mixes, accumulation, explicit dp reduction, tied head
     (None, "dp=8", []),
     (None, "fsdp=4,tp=2", []),
-    (None, "dp=4,tp=2", ["train.microbatches=2", "reduce.method=dense"]),
+    (None, "dp=4,tp=2", ["train.grad_accum_steps=2", "reduce.method=dense"]),
     (None, "pp=2,fsdp=4", ["pipeline.microbatches=2"]),
     (None, "pp=2,dp=2,tp=2", []),
     ("configs/125m.yaml", "fsdp=8", SMALL_125M),
@@ -42,8 +42,8 @@ OUT_OF_SAMPLE = [  # never used to choose the memory model's terms
     (None, "fsdp=8", ["model.vocab_size=8192", "model.loss_impl=naive"]),
     (None, "fsdp=4,tp=2", ["model.vocab_size=8192"]),
     (None, "fsdp=4,tp=2", ["model.compute_dtype=bfloat16"]),
-    (None, "fsdp=8", ["train.microbatches=2", "train.global_batch=16"]),
-    (None, "dp=2,fsdp=4", ["model.remat=full", "train.microbatches=2", "train.global_batch=16"]),
+    (None, "fsdp=8", ["train.grad_accum_steps=2", "train.global_batch=16"]),
+    (None, "dp=2,fsdp=4", ["model.remat=full", "train.grad_accum_steps=2", "train.global_batch=16"]),
     (None, "fsdp=8", ["model.loss_impl=naive"]),
 ]
 CPU = hardware.get("cpu")
@@ -216,12 +216,12 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(tmp_
     points = [p for mode in ("strong", "weak") for p in curves[mode] if p["fits"]]
     assert len(labels) == len(points)
     for label, p in zip(labels, points):
-        assert label.startswith(p["mesh"] + " acc") and f"acc{p['microbatches']}" in label
+        assert label.startswith(p["mesh"] + " acc") and f"acc{p['grad_accum_steps']}" in label
     single = curves["strong"][0]
     assert (
         single["devices"] == 1
-        and single["microbatches"] > 1
-        and labels[0] == f"single device acc{single['microbatches']}"
+        and single["grad_accum_steps"] > 1
+        and labels[0] == f"single device acc{single['grad_accum_steps']}"
     )
     assert matplotlib.image.imread(png).shape[1] > 1000
     assert "acc = gradient-accumulation micro-batches" in plan.memory_table([])

@@ -69,7 +69,7 @@ def test_dense_explicit_matches_implicit_jit(small_cfg, mesh3d, batches, dense_r
 
 
 def test_microbatches_reduce_once(small_cfg, mesh3d, batches, dense_run):
-    cfg = small_cfg.replace(reduce=dict(method="dense"), train=dict(microbatches=4))
+    cfg = small_cfg.replace(reduce=dict(method="dense"), train=dict(grad_accum_steps=4))
     state, losses, text = train(cfg, mesh3d, batches)
     dense_state, dense_losses, dense_text = dense_run
     np.testing.assert_allclose(losses, dense_losses, atol=1e-5, rtol=0)

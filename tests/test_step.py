@@ -88,7 +88,7 @@ def test_microbatches_match_full_batch(cfg, batches, reference):
     """Token-weighted accumulation over 4 micro-batches gives the full-batch loss and gradients."""
     ref_loss, ref_grads, _, _ = reference
     loss, grads, _, _ = loss_grads_and_curve(
-        cfg.replace(train=dict(microbatches=4, steps=1)),
+        cfg.replace(train=dict(grad_accum_steps=4, steps=1)),
         mesh_mod.mesh_from_string("dp=2,fsdp=1,tp=1", jax.devices()[:2]),
         batches[:1],
     )

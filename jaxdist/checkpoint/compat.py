@@ -31,7 +31,7 @@ FREE_KEYS = frozenset(
         "train.peak_flops",
         "train.max_skipped_steps",
         "train.profile_steps",
-        "train.microbatches",
+        "train.grad_accum_steps",
         "pipeline.microbatches",
         "optim.schedule_steps",
         "checkpoint.every",

@@ -60,7 +60,7 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) ->
     outer_lr, mu = r.outer_lr, r.outer_momentum
 
     def per_replica(outer, tokens, state: DilocoState, step):
-        grads, loss, count = accumulate_gradients(apply_fn, state.params, tokens, cfg.train.microbatches)
+        grads, loss, count = accumulate_gradients(apply_fn, state.params, tokens, cfg.train.grad_accum_steps)
         total = jax.lax.psum(jnp.stack([loss, count]), axis)  # the logged loss: every replica's tokens
         updates, inner = inner_tx.update(jax.tree.map(lambda g: g / count, grads), state.inner, state.params)
         local = optax.apply_updates(state.params, updates)

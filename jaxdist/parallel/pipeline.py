@@ -88,13 +88,13 @@ def plan(cfg: Config, mesh) -> Plan | None:
         )
     rules = sharding.make_rules(cfg.mesh.rules)
     shards = axis_size(mesh, sharding.batch_spec(rules)[0])
-    per_pass = cfg.train.global_batch // cfg.train.microbatches
+    per_pass = cfg.train.global_batch // cfg.train.grad_accum_steps
     if per_pass % (micro * shards):
         raise JaxdistError(
-            f"train.global_batch={cfg.train.global_batch} / train.microbatches={cfg.train.microbatches} = "
+            f"train.global_batch={cfg.train.global_batch} / train.grad_accum_steps={cfg.train.grad_accum_steps} = "
             f"{per_pass} sequences per pipeline pass must divide into pipeline.microbatches={micro} x "
             f"{shards} batch shards; use a global batch that is a multiple of "
-            f"{cfg.train.microbatches * micro * shards}"
+            f"{cfg.train.grad_accum_steps * micro * shards}"
         )
     if AXIS in sum((tuple(v) for k, v in rules.items() if k != "stage"), ()):
         raise JaxdistError(

@@ -3,7 +3,7 @@
 Why explicit: under plain `jit` XLA all-reduces the gradients inside every micro-batch iteration, and
 a compressor never sees per-replica gradients. Here the loss/gradient runs inside `jax.shard_map`
 that is manual over the reduce axis only (`reduce.axis`, default dp; fsdp/tp/pp stay automatic), so
-each replica accumulates its own gradient sum over `train.microbatches` and the replicas then reduce
+each replica accumulates its own gradient sum over `train.grad_accum_steps` and the replicas then reduce
 **once** per optimizer step — dense, or compressed (`compress.py`: top-k, PowerSGD, int8).
 
 Reducers are optax-style transformations of the per-replica gradient tree, run inside that shard_map:
@@ -186,14 +186,14 @@ def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
 
 def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
-    `train.microbatches` (token-weighted), then reduced once. Activation constraints drop the manual
+    `train.grad_accum_steps` (token-weighted), then reduced once. Activation constraints drop the manual
     axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
     axis = cfg.reduce.axis
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: the load-balanced sequence order
     if not check_axis(cfg, mesh, model):
-        return implicit_gradients(apply_fn, cfg.train.microbatches, order_T)
+        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, order_T)
     reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
-    replicas, microbatches = mesh.shape[axis], cfg.train.microbatches
+    replicas, microbatches = mesh.shape[axis], cfg.train.grad_accum_steps
 
     def per_replica(params, tokens, state, step):
         grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)

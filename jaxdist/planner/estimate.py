@@ -57,7 +57,7 @@ class Estimate:
             "devices": lay.devices,
             "hardware": lay.hw.name,
             "global_batch": lay.cfg.train.global_batch,
-            "microbatches": lay.accum,
+            "grad_accum_steps": lay.accum,
             "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
             "memory": self.memory.as_dict(),
             "communication": comms.by_axis(lay, list(self.traffic)),
@@ -180,7 +180,9 @@ def with_batch(
 ) -> Config:
     """`cfg` with other batch settings (no re-validation: Layout.validate checks what the planner needs)."""
     train = dataclasses.replace(
-        cfg.train, global_batch=global_batch or cfg.train.global_batch, microbatches=accum or cfg.train.microbatches
+        cfg.train,
+        global_batch=global_batch or cfg.train.global_batch,
+        grad_accum_steps=accum or cfg.train.grad_accum_steps,
     )
     pipeline = cfg.pipeline if pipe_micro is None else dataclasses.replace(cfg.pipeline, microbatches=pipe_micro)
     return dataclasses.replace(cfg, train=train, pipeline=pipeline)
@@ -292,7 +294,7 @@ def scaling(cfg: Config, hw: Hardware, device_counts: list[int], per_device_batc
                     "fits": True,
                     "mesh": best.layout.name,
                     "family": best.family,
-                    "microbatches": best.layout.accum,
+                    "grad_accum_steps": best.layout.accum,
                     "pipeline_microbatches": best.layout.pipe_micro if best.layout.mesh["pp"] > 1 else 0,
                     "tokens_per_s": best.tokens_per_s,
                     "step_s": best.step_s,

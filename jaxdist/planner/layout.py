@@ -97,8 +97,8 @@ class Layout:
 
     @property
     def accum(self) -> int:
-        """Gradient-accumulation micro-batches (train.microbatches)."""
-        return self.cfg.train.microbatches
+        """Gradient-accumulation micro-batches (train.grad_accum_steps)."""
+        return self.cfg.train.grad_accum_steps
 
     @property
     def pipe_micro(self) -> int:

@@ -12,7 +12,7 @@ COLORS = {"strong": "tab:blue", "weak": "tab:orange"}
 
 def point_label(p: dict) -> str:
     """'fsdp=8 acc2' / 'pp=2,fsdp=4 acc1 pipe4': the chosen mesh and micro-batching of one point."""
-    label = f"{p['mesh']} acc{p.get('microbatches', 1)}"
+    label = f"{p['mesh']} acc{p.get('grad_accum_steps', 1)}"
     if p.get("pipeline_microbatches"):
         label += f" pipe{p['pipeline_microbatches']}"
     return label
