@@ -24,7 +24,7 @@ import optax
 
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import context
-from jaxdist.sharding import constrain
+from jaxdist.sharding import Rules, constrain, current_rules, use_rules
 
 IMPLS = ("blockwise", "naive")
 BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
@@ -39,10 +39,9 @@ class Head:
     w_DV: jax.Array
     impl: str = "blockwise"
     block: int = 0  # vocab rows per block on each device (of its V/S shard); 0 = from the shapes
-    rules: tuple | None = None
 
 
-jax.tree_util.register_dataclass(Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block", "rules"])
+jax.tree_util.register_dataclass(Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block"])
 
 
 def logits(head: Head) -> jax.Array:
@@ -52,7 +51,7 @@ def logits(head: Head) -> jax.Array:
         out = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype))
     else:
         out = (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)).reshape(*x.shape[:-1], w.shape[-1])
-    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"), head.rules)
+    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 
 def cross_entropy(head: Head, targets_BT) -> jax.Array:
@@ -63,7 +62,7 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
         labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
         return optax.softmax_cross_entropy(logits_BTV, labels_BTV)
     B, T, D = head.x_BTD.shape
-    rules = token_rules(head.rules)
+    rules = token_rules(current_rules())
     shards = vocab_shards(rules)
     vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(rules), D, head.block)
     losses = _blockwise(
@@ -72,14 +71,13 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
     return losses.reshape(B, T)
 
 
-def token_rules(rules):
+def token_rules(rules: Rules | None) -> Rules | None:
     """Rules for the flattened (B·T) token dim, named "batch" here: when cp splits the sequence, the
     flattened dim is split over the batch axes and then cp (row-major), so each device keeps its own
     tokens — not an all-gather of the sequence."""
     if rules is None or not context.splits_sequence():
         return rules
-    r = dict(rules)
-    return tuple({**r, "batch": tuple(r["batch"]) + tuple(r["seq"])}.items())
+    return {**rules, "batch": tuple(rules["batch"]) + tuple(rules["seq"])}
 
 
 def _mesh_size(rules, name: str) -> int:
@@ -87,7 +85,7 @@ def _mesh_size(rules, name: str) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return 1
-    return math.prod(mesh.shape[a] for a in dict(rules)[name] if a not in mesh.manual_axes)
+    return math.prod(mesh.shape[a] for a in rules[name] if a not in mesh.manual_axes)
 
 
 def vocab_shards(rules) -> int:
@@ -115,11 +113,11 @@ def block_rows(vocab: int, shards: int, tokens: int, d_model: int, block: int = 
     return max(d for d in range(1, min(local, limit) + 1) if local % d == 0)
 
 
-def _blocks(w_DV, shards: int, vb: int, rules):
+def _blocks(w_DV, shards: int, vb: int):
     """(D, V) -> (D, S, nb, vb), a reshape (no copy): [:, s, j] holds rows s·V/S + j·vb + k, so block j
     is vb rows of every shard s."""
     D, V = w_DV.shape
-    return constrain(w_DV.reshape(D, shards, V // (shards * vb), vb), ("embed", "vocab", None, None), rules)
+    return constrain(w_DV.reshape(D, shards, V // (shards * vb), vb), ("embed", "vocab", None, None))
 
 
 def _block(w_DSnv, j):
@@ -133,17 +131,17 @@ def _dot(spec: str, a, b):
     return jnp.einsum(spec, a, b).astype(jnp.float32)
 
 
-def _gathered(w_DSv, dtype, rules):
+def _gathered(w_DSv, dtype):
     """Block j's weight in the compute dtype, cast on its shard and then all-gathered over fsdp (once,
     for every matmul that uses it)."""
-    w = constrain(w_DSv.astype(dtype), ("embed", "vocab", None), rules)
-    return constrain(w, (None, "vocab", None), rules)
+    w = constrain(w_DSv.astype(dtype), ("embed", "vocab", None))
+    return constrain(w, (None, "vocab", None))
 
 
-def _block_logits(x_ND, w_DSv, rules):
+def _block_logits(x_ND, w_DSv):
     """One block's float32 logits (N, S, vb) from its gathered weight."""
     out = _dot("nd,dsv->nsv", x_ND, w_DSv)
-    return constrain(out, ("batch", "vocab", None), rules)
+    return constrain(out, ("batch", "vocab", None))
 
 
 def _target_mask(targets_N, j, shape, nb: int):
@@ -156,22 +154,22 @@ def _target_mask(targets_N, j, shape, nb: int):
     return hit_N[:, None, None] & (s_iota == s_y[:, None, None]) & (v_iota == (r % vb)[:, None, None])
 
 
-def _forward(x_ND, w_DV, targets_N, shards, vb, rules):
+def _forward(x_ND, w_DV, targets_N, shards, vb):
     """Losses (N,) and log-sum-exps (N,). Statistics are kept per vocab shard (N, S) and combined once
     after the scan: one small all-reduce over tp instead of one per block."""
-    w_blocks = _blocks(w_DV, shards, vb, rules)
+    w_blocks = _blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
     N = x_ND.shape[0]
 
     def body(carry, j):
         m, s, tgt = carry
-        z = _block_logits(x_ND, _gathered(_block(w_blocks, j), x_ND.dtype, rules), rules)
+        z = _block_logits(x_ND, _gathered(_block(w_blocks, j), x_ND.dtype))
         m_new = jnp.maximum(m, z.max(axis=2))
         s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
         return (m_new, s, tgt), None
 
-    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"), rules)
+    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
     (m, s, tgt), _ = jax.lax.scan(body, (stat(-jnp.inf), stat(0.0), stat(0.0)), jnp.arange(nb))
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
@@ -179,35 +177,46 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, rules):
 
 
 def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
+    """The blockwise loss under `rules` (the token rules): set inside the forward and the backward,
+    which JAX traces later, outside the caller's `use_rules`."""
+
     @jax.custom_vjp
     def f(x, w, t):
-        return _forward(x, w, t, shards, vb, rules)[0]
+        with use_rules(rules):
+            return _forward(x, w, t, shards, vb)[0]
 
     def fwd(x, w, t):
-        losses, lse = _forward(x, w, t, shards, vb, rules)
+        with use_rules(rules):
+            losses, lse = _forward(x, w, t, shards, vb)
         return losses, (x, w, t, lse)
 
     def bwd(res, g_N):
-        x, w_DV, t, lse = res
-        w_blocks = _blocks(w_DV, shards, vb, rules)
-        nb = w_blocks.shape[2]
-
-        def body(carry, j):
-            dx, dw_blocks = carry
-            w = _gathered(_block(w_blocks, j), x.dtype, rules)
-            z = _block_logits(x, w, rules)
-            p = jnp.exp(z - lse[:, None, None])
-            dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
-            # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
-            dx = dx + _dot("nsv,dsv->nsd", dz, w)
-            dw = constrain(_dot("nd,nsv->dsv", x, dz), ("embed", "vocab", None), rules)
-            # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
-            dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
-            return (dx, dw_blocks), None
-
-        dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None), rules)
-        (dx, dw_blocks), _ = jax.lax.scan(body, (dx0, jnp.zeros_like(w_blocks)), jnp.arange(nb))
-        return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None
+        with use_rules(rules):
+            return _backward(res, g_N, shards, vb)
 
     f.defvjp(fwd, bwd)
     return f(x_ND, w_DV, targets_N)
+
+
+def _backward(res, g_N, shards, vb):
+    """Recompute each block's logits from the saved log-sum-exps: gradients of x and of the weight."""
+    x, w_DV, t, lse = res
+    w_blocks = _blocks(w_DV, shards, vb)
+    nb = w_blocks.shape[2]
+
+    def body(carry, j):
+        dx, dw_blocks = carry
+        w = _gathered(_block(w_blocks, j), x.dtype)
+        z = _block_logits(x, w)
+        p = jnp.exp(z - lse[:, None, None])
+        dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
+        # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
+        dx = dx + _dot("nsv,dsv->nsd", dz, w)
+        dw = constrain(_dot("nd,nsv->dsv", x, dz), ("embed", "vocab", None))
+        # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
+        dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
+        return (dx, dw_blocks), None
+
+    dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None))
+    (dx, dw_blocks), _ = jax.lax.scan(body, (dx0, jnp.zeros_like(w_blocks)), jnp.arange(nb))
+    return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None

@@ -30,8 +30,8 @@ def compute_dtype(model: ModelConfig, backend: str | None = None):
     return jnp.dtype(name)
 
 
-def make_model(cfg: Config, rules, seed: int = 0) -> Llama:
-    return Llama(cfg.model, rules, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model))
+def make_model(cfg: Config, seed: int = 0) -> Llama:
+    return Llama(cfg.model, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class ResolvedModel:
     specs: Any  # pytree of PartitionSpecs
     abstract: Any  # pytree of ShapeDtypeStructs
     pipeline: pipeline.Plan | None  # pp > 1: the layer stack is stored (stage, layers, ...)
+    rules: dict  # the logical rules the specs came from; trace the model under `sharding.activate(mesh, rules)`
 
     @property
     def stacked_dims(self):
@@ -51,20 +52,22 @@ class ResolvedModel:
             is_leaf=lambda x: isinstance(x, tuple),
         )
 
-    def init_params(self, cfg: Config, rules, seed) -> dict:
-        params = nnx.to_pure_dict(nnx.state(make_model(cfg, rules, seed), nnx.Param))
+    def init_params(self, cfg: Config, seed) -> dict:
+        params = nnx.to_pure_dict(nnx.state(make_model(cfg, seed), nnx.Param))
         return pipeline.to_stages(params, self.pipeline) if self.pipeline else params
 
 
 def resolve(cfg: Config, mesh: Mesh, rules) -> ResolvedModel:
-    abstract_model = nnx.eval_shape(lambda: make_model(cfg, rules))
+    abstract_model = nnx.eval_shape(lambda: make_model(cfg))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(abstract_params))
     specs = nnx.to_pure_dict(sharding.state_specs(abstract_params, rules, mesh))
     abstract = nnx.to_pure_dict(abstract_params)
-    plan = pipeline.plan(cfg, mesh)
+    plan = pipeline.plan(cfg, mesh, rules)
     if plan:
         names = pipeline.stage_names(names)
         abstract = jax.eval_shape(lambda p: pipeline.to_stages(p, plan), abstract)
         specs = pipeline.stage_specs(names, abstract, rules, mesh)
-    return ResolvedModel(graphdef=graphdef, names=names, specs=specs, abstract=abstract, pipeline=plan)
+    return ResolvedModel(
+        graphdef=graphdef, names=names, specs=specs, abstract=abstract, pipeline=plan, rules=dict(rules)
+    )

@@ -3,11 +3,19 @@
 The model names logical axes only ("embed", "mlp", ...). Rules are data: a mapping from each logical
 name to a tuple of mesh axes (empty = replicated). Every name must have a rule, no mesh axis may be
 used twice in one array, and sharded dimensions must divide evenly — checked at start-up, loudly.
+
+The rules are built once per program (`make_rules(cfg.mesh.rules)`) and set by a context beside the
+mesh (`activate(mesh, rules)`, as `jax.set_mesh` sets the mesh); layers read them through
+`constrain()` while they are traced, so no module stores them. JAX caches a trace by function and
+mesh, not by these rules: trace one function under one set of rules (a program's steps set their own,
+`step.Program`), or wrap it anew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -41,6 +49,31 @@ def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[st
     for name, axes in (overrides or {}).items():
         rules[name] = tuple(axes)
     return rules
+
+
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxdist_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None) -> Iterator[None]:
+    """Set the logical rules that `constrain()` and the parallel layers read while tracing."""
+    token = _RULES.set(None if rules is None else {k: tuple(v) for k, v in rules.items()})
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def current_rules() -> Rules | None:
+    """The rules set by `use_rules`/`activate`; None outside one (layers then add no constraints)."""
+    return _RULES.get()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules | None) -> Iterator[None]:
+    """`jax.set_mesh(mesh)` and `use_rules(rules)` together: trace and call sharded programs inside."""
+    with jax.set_mesh(mesh), use_rules(rules):
+        yield
 
 
 def logical_to_spec(names: tuple[str | None, ...], rules: Rules, what: str = "array") -> P:
@@ -130,14 +163,14 @@ def batch_spec(rules: Rules, ndim: int = 2) -> P:
     return logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, "batch")
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...], rules: Rules | None) -> jax.Array:
-    """Activation sharding constraint by logical names; a no-op outside a mesh context or without rules.
-    Inside `shard_map` the manual axes (e.g. dp for the explicit gradient reduction) are already split
-    by hand, so they are dropped from the constraint."""
-    mesh = jax.sharding.get_abstract_mesh()
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Activation sharding constraint by logical names under the current rules; a no-op outside a mesh
+    context or without rules. Inside `shard_map` the manual axes (e.g. dp for the explicit gradient
+    reduction) are already split by hand, so they are dropped from the constraint."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
     if rules is None or mesh.empty:
         return x
-    spec = logical_to_spec(names, dict(rules), "activation")
+    spec = logical_to_spec(names, rules, "activation")
     if mesh.manual_axes:
         spec = drop_axes(spec, set(mesh.manual_axes))
     return jax.lax.with_sharding_constraint(x, spec)

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         state = prog.init_state(0)
         compiled = prog.train_step.lower(state, tokens).compile()
-        info = pipeline.describe(c, prog.mesh)
+        info = pipeline.describe(prog.pipeline)
         colls = hlo.summarize(hlo.collectives(compiled.as_text()))
         stage_inputs = 0
         if prog.pipeline:

@@ -242,7 +242,7 @@ def test_diloco_matches_reference(diloco_run):
         return optax.apply_updates(p, u), s
 
     locals_ = []
-    with jax.set_mesh(prog.mesh):
+    with prog.activate():
         for r in range(8):
             p, s = theta, inner.init(theta)
             for b in batches:

@@ -74,7 +74,7 @@ def compiled_gradients(prog):
         lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
         in_shardings=(prog.state_shardings.params, prog.batch_sharding),
     )
-    with jax.set_mesh(prog.mesh):
+    with prog.activate():
         return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(FAST_COMPILE)
 
 

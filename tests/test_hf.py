@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from jaxdist import config, convert, data, hf, hf_io, train
+from jaxdist import config, convert, data, hf, hf_export, hf_io, sharding, train
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import token_loss_sums
 from jaxdist.mesh import mesh_from_string
@@ -42,7 +42,7 @@ def flat(params) -> dict:
 
 
 def logits(model, params, mesh, tokens):
-    with jax.set_mesh(mesh):
+    with sharding.activate(mesh, model.rules):
         return np.asarray(jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t))(params, tokens))
 
 
@@ -113,13 +113,15 @@ def test_bf16_and_fp16_files_import_exactly(tmp_path):
 
 def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     cfg, mesh, params, _, _ = sharded
-    hf_io.export(params, cfg.model, tmp_path / "one", "float32", log=lambda *a: None)
+    hf_export.export(params, cfg.model, tmp_path / "one", "float32", log=lambda *a: None)
     original, exported = (
         load_file(str(FIXTURE / "model.safetensors")),
         load_file(str(tmp_path / "one" / "model.safetensors")),
     )
     assert sorted(original) == sorted(exported) and all(np.array_equal(original[k], exported[k]) for k in original)
-    files = hf_io.export(params, cfg.model, tmp_path / "many", "float32", max_shard_bytes=60_000, log=lambda *a: None)
+    files = hf_export.export(
+        params, cfg.model, tmp_path / "many", "float32", max_shard_bytes=60_000, log=lambda *a: None
+    )
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert len(files) > 3 and set(index["weight_map"]) == set(original)
     assert all(f.stat().st_size <= 60_000 + 4096 for f in files)  # data + header
@@ -135,7 +137,7 @@ def test_tied_model_round_trips(tmp_path):
     cfg, mesh, params, model = imported(TIED, "fsdp=4", jax.devices()[:4])
     assert cfg.model.tie_embeddings and "head_DV" not in params
     assert np.abs(logits(model, params, mesh, ref["sequences"]) - ref["logits"]).max() <= 1e-4
-    hf_io.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
+    hf_export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
     again = flat(convert.import_params(tmp_path, cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
@@ -191,7 +193,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     mesh = mesh_from_string(cfg.mesh.shape)
     params, model = convert.import_params(FIXTURE, cfg, mesh)
     loader = data.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
-    with jax.set_mesh(mesh):
+    with sharding.activate(mesh, model.rules):
         s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
             params, next(loader)
         )
@@ -253,7 +255,7 @@ def cli(capsys, monkeypatch, *args: str) -> tuple[int, str]:
 def test_cli_missing_or_corrupt_shard_exit_2(sharded, tmp_path, capsys, monkeypatch):
     cfg, _, params, _, _ = sharded
     broken = tmp_path / "sharded"
-    hf_io.export(params, cfg.model, broken, "float32", max_shard_bytes=100_000, log=lambda *a: None)
+    hf_export.export(params, cfg.model, broken, "float32", max_shard_bytes=100_000, log=lambda *a: None)
     shards = sorted(broken.glob("model-*.safetensors"))
     cases = []
     missing = tmp_path / "missing"

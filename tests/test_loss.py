@@ -47,7 +47,7 @@ def batches(cfg):
 def gradients(cfg, mesh_text, n, batch):
     prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
     state = prog.init_state(0)
-    with jax.set_mesh(prog.mesh):
+    with prog.activate():
         grads, loss_ = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])(
             state.params, jax.device_put(batch, prog.batch_sharding)
         )

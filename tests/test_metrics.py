@@ -28,7 +28,7 @@ def test_flops_per_token_match_the_compiler(overrides):
     prog = step.build_program(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((2, cfg.model.seq_len + 1), jnp.int32)
     grad = jax.jit(jax.grad(lambda p, t: token_loss_sums(prog.apply_fn, p, t)[0]))
-    with jax.set_mesh(mesh):
+    with prog.activate():
         compiled = grad.lower(prog.abstract_state.params, tokens).compile()
     ratio = compiled.cost_analysis()["flops"] / (metrics.flops_per_token(cfg.model) * 2 * cfg.model.seq_len)
     assert 1.0 <= ratio <= 1.02, ratio

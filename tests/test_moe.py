@@ -39,7 +39,7 @@ MESHES = ["ep=8", "ep=4,fsdp=2", "ep=2,tp=2,fsdp=2"]
 STEPS = 10
 
 
-def masked_reference_ffn(x_BTD, logits_BTE, w_gate, w_up, w_down, names, rules, factor, route):
+def masked_reference_ffn(x_BTD, logits_BTE, w_gate, w_up, w_down, names, factor, route):
     """Every expert on every token, combined through a (token, expert) gate matrix: no dispatch."""
     idx_BTK, gate_BTK = route(logits_BTE)
     h = jax.nn.silu(jnp.einsum("btd,edf->btef", x_BTD, w_gate)) * jnp.einsum("btd,edf->btef", x_BTD, w_up)
@@ -74,7 +74,7 @@ def grads_and_curve(prog, state, batches):
         return loss, grads, losses
 
     tokens = jax.device_put(batches, NamedSharding(prog.mesh, P(None, *prog.batch_sharding.spec)))
-    with jax.set_mesh(prog.mesh):
+    with prog.activate():
         compiled = jax.jit(fn).lower(state, tokens).compile()
         return jax.device_get(compiled(state, tokens)), compiled
 
@@ -186,12 +186,12 @@ def run_dispatch(mesh_text, factor, inputs, grad=False):
     x_sh = NamedSharding(mesh, sharding.logical_to_spec(("batch", "seq", None), rules))
 
     def fn(x, logits, *ws):
-        y, dropped, _ = moe_parallel.expert_ffn(x, logits, *ws, moe.EXPERT_NAMES, rules, factor, ROUTE)
+        y, dropped, _ = moe_parallel.expert_ffn(x, logits, *ws, moe.EXPERT_NAMES, factor, ROUTE)
         return (jnp.sum(y * y), dropped) if grad else (y, dropped)
 
     f = jax.grad(fn, argnums=(0, 2, 3, 4), has_aux=True) if grad else fn
     args = [jax.device_put(a, s) for a, s in zip((x, logits, *ws), (x_sh, x_sh, *w_sh))]
-    with jax.set_mesh(mesh):
+    with sharding.activate(mesh, rules):
         compiled = jax.jit(f).lower(*args).compile()
         return jax.device_get(compiled(*args)), compiled
 
@@ -311,9 +311,11 @@ def test_bad_moe_config_is_one_line_error(override, message):
 
 def test_experts_not_divisible_by_ep_and_pipeline_are_named(cfg):
     with pytest.raises(JaxdistError, match="cannot be split over ep=8"):
-        moe_parallel.check(cfg.replace(model=dict(moe_experts=4, moe_topk=2)), mesh_mod.mesh_from_string("ep=8"))
+        moe_parallel.check(
+            cfg.replace(model=dict(moe_experts=4, moe_topk=2)), mesh_mod.mesh_from_string("ep=8"), sharding.make_rules()
+        )
     with pytest.raises(JaxdistError, match="pp > 1 is not supported"):
-        moe_parallel.check(cfg, mesh_mod.mesh_from_string("pp=2,ep=4"))
+        moe_parallel.check(cfg, mesh_mod.mesh_from_string("pp=2,ep=4"), sharding.make_rules())
 
 
 # ---- planner ------------------------------------------------------------------------------------------

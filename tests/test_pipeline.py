@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import hlo, step
+from jaxdist import hlo, sharding, step
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline
@@ -23,7 +23,6 @@ TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, 
 BATCH = 16
 STEPS = 10
 
-FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 # id: (mesh, devices, config overrides)
 CASES = {
@@ -65,8 +64,8 @@ def compiled_gradients(prog):
         lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
         in_shardings=(prog.state_shardings.params, prog.batch_sharding),
     )
-    with jax.set_mesh(prog.mesh):
-        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(FAST_COMPILE)
+    with prog.activate():
+        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile()
 
 
 def in_layout(prog, params):
@@ -81,7 +80,7 @@ def loss_curve(prog, params, batches):
         step=np.int32(0), params=params, opt_state=prog.tx.init(params), reducer_state=(), skipped=np.int32(0)
     )
     state = jax.device_put(state, prog.state_shardings)
-    train_step = prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile(FAST_COMPILE)
+    train_step = prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile()
     curve = []
     for b in batches:
         state, m = train_step(state, jax.device_put(b, prog.batch_sharding))
@@ -180,7 +179,11 @@ def test_to_stages_places_circular_groups():
 
 def test_describe(cfg):
     mesh = mesh_mod.mesh_from_string("pp=4,fsdp=2")
-    assert pipeline.describe(cfg.replace(pipeline=dict(microbatches=8)), mesh) == {
+
+    def describe(c, m):
+        return pipeline.describe(pipeline.plan(c, m, sharding.make_rules(c.mesh.rules)))
+
+    assert describe(cfg.replace(pipeline=dict(microbatches=8)), mesh) == {
         "schedule": "gpipe",
         "stages": 4,
         "microbatches": 8,
@@ -189,9 +192,9 @@ def test_describe(cfg):
         "bubble_fraction": 3 / 11,
     }
     c = cfg.replace(model=dict(num_layers=8), pipeline=dict(schedule="circular", repeats=2, microbatches=4))
-    assert pipeline.describe(c, mesh)["iterations"] == 2 * 4 + 3
-    assert pipeline.describe(c, mesh)["bubble_fraction"] == 3 / 11
-    assert pipeline.describe(cfg, mesh_mod.mesh_from_string("fsdp=8"))["schedule"] == "none"
+    assert describe(c, mesh)["iterations"] == 2 * 4 + 3
+    assert describe(c, mesh)["bubble_fraction"] == 3 / 11
+    assert describe(cfg, mesh_mod.mesh_from_string("fsdp=8"))["schedule"] == "none"
 
 
 @pytest.mark.parametrize(

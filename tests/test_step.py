@@ -43,7 +43,7 @@ def loss_grads_and_curve(cfg, mesh, batches):
     state = prog.init_state(0)
     put = lambda b: jax.device_put(b, prog.batch_sharding)  # noqa: E731
     grads_fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])
-    with jax.set_mesh(mesh):
+    with prog.activate():
         grads, loss = grads_fn(state.params, put(batches[0]))
     grads = jax.device_get(grads)
     if len(batches) == 1:

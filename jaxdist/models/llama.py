@@ -6,8 +6,6 @@ N query heads, K kv heads, H head_dim, F mlp, V vocab, L layers.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,8 +13,9 @@ from flax import nnx
 from jaxdist import loss
 from jaxdist.config import ModelConfig
 from jaxdist.models import moe
+from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary
 from jaxdist.parallel import context, embedding
-from jaxdist.sharding import Rules, constrain, logical_names
+from jaxdist.sharding import constrain, logical_names
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -25,7 +24,7 @@ REMAT_POLICIES = {
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
-    """A float32 parameter carrying logical axis names (placement is decided by the caller's rules)."""
+    """A float32 parameter carrying logical axis names (placement is decided by the logical rules)."""
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
 
 
@@ -52,81 +51,8 @@ def token_matmul(x, w):
     return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-def rope_frequencies(half: int, theta: float, scaling: tuple = ()):
-    """Per-pair rotation frequencies; `scaling` = (factor, low_freq_factor, high_freq_factor,
-    original_max_len) applies Llama 3.1's rescale: long wavelengths slowed by `factor`, short ones kept,
-    a smooth blend between (as transformers' `_compute_llama3_parameters`)."""
-    freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if not scaling:
-        return freq_H
-    factor, low, high, original = scaling
-    wavelen_H = 2 * jnp.pi / freq_H
-    slowed_H = jnp.where(wavelen_H > original / low, freq_H / factor, freq_H)
-    smooth_H = (original / wavelen_H - low) / (high - low)
-    blended_H = (1 - smooth_H) * slowed_H / factor + smooth_H * slowed_H
-    medium_H = (wavelen_H >= original / high) & (wavelen_H <= original / low)
-    return jnp.where(medium_H, blended_H, slowed_H)
-
-
-def rope_scaling(cfg: ModelConfig) -> tuple:
-    """The static llama3 rescale parameters of `cfg` (() for none): hashable, so NNX keeps it static."""
-    if cfg.rope_scaling == "none":
-        return ()
-    return (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, float(cfg.rope_original_max_len))
-
-
-def rotary(x_BTNH, positions_T, theta: float, scaling: tuple = ()):
-    """Rotate pairs (first half, second half) of each head by position-dependent angles. Positions are
-    (T,), shared by the batch, or (B, T) per row (packed documents restarting at 0; left-padded decoding)."""
-    half = x_BTNH.shape[-1] // 2
-    freq_H = rope_frequencies(half, theta, scaling)
-    angle_BTH = jnp.asarray(positions_T)[..., None].astype(jnp.float32) * freq_H
-    angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
-    sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
-
-
-def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None):
-    """Grouped-query causal attention: cuDNN's fused flash attention on GPU in bf16/fp16 (JAX's
-    default is XLA's, which materialises the T x T scores), else XLA's. With `segment_ids_BT`, a token
-    attends only within its own segment (packed documents)."""
-    mask = document_mask(segment_ids_BT)
-    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            return jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation="cudnn"
-            )
-        except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
-            warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
-
-
-def document_segments(tokens_BT, eos_id: int):
-    """Segment ids of packed documents (MaxText's decoder_segment_ids): a new document starts after
-    each EOS; the EOS belongs to the document it ends."""
-    is_eos = (tokens_BT == eos_id).astype(jnp.int32)
-    return jnp.cumsum(is_eos, axis=1) - is_eos
-
-
-def document_positions(segment_ids_BT):
-    """Positions that restart at 0 where the segment id changes (RoPE sees each document alone)."""
-    idx_BT = jnp.broadcast_to(jnp.arange(segment_ids_BT.shape[1]), segment_ids_BT.shape)
-    starts_BT = jnp.concatenate(
-        [jnp.ones_like(segment_ids_BT[:, :1], bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1
-    )
-    return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
-
-
-def document_mask(segment_ids_BT):
-    """(B, 1, T, T) True where query and key are in the same segment; None without segments."""
-    if segment_ids_BT is None:
-        return None
-    return (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
-
-
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -134,7 +60,7 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
-        self.theta, self.rules = cfg.rope_theta, rules
+        self.theta = cfg.rope_theta
         self.scaling = rope_scaling(cfg)
         self.context_impl = cfg.context_impl
 
@@ -145,8 +71,8 @@ class Attention(nnx.Module):
         v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
         q_BTNH = rotary(q_BTNH, positions_T, self.theta, self.scaling)
         k_BTKH = rotary(k_BTKH, positions_T, self.theta, self.scaling)
-        q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None), self.rules)
-        k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", None), self.rules)
+        q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None))
+        k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", None))
         return q_BTNH, k_BTKH, v_BTKH
 
     def out(self, o_BTNH):
@@ -155,8 +81,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_T)
-        if context.active(self.rules):  # cp > 1: the sequence is split over devices
-            return self.out(context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl, self.rules))
+        if context.active():  # cp > 1: the sequence is split over devices
+            return self.out(context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl))
         return self.out(causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT))
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
@@ -172,35 +98,34 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         self.w_gate_DF = param(rngs, init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         self.w_up_DF = param(rngs, init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
         self.w_down_FD = param(rngs, out_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
-        self.rules = rules
 
     def __call__(self, x_BTD):
         dt = x_BTD.dtype
         gate_BTF = token_matmul(x_BTD, self.w_gate_DF[...].astype(dt))
         up_BTF = token_matmul(x_BTD, self.w_up_DF[...].astype(dt))
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"), self.rules)
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
         return token_matmul(h_BTF, self.w_down_FD[...].astype(dt))
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs, sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
-        self.attn = Attention(cfg, rules, rngs)
+        self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
-        self.mlp = moe.MoE(cfg, rules, rngs) if sparse else MLP(cfg, rules, rngs)
-        self.rules, self.sparse = rules, sparse
+        self.mlp = moe.MoE(cfg, rngs) if sparse else MLP(cfg, rngs)
+        self.sparse = sparse
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         """-> x_BTD; a sparse (MoE) block returns (x_BTD, aux losses)."""
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T, segment_ids_BT)
         y_BTD, aux = self.mlp(self.mlp_norm(x_BTD)) if self.sparse else (self.mlp(self.mlp_norm(x_BTD)), None)
-        x_BTD = constrain(x_BTD + y_BTD, ("batch", "seq", None), self.rules)
+        x_BTD = constrain(x_BTD + y_BTD, ("batch", "seq", None))
         return x_BTD if aux is None else (x_BTD, aux)
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
@@ -208,15 +133,15 @@ class Block(nnx.Module):
         x_BTD = x_BTD + a_BTD
         y_BTD = self.mlp(self.mlp_norm(x_BTD))
         x_BTD = x_BTD + (y_BTD[0] if self.sparse else y_BTD)
-        return constrain(x_BTD, ("batch", "seq", None), self.rules), k_BSKH, v_BSKH
+        return constrain(x_BTD, ("batch", "seq", None)), k_BSKH, v_BSKH
 
 
 class SparseGroup(nnx.Module):
     """model.moe_every = n > 1: the scanned unit is n layers, the last of them sparse."""
 
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         n = cfg.moe_every
-        self.layers = nnx.List([Block(cfg, rules, rngs, sparse=i == n - 1) for i in range(n)])
+        self.layers = nnx.List([Block(cfg, rngs, sparse=i == n - 1) for i in range(n)])
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         for block in self.layers[:-1]:
@@ -229,15 +154,15 @@ def scanned_unit(cfg: ModelConfig):
     if not cfg.moe_experts:
         return Block, cfg.num_layers
     if cfg.moe_every == 1:
-        return (lambda c, r, g: Block(c, r, g, sparse=True)), cfg.num_layers
+        return (lambda c, g: Block(c, g, sparse=True)), cfg.num_layers
     return SparseGroup, cfg.num_layers // cfg.moe_every
 
 
 class Llama(nnx.Module):
     """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis."""
 
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs, compute_dtype=jnp.float32):
-        self.cfg, self.rules, self.compute_dtype = cfg, _freeze(rules), compute_dtype
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+        self.cfg, self.compute_dtype = cfg, compute_dtype
         init = nnx.initializers.normal(cfg.init_std)
         self.embed_VD = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
@@ -245,7 +170,7 @@ class Llama(nnx.Module):
 
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(key):
-            return unit(cfg, self.rules, nnx.Rngs(params=key))
+            return unit(cfg, nnx.Rngs(params=key))
 
         self.blocks = make_blocks(jax.random.split(rngs.params(), stacked))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
@@ -254,7 +179,7 @@ class Llama(nnx.Module):
 
     def embed(self, tokens_BT):
         # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
-        return embedding.lookup(self.embed_VD[...], tokens_BT, self.rules, self.compute_dtype)
+        return embedding.lookup(self.embed_VD[...], tokens_BT, self.compute_dtype)
 
     def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
@@ -266,7 +191,7 @@ class Llama(nnx.Module):
         """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense)."""
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
         if segment_ids_BT is not None:
-            segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"), self.rules)
+            segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"))
             positions_T = document_positions(segment_ids_BT)
         elif positions_T is None:
             positions_T = jnp.arange(x_BTD.shape[1])
@@ -280,7 +205,7 @@ class Llama(nnx.Module):
             # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
             # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
             layer_state = jax.tree.map(
-                lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
+                lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype)) if len(n) > 1 else v,
                 names,
                 layer_state,
                 is_leaf=lambda n: isinstance(n, tuple),
@@ -295,7 +220,7 @@ class Llama(nnx.Module):
     def head(self, x_BTD) -> loss.Head:
         """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""
         head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-        return loss.Head(self.final_norm(x_BTD), head_DV, self.cfg.loss_impl, self.cfg.loss_block, self.rules)
+        return loss.Head(self.final_norm(x_BTD), head_DV, self.cfg.loss_impl, self.cfg.loss_block)
 
     def logits(self, x_BTD):
         return loss.logits(self.head(x_BTD))
@@ -326,24 +251,19 @@ class Llama(nnx.Module):
         return self.logits(x_BTD), cache_k, cache_v
 
 
-def cast_sharded(w, names, dtype, rules):
+def cast_sharded(w, names, dtype):
     """`w` in `dtype`, converted on its shard before any all-gather (half the bytes for bf16). The
     gradient goes back to float32 on the same sharding, so its reduction runs in float32."""
 
     @jax.custom_vjp
     def cast(w):
-        return constrain(w.astype(dtype), names, rules)
+        return constrain(w.astype(dtype), names)
 
     def bwd(_, g):
-        return (constrain(g.astype(jnp.float32), names, rules),)
+        return (constrain(g.astype(jnp.float32), names),)
 
     cast.defvjp(lambda w: (cast(w), None), bwd)
     return cast(w)
-
-
-def _freeze(rules):
-    """Rules become a hashable tuple so NNX treats them as static structure, not state."""
-    return None if rules is None else tuple((k, tuple(v)) for k, v in dict(rules).items())
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

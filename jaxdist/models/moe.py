@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.parallel.moe import expert_ffn
-from jaxdist.sharding import Rules, constrain
+from jaxdist.sharding import constrain
 
 EXPERT_NAMES = ("expert", "embed", "mlp")
 
@@ -62,7 +62,7 @@ def balance_loss_sum(counts_BE, logits_BTE, topk: int, router: str):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rules: Rules | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         E, D, F = cfg.moe_experts, cfg.d_model, expert_dim(cfg)
@@ -78,7 +78,6 @@ class MoE(nnx.Module):
         self.topk, self.router, self.shared = cfg.moe_topk, cfg.moe_router, cfg.moe_shared_experts
         self.factor = None if cfg.moe_dispatch == "dropless" else cfg.moe_capacity_factor
         self.weights = (cfg.moe_aux_weight, cfg.moe_z_weight)
-        self.rules = rules
 
     def __call__(self, x_BTD):
         """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
@@ -91,14 +90,13 @@ class MoE(nnx.Module):
             self.w_up_EDF[...],
             self.w_down_EFD[...],
             EXPERT_NAMES,
-            self.rules,
             self.factor,
             route_fn,
         )
         if self.shared:
             dt = x_BTD.dtype
             h = jax.nn.silu(_matmul(x_BTD, self.shared_gate_DS[...].astype(dt)))
-            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"), self.rules)
+            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"))
             y_BTD = y_BTD + _matmul(h, self.shared_down_SD[...].astype(dt))
         lb = balance_loss_sum(counts_BE, logits_BTE, self.topk, self.router)
         z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))

@@ -114,23 +114,23 @@ def splits_sequence() -> bool:
     return not mesh.empty and size(mesh) > 1
 
 
-def active(rules) -> bool:
-    """Inside a mesh whose cp axis shards the sequence (rules: the model's logical rules)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return rules is not None and not mesh.empty and size(mesh) > 1 and tuple(dict(rules).get("seq", ())) == (AXIS,)
+def active() -> bool:
+    """Inside a mesh whose cp axis shards the sequence under the current logical rules."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), sharding.current_rules()
+    return rules is not None and not mesh.empty and size(mesh) > 1 and tuple(rules.get("seq", ())) == (AXIS,)
 
 
 # ---- attention -------------------------------------------------------------------------------------
 
 
-def attention(q_BTNH, k_BTKH, v_BTKH, impl: str, rules):
+def attention(q_BTNH, k_BTKH, v_BTKH, impl: str):
     """Causal grouped-query attention of sequence-sharded q, k, v (global arrays, seq in `order`).
     Manual over every axis that shards them (batch, cp, heads): left automatic, XLA replicates the
     batch and head dims inside the shard_map (seen with fsdp and tp > 1)."""
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh, rules = jax.sharding.get_abstract_mesh(), sharding.current_rules()
     manual = set(mesh.manual_axes)  # e.g. dp, inside the explicit data-parallel reduction
-    q_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "heads", None), dict(rules)), manual)
-    kv_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "kv_heads", None), dict(rules)), manual)
+    q_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "heads", None), rules), manual)
+    kv_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "kv_heads", None), rules), manual)
     axes = {a for spec in (q_spec, kv_spec) for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
     local = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[impl]
     return jax.shard_map(

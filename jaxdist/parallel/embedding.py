@@ -22,34 +22,33 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import constrain
+from jaxdist.sharding import constrain, current_rules
 
 
-def _axes(rules: dict, name: str, mesh) -> tuple[str, ...]:
+def _axes(rules, name: str, mesh) -> tuple[str, ...]:
     """Mesh axes of logical `name` that are live here: size > 1 and not already manual."""
     return tuple(a for a in rules[name] if a not in mesh.manual_axes and mesh.shape[a] > 1)
 
 
-def lookup(table_VD, tokens_BT, rules, dtype):
+def lookup(table_VD, tokens_BT, dtype):
     """Rows of `table_VD` for `tokens_BT` -> (B, T, D) in `dtype`, sharded ("batch", "seq", None)."""
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
     if rules is None or mesh.empty:
         return jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
-    rules = dict(rules)
     vocab, embed = _axes(rules, "vocab", mesh), _axes(rules, "embed", mesh)
     batch, seq = _axes(rules, "batch", mesh), _axes(rules, "seq", mesh)
     token_axes = set(batch) | set(seq)
     if not set(embed) <= set(batch) or set(vocab) & token_axes:
         # Rules this scheme does not cover: let XLA gather the table's embed dim (correct, more memory).
-        table = constrain(table_VD, ("vocab", None), rules)
-        return constrain(jnp.take(table, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None), rules)
+        table = constrain(table_VD, ("vocab", None))
+        return constrain(jnp.take(table, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None))
     if not (vocab or embed):
-        return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None), rules)
+        return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", "seq", None))
     B, T = tokens_BT.shape
     if B % math.prod(mesh.shape[a] for a in batch) or T % math.prod(mesh.shape[a] for a in seq):
         # A batch the mesh does not split evenly (a few prompts in generation, an odd test batch):
         # XLA's own gather of the table is correct there, if heavier.
-        table = constrain(table_VD, ("vocab", None), rules)
+        table = constrain(table_VD, ("vocab", None))
         return jnp.take(table, tokens_BT, axis=0).astype(dtype)
 
     V = table_VD.shape[0]

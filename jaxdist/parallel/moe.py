@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.sharding import Rules, drop_axes, logical_to_spec, make_rules
+from jaxdist.sharding import Rules, current_rules, drop_axes, logical_to_spec
 
 EXPERT, INNER = "expert", "mlp"  # logical names of the expert dim and the tp-split inner dim
 
@@ -52,7 +52,7 @@ def a2a_bytes_per_direction(tokens: int, cfg_model, dtype_bytes: int, ep: int) -
     return m.moe_experts * C * m.d_model * dtype_bytes * (ep - 1) / ep
 
 
-def check(cfg: Config, mesh) -> None:
+def check(cfg: Config, mesh, rules: Rules) -> None:
     """MoE constraints that need the mesh, as one-line errors."""
     m = cfg.model
     if not m.moe_experts:
@@ -62,7 +62,6 @@ def check(cfg: Config, mesh) -> None:
             "model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
             "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models"
         )
-    rules = make_rules(cfg.mesh.rules)
     ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
     if m.moe_experts % ep:
         raise JaxdistError(
@@ -132,19 +131,16 @@ def _local(
     return y_ND.reshape(B, T, D), dropped_B, counts_BE
 
 
-def expert_ffn(
-    x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, rules: Rules | None, factor: float | None, route
-):
+def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, factor: float | None, route):
     """Route tokens by their router logits and apply the experts. Returns y_BTD, dropped assignments
     per sequence (B,) and assignments per sequence and expert (B, E).
     `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless;
     `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
     experts = w_gate_EDF.shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
     kw = dict(route=route, experts=experts, factor=factor)
     if rules is None or mesh.empty:
         return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
-    rules = dict(rules)
     done = set(mesh.manual_axes)
     manual = frozenset(a for a in mesh.axis_names if a not in done)
     spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)  # noqa: E731

@@ -57,7 +57,7 @@ class Plan:
         return (self.stages - 1) / self.iterations
 
 
-def plan(cfg: Config, mesh) -> Plan | None:
+def plan(cfg: Config, mesh, rules) -> Plan | None:
     """The validated pipeline for (cfg, mesh), or None when pp == 1 (no pipeline)."""
     stages = mesh.shape.get(AXIS, 1)
     if stages == 1:
@@ -86,7 +86,6 @@ def plan(cfg: Config, mesh) -> Plan | None:
             f"circular pipeline.repeats={repeats} needs pipeline.microbatches >= pp={stages} (got {micro}) "
             f"so each micro-batch is back at stage 0 in time; set pipeline.microbatches={stages} or more"
         )
-    rules = sharding.make_rules(cfg.mesh.rules)
     shards = axis_size(mesh, sharding.batch_spec(rules)[0])
     per_pass = cfg.train.global_batch // cfg.train.grad_accum_steps
     if per_pass % (micro * shards):
@@ -103,10 +102,9 @@ def plan(cfg: Config, mesh) -> Plan | None:
     return Plan(p.schedule, stages, micro, repeats, layers // (stages * repeats))
 
 
-def describe(cfg: Config, mesh) -> dict[str, Any]:
+def describe(pl: Plan | None) -> dict[str, Any]:
     """Schedule summary for logs and benchmarks: schedule, stages, microbatches, repeats, iterations,
-    bubble_fraction (iterations and bubble per pipeline pass)."""
-    pl = plan(cfg, mesh)
+    bubble_fraction (iterations and bubble per pipeline pass). `pl` None: no pipeline."""
     if pl is None:
         return {
             "schedule": "none",

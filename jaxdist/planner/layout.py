@@ -41,7 +41,7 @@ def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
 
     from jaxdist.models.llama import Llama
 
-    abstract = nnx.eval_shape(lambda: Llama(model, None, nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: Llama(model, nnx.Rngs(params=0)))
     state = nnx.state(abstract, nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(state))
     shapes = nnx.to_pure_dict(state)
