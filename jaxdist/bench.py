@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,7 +62,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
     import jax
 
-    from jaxdist import measure, metrics
+    from jaxdist import measure, metrics, sharding
     from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import pipeline
 
@@ -77,7 +77,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
         "flops_per_token": metrics.flops_per_token(cfg.model),
         "compile_s": time.perf_counter() - t0,
         **metrics.compiled_stats(compiled),
-        "pipeline": pipeline.describe(cfg, mesh),
+        "pipeline": pipeline.describe(pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))),
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
@@ -136,10 +136,12 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     if stats and "peak_bytes_in_use" in stats:
         record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
-    from jaxdist import measure
+    from jaxdist import measure, sharding
     from jaxdist.parallel import pipeline
 
-    record["pipeline"] = pipeline.describe(cfg, mesh)  # schedule, iterations, bubble_fraction
+    record["pipeline"] = pipeline.describe(
+        pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
+    )  # schedule, iterations, bubble_fraction
     # Steady state (after a dense warm-up; DiLoCo: averaged over its sync period), and the average over
     # train.steps with the warm-up included (`_run`): what a whole run saves.
     steady, run = measure.run_bytes_per_step(cfg, mesh, compiled.as_text())
@@ -149,33 +151,28 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     return record
 
 
+@command
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)
-        from jaxdist import config
-        from jaxdist.train import setup_platform
+    args = parse_args(argv)
+    from jaxdist import config
+    from jaxdist.train import setup_platform
 
-        if args.steps < 1 or args.warmup < 0:
-            raise JaxdistError(
-                f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
-                "(--steps >= 1) after --warmup >= 0 untimed ones"
-            )
-        cfg = config.load(args.config, args.overrides)
-        setup_platform(args.cpu_devices)
-        records = []
-        for mesh_text in args.mesh or [cfg.mesh.shape]:
-            record = (
-                compile_only(cfg, mesh_text) if args.compile_only else measure(cfg, mesh_text, args.warmup, args.steps)
-            )
-            records.append(record)
-            print(json.dumps(record), flush=True)
-        if args.table:
-            from jaxdist.bench_table import table
+    if args.steps < 1 or args.warmup < 0:
+        raise JaxdistError(
+            f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
+            "(--steps >= 1) after --warmup >= 0 untimed ones"
+        )
+    cfg = config.load(args.config, args.overrides)
+    setup_platform(args.cpu_devices)
+    records = []
+    for mesh_text in args.mesh or [cfg.mesh.shape]:
+        record = compile_only(cfg, mesh_text) if args.compile_only else measure(cfg, mesh_text, args.warmup, args.steps)
+        records.append(record)
+        print(json.dumps(record), flush=True)
+    if args.table:
+        from jaxdist.bench_table import table
 
-            print("\n" + table(records))
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print("\n" + table(records))
     return 0
 
 

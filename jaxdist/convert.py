@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, command
 from jaxdist.hf import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
 from jaxdist.hf_io import import_params
 
@@ -25,7 +25,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxdist import checkpoint, hf_io
+    from jaxdist import checkpoint, hf_export
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
 
@@ -40,7 +40,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (out / "config.yaml").write_text(config_mod.dump(cfg))
-        hf_io.keep_source(hf_dir, out)
+        hf_export.keep_source(hf_dir, out)
     from jaxdist.checkpoint import integrity
     from jaxdist.checkpoint.storage import TMP_SUFFIX
 
@@ -130,7 +130,7 @@ def load_run_params(path: Path, mesh, rules=None):
 
 
 def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
-    from jaxdist import checkpoint, hf_io
+    from jaxdist import checkpoint, hf_export, hf_io
     from jaxdist import mesh as mesh_mod
 
     if not checkpoint.all_agree(not ((out / "config.json").exists() or list(out.glob("*.safetensors")))):
@@ -140,7 +140,7 @@ def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable
     cfg, params, _ = load_run_params(step_dir, mesh)
     run_dir = step_dir.parent.parent
     source = run_dir / hf_io.SOURCE
-    return hf_io.export(
+    return hf_export.export(
         params,
         cfg.model,
         out,
@@ -185,23 +185,20 @@ def parse_args(argv):
     return args
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     from jaxdist import distributed
     from jaxdist.train import setup_platform
 
-    try:
-        args = parse_args(argv)
-        setup_platform(args.cpu_devices)
-        distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
-        if args.command == "from-hf":
-            cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
-            from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)
-        else:
-            files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9))
-            print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)
+    setup_platform(args.cpu_devices)
+    distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
+    if args.command == "from-hf":
+        cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
+        from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)
+    else:
+        files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9))
+        print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")
     return 0
 
 

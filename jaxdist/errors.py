@@ -1,5 +1,26 @@
 """The one exception type users see: a one-line message naming the cause and the fix."""
 
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+
 
 class JaxdistError(Exception):
     """A problem with the user's input or environment. The CLI prints it without a traceback, exit 2."""
+
+
+def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Decorate a command's `main(argv) -> exit code`: a JaxdistError ends it with one `error: ...` line
+    on stderr and exit status 2 (no traceback), as every jaxdist command does."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except JaxdistError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    return run

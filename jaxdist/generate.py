@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, command
 
 
 def sample(logits_BV, key, temperature: float, top_p: float):
@@ -181,7 +181,9 @@ def generate(
     pad = np.array([P - len(p) for p in prompts], np.int32)
     run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
     key = jax.random.key(seed)
-    with jax.set_mesh(mesh):
+    from jaxdist import sharding
+
+    with sharding.activate(mesh, generation_rules(cfg)):  # the layers' constraints, batch replicated
         t0 = time.perf_counter()
         compiled = run.lower(params, tokens, pad, key).compile()
         t1 = time.perf_counter()
@@ -215,41 +217,38 @@ def parse_args(argv):
     return args
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     from jaxdist.train import setup_platform
 
-    try:
-        args = parse_args(argv)
-        setup_platform(args.cpu_devices)
-        cfg, params, graphdef, mesh, source = load(args.run_dir, args.hf, args.mesh)
-        text = Text(cfg, source)
-        prompts = [text.encode(t) for t in args.prompt]
-        for ids in args.prompt_tokens:
-            try:
-                prompts.append([int(x) for x in ids.replace(",", " ").split()])
-            except ValueError:
-                raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
-        new, logp, compile_s, run_s = generate(
-            cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
-        )
-        stop = set() if args.ignore_eos else eos_ids(source)
-        for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
-            toks, lps = cut_at_eos(toks, lps, stop)
-            if args.json:
-                print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": text.decode(toks)}))
-            elif text.usable:
-                print(text.decode(prompt) + text.decode(toks))
-            else:
-                print(f"{prompt} -> {toks}")
-        n = new.size
-        print(
-            f"generated {len(prompts)} x {args.max_new_tokens} tokens in {run_s:.2f}s "
-            f"({n / run_s:,.0f} tokens/s; compiled in {compile_s:.1f}s)",
-            file=sys.stderr,
-        )
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)
+    setup_platform(args.cpu_devices)
+    cfg, params, graphdef, mesh, source = load(args.run_dir, args.hf, args.mesh)
+    text = Text(cfg, source)
+    prompts = [text.encode(t) for t in args.prompt]
+    for ids in args.prompt_tokens:
+        try:
+            prompts.append([int(x) for x in ids.replace(",", " ").split()])
+        except ValueError:
+            raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
+    new, logp, compile_s, run_s = generate(
+        cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
+    )
+    stop = set() if args.ignore_eos else eos_ids(source)
+    for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
+        toks, lps = cut_at_eos(toks, lps, stop)
+        if args.json:
+            print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": text.decode(toks)}))
+        elif text.usable:
+            print(text.decode(prompt) + text.decode(toks))
+        else:
+            print(f"{prompt} -> {toks}")
+    n = new.size
+    print(
+        f"generated {len(prompts)} x {args.max_new_tokens} tokens in {run_s:.2f}s "
+        f"({n / run_s:,.0f} tokens/s; compiled in {compile_s:.1f}s)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -16,7 +16,7 @@ import json
 import sys
 
 from jaxdist import config
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, command
 from jaxdist.mesh import parse_mesh
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
@@ -173,13 +173,10 @@ def check_plot_path(path: str) -> None:
         raise JaxdistError(f"--plot {path}: folder {folder} is not writable; choose another path")
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        out = run(args)
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = run(args)
     if args.plot and out["scaling"]:
         plot(out["scaling"], args.plot, f"{out['config']} on {out['hardware']}")
     if args.json:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, command
 
 METRICS = {
     "loss": "train loss (nats/token)",
@@ -165,18 +165,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if len(args.run_dirs) == 1 and args.metric == "loss":
-            out = loss_png(args.run_dirs[0], args.out)
-        else:
-            out = args.out or Path(f"{args.metric}.png")
-            labels = overlay(args.run_dirs, args.metric, out)
-            print("runs: " + "; ".join(labels))
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if len(args.run_dirs) == 1 and args.metric == "loss":
+        out = loss_png(args.run_dirs[0], args.out)
+    else:
+        out = args.out or Path(f"{args.metric}.png")
+        labels = overlay(args.run_dirs, args.metric, out)
+        print("runs: " + "; ".join(labels))
     print(f"wrote {out}")
     return 0
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist import tokenizer as tokenizer_mod
-from jaxdist.errors import JaxdistError
+from jaxdist.documents import documents, input_files
+from jaxdist.errors import JaxdistError, command
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxdist-tokens/1"
@@ -83,80 +84,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     return q.parse_intermixed_args(argv[1:])
-
-
-# ----------------------------------------------------------------------------------------- inputs
-
-
-def input_files(patterns: list[str]) -> list[str]:
-    from jaxdist.files import expand_path, stdlib_files
-
-    if not patterns:
-        return stdlib_files()
-    files: list[str] = []
-    for pattern in patterns:
-        files += [f for f in expand_path(pattern, what="input") if f not in files]
-    return files
-
-
-def file_format(path: str, forced: str) -> str:
-    if forced != "auto":
-        return forced
-    if path.endswith((".jsonl", ".ndjson")):
-        return "jsonl"
-    return "parquet" if path.endswith(".parquet") else "text"
-
-
-def documents(files: list[str], fmt: str, field: str) -> Iterator[tuple[str, int]]:
-    """(text, input bytes it stands for) per document, in input order; empty documents are skipped."""
-    for f in files:
-        kind = file_format(f, fmt)
-        try:
-            if kind == "text":
-                raw = Path(f).read_bytes()
-                yield raw.decode("utf-8", errors="replace"), len(raw)
-            elif kind == "jsonl":
-                with open(f, "rb") as fh:
-                    for lineno, line in enumerate(fh, 1):
-                        if line.strip():
-                            yield _field(json_line(line, f, lineno), field, f"{f}:{lineno}"), len(line)
-            else:
-                yield from parquet_documents(f, field)
-        except OSError as e:
-            raise JaxdistError(f"cannot read input {f} ({e.strerror}); fix its permissions or the input list")
-
-
-def json_line(line: bytes, f: str, lineno: int):
-    try:
-        return json.loads(line)
-    except ValueError:
-        raise JaxdistError(f"{f}:{lineno} is not valid JSON; JSONL needs one JSON object per line") from None
-
-
-def _field(record, field: str, where: str) -> str:
-    value = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(value, str):
-        raise JaxdistError(f"{where} has no string field {field!r}; pass --field with the name of the text field")
-    return value
-
-
-def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise JaxdistError("reading Parquet needs pyarrow: pip install 'jaxdist[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(f)
-    except pa.ArrowException as e:
-        raise JaxdistError(f"{f} is not a readable Parquet file ({str(e).splitlines()[0][:120]})") from None
-    if field not in pf.schema_arrow.names:
-        raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); pass --field")
-    per_row = os.path.getsize(f) / max(pf.metadata.num_rows, 1)
-    for batch in pf.iter_batches(columns=[field]):
-        for value in batch.column(0).to_pylist():
-            if isinstance(value, str):
-                yield value, per_row
 
 
 def is_held_out(text: str, fraction: float) -> bool:
@@ -394,11 +321,7 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-        prepare(args)
-    except JaxdistError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    prepare(parse_args(sys.argv[1:] if argv is None else argv))
     return 0

@@ -152,3 +152,57 @@ def compiled_line(compiled) -> str:
         f" MiB, temporaries {c['temp'] / MiB:.1f} MiB, donated {c['aliased'] / MiB:.1f} MiB "
         f"-> {c['total'] / MiB:.1f} MiB"
     )
+
+
+def param_and_state_bytes(prog) -> tuple[int, int]:
+    """Bytes per device of parameters and of optimizer state (the largest shard, from shardings)."""
+    import jax
+
+    def per_device(abstract, shardings):
+        total = 0
+        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+            total += math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        return total
+
+    st, sh = prog.abstract_state, prog.state_shardings
+    return per_device(st.params, sh.params), per_device(st.opt_state, sh.opt_state)
+
+
+def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
+    from jaxdist import step
+    from jaxdist.mesh import format_mesh
+    from jaxdist.models.llama import count_params
+
+    p_bytes, o_bytes = param_and_state_bytes(prog)
+    counts = count_params(cfg.model)
+    n = counts["total"]
+    mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
+    active = (
+        f" ({counts['active'] / 1e6:.2f}M active: {cfg.model.moe_experts} experts, top-"
+        f"{cfg.model.moe_topk}, {cfg.model.moe_dispatch}; FLOPs and MFU count active)"
+        if cfg.model.moe_experts
+        else ""
+    )
+    lines = [
+        f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
+        f"model {n / 1e6:.2f}M params{active}; per device: params {p_bytes / 2**20:.1f} MiB, "
+        f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
+        f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.grad_accum_steps} micro-batch(es), "
+        f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
+    ]
+    cp = int(prog.mesh.shape.get("cp", 1))
+    if cp > 1:
+        lines.append(
+            f"context parallel cp={cp} ({cfg.model.context_impl}): {cfg.model.seq_len // cp} tokens of each "
+            f"sequence per device, load-balanced chunks of {cfg.model.seq_len // (2 * cp)}"
+        )
+    if prog.pipeline is not None:
+        from jaxdist.parallel import pipeline
+
+        d = pipeline.describe(prog.pipeline)
+        lines.append(
+            f"pipeline {d['schedule']}: {d['stages']} stages x {d['repeats']} repeats, "
+            f"{d['microbatches']} micro-batches, {d['iterations']} iterations, "
+            f"bubble {d['bubble_fraction']:.1%}"
+        )
+    return lines

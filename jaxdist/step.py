@@ -25,7 +25,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums, without_aux
 from jaxdist.mesh import axis_size
-from jaxdist.models.llama import document_segments
+from jaxdist.models.attention import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
 from jaxdist.parallel import context, diloco, pipeline, reduce
 from jaxdist.parallel import moe as moe_parallel
@@ -72,6 +72,10 @@ class Program:
     def pipeline(self):  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
         return self.model.pipeline
 
+    def activate(self):
+        """Context to trace or call the model's functions (apply_fn, gradients) outside the jitted steps."""
+        return sharding.activate(self.mesh, self.rules)
+
     def batch_shards(self) -> int:
         return axis_size(self.mesh, self.batch_sharding.spec[0])
 
@@ -87,68 +91,112 @@ def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
 
 
 def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None) -> Program:
-    """Resolve shardings, build the optimizer and jit the steps for `cfg` on `mesh`.
+    """Resolve the model on `mesh`, pick the gradient stage, build the optimizer and jit the steps.
 
     `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the default
     choice made from `cfg.reduce.method`.
     """
     rules = sharding.make_rules(cfg.mesh.rules)
-    check_batch(cfg, mesh, rules)
-    moe_parallel.check(cfg, mesh)
-    context.check(cfg, mesh, rules)
-    order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
+    check(cfg, mesh, rules)
     model = resolve(cfg, mesh, rules)
-    graphdef, param_names, param_specs, layout = model.graphdef, model.names, model.specs, model.pipeline
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
+    apply_fn = model_apply(cfg, model, order_T)
+    stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
+    tx, lr_schedule = optimizer(cfg, mesh, model, stage)
 
+    def init_state(seed):
+        params = model.init_params(cfg, seed)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, tx.init(params), stage.init(params), zero)
+
+    abstract_state = jax.eval_shape(lambda: init_state(0))
+    shardings, opt_on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
+    batch_sharding, scalar = NamedSharding(mesh, sharding.batch_spec(rules)), NamedSharding(mesh, P())
+    train_step = make_train_step(cfg, tx, lr_schedule, stage, opt_on_device)
+
+    def eval_step(params, tokens):
+        return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
+
+    jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
+    jit_train = jax.jit(
+        train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
+    )
+    jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
+    return Program(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        graphdef=model.graphdef,
+        param_names=model.names,
+        param_specs=model.specs,
+        state_shardings=shardings,
+        batch_sharding=batch_sharding,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        gradients=stage,
+        init_state=_in_mesh(mesh, rules, jit_init),
+        train_step=_in_mesh(mesh, rules, jit_train),
+        eval_step=_in_mesh(mesh, rules, jit_eval),
+        abstract_state=abstract_state,
+        apply_fn=apply_fn,
+        model=model,
+    )
+
+
+def check(cfg: Config, mesh: Mesh, rules) -> None:
+    """Every start-up check that needs the mesh, as one-line errors, before anything is traced."""
+    check_batch(cfg, mesh, rules)
+    moe_parallel.check(cfg, mesh, rules)
+    context.check(cfg, mesh, rules)
+
+
+def model_apply(cfg: Config, model: ResolvedModel, order_T) -> Callable:
+    """`apply_fn(params, tokens_BT, features=False)`: the model (pipelined when pp > 1)."""
+    eos_id = document_eos(cfg, model.pipeline)
+    if model.pipeline:  # pp > 1: the layer stack runs as a pipeline schedule
+        return pipeline.pipelined_apply(model.graphdef, model.pipeline, order_T)
+
+    def apply_fn(params, tokens_BT, features=False):
+        segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
+        return nnx.merge(model.graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
+
+    return apply_fn
+
+
+def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStage):
+    """(tx, lr schedule): clip + AdamW — or DiLoCo's outer move, its replicas running the inner AdamW."""
     tx, lr_schedule = make_optimizer(
         cfg.optim,
         cfg.optim.schedule_steps or cfg.train.steps,
         cfg.train.global_batch,
-        decay_mask(param_names),
+        decay_mask(model.names),
         reduce.variance_freeze_step(cfg, mesh),
         cfg.reduce.variance_floor,
     )
-
-    eos_id = document_eos(cfg, layout)
-    if layout:  # pp > 1: the layer stack runs as a pipeline schedule
-        apply_fn = pipeline.pipelined_apply(graphdef, layout, order_T)
-    else:
-
-        def apply_fn(params, tokens_BT, features=False):
-            segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
-            return nnx.merge(graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
-
-    stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
-    if stage.name == "explicit-diloco":  # its replicas run the inner optimizer; the step applies the outer move
+    if stage.name == "explicit-diloco":
         tx = diloco.outer_optimizer()
+    return tx, lr_schedule
 
-    def init_state(seed):
-        params = model.init_params(cfg, rules, seed)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=tx.init(params),
-            reducer_state=stage.init(params),
-            skipped=jnp.zeros((), jnp.int32),
-        )
 
-    abstract_state = jax.eval_shape(lambda: init_state(0))
+def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: ResolvedModel, abstract_state):
+    """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
+    sharded like its parameters; with optim.offload=host it lives in pinned host memory between steps."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     opt_specs = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_state.opt_state, param_specs, transform_non_params=lambda _: P(), is_leaf=is_spec
+        tx, lambda _, s: s, abstract_state.opt_state, model.specs, transform_non_params=lambda _: P(), is_leaf=is_spec
     )
-    reducer_specs = stage.state_specs(param_specs)
-    state_specs = TrainState(
-        step=P(), params=param_specs, opt_state=opt_specs, reducer_state=reducer_specs, skipped=P()
-    )
-    state_shardings = sharding.named(mesh, state_specs)
-    opt_on_device = state_shardings.opt_state
-    if cfg.optim.offload == "host":  # optimizer state lives in pinned host memory between steps
-        state_shardings = dataclasses.replace(
-            state_shardings, opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_on_device)
-        )
-    batch_sharding = NamedSharding(mesh, sharding.batch_spec(rules))
-    scalar = NamedSharding(mesh, P())
+    specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(model.specs), P())
+    shardings = sharding.named(mesh, specs)
+    opt_on_device = shardings.opt_state
+    if cfg.optim.offload == "host":
+        host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_on_device)
+        shardings = dataclasses.replace(shardings, opt_state=host)
+    return shardings, opt_on_device
+
+
+def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, opt_on_device) -> Callable:
+    """`train_step(state, tokens) -> (state, metrics)`: gradients, then clip + AdamW, behind the
+    non-finite guard (a poisoned step leaves params, optimizer and reducer state untouched)."""
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
@@ -158,65 +206,20 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # Non-finite guard: a poisoned step leaves params, optimizer and reducer state untouched.
-        new = TrainState(
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            reducer_state=reducer_state,
-            skipped=jnp.zeros((), jnp.int32),
-        )
+        new = TrainState(state.step + 1, params, opt_state, reducer_state, jnp.zeros((), jnp.int32))
         old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr_schedule(state.step),
-            "skipped": (~ok).astype(jnp.int32),
-            **extra,
-        }
+        skipped = (~ok).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "skipped": skipped, **extra}
         return tree_where(ok, new, old), metrics
 
-    def eval_step(params, tokens):
-        return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
-
-    with jax.set_mesh(mesh):
-        jit_init = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
-        jit_train = jax.jit(
-            train_step,
-            in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, scalar),
-            donate_argnums=0,
-        )
-        jit_eval = jax.jit(
-            eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=(scalar, scalar)
-        )
-
-    return Program(
-        cfg=cfg,
-        mesh=mesh,
-        rules=rules,
-        graphdef=graphdef,
-        param_names=param_names,
-        param_specs=param_specs,
-        state_shardings=state_shardings,
-        batch_sharding=batch_sharding,
-        tx=tx,
-        lr_schedule=lr_schedule,
-        gradients=stage,
-        init_state=_in_mesh(mesh, jit_init),
-        train_step=_in_mesh(mesh, jit_train),
-        eval_step=_in_mesh(mesh, jit_eval),
-        abstract_state=abstract_state,
-        apply_fn=apply_fn,
-        model=model,
-    )
+    return train_step
 
 
-def document_eos(cfg: Config, layout) -> int | None:
+def document_eos(cfg: Config, plan: pipeline.Plan | None) -> int | None:
     """The EOS id that `data.document_mask` cuts attention at, or None when it is off."""
     if not cfg.data.document_mask:
         return None
-    if layout:
+    if plan:
         raise JaxdistError(
             "data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
             "use pp=1 or turn the mask off"
@@ -226,27 +229,37 @@ def document_eos(cfg: Config, layout) -> int | None:
     return data.document_eos(cfg)
 
 
+def _implicit(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
+
+
+def _diloco(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    if reduce.check_axis(cfg, mesh, model):
+        return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
+    return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): nothing to average, train as usual
+
+
+# reduce.method -> gradient stage; every other method is a codec of the explicit dp reduction.
+STAGES: dict[str, Callable[..., GradientStage]] = {"implicit": _implicit, "diloco": _diloco}
+
+
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce) or explicit."""
-    if cfg.reduce.method == "implicit":
-        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
-    if cfg.reduce.method == "diloco":  # one replica (warned): nothing to average, train as usual
-        if reduce.check_axis(cfg, mesh, model):
-            return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
-        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
-    return reduce.explicit_gradients(apply_fn, cfg, mesh, model)
+    """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce), DiLoCo, or the
+    explicit once-per-step (optionally compressed) reduction."""
+    return STAGES.get(cfg.reduce.method, reduce.explicit_gradients)(apply_fn, cfg, mesh, model)
 
 
 class _in_mesh:
-    """Call (and lower) a jitted function under `jax.set_mesh`, so activation constraints resolve."""
+    """Call (and lower) a jitted function under its mesh and logical rules (`sharding.activate`), so
+    the activation constraints it traces resolve."""
 
-    def __init__(self, mesh: Mesh, fn):
-        self.mesh, self.fn = mesh, fn
+    def __init__(self, mesh: Mesh, rules, fn):
+        self.mesh, self.rules, self.fn = mesh, rules, fn
 
     def __call__(self, *args):
-        with jax.set_mesh(self.mesh):
+        with sharding.activate(self.mesh, self.rules):
             return self.fn(*args)
 
     def lower(self, *args):
-        with jax.set_mesh(self.mesh):
+        with sharding.activate(self.mesh, self.rules):
             return self.fn.lower(*args)

@@ -22,8 +22,19 @@ import pytest  # noqa: E402
 
 from jaxdist import config  # noqa: E402
 
+# The smallest Llama that exercises every path, one shape for the whole suite (a program one test file
+# compiled is a cache hit in the next): as overrides for subprocess runs, and as the small_cfg fixture.
+SMALL_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
+SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """The CPU default with a short schedule; tests shrink it further with cfg.replace(...)."""
     return config.load(None, ["train.steps=10", "optim.warmup_steps=2", "train.eval_every=0"])
+
+
+@pytest.fixture(scope="session")
+def small_cfg(tiny_cfg):
+    """tiny_cfg with the SMALL_MODEL shape; tests vary it with cfg.replace(model=dict(...))."""
+    return tiny_cfg.replace(model=SMALL_MODEL)

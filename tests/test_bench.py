@@ -1,8 +1,10 @@
 import json
 
+from conftest import SMALL_ARGS
+
 from jaxdist import bench
 
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "model.head_dim=16", "model.seq_len=32"]
+SMALL = SMALL_ARGS
 
 
 def test_bench_prints_one_json_line_per_mesh(capsys):

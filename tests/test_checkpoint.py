@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_ARGS
 
 from jaxdist import checkpoint, config, data, step
 from jaxdist.errors import JaxdistError
@@ -34,10 +35,7 @@ from jaxdist.mesh import mesh_from_string
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.mlp_dim=128",
+    *SMALL_ARGS,
     "optim.warmup_steps=2",
     "train.eval_every=0",
     "train.log_every=1",

@@ -135,7 +135,7 @@ def test_help_lists_every_key_with_its_doc():
     text = config.keys_help()
     for key, (_, _, doc) in config.iter_keys():
         assert f"  {key} = " in text
-        assert doc, f"{key} has no doc comment in jaxdist/config.py"
+        assert doc, f"{key} has no doc comment in jaxdist/config/schema.py"
     assert "model.remat = 'none'  [none | full | dots_saveable]" in text
 
 

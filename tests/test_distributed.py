@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_ARGS
 
 from jaxdist import distributed
 from jaxdist.errors import JaxdistError
@@ -21,10 +22,7 @@ from jaxdist.errors import JaxdistError
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
 SMALL = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.mlp_dim=128",
+    *SMALL_ARGS,
     "train.log_every=1",
     "train.eval_every=0",
     "optim.schedule=constant",

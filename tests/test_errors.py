@@ -14,16 +14,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_ARGS
 
 from jaxdist import checkpoint, config, data, step
 from jaxdist.mesh import mesh_from_string
 from jaxdist.train import main
 
 SMALL = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.mlp_dim=128",
+    *SMALL_ARGS,
     "train.steps=4",
     "train.eval_every=0",
 ]

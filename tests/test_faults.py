@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import SMALL_ARGS
 
 from jaxdist import checkpoint, config, data, step
 from jaxdist.checkpoint import integrity
@@ -27,10 +28,7 @@ from jaxdist.mesh import mesh_from_string
 from jaxdist.train import main, run
 
 SMALL = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.mlp_dim=128",
+    *SMALL_ARGS,
     "optim.warmup_steps=2",
     "optim.schedule_steps=8",
     "train.eval_every=0",

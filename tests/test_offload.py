@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_MODEL
 
 from jaxdist import mesh as mesh_mod
 from jaxdist import step
 
-SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
+SMALL = dict(SMALL_MODEL, seq_len=16)
 STEPS = 3
 
 
@@ -35,13 +36,12 @@ def batches(cfg):
 
 
 # The checks are placement and numerics, not speed: compile without LLVM optimisation (much faster).
-FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 
 def train(cfg, init, batches):
     prog = step.build_program(cfg, mesh())
     tokens = jax.ShapeDtypeStruct(batches.shape[1:], jnp.int32, sharding=prog.batch_sharding)
-    compiled = prog.train_step.lower(prog.abstract_state, tokens).compile(FAST_COMPILE)
+    compiled = prog.train_step.lower(prog.abstract_state, tokens).compile()
     state = jax.device_put(init, prog.state_shardings)
     for b in batches:
         state, metrics = compiled(state, jax.device_put(b, prog.batch_sharding))

@@ -7,21 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_MODEL
 
 from jaxdist import mesh as mesh_mod
 from jaxdist import step
 
-SMALL = dict(
-    num_layers=2,
-    d_model=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    mlp_dim=128,
-    seq_len=16,
-    compute_dtype="bfloat16",
-)
-FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+SMALL = dict(SMALL_MODEL, seq_len=16, compute_dtype="bfloat16")
 
 
 def op_dtypes(hlo_text: str, op: str) -> list[str]:
@@ -42,7 +33,7 @@ def build(tiny_cfg, reduce_dtype: str):
 @pytest.fixture(scope="module")
 def bf16_program(tiny_cfg):
     prog, lowered = build(tiny_cfg, "float32")
-    return prog, lowered, lowered.compile(FAST_COMPILE)
+    return prog, lowered, lowered.compile()
 
 
 def test_master_weights_and_optimizer_state_stay_float32(bf16_program):

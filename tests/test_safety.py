@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import SMALL_ARGS
 
 from jaxdist import bench, checkpoint, config, data, optim, plan, quiet, rundir, step
 from jaxdist.errors import JaxdistError
@@ -32,10 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The schedule is pinned, so every run here (and in test_faults.py) compiles one program: the
 # persistent compilation cache makes all but the first compile a load.
 SMALL = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.mlp_dim=128",
+    *SMALL_ARGS,
     "optim.warmup_steps=2",
     "optim.schedule_steps=8",
     "train.eval_every=0",

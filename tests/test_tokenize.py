@@ -15,7 +15,7 @@ import pytest
 from jaxdist import data, prepare, step, tokenizer
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.models.llama import document_segments
+from jaxdist.models.attention import document_segments
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 CORPUS = f"{STDLIB}/[a-c]*.py"  # 29 standard-library modules, ~0.6 MB

@@ -1,0 +1,102 @@
+"""Value checks that need no devices, in one place (mesh and device checks live in mesh.py, step.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+
+from jaxdist.config.types import _base, _field_types
+from jaxdist.errors import JaxdistError
+
+
+def validate(cfg) -> None:
+    """Value checks that need no devices, in one place: each field's Literal choices and Range (at
+    the field), finiteness of every float, then the checks that relate fields. Mesh/device checks
+    live in mesh.py and train.py."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for key, tp in _field_types(type(values)).items():
+            v, (base, rng) = getattr(values, key), _base(tp)
+            if base is float and not math.isfinite(v):
+                raise JaxdistError(f"{section.name}.{key}={v} must be a finite number")
+            if rng is not None and not rng.holds(v):
+                raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
+    from jaxdist.trackers import TRACKERS
+
+    for name in cfg.train.trackers:
+        if name not in TRACKERS:
+            raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise JaxdistError(
+            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
+            "grouped-query attention needs whole groups"
+        )
+    if m.rope_scaling == "llama3" and not (
+        m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0
+    ):
+        raise JaxdistError(
+            "model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+            "rope_high_freq_factor and rope_original_max_len > 0"
+        )
+    if m.loss_block and m.vocab_size % m.loss_block:
+        raise JaxdistError(
+            f"model.loss_block={m.loss_block} must be 0 (automatic) or divide model.vocab_size={m.vocab_size}"
+        )
+    if m.head_dim % 2:
+        raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    if cfg.train.global_batch % cfg.train.grad_accum_steps:
+        raise JaxdistError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
+        )
+    _validate_rules(cfg.mesh.rules)
+    if cfg.train.profile_steps:
+        parse_step_range(cfg.train.profile_steps)
+    validate_moe(m)
+
+
+def validate_moe(m) -> None:
+    if m.moe_experts < 0 or m.moe_shared_experts < 0 or m.moe_mlp_dim < 0:
+        raise JaxdistError("model.moe_experts, model.moe_shared_experts and model.moe_mlp_dim must be >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_topk <= m.moe_experts:
+        raise JaxdistError(f"model.moe_topk={m.moe_topk} must be between 1 and model.moe_experts={m.moe_experts}")
+    if m.moe_every < 1 or m.num_layers % m.moe_every:
+        raise JaxdistError(
+            f"model.moe_every={m.moe_every} must be >= 1 and divide model.num_layers="
+            f"{m.num_layers} (every n-th layer is sparse)"
+        )
+    if m.moe_capacity_factor <= 0 or m.moe_aux_weight < 0 or m.moe_z_weight < 0:
+        raise JaxdistError("model.moe_capacity_factor must be > 0, model.moe_aux_weight and model.moe_z_weight >= 0")
+
+
+def _validate_rules(rules: dict[str, list[str]]) -> None:
+    from jaxdist.mesh import AXES
+    from jaxdist.sharding import DEFAULT_RULES
+
+    for name, axes in rules.items():
+        if name not in DEFAULT_RULES:
+            close = difflib.get_close_matches(name, list(DEFAULT_RULES), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(DEFAULT_RULES)}"
+            raise JaxdistError(f"mesh.rules names unknown logical axis '{name}'; {hint}")
+        for axis in axes:
+            if axis not in AXES:
+                raise JaxdistError(f"mesh.rules.{name} names unknown mesh axis '{axis}'; use {', '.join(AXES)}")
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'10:15' -> (10, 15). YAML 1.1 reads an unquoted 10:15 as the base-60 integer 615, which
+    arrives here as '615': read it back as the START:STOP the user wrote (YAML's base 60 needs a first
+    part of 1 or more, so 0:5 stays a string and a bare number below 60 is not one of these)."""
+    if text.isdigit() and int(text) >= 60:
+        text = "{}:{}".format(*divmod(int(text), 60))
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise JaxdistError(f"train.profile_steps={text!r} must look like START:STOP, e.g. 10:15") from None
+    if not 0 <= start < stop:
+        raise JaxdistError(f"train.profile_steps={text!r} needs 0 <= START < STOP")
+    return start, stop

@@ -1,0 +1,116 @@
+"""Config files: YAML (read as written) <- `section.key=value` overrides; shipped configs by name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxdist.config.keys import iter_keys
+from jaxdist.config.schema import Config, _not_a_section, _section_types, _unknown, from_dict
+from jaxdist.errors import JaxdistError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML without 1.1's base-60 numbers (`10:15` stays the string it looks like, not 615), and with
+    `1e-3` read as the float it looks like (PyYAML wants `1.0e-3`)."""
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+# The shipped configs: configs/ of a source checkout, else the copy installed as jaxdist/configs.
+CONFIGS_DIR = (
+    _SOURCE_ROOT / "configs"
+    if (_SOURCE_ROOT / "pyproject.toml").is_file()
+    else Path(__file__).resolve().parents[1] / "configs"
+)
+DEFAULT_CONFIG = "tiny"
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise JaxdistError(f"override '{text}' is not of the form section.key=value (e.g. optim.lr=1e-3)")
+    key, value = text.split("=", 1)
+    section, name = key.split(".", 1)
+    try:
+        parsed = yaml_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return section, name, parsed
+
+
+def find(name_or_path: str | Path | None) -> Path:
+    """A config file: an existing path, or the name of a shipped config (`llama3-8b`), from anywhere."""
+    if name_or_path is None or name_or_path == "":
+        name_or_path = DEFAULT_CONFIG
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
+    if path.parent == Path(".") or path.parts[:1] == ("configs",):
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(shipped_configs())
+    raise JaxdistError(
+        f"config file {name_or_path} not found; pass --config with an existing YAML path or "
+        f"a shipped config name ({names})"
+    )
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """defaults <- YAML at `path` (a path or a shipped config name; default tiny) <- overrides like
+    'train.steps=10'."""
+    path = find(path)
+    try:
+        raw = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise JaxdistError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise JaxdistError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax")
+    if not isinstance(raw, dict):
+        raise JaxdistError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
+    for name, values in raw.items():
+        if name in _section_types() and values is not None and not isinstance(values, dict):
+            raise _not_a_section(name, values, f" in {path}")
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in _section_types():
+            raise _unknown(f"{section}.{name}", [k for k, _ in iter_keys()])
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][name] = value
+    return from_dict(raw)
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,61 @@
+"""Documentation generated from the dataclasses: `--help` and the README's key reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxdist.config.schema import Config, _section_types
+from jaxdist.config.types import _base, _field_types, _type_name
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's `# comment` in the class source (wherever the formatter wrapped it): the one place a
+    key is documented."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").replace("noqa", "").strip()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            lines = range(node.lineno, node.end_lineno + 1)
+            docs[node.target.id] = " ".join(comments[i] for i in lines if i in comments)
+    return docs
+
+
+def iter_keys():
+    """(section.key, field type, default, doc) for every config key, in declaration order."""
+    for section in dataclasses.fields(Config):
+        cls = _section_types()[section.name]
+        docs, defaults = field_docs(cls), cls()
+        for key, tp in _field_types(cls).items():
+            yield f"{section.name}.{key}", (tp, getattr(defaults, key), docs.get(key, ""))
+
+
+def _describe_type(tp) -> str:
+    base, rng = _base(tp)
+    return _type_name(base) + (f" ({rng})" if rng else "")
+
+
+def keys_help() -> str:
+    """Every config key with its type, default and doc, for `--help`."""
+    lines = ["config keys (override as section.key=value):"]
+    for key, (tp, default, doc) in iter_keys():
+        lines.append(f"  {key} = {default!r}  [{_describe_type(tp)}]  {doc}".rstrip())
+    return "\n".join(lines)
+
+
+def keys_markdown() -> str:
+    """The README's key reference table."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, (tp, default, doc) in iter_keys():
+        t = _describe_type(tp).replace("|", "\\|")
+        rows.append(f"| `{key}` | {t} | `{default!r}` | {doc.replace('|', '/')} |")
+    return "\n".join(rows)

@@ -1,0 +1,268 @@
+"""One training run: start-up checks, restore, the step loop (`hooks`), the closing report.
+
+`run` is what `python -m jaxdist.train` calls after parsing the command line; tests and notebooks call
+it directly. Everything that can fail on input fails before the run folder is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+from jaxdist import plot, trackers
+from jaxdist.errors import JaxdistError
+
+
+def with_resolved_mesh(cfg, num_devices: int):
+    """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
+    from jaxdist import mesh as mesh_mod
+
+    return cfg.replace(mesh=dict(shape=mesh_mod.format_mesh(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_sec: float
+    steps: int
+
+
+def run(
+    cfg, run_dir: Path, log=print, restore: str | None = None, stopper=None, allowed: frozenset[str] = frozenset()
+) -> RunResult:
+    """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
+
+    Starts from this run dir's latest checkpoint if it has one, else from `restore` (another run's
+    checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint
+    (before the first step, if they come during start-up: `stopper` is installed by `main`).
+    `allowed`: config keys that may differ from the resumed checkpoint's.
+    """
+    from jaxdist import checkpoint, rundir
+
+    own = stopper is None
+    stopper = stopper or checkpoint.StopSignal()
+    lock = rundir.RunLock(run_dir)
+    # `closers`: the progress bar and metric writers, closed however the run ends (a failed save must
+    # leave its one error line on a line of its own, and no flush traceback at exit).
+    with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
+        try:
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers)
+        finally:
+            lock.release()
+
+
+def _quietly(close):
+    def call():
+        try:
+            close()
+        except OSError:  # e.g. a full disk: the run's own error says so
+            pass
+
+    return call
+
+
+def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
+    if not stopper.requested():
+        return None
+    log(
+        f"stopped by {stopper.received} during start-up: no step was taken and nothing was saved; "
+        "run the same command to start"
+    )
+    return RunResult(run_dir, float("nan"), None, 0.0, 0)
+
+
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> RunResult:
+    import jax
+
+    from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, rundir, step
+    from jaxdist import config as config_mod
+    from jaxdist import mesh as mesh_mod
+
+    rundir.check_storable(run_dir)
+    lock.check()  # another trainer on this run dir: refused before anything is read or written
+    trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
+    # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
+    threading.Thread(target=plot.pyplot, daemon=True).start()
+    mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
+    cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
+    prog = step.build_program(cfg, mesh)
+    loader = data.Loader(cfg, prog.batch_sharding)
+    is_main = jax.process_index() == 0
+    log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
+    no_eval = data.no_eval_reason(cfg, loader)
+    if no_eval:  # decided now, not at the first evaluation
+        log(f"warning: {no_eval}; evaluation is off")
+        cfg = cfg.replace(train=dict(eval_every=0))
+    flops_tok = metrics.flops_per_token(cfg.model)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    peak, peak_source, mfu_approx = metrics.peak_flops(
+        list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops
+    )
+
+    resuming, from_hf, restored = _restore(cfg, run_dir, prog, loader, restore, allowed, is_main, log)
+    start = restored.step if restored else 0
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        return stopped
+    if start >= cfg.train.steps:
+        log(
+            f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
+            "(raise --steps to train further)"
+        )
+        return RunResult(run_dir, float("nan"), None, 0.0, start)
+
+    # Input is valid: from here on we write.
+    if not checkpoint.all_agree(not is_main or _take(lock, log)):
+        raise lock.refused()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    changes = restored.changes if restored is not None else {}
+    if is_main:
+        rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
+        for line in [
+            *report.summary_lines(cfg, prog, flops_tok),
+            report.data_line(cfg, loader),
+            report.units_line(cfg),
+            report.peak_line(peak, peak_source, mfu_approx),
+            *report.artefact_lines(cfg, run_dir),
+        ]:
+            log(line)
+        for line in optim.schedule_notes(cfg, start, changes):
+            log(line)
+    tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None
+    writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None, trackers=tracked)
+    closers.callback(_quietly(writer.close))
+    if restored is not None:
+        if resuming:
+            checkpoint.set_aside_newer(run_dir, restored.step, log)
+        if from_hf and is_main:
+            from jaxdist import hf_export
+
+            hf_export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
+        log(
+            f"restored {'parameters' if (cfg.checkpoint.params_only or from_hf) and not resuming else 'step ' + str(start)} "
+            f"from {restored.path} in {restored.seconds:.1f}s"
+        )
+    saver = checkpoint.Saver(run_dir, cfg, log=log if is_main else lambda *a: None)
+
+    t0 = time.perf_counter()
+    state = restored.state if restored else prog.init_state(cfg.train.seed)
+    first = next(loader)
+    compiled = prog.train_step.lower(state, first).compile()
+    compile_s = time.perf_counter() - t0
+    predicted = report.predicted_bytes(cfg, mesh)
+    if is_main:
+        log(
+            f"compiled in {compile_s:.1f}s; {report.compiled_line(compiled)}"
+            + (f"; planner predicts {predicted / 2**20:,.1f} MiB per device" if predicted else "")
+        )
+
+    eval_arrays = loader.eval_arrays()
+
+    def evaluate(params) -> float:
+        sums = [prog.eval_step(params, b) for b in eval_arrays]
+        return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
+
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    from jaxdist.progress import Progress  # imports JAX: not before main() has its signal handlers
+
+    progress = Progress(
+        cfg,
+        writer,
+        tokens_per_step,
+        flops_tok,
+        peak,
+        start=start,
+        enabled=is_main,
+        skipped_in_a_row=int(jax.device_get(state.skipped)),
+        mfu_approx=mfu_approx,
+        memory=lambda: metrics.device_memory(local),
+        log=log,
+    )
+    closers.callback(progress.close)
+    saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
+    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+        saver.close()
+        return stopped
+    stopper.training = True
+    batches = hooks.Batches(loader, first)
+    per_step = [
+        hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
+        hooks.Checkpoint(saver, loader),
+        batches,
+        hooks.Metrics(progress, evaluate, cfg.train.eval_every),
+    ]
+    steps_done = start
+    try:
+        with contextlib.closing(saver):
+            state, steps_done = hooks.run_steps(
+                lambda st: compiled(st, batches.current), state, start, cfg.train.steps, stopper.requested, per_step
+            )
+        for h in per_step:
+            h.close(state)
+    finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
+        progress.close()
+        if is_main:
+            with contextlib.suppress(Exception):  # a picture must never hide the real error
+                plot.loss_png(run_dir)
+
+    summary = progress.summary(steps_done, compile_s)
+    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local)))
+    writer.write(summary)
+    writer.close()
+    ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+    log(report.memory_line(summary))
+    log(
+        f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
+        f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, MFU {progress.mfu_mark}{summary['mfu']:.1%}, "
+        f"run dir {run_dir}, loss plot {run_dir / 'loss.png'}"
+    )
+    if stopper.received:
+        log(
+            f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
+            f"in {saver.directory}; run the same command to resume"
+        )
+    return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
+
+
+def _restore(cfg, run_dir: Path, prog, loader, restore, allowed, is_main: bool, log):
+    """-> (resuming, from_hf, restored or None): this run dir's latest checkpoint, else `restore` (another
+    run's checkpoint, or hf:DIR for a Hugging Face model's weights with a fresh optimizer), else nothing."""
+    from jaxdist import checkpoint
+
+    resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
+    if not resuming:
+        checkpoint.check_run_dir_model(run_dir, cfg)
+    restored = None
+    from_hf = bool(restore and restore.startswith("hf:")) and not resuming
+    if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
+        from jaxdist import hf_io
+
+        restored = hf_io.restore_for_training(restore[3:], prog, cfg)
+    elif resuming or restore:
+        if resuming and restore and is_main:
+            log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
+        restored = checkpoint.restore(
+            run_dir if resuming else Path(restore),
+            prog,
+            loader,
+            cfg,
+            params_only=cfg.checkpoint.params_only and not resuming,
+            log=log,
+            allowed=allowed,
+            drift=resuming,
+        )
+    return resuming, from_hf, restored
+
+
+def _take(lock, log) -> bool:
+    try:
+        note = lock.acquire()
+    except JaxdistError:
+        return False
+    if note:
+        log(note)
+    return True
