@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.config import Config, ModelConfig
+from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
 
 # transformers' LlamaConfig defaults: a field absent from config.json takes these.
@@ -78,14 +79,7 @@ IGNORED = {
 }
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SHAPE_KEYS = (
-    "num_layers",
-    "d_model",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
-    "vocab_size",
-    "tie_embeddings",
+    *SHAPE_FIELDS,
     "rope_theta",
     "norm_eps",
     "rope_scaling",
@@ -93,7 +87,7 @@ SHAPE_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_len",
-)
+)  # fields config.json decides
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -26,6 +26,8 @@ from jaxdist import config  # noqa: E402
 # compiled is a cache hit in the next): as overrides for subprocess runs, and as the small_cfg fixture.
 SMALL_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
 SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+# Smaller still, for tests of the loop and its outputs rather than of the model (plots, trackers).
+MICRO_MODEL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,11 @@ import signal
 
 import matplotlib.image
 import pytest
+from conftest import MICRO_MODEL
 
 from jaxdist import config, plot, progress, train
 
-SMALL = {
-    "num_layers": 1,
-    "d_model": 32,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "mlp_dim": 64,
-    "seq_len": 16,
-}
+SMALL = MICRO_MODEL
 
 
 def five_step_config():

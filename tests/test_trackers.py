@@ -10,18 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import MICRO_MODEL
 
 from jaxdist import train
 
-SMALL = {
-    "num_layers": 1,
-    "d_model": 32,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "mlp_dim": 64,
-    "seq_len": 16,
-}
+SMALL = MICRO_MODEL
 HAVE = {name: importlib.util.find_spec(name) is not None for name in ("tensorboard", "wandb", "mlflow")}
 
 

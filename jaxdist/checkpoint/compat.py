@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from jaxdist.config import Config
+from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
 
 # Keys that may differ from the checkpoint's config without a flag: how long and how the run is
@@ -168,17 +169,7 @@ def check_run_dir_model(run_dir: Path, cfg: Config) -> None:
     if not isinstance(saved, dict):
         return
     now = cfg.to_dict()["model"]
-    shape_keys = (
-        "num_layers",
-        "d_model",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "mlp_dim",
-        "vocab_size",
-        "tie_embeddings",
-    )
-    for key in shape_keys:
+    for key in SHAPE_FIELDS:
         if key in saved and saved[key] != now[key]:
             raise JaxdistError(
                 f"run dir {run_dir} holds a run of a different model (model.{key}={saved[key]} "

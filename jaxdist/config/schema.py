@@ -63,6 +63,19 @@ class ModelConfig:
     loss_block: NonNegative = 0  # blockwise: vocab rows per block on each device (divides V / tp); 0 = from the shapes
 
 
+# The ModelConfig fields that decide the parameters' shapes (a checkpoint of another value is another model).
+SHAPE_FIELDS = (
+    "num_layers",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "vocab_size",
+    "tie_embeddings",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     shape: str = "fsdp=-1"  # mesh axis sizes, e.g. "dp=2,fsdp=4"; one -1 fills (--mesh)
