@@ -27,6 +27,8 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "powersgd r=4": dict(method="powersgd", rank=4),
     "topk 1%": dict(method="topk", ratio=0.01),
     "topk 0.1%": dict(method="topk", ratio=0.001),
+    "demo 1%": dict(method="demo", ratio=0.01),
+    "demo 0.1%": dict(method="demo", ratio=0.001),
     "diloco H=16": dict(method="diloco", sync_every=16),
     "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
     # Adam's second moment frozen after the warm-up (1-bit Adam); measured worse here, so off by default

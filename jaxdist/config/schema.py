@@ -142,7 +142,9 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    method: Literal["implicit", "dense", "topk", "powersgd", "int8", "diloco"] = "implicit"  # implicit: XLA inserts it
+    method: Literal["implicit", "dense", "topk", "powersgd", "int8", "diloco", "demo"] = (
+        "implicit"  # implicit: XLA inserts it
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"  # dense: the all-reduce's dtype
     ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per chunk of <= 65536
     rank: Positive = 4  # powersgd: rank of the low-rank factors
@@ -159,6 +161,8 @@ class ReduceConfig:
     outer_lr: PositiveFloat = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradient
     outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
     outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
+    momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
+    chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,28 @@ def chunking(size: int) -> tuple[int, int]:
     return chunks, -(-size // chunks)
 
 
+def sparse_sum(x_CE, k: int, axis):
+    """Sum over `axis` of each replica's `k` largest-magnitude entries per row (chunk) of `x_CE`
+    (rows of <= 65,536 entries). Each kept entry travels as one uint32 — its bfloat16 value's bits
+    over its 16-bit position in the row — in one all-gather; replicas scatter-add what they gather.
+    Returns (total_CE, sent_CE): the sum, and this replica's own bfloat16-rounded share of it."""
+    chunks, chunk = x_CE.shape
+    _, idx = jax.lax.top_k(jnp.abs(x_CE), k)  # (chunks, k) positions in each chunk
+    vals = jnp.take_along_axis(x_CE, idx, axis=1).astype(jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)
+    every = jax.lax.all_gather((bits << 16) | idx.astype(jnp.uint32), axis)  # (n, chunks, k)
+    got_vals = jax.lax.bitcast_convert_type((every >> 16).astype(jnp.uint16), jnp.bfloat16)
+    got_idx = (every & 0xFFFF).astype(jnp.int32) + chunk * jnp.arange(chunks, dtype=jnp.int32)[:, None]
+    total = jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(got_vals.astype(jnp.float32).reshape(-1))
+    sent = jnp.zeros_like(x_CE).at[jnp.arange(chunks)[:, None], idx].set(vals.astype(jnp.float32))
+    return total.reshape(chunks, chunk), sent
+
+
+def sparse_bytes(chunks: int, k: int, n: int) -> float:
+    """Bytes per device of `sparse_sum`: the all-gather of every replica's chunks·k packed entries."""
+    return hlo.ring_bytes("all-gather", n, n * 4 * chunks * k)
+
+
 def topk(ratio: float) -> Codec:
     """Keep the `ratio` largest-magnitude entries of each chunk of <= 65,536 entries; every kept
     entry travels as one uint32: its bfloat16 value's bits over its 16-bit position in the chunk —
@@ -60,24 +82,13 @@ def topk(ratio: float) -> Codec:
     def reduce(x, state, batch_dims, axis):
         chunks, chunk, k = k_of(x.size)
         flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
-        _, idx = jax.lax.top_k(jnp.abs(flat), k)  # (chunks, k) positions in each chunk
-        vals = jnp.take_along_axis(flat, idx, axis=1).astype(jnp.bfloat16)
-        bits = jax.lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)
-        packed = (bits << 16) | idx.astype(jnp.uint32)
-        every = jax.lax.all_gather(packed, axis)  # (n, chunks, k)
-        got_vals = jax.lax.bitcast_convert_type((every >> 16).astype(jnp.uint16), jnp.bfloat16)
-        got_idx = (every & 0xFFFF).astype(jnp.int32) + chunk * jnp.arange(chunks, dtype=jnp.int32)[:, None]
-        total = (
-            jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(got_vals.astype(jnp.float32).reshape(-1))
-        )
-        rows = jnp.arange(chunks)[:, None]
-        sent = jnp.zeros_like(flat).at[rows, idx].set(vals.astype(jnp.float32))
+        total, sent = sparse_sum(flat, k, axis)
         unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)  # noqa: E731
         return unpad(total), unpad(sent), state
 
     def bytes_sent(shape, batch_dims, n):
         chunks, _, k = k_of(math.prod(shape))
-        return hlo.ring_bytes("all-gather", n, n * 4 * chunks * k)  # every replica's packed entries
+        return sparse_bytes(chunks, k, n)
 
     return Codec("topk", lambda shape, batch_dims: (), reduce, bytes_sent)
 
