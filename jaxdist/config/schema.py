@@ -153,13 +153,15 @@ class ReduceConfig:
     block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
     warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = (
-        0.05  # topk, powersgd: dense for this fraction of train.steps (at least start_step)
+        0.1  # topk, powersgd: dense for this fraction of train.steps (at least start_step); torch's advice
     )
     freeze_variance: bool = False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam)
     variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
     sync_every: Positive = 16  # diloco: local steps between outer steps (H)
-    outer_lr: PositiveFloat = 0.7  # diloco: outer Nesterov SGD learning rate on the pseudo-gradient
-    outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
+    outer_lr: PositiveFloat = 1.0  # diloco: outer SGD learning rate on the pseudo-gradient (1, momentum 0: averaging)
+    outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = (
+        0.0  # diloco: outer Nesterov momentum (paper: 0.9, lr 0.7)
+    )
     outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
     momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
     chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
