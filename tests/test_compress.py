@@ -163,9 +163,10 @@ def test_frozen_variance_adam_matches_optax_then_freezes():
     frozen, _ = optim.make_optimizer(cfg, 100, 8, freeze_variance_at=3)
     s_ref, s_fr = ref.init(params), frozen.init(params)
     assert jax.tree.structure(s_ref) == jax.tree.structure(s_fr)  # checkpoints interchangeable
+    ref_update, frozen_update = jax.jit(ref.update), jax.jit(frozen.update)  # two compiles, not many eager ops
     for i, g in enumerate(grads):
-        u_ref, s_ref = ref.update(g, s_ref, params)
-        u_fr, s_fr = frozen.update(g, s_fr, params)
+        u_ref, s_ref = ref_update(g, s_ref, params)
+        u_fr, s_fr = frozen_update(g, s_fr, params)
         nu = s_fr[1][0].nu
         if i < 3:  # identical to optax.adamw through the warm-up
             for a, b in zip(jax.tree.leaves(u_ref), jax.tree.leaves(u_fr)):
@@ -405,10 +406,11 @@ def demo_update_text(tiny_cfg, dp8, ratio, abstract, bdims):
     return jax.jit(fn).lower(abstract, abstract).compile().as_text()
 
 
-@pytest.mark.parametrize("ratio,at_least", [(0.01, 15), (0.001, 100)])
-def test_demo_bytes_are_exact(small_cfg, dp8, ratio, at_least):
-    """Two-sided: the compiled exchange sends exactly demo.bytes_sent summed over the tensors, which
-    is 4 bytes per kept coefficient per peer; ratio against dense float32 above the issue's target."""
+def test_demo_bytes_are_exact(small_cfg, dp8):
+    """Two-sided at 0.1% (1% is held exact in the whole train step below): the compiled exchange
+    sends exactly demo.bytes_sent summed over the tensors, 4 bytes per kept coefficient per peer;
+    the ratio against dense float32 is above the issue's targets (100x at 0.1%, 15x at 1%)."""
+    ratio = 0.001
     model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
     text = demo_update_text(small_cfg, dp8, ratio, model.abstract, model.stacked_dims)
     shapes = [(a.shape, b) for a, b in zip(jax.tree.leaves(model.abstract), jax.tree.leaves(model.stacked_dims))]
@@ -418,7 +420,8 @@ def test_demo_bytes_are_exact(small_cfg, dp8, ratio, at_least):
     kept = sum(np.prod(demo.kept(demo.layout(s, b, 64), ratio)) for s, b in shapes)
     assert measured / (7 * kept) == pytest.approx(4.0, rel=1e-12)
     dense = sum(compress.dense_bytes(s, 8) for s, _ in shapes)
-    assert dense / measured > at_least
+    assert dense / measured > 100
+    assert dense / sum(demo.bytes_sent(s, b, 0.01, 64, 8) for s, b in shapes) > 15
 
 
 def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(mini_cfg, dp8):
