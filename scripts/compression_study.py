@@ -30,6 +30,7 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "topk 0.1%": dict(method="topk", ratio=0.001),
     "demo 1%": dict(method="demo", ratio=0.01),
     "demo 0.1%": dict(method="demo", ratio=0.001),
+    "demo 0.24%": dict(method="demo", ratio=0.0024),  # 10 of 4,096 per tile: the densest at >= 100x
     "diloco H=16": dict(method="diloco", sync_every=16),
     "diloco H=16 Nesterov 0.7/0.9": dict(method="diloco", sync_every=16, outer_lr=0.7, outer_momentum=0.9),
     "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
