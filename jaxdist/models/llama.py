@@ -6,13 +6,14 @@ N query heads, K kv heads, H head_dim, F mlp, V vocab, L layers.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist import loss
+from jaxdist import loss, mixed
 from jaxdist.config import ModelConfig
 from jaxdist.models import moe
 from jaxdist.parallel import context, embedding
@@ -139,10 +140,10 @@ class Attention(nnx.Module):
         self.context_impl = cfg.context_impl
 
     def qkv(self, x_BTD, positions_T):
-        dt = x_BTD.dtype
-        q_BTNH = token_matmul(x_BTD, self.wq_DNH[...].astype(dt))
-        k_BTKH = token_matmul(x_BTD, self.wk_DKH[...].astype(dt))
-        v_BTKH = token_matmul(x_BTD, self.wv_DKH[...].astype(dt))
+        r = self.rules
+        q_BTNH = weight_matmul(x_BTD, self.wq_DNH[...], ("embed", "heads", "head_dim"), r)
+        k_BTKH = weight_matmul(x_BTD, self.wk_DKH[...], ("embed", "kv_heads", "head_dim"), r)
+        v_BTKH = weight_matmul(x_BTD, self.wv_DKH[...], ("embed", "kv_heads", "head_dim"), r)
         q_BTNH = rotary(q_BTNH, positions_T, self.theta, self.scaling)
         k_BTKH = rotary(k_BTKH, positions_T, self.theta, self.scaling)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None), self.rules)
@@ -151,7 +152,8 @@ class Attention(nnx.Module):
 
     def out(self, o_BTNH):
         B, T, N, H = o_BTNH.shape
-        return token_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...].astype(o_BTNH.dtype).reshape(N * H, -1))
+        names = ("heads", "head_dim", "embed")
+        return weight_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...], names, self.rules, in_dims=2)
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_T)
@@ -181,11 +183,11 @@ class MLP(nnx.Module):
         self.rules = rules
 
     def __call__(self, x_BTD):
-        dt = x_BTD.dtype
-        gate_BTF = token_matmul(x_BTD, self.w_gate_DF[...].astype(dt))
-        up_BTF = token_matmul(x_BTD, self.w_up_DF[...].astype(dt))
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"), self.rules)
-        return token_matmul(h_BTF, self.w_down_FD[...].astype(dt))
+        r = self.rules
+        gate_BTF = weight_matmul(x_BTD, self.w_gate_DF[...], ("embed", "mlp"), r)
+        up_BTF = weight_matmul(x_BTD, self.w_up_DF[...], ("embed", "mlp"), r)
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"), r)
+        return weight_matmul(h_BTF, self.w_down_FD[...], ("mlp", "embed"), r)
 
 
 class Block(nnx.Module):
@@ -279,8 +281,14 @@ class Llama(nnx.Module):
         def body(x, layer_state):
             # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
             # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
-            layer_state = jax.tree.map(
-                lambda n, v: v.replace(cast_sharded(v[...], n, x.dtype, self.rules)) if len(n) > 1 else v,
+            # The dense layers' matrices stay float32 here: weight_matmul casts them on their shard itself
+            # and keeps their gradient float32 through the reduction.
+            layer_state = jax.tree_util.tree_map_with_path(
+                lambda p, n, v: (
+                    v.replace(cast_sharded(v[...], n, x.dtype, self.rules))
+                    if len(n) > 1 and str(getattr(p[-1], "key", "")) not in WEIGHT_MATMUL
+                    else v
+                ),
                 names,
                 layer_state,
                 is_leaf=lambda n: isinstance(n, tuple),
@@ -339,6 +347,52 @@ def cast_sharded(w, names, dtype, rules):
 
     cast.defvjp(lambda w: (cast(w), None), bwd)
     return cast(w)
+
+
+# The layer matrices used only through weight_matmul (Attention, MLP): the scan does not pre-cast them.
+WEIGHT_MATMUL = frozenset({"wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD", "w_gate_DF", "w_up_DF", "w_down_FD"})
+
+
+def weight_matmul(x, w, names, rules, in_dims: int = 1):
+    """x[..., I] @ w[I..., O...] (w's first `in_dims` dims flatten to I) for a float32 master weight `w`
+    carrying logical `names`. In a lower compute dtype, `w` is cast on its shard before any all-gather
+    (FSDP gathers bf16), and the weight gradient comes out of its matmul in float32, so the reduction of
+    the partial sums over the batch axes (all-reduce / reduce-scatter) runs in float32 — a plain
+    `w.astype(bf16)` makes XLA reduce the bf16 matmul output, then convert (checked in the HLO)."""
+    out_dims = w.shape[in_dims:]
+    flat = lambda v: v.reshape(x.shape[-1], *out_dims)  # noqa: E731
+    if x.dtype == w.dtype:  # as the scan's other matrices: constrained, gradient reduced to the sharding
+        return token_matmul(x, flat(cast_sharded(w, names, x.dtype, rules)))
+
+    def run(x, w16):
+        return token_matmul(x, flat(w16))
+
+    @jax.custom_vjp
+    def mm(x, w):
+        return run(x, constrain(w.astype(x.dtype), names, rules))
+
+    def fwd(x, w):
+        w16 = constrain(w.astype(x.dtype), names, rules)
+        return run(x, w16), (x, w16)
+
+    def bwd(res, g):
+        x, w16 = res
+        lead = x.ndim - 1
+        tokens = tuple(range(lead))
+        if context.splits_sequence():  # no (batch, seq) flattening under cp (see token_matmul)
+            g2 = g.reshape(*g.shape[:lead], math.prod(out_dims))  # a 2-D result (see jaxdist.mixed)
+            dw = mixed.dot_general_f32(x, g2, ((tokens, tokens), ((), ())))
+        else:
+            x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, math.prod(out_dims))
+            dw = mixed.dot_general_f32(x2, g2, (((0,), (0,)), ((), ())))
+        dw = constrain(dw.reshape(w16.shape), names, rules)
+        w2 = flat(w16)
+        out_axes = tuple(range(1, w2.ndim))
+        dx = jax.lax.dot_general(g, w2, ((tuple(range(lead, g.ndim)), out_axes), ((), ())))
+        return dx.astype(x.dtype), dw
+
+    mm.defvjp(fwd, bwd)
+    return mm(x, w)
 
 
 def _freeze(rules):

@@ -25,7 +25,10 @@ every backend):
   The final norm is gathered twice per pass.
 - embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
   rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
-  table's gradient is local (no fsdp reduction), then all-reduced over dp.
+  table's gradient is local (no fsdp reduction), then all-reduced over ep and over cp (they split the
+  tokens, not the table: once per pass) and over dp.
+- the loss under cp: flattening (batch, seq/cp) into rows re-shards them, an all-to-all over cp of the
+  final hidden states forward and of their gradient backward.
 - ep (jaxdist.parallel.moe): per MoE layer, an all-to-all of the E·C·D dispatch buffer to the experts
   and one back, forward and backward (4; +2 with remat=full), C = the capacity of the local tokens
   (dropless: all of them). Expert weights stay split over ep (gathered over fsdp only); the other
@@ -153,7 +156,15 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * fsdp * 4, passes)
     add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
     add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
-    add("dp", "all-reduce", "embedding gradient", table.size * PARAM_BYTES / lay.shards(table), dp_syncs)
+    table_shard = table.size * PARAM_BYTES / lay.shards(table)
+    add("dp", "all-reduce", "embedding gradient", table_shard, dp_syncs)
+    # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
+    # table, so the table's local gradient is summed over each of them (a psum, once per pass).
+    add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
+    add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
+    # The loss flattens (batch, seq) into rows; with seq split over cp that re-shards the rows: one
+    # all-to-all of the final hidden states forward and one of their gradient backward.
+    add("cp", "all-to-all", "loss rows: (batch, seq) flattened (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
 
     if cp > 1:
         out += context_traffic(lay, layer_steps)
