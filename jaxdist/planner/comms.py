@@ -8,12 +8,13 @@ scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency a
 
 What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD partitioner is the same on
 every backend):
-- fsdp: each layer's float32 weights are all-gathered in the forward scan and again in the backward scan
+- fsdp: each layer's weights are all-gathered in the compute dtype (cast on their shard first:
+  jaxdist.models.llama.weight_matmul) in the forward scan and again in the backward scan
   (2 gathers per layer per pass; with remat=full the recompute and the gradient share one backward
   gather in this model — XLA:CPU was seen to re-gather some weights a third time).
-- gradients: per layer, inside the backward scan (so once per accumulation micro-batch unless
-  reduce.method makes the dp reduction explicit). GPU/TPU: reduce-scatter over fsdp, then all-reduce of
-  the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
+- gradients: float32 (bf16 compute included), per layer, inside the backward scan (so once per
+  accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
+  reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
   twice the bytes; we model each backend as it compiles.
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
@@ -111,11 +112,13 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     experts = expert_layer_bytes(lay)
     layer = gathered_layer_bytes(lay) - experts
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
+    # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
+    # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
     add(
         "fsdp",
         "all-gather",
         "layer weights (fwd + bwd)",
-        layer,
+        layer * lay.act_bytes / PARAM_BYTES,
         (3 if pp > 1 else 2) * layer_steps,
         n=lay.weight_shards,
     )
@@ -207,7 +210,13 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
     remat, n = int(m.remat == "full"), m.moe_every
     sparse_steps = layer_steps // n
     per_sparse = experts * n  # `experts` is averaged over all layers
-    add("fsdp", "all-gather", "expert weights (fwd)", per_sparse, (1 + remat) * sparse_steps)
+    add(
+        "fsdp",
+        "all-gather",
+        "expert weights (fwd)",
+        per_sparse * lay.act_bytes / PARAM_BYTES,
+        (1 + remat) * sparse_steps,
+    )
     add("fsdp", "reduce-scatter", "expert gradients", per_sparse, sparse_steps)
     add(
         "dp",

@@ -5,9 +5,9 @@ moments (mu, nu) — 4 + 4 + 8 = 16 bytes per parameter before sharding (so 70B 
 and AdamW adds 560 GB). Each array is divided by the devices that shard it under the logical rules.
 
 Activations saved for the backward pass, per layer and per token of a micro-batch (B·T·D rows are
-replicated over tp; heads / mlp columns are split by tp). Dense layers without cp: exactly the residuals
-JAX saves for the layer under its remat policy (jaxdist.planner.residuals traces one Block). MoE layers
-and cp attention use these formulas, by remat policy:
+replicated over tp; heads / mlp columns are split by tp). Dense layers: the residuals JAX saves for the
+layer under its remat policy (jaxdist.planner.residuals traces one Block), the T x T scores replaced by
+O(T) statistics where attention is fused or a ring; MoE layers use these formulas, by remat policy:
   full          : the layer input only (D); the layer is recomputed in the backward pass.
   dots_saveable : the outputs of the weight matmuls (q, k, v, attention out, gate, up, down) and the input.
   none          : every intermediate, including the T x T attention probabilities unless the backend
@@ -89,11 +89,13 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
     residuals JAX itself saves (jaxdist.planner.residuals), with a fused attention's O(T) statistics in
     place of the T x T scores; otherwise the formulas of the module docstring."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
-    if lay.cp == 1 and not m.moe_experts:
+    if not m.moe_experts:
         saved = residuals.saved_per_layer(m, t, policy)
+        # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
+        # ring keep its output and log-sum-exp instead.
         scores = saved.per_token_pair * m.seq_len
-        if scores and lay.hw.flash_attention:
-            scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)  # output and log-sum-exp
+        if scores and (lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")):
+            scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)
         return (saved.per_token + scores) * c / 4
     D, NH, KH, F = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.mlp_dim
     if policy == "full":
