@@ -163,7 +163,19 @@ def temporary_bytes(lay: Layout) -> float:
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
     one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
-    return one_layer + 2 * layer_weight_shards(lay) + gathered_kv_bytes(lay)
+    return one_layer + 2 * layer_weight_shards(lay) + gathered_kv_bytes(lay) + ring_block_bytes(lay)
+
+
+def ring_block_bytes(lay: Layout) -> float:
+    """context_impl=ring: one step's (T/cp) x (T/cp) block of scores and their intermediates (the
+    traced per-pair residuals of full attention), live while a block is merged or differentiated."""
+    m = lay.cfg.model
+    if lay.cp == 1 or m.context_impl != "ring" or lay.hw.flash_attention:
+        return 0.0
+    pairs = residuals.saved_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
+        residuals.saved_per_layer(m, lay.mesh["tp"], "none").per_token_pair
+    )
+    return pairs * lay.micro_batch * (m.seq_len // lay.cp) ** 2 * lay.act_bytes / 4
 
 
 OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
