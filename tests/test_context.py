@@ -277,16 +277,13 @@ def test_errors_name_the_fix(cfg, mesh_text, overrides, message):
 @pytest.mark.parametrize(
     "case_id", ["cp=4 allgather", "cp=4 ring", "cp=2,fsdp=2,tp=2 allgather", "cp=2,fsdp=2,tp=2 ring", "cp=2 ulysses"]
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap after merging the sharded embedding lookup: the planner's "
-    "all-to-all / all-reduce bytes of the lookup under cp do not match the compiler yet",
-)
 def test_planner_matches_compiler(build, reference, case_id):
     """The planner's cp model against the compiled gradient program: parameter + token bytes exact,
-    bytes per collective kind (K/V exchange, gradient reduction over fsdp x cp) within 10%, and
-    activation + temporary memory within a factor [0.4, 1] of memory_analysis temp bytes — XLA:CPU
-    keeps about twice the planner's working set in every layout, cp or not (the 1-device program too)."""
+    bytes per collective kind (K/V exchange, gradient reduction over fsdp x cp, the embedding table's
+    gradient summed over cp, the loss's re-sharding all-to-all) within 5% as tests/test_plan.py, and
+    the saved activations plus the larger of the layers' working set and the loss's within 10% of
+    memory_analysis temp bytes (this program returns the gradients: they are outputs, not temp); the
+    saving over the 1-device program (itself within 11%) within 15% of the compiled one."""
     prog, compiled, _, _ = build(case_id)
     lay = Layout(prog.cfg, {a: int(s) for a, s in prog.mesh.shape.items()}, hardware.get("cpu"))
     mem = memory.estimate(lay)
@@ -295,13 +292,12 @@ def test_planner_matches_compiler(build, reference, case_id):
     predicted = comms.by_kind(comms.step_traffic(lay))
     assert set(predicted) == set(measured)
     for kind, v in measured.items():
-        assert predicted[kind] == pytest.approx(v["bytes"], rel=0.10), kind
+        assert predicted[kind] == pytest.approx(v["bytes"], rel=0.05), kind
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert 0.4 < (mem.activations + mem.temporary) / temp < 1.0
+    working = lambda m: m.activations + max(m.temporary, m.loss)  # noqa: E731
+    assert working(mem) == pytest.approx(temp, rel=0.10)
     ref_prog, ref_compiled = reference[0], reference[4]
     ref_lay = Layout(ref_prog.cfg, {a: int(s) for a, s in ref_prog.mesh.shape.items()}, hardware.get("cpu"))
     ref_mem = memory.estimate(ref_lay)
     saving = ref_compiled.memory_analysis().temp_size_in_bytes / temp
-    assert (ref_mem.activations + ref_mem.temporary) / (mem.activations + mem.temporary) == pytest.approx(
-        saving, rel=0.3
-    )
+    assert working(ref_mem) / working(mem) == pytest.approx(saving, rel=0.15)

@@ -164,11 +164,14 @@ def partitioned_hlo(prog, cfg):
 
 
 GATHER = re.compile(r"=\s*(f32|bf16)\[([\d,]*)\]\S*\s+all-gather(?:-start)?\(")
+REDUCTION = re.compile(r"=\s*(f32|bf16)\[([\d,]*)\]\S*\s+(?:all-reduce|reduce-scatter)(?:-start)?\(")
 
 
 def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
     """fsdp=8: every all-gather of a weight matrix (rank >= 2) moves bf16 under bf16 compute, exactly half
-    the bytes of the float32 program's; the loss agrees with float32 to bf16 precision (2e-2)."""
+    the bytes of the float32 program's, while every gradient reduction of a weight matrix (the layers'
+    and the head's) stays float32 with the float32 program's bytes; the loss agrees with float32 to
+    bf16 precision (2e-2)."""
     out = {}
     for dtype in ("float32", "bfloat16"):
         c = cfg.replace(model=dict(compute_dtype=dtype))
@@ -177,9 +180,15 @@ def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
         gathers = [
             (dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in GATHER.findall(text) if dims.count(",") >= 1
         ]
+        reductions = [
+            (dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in REDUCTION.findall(text) if dims.count(",") >= 1
+        ]
         _, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
-        out[dtype] = gathers, float(metrics["loss"])
-    (f32, f32_loss), (bf16, bf16_loss) = out["float32"], out["bfloat16"]
+        out[dtype] = gathers, reductions, float(metrics["loss"])
+    (f32, f32_red, f32_loss), (bf16, bf16_red, bf16_loss) = out["float32"], out["bfloat16"]
     assert f32 and {dt for dt, _ in f32} == {"f32"} and {dt for dt, _ in bf16} == {"bf16"}
     assert sum(b for _, b in bf16) * 2 == sum(b for _, b in f32)
+    # 7 layer matrices (one scan body) + the head: reduced over fsdp in float32 under both dtypes
+    assert len(bf16_red) == len(f32_red) == 8 and {dt for dt, _ in bf16_red} == {"f32"}
+    assert sorted(bf16_red) == sorted(f32_red)
     assert bf16_loss == pytest.approx(f32_loss, rel=2e-2) and bf16_loss != f32_loss

@@ -321,15 +321,11 @@ def test_experts_not_divisible_by_ep_and_pipeline_are_named(cfg):
 # ---- planner ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap after merging the blockwise loss and the sharded embedding "
-    "lookup: the planner's collective bytes for ep no longer match the compiler within 10%",
-)
 def test_planner_matches_compiler_for_ep(cfg):
     """Planner vs the compiled train step at ep=4,fsdp=2: argument bytes (expert weights split over ep)
-    within 2%, and bytes of every collective kind (all-to-all over ep, the hand-gathered expert weights'
-    fsdp all-gather and reduce-scatter, gradient all-reduces) within 10%, as tests/test_plan.py."""
+    within 1%, and bytes of every collective kind (all-to-all over ep, the hand-gathered expert weights'
+    fsdp all-gather and reduce-scatter, gradient all-reduces, the embedding table's gradient summed over
+    ep) within 5%, as tests/test_plan.py."""
     from jaxdist.planner import comms, hardware, memory
     from jaxdist.planner.layout import Layout
 
@@ -340,7 +336,7 @@ def test_planner_matches_compiler_for_ep(cfg):
     )
     compiled = prog.train_step.lower(prog.abstract_state, tokens).compile()
     lay = Layout(cfg, mesh_mod.parse_mesh(mesh_text, 8), hardware.get("cpu"))
-    assert memory.estimate(lay).arguments == pytest.approx(compiled.memory_analysis().argument_size_in_bytes, rel=0.02)
+    assert memory.estimate(lay).arguments == pytest.approx(compiled.memory_analysis().argument_size_in_bytes, rel=0.01)
     measured = hlo.summarize(hlo.collectives(compiled.as_text()))
     predicted = comms.by_kind(comms.step_traffic(lay))
     assert predicted["all-to-all"] == measured["all-to-all"]["bytes"] > 0
@@ -349,20 +345,18 @@ def test_planner_matches_compiler_for_ep(cfg):
         got = measured.get(kind, {"bytes": 0.0})["bytes"]
         if got < 0.001 * total and predicted.get(kind, 0.0) < 0.001 * total:
             continue
-        assert predicted.get(kind, 0.0) == pytest.approx(got, rel=0.10), kind
+        assert predicted.get(kind, 0.0) == pytest.approx(got, rel=0.05), kind
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap after the merges: the planner finds no fitting layout for "
-    "this MoE case (its memory model changed with the blockwise loss)",
-)
 def test_planner_proposes_ep_for_moe_only():
+    """Mixtral with 64 sequences of 4096 tokens on 32 H100s: 8k tokens per device cannot hide FSDP's
+    gathers of 46.7B parameters, while ep keeps the experts (96% of them) in place: an ep mesh is the
+    fastest that fits. A dense model is never offered ep."""
     from jaxdist.planner import hardware
     from jaxdist.planner.estimate import candidate_meshes, candidates, recommend
 
     h100 = hardware.get("h100-80gb")
-    mixtral = config.load("configs/mixtral-8x7b.yaml")
-    best, _ = recommend(candidates(mixtral, 16, h100))
-    assert best.layout.mesh["ep"] > 1
+    mixtral = config.load("configs/mixtral-8x7b.yaml", ["train.global_batch=64"])
+    best, _ = recommend(candidates(mixtral, 32, h100))
+    assert best.memory.fits and best.layout.mesh["ep"] > 1
     assert all(m["ep"] == 1 for _, m in candidate_meshes(config.load(None), 16, h100))

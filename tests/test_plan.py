@@ -4,8 +4,8 @@ Compiler checks lower and compile each (model, mesh) once, never run it: predict
 parameter + optimizer (+ token batch) bytes must equal memory_analysis() argument bytes within 1%, and
 predicted bytes per collective kind must match hlo.summarize within 5%. Out of sample (configurations
 the memory model's terms were not chosen on: remat policies, a circular pipeline, a large vocabulary
-with either loss, bf16, accumulation): arguments within 1%, collectives within 10%, and temp and total
-bytes within 25% — what the model achieves today (the issue asks for 10% on temp: not met; see README).
+with either loss, bf16, accumulation): arguments within 1%, collectives within 5%, temp and total
+bytes within 10% — except the pairs in KNOWN_OFF, held to the bound there, for the reason given.
 """
 
 import json
@@ -47,6 +47,23 @@ OUT_OF_SAMPLE = [  # never used to choose the memory model's terms
     (None, "fsdp=8", ["model.loss_impl=naive"]),
 ]
 CPU = hardware.get("cpu")
+# Out-of-sample pairs the model does not meet at 10% temp / 5% collectives: (temp, collectives) bounds
+# and why (measured errors in the README table).
+KNOWN_OFF = {
+    # +18%: a pipeline's stage inputs and per-iteration recompute are coarse (no buffer-level model);
+    # +9.7% all-gather: in this schedule's recompute XLA does not re-gather w_down (its output is not
+    # needed), while in GPipe's (in sample, exact) it does
+    "tiny-pp=2,fsdp=4-pipeline.schedule=circular-pipeline.repeats=2-pipeline.microbatches=2": (0.20, 0.10),
+    # +15%: the naive loss's working set (3 logits-sized buffers, the gathered head and two gradients
+    # of it) is over-counted: XLA's live-range peak comes at the forward's end, the logits not yet live
+    "tiny-fsdp=8-model.vocab_size=8192-model.loss_impl=naive": (0.20, 0.05),
+    # -12%: the model is within 6% of XLA's own live-range peak (less the parameters: 32.2 and 29.9 MB)
+    # but the temp allocation is 2.5 MB larger than that peak (buffer packing, not modelled)
+    "tiny-fsdp=8-train.grad_accum_steps=2-train.global_batch=16": (0.15, 0.05),
+    "tiny-fsdp=8-model.loss_impl=naive": (0.15, 0.05),
+    # +18%: two stacked weight copies over-count when dp replicates the weights (dp=8 in sample: +10%)
+    "tiny-dp=2,fsdp=4-model.remat=full-train.grad_accum_steps=2-train.global_batch=16": (0.20, 0.05),
+}
 
 
 def compile_pair(path, mesh, overrides):
@@ -90,12 +107,13 @@ def test_memory_and_collectives_match_compiler(pair):
 @pytest.mark.parametrize("pair", OUT_OF_SAMPLE, ids=pair_id)
 def test_memory_out_of_sample(pair):
     lay, mem, measured = compile_pair(*pair)
+    temp_rel, comm_rel = KNOWN_OFF.get(pair_id(pair), (0.10, 0.05))
     predicted = memory.estimate(lay)
     assert predicted.arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
-    assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=0.25)
+    assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=temp_rel)
     total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    assert predicted.total == pytest.approx(total, rel=0.25)
-    check_collectives(lay, measured, rel=0.10)
+    assert predicted.total == pytest.approx(total, rel=temp_rel)
+    check_collectives(lay, measured, rel=comm_rel)
 
 
 def test_cpu_emits_all_reduce_where_gpus_reduce_scatter():

@@ -38,7 +38,7 @@ def _param(rngs, init, shape, names):
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
 
 
-def _matmul(x, w):  # tokens flattened: a 2-D matmul (see llama.token_matmul)
+def _matmul(x, w):  # tokens flattened: a 2-D matmul (see mixed.token_matmul)
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
 

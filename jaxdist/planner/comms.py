@@ -8,12 +8,13 @@ scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency a
 
 What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD partitioner is the same on
 every backend):
-- fsdp: each layer's float32 weights are all-gathered in the forward scan and again in the backward scan
+- fsdp: each layer's weights are all-gathered in the compute dtype (cast on their shard first:
+  jaxdist.mixed.weight_matmul) in the forward scan and again in the backward scan
   (2 gathers per layer per pass; with remat=full the recompute and the gradient share one backward
   gather in this model — XLA:CPU was seen to re-gather some weights a third time).
-- gradients: per layer, inside the backward scan (so once per accumulation micro-batch unless
-  reduce.method makes the dp reduction explicit). GPU/TPU: reduce-scatter over fsdp, then all-reduce of
-  the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
+- gradients: float32 (bf16 compute included), per layer, inside the backward scan (so once per
+  accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
+  reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
   twice the bytes; we model each backend as it compiles.
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
@@ -25,7 +26,10 @@ every backend):
   The final norm is gathered twice per pass.
 - embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
   rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
-  table's gradient is local (no fsdp reduction), then all-reduced over dp.
+  table's gradient is local (no fsdp reduction), then all-reduced over ep and over cp (they split the
+  tokens, not the table: once per pass) and over dp.
+- the loss under cp: flattening (batch, seq/cp) into rows re-shards them, an all-to-all over cp of the
+  final hidden states forward and of their gradient backward.
 - ep (jaxdist.parallel.moe): per MoE layer, an all-to-all of the E·C·D dispatch buffer to the experts
   and one back, forward and backward (4; +2 with remat=full), C = the capacity of the local tokens
   (dropless: all of them). Expert weights stay split over ep (gathered over fsdp only); the other
@@ -108,11 +112,13 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     experts = expert_layer_bytes(lay)
     layer = gathered_layer_bytes(lay) - experts
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
+    # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
+    # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
     add(
         "fsdp",
         "all-gather",
         "layer weights (fwd + bwd)",
-        layer,
+        layer * lay.act_bytes / PARAM_BYTES,
         (3 if pp > 1 else 2) * layer_steps,
         n=lay.weight_shards,
     )
@@ -153,7 +159,15 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * fsdp * 4, passes)
     add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
     add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
-    add("dp", "all-reduce", "embedding gradient", table.size * PARAM_BYTES / lay.shards(table), dp_syncs)
+    table_shard = table.size * PARAM_BYTES / lay.shards(table)
+    add("dp", "all-reduce", "embedding gradient", table_shard, dp_syncs)
+    # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
+    # table, so the table's local gradient is summed over each of them (a psum, once per pass).
+    add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
+    add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
+    # The loss flattens (batch, seq) into rows; with seq split over cp that re-shards the rows: one
+    # all-to-all of the final hidden states forward and one of their gradient backward.
+    add("cp", "all-to-all", "loss rows: (batch, seq) flattened (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
 
     if cp > 1:
         out += context_traffic(lay, layer_steps)
@@ -196,7 +210,13 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
     remat, n = int(m.remat == "full"), m.moe_every
     sparse_steps = layer_steps // n
     per_sparse = experts * n  # `experts` is averaged over all layers
-    add("fsdp", "all-gather", "expert weights (fwd)", per_sparse, (1 + remat) * sparse_steps)
+    add(
+        "fsdp",
+        "all-gather",
+        "expert weights (fwd)",
+        per_sparse * lay.act_bytes / PARAM_BYTES,
+        (1 + remat) * sparse_steps,
+    )
     add("fsdp", "reduce-scatter", "expert gradients", per_sparse, sparse_steps)
     add(
         "dp",

@@ -5,7 +5,9 @@ moments (mu, nu) — 4 + 4 + 8 = 16 bytes per parameter before sharding (so 70B 
 and AdamW adds 560 GB). Each array is divided by the devices that shard it under the logical rules.
 
 Activations saved for the backward pass, per layer and per token of a micro-batch (B·T·D rows are
-replicated over tp; heads / mlp columns are split by tp), by remat policy:
+replicated over tp; heads / mlp columns are split by tp). Dense layers: the residuals JAX saves for the
+layer under its remat policy (jaxdist.planner.residuals traces one Block), the T x T scores replaced by
+O(T) statistics where attention is fused or a ring; MoE layers use these formulas, by remat policy:
   full          : the layer input only (D); the layer is recomputed in the backward pass.
   dots_saveable : the outputs of the weight matmuls (q, k, v, attention out, gate, up, down) and the input.
   none          : every intermediate, including the T x T attention probabilities unless the backend
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.loss import block_rows
+from jaxdist.planner import residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
 USABLE_FRACTION = 0.9  # of HBM: runtime, allocator fragmentation and buffers the model does not see
@@ -37,9 +40,10 @@ class Memory:
     grads: float
     optimizer: float
     activations: float  # saved for the backward pass (all layers / in-flight micro-batches)
-    temporary: float  # the largest short-lived working set (one layer's backward, or the loss)
+    temporary: float  # the layers' working set in the backward (temporary_bytes)
     batch: float  # the step's input tokens
     capacity: float  # usable HBM
+    loss: float = 0.0  # the loss's working set (loss_bytes)
 
     @property
     def arguments(self) -> float:
@@ -76,13 +80,23 @@ def optimizer_bytes(lay: Layout) -> float:
 
 def grad_bytes(lay: Layout) -> float:
     """One set of float32 gradients, sharded like the parameters: the model reduces each layer's
-    gradient to its parameter's sharding inside the backward scan (jaxdist.models.llama.cast_sharded)."""
+    gradient to its parameter's sharding inside the backward scan (jaxdist.mixed.cast_sharded)."""
     return param_bytes(lay)
 
 
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
-    """Bytes one layer keeps for backward per token of a micro-batch (module docstring)."""
+    """Bytes one layer keeps for backward per token of a micro-batch: for dense layers without cp, the
+    residuals JAX itself saves (jaxdist.planner.residuals), with a fused attention's O(T) statistics in
+    place of the T x T scores; otherwise the formulas of the module docstring."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
+    if not m.moe_experts:
+        saved = residuals.saved_per_layer(m, t, policy)
+        # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
+        # ring keep its output and log-sum-exp instead.
+        scores = saved.per_token_pair * m.seq_len
+        if scores and (lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")):
+            scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)
+        return (saved.per_token + scores) * c / 4
     D, NH, KH, F = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.mlp_dim
     if policy == "full":
         return D * c
@@ -136,23 +150,42 @@ def loss_bytes(lay: Layout) -> float:
     return tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
 
 
+def layer_weight_shards(lay: Layout) -> float:
+    """The scanned layers' parameters on one device (all layers of its stage, float32)."""
+    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+
+
 def temporary_bytes(lay: Layout) -> float:
-    """The larger of: the loss (`loss_bytes`) and one layer's backward (its full activations, its
-    gathered weights and its gradient before the reduction)."""
-    tokens = lay.micro_tokens
-    loss = loss_bytes(lay)
-    layer_weights = gathered_layer_bytes(lay)
-    one_layer = saved_per_token_layer(lay, "none") * tokens + 2 * layer_weights + gathered_kv_bytes(lay)
-    return max(loss, one_layer)
+    """The backward scan's working set beside the saved activations and the gradients: two copies of
+    the stacked layer weight shards (read from XLA:CPU's buffer assignment: the scan's weight residuals
+    and a re-laid-out copy for the backward), one layer's full activations when its forward is recomputed
+    (remat, or a pipeline stage), and allgather's gathered K and V."""
+    m = lay.cfg.model
+    recompute = m.remat != "none" or lay.mesh["pp"] > 1
+    one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
+    return one_layer + 2 * layer_weight_shards(lay) + gathered_kv_bytes(lay) + ring_block_bytes(lay)
+
+
+def ring_block_bytes(lay: Layout) -> float:
+    """context_impl=ring: one step's (T/cp) x (T/cp) block of scores and their intermediates (the
+    traced per-pair residuals of full attention), live while a block is merged or differentiated."""
+    m = lay.cfg.model
+    if lay.cp == 1 or m.context_impl != "ring" or lay.hw.flash_attention:
+        return 0.0
+    pairs = residuals.saved_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
+        residuals.saved_per_layer(m, lay.mesh["tp"], "none").per_token_pair
+    )
+    return pairs * lay.micro_batch * (m.seq_len // lay.cp) ** 2 * lay.act_bytes / 4
 
 
 OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
 
 
 def compiled_temp_bytes(mem: Memory) -> float:
-    """What memory_analysis() calls temp: the peak of the backward pass (gradients, saved activations
-    and the largest working set) and of the update (gradients and the optimizer's new state)."""
-    backward = mem.grads + mem.activations + mem.temporary
+    """What memory_analysis() calls temp: the peak of the backward pass (the saved activations, and
+    either the loss's working set — before any layer gradient exists — or the gradients and the layers'
+    working set) and of the update (gradients and the optimizer's new state)."""
+    backward = mem.activations + max(mem.grads + mem.temporary, mem.loss)
     update = mem.grads + OPTIMIZER_COPIES * mem.params
     return max(backward, update)
 
@@ -169,4 +202,5 @@ def estimate(lay: Layout) -> Memory:
         temporary=temporary_bytes(lay),
         batch=batch,
         capacity=lay.hw.hbm_bytes * USABLE_FRACTION,
+        loss=loss_bytes(lay),
     )

@@ -1,0 +1,66 @@
+"""What one decoder layer saves for its backward pass, read from JAX itself rather than a formula.
+
+`jax.vjp` returns its backward function as a pytree whose leaves are the residuals the forward keeps
+for the backward (under `jax.checkpoint` with a remat policy: exactly those the policy saves). Traced
+with `jax.eval_shape` on one Block of the model (nothing is allocated), at two sequence lengths, the
+residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
+stacks its parameter shards, counted with the parameters), per-token activations (linear) and the
+T x T attention scores (quadratic). The per-device bytes of a layer are then
+
+    B_local * (per_token * T + per_token_pair * T^2)
+
+with heads, kv heads and the MLP width divided by tp (the Megatron layout splits them; B·T·D rows are
+replicated over tp), traced once per (model, tp, remat policy) and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxdist.config import ModelConfig
+
+TRACE_T = 16  # short sequences: the per-token and quadratic terms are exact at any length
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    per_token: float  # bytes per token (float32 activations)
+    per_token_pair: float  # bytes per (query, key) pair: the materialised attention scores
+
+
+@functools.lru_cache(maxsize=256)
+def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
+    """Residual bytes of one layer, per token and per token pair, float32, on a device holding 1/tp of
+    the heads and of the MLP (dense layers; the caller models MoE and context-parallel attention)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.models.llama import REMAT_POLICIES, Block
+
+    local = dataclasses.replace(
+        model,
+        num_heads=model.num_heads // tp,
+        num_kv_heads=max(1, model.num_kv_heads // tp),
+        mlp_dim=model.mlp_dim // tp,
+        moe_experts=0,
+        compute_dtype="float32",
+    )
+
+    def sizes(T: int) -> list[int]:
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
+
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x, jnp.arange(T))
+
+        if policy != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+        x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+        backward = jax.eval_shape(lambda x, s: jax.vjp(layer, x, s)[1], x, state)
+        return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward)]
+
+    a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
+    linear = sum(x for x, y in zip(a, b) if y == 2 * x)
+    pairs = sum(x for x, y in zip(a, b) if y == 4 * x)
+    return Saved(linear / TRACE_T, pairs / TRACE_T**2)
