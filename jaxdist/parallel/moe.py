@@ -57,10 +57,10 @@ def check(cfg: Config, mesh) -> None:
     m = cfg.model
     if not m.moe_experts:
         return
-    if mesh.shape.get("pp", 1) > 1:
+    if mesh.shape.get("pp", 1) > 1 and m.moe_every > 1:
         raise JaxdistError(
-            "model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
-            "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models"
+            f"model.moe_every={m.moe_every} with pp > 1 is not supported (the pipeline cuts the stack by "
+            "layer, not by dense+sparse group); use model.moe_every=1 or pp=1"
         )
     rules = make_rules(cfg.mesh.rules)
     ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
