@@ -220,9 +220,15 @@ def run_dispatch(mesh_text, factor, inputs, grad=False):
 
     f = jax.grad(fn, argnums=(0, 2, 3, 4), has_aux=True) if grad else fn
     args = [jax.device_put(a, s) for a, s in zip((x, logits, *ws), (x_sh, x_sh, *w_sh))]
+    key = (mesh_text, factor, grad)  # same shapes and shardings: compile once per key
     with jax.set_mesh(mesh):
-        compiled = jax.jit(f).lower(*args).compile()
+        if key not in COMPILED_DISPATCH:
+            COMPILED_DISPATCH[key] = jax.jit(f).lower(*args).compile()
+        compiled = COMPILED_DISPATCH[key]
         return jax.device_get(compiled(*args)), compiled
+
+
+COMPILED_DISPATCH = {}
 
 
 def numpy_dropped(idx, C, shards):
