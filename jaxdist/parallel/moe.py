@@ -15,15 +15,19 @@ fsdp shards of `embed` are all-gathered here by hand, and the tp-split inner dim
   -> SwiGLU of each local expert over its ep·C rows (one batched matmul per weight)
   -> all_to_all back, combine: y_n = sum_k gate_nk * out[e_nk, slot_nk]
 
-Dispatch modes: capacity, C = ceil(factor · N·K / E); dropless (default), C = N: a token sends at most
-one row to any expert (its K choices are distinct), so no assignment can ever be dropped. Dropless
-pads every expert's buffer to that worst case because XLA:CPU cannot run a ragged all-to-all
-(`ragged-all-to-all` is UNIMPLEMENTED in its thunk emitter, jax 0.10.2): each direction sends E·N·D
-elements per device (capacity: E·C·D; a perfectly balanced ragged exchange would send K·N·D).
+Dispatch modes: capacity, C = ceil(factor · N·K / E); dropless (default): a token sends at most one
+row to any expert (its K choices are distinct), so C = N can never drop. XLA:CPU cannot run a ragged
+all-to-all (`ragged-all-to-all` is UNIMPLEMENTED in its thunk emitter, jax 0.10.2) and its matmuls cost
+their padded size, so dropless runs in tiers: C = ceil(f·N·K/E) for f in DROPLESS_TIERS, then N. The
+fullest expert's count on any device (one pmax over the mesh) picks the smallest tier that holds it,
+and `lax.switch` runs only that tier's dispatch; nothing is ever dropped, and a balanced router pays
+capacity mode's price rather than the E/K times larger worst case. Each direction sends E·C·D
+elements per device for the tier taken (worst case E·N·D; a perfectly balanced ragged exchange K·N·D).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -57,10 +61,10 @@ def check(cfg: Config, mesh, rules: Rules) -> None:
     m = cfg.model
     if not m.moe_experts:
         return
-    if mesh.shape.get("pp", 1) > 1:
+    if mesh.shape.get("pp", 1) > 1 and m.moe_every > 1:
         raise JaxdistError(
-            "model.moe_experts with pp > 1 is not supported (the pipeline schedule does not "
-            "carry the MoE auxiliary losses); use pp=1 and ep/fsdp/tp/dp for MoE models"
+            f"model.moe_every={m.moe_every} with pp > 1 is not supported (the pipeline cuts the stack by "
+            "layer, not by dense+sparse group); use model.moe_every=1 or pp=1"
         )
     ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
     if m.moe_experts % ep:
@@ -88,8 +92,57 @@ def route_slots(idx_NK, experts: int, C: int):
     return jnp.where(keep, e * C + rank, experts * C).astype(jnp.int32), keep
 
 
+# Dropless capacity tiers, as factors of the balanced load N·K/E: the step takes the smallest tier that
+# holds the fullest expert's assignments on every device, else the worst case C = N.
+DROPLESS_TIERS = (1.25, 2.0)
+
+
+def dropless_tiers(tokens: int, experts: int, topk: int) -> tuple[int, ...]:
+    """Distinct slot counts a dropless layer may run with, smallest first, the last = tokens."""
+    tiers = {capacity(tokens, experts, topk, f) for f in DROPLESS_TIERS} | {tokens}
+    return tuple(sorted(tiers))
+
+
+def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axes):
+    """Slots, dispatch buffer, all-to-all, experts, all-to-all back, combine: -> (y_ND, keep)."""
+    N, D = x_ND.shape
+    K = idx_NK.shape[-1]
+    slot, keep = route_slots(idx_NK, experts, C)
+    token = jnp.tile(jnp.arange(N), K)
+    buf = jnp.zeros((experts * C, D), x_ND.dtype).at[slot].set(x_ND[token], mode="drop")
+    ep = math.prod(jax.lax.axis_size(a) for a in ep_axes) if ep_axes else 1
+    El = experts // ep
+    buf = buf.reshape(ep, El * C, D)
+    if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
+        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
+    rows_ERD = buf.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
+    dt = x_ND.dtype
+    h = jax.nn.silu(jnp.einsum("erd,edf->erf", rows_ERD, w_gate.astype(dt)))
+    h = h * jnp.einsum("erd,edf->erf", rows_ERD, w_up.astype(dt))
+    out_ERD = jnp.einsum("erf,efd->erd", h, w_down.astype(dt))
+    out = out_ERD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, El * C, D)
+    if ep > 1:  # back to the devices the tokens came from
+        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+    picked = jnp.take(out.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
+    gate = gate_NK.T.reshape(-1, 1).astype(dt)
+    return (picked * gate).reshape(K, N, D).sum(0), keep
+
+
 def _local(
-    x_BTD, logits_BTE, w_gate, w_up, w_down, *, route, experts, factor, ep_axes, gather, inner_axes, seq_axes=()
+    x_BTD,
+    logits_BTE,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    route,
+    experts,
+    factor,
+    ep_axes,
+    gather,
+    inner_axes,
+    seq_axes=(),
+    all_axes=(),
 ):
     """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
     on local tokens: left to the automatic partitioner it all-gathers the router scores."""
@@ -101,27 +154,17 @@ def _local(
         w_gate, w_up = (jax.lax.all_gather(w, axes, axis=i, tiled=True) for w in (w_gate, w_up))
     for i, axes in gather:
         w_down = jax.lax.all_gather(w_down, axes, axis=2 if i == 1 else 1, tiled=True)
-    x_ND = x_BTD.reshape(N, D)
-    C = capacity(N, experts, K, factor)
-    slot, keep = route_slots(idx_BTK.reshape(N, K), experts, C)
-    token = jnp.tile(jnp.arange(N), K)
-    buf = jnp.zeros((experts * C, D), x_ND.dtype).at[slot].set(x_ND[token], mode="drop")
-    ep = math.prod(jax.lax.axis_size(a) for a in ep_axes) if ep_axes else 1
-    El = experts // ep
-    buf = buf.reshape(ep, El * C, D)
-    if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
-        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
-    rows_ERD = buf.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
-    dt = x_BTD.dtype
-    h = jax.nn.silu(jnp.einsum("erd,edf->erf", rows_ERD, w_gate.astype(dt)))
-    h = h * jnp.einsum("erd,edf->erf", rows_ERD, w_up.astype(dt))
-    out_ERD = jnp.einsum("erf,efd->erd", h, w_down.astype(dt))
-    out = out_ERD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, El * C, D)
-    if ep > 1:  # back to the devices the tokens came from
-        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
-    picked = jnp.take(out.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
-    gate = gate_BTK.reshape(N, K).T.reshape(-1, 1).astype(dt)
-    y_ND = (picked * gate).reshape(K, N, D).sum(0)
+    args = (x_BTD.reshape(N, D), idx_BTK.reshape(N, K), gate_BTK.reshape(N, K), w_gate, w_up, w_down)
+    run = lambda C: functools.partial(_dispatch, experts=experts, C=C, ep_axes=ep_axes)  # noqa: E731
+    if factor is not None:
+        y_ND, keep = run(capacity(N, experts, K, factor))(*args)
+    else:  # dropless: the smallest tier that no device's fullest expert overflows (the same everywhere)
+        tiers = dropless_tiers(N, experts, K)
+        fullest = jnp.max(jnp.bincount(idx_BTK.reshape(-1), length=experts))
+        if all_axes:
+            fullest = jax.lax.pmax(fullest, all_axes)
+        tier = jnp.sum(fullest > jnp.asarray(tiers[:-1]))
+        y_ND, keep = jax.lax.switch(tier, [run(C) for C in tiers], *args) if len(tiers) > 1 else run(N)(*args)
     if inner_axes:  # each tp rank computed a slice of the experts' inner dim
         y_ND = jax.lax.psum(y_ND, inner_axes)
     dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
@@ -149,7 +192,10 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
     used = lambda i: _axes(w_spec[i])  # noqa: E731
     gather = tuple((i, used(i)) for i in (1,) if used(i))
     seq_axes = tuple(a for a in _axes(x_spec[1]) if mesh.shape[a] > 1)
-    body = lambda *a: _local(*a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, **kw)  # noqa: E731
+    every = tuple(mesh.axis_names)  # the dropless tier is chosen alike on every device
+    body = lambda *a: _local(  # noqa: E731
+        *a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, all_axes=every, **kw
+    )
     # check_vma off: a size-1 cp axis still appears in x_spec; the per-sequence counts are summed over
     # the axes that really split the sequence (seq_axes) and replicated over the rest.
     fn = jax.shard_map(

@@ -175,17 +175,21 @@ def from_microbatches(x_MbTD):
     return x_MbTD.swapaxes(0, 1).reshape(-1, *x_MbTD.shape[2:])
 
 
-def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan):
+def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan, aux_like=None):
     """The loop on one pp rank (inside shard_map). `stage_params` leaves are (V G, ...) for this stage;
     `stage_fn(group_params, x)` applies one group of G layers. Returns the last stage's outputs
-    (M, b, T, D); other ranks return zeros."""
+    (M, b, T, D); other ranks return zeros. With `aux_like` (MoE: the shapes of one group's per-layer
+    aux sums, leading axis G), `stage_fn` returns (y, aux) and the loop also returns this stage's aux
+    summed over the micro-batches it really worked on (bubble iterations masked out), (V G, ...)."""
     S, M, V, G = pl.stages, pl.microbatches, pl.repeats, pl.layers_per_group
     s = jax.lax.axis_index(AXIS)
     groups = jax.tree.map(lambda a: a.reshape(V, G, *a.shape[1:]), stage_params)
+    with_aux = aux_like is not None
 
     @jax.checkpoint  # remat at the stage boundary: keep only the stage input per iteration
     def apply_group(groups, v, x):
-        return stage_fn(jax.tree.map(lambda a: a[v], groups), x)
+        out = stage_fn(jax.tree.map(lambda a: a[v], groups), x)
+        return out if with_aux else (out, None)
 
     def put(buf, idx, value, cond):
         """buf[idx] = value where cond (touching one slot only)."""
@@ -193,28 +197,42 @@ def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan):
         return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(cond, value, buf[idx]), idx, 0)
 
     def body(carry, t):
-        recv, buf, out = carry
+        recv, buf, out, acc = carry
         if V > 1:  # stage 0 parks the micro-batch stage P-1 finished last iteration until its next repeat
             back = t - S
             buf = put(buf, back % M, recv, (s == 0) & (back >= 0))
         x = jnp.where(s == 0, buf[t % M], recv)
         i = t - s  # this stage's work index
-        y = apply_group(groups, jnp.clip(i // M, 0, V - 1), x)
+        v = jnp.clip(i // M, 0, V - 1)
+        y, aux = apply_group(groups, v, x)
         done = i - (V - 1) * M  # micro-batch of the final repeat finished here, if any
         out = put(out, done, y, (s == S - 1) & (done >= 0) & (done < M))
+        if with_aux:  # a real micro-batch (not a bubble): add its sums to layer group v
+            real = (i >= 0) & (i < V * M)
+            acc = jax.tree.map(lambda a, x: a.at[v].add(jnp.where(real, x, 0)), acc, aux)
         recv = jax.lax.ppermute(y, AXIS, [(k, (k + 1) % S) for k in range(S)])
-        return (recv, buf, out), None
+        return (recv, buf, out, acc), None
 
     varying = lambda a: jax.lax.pcast(a, (AXIS,), to="varying")  # noqa: E731  (differs per stage)
-    init = (varying(jnp.zeros_like(x_MbTD[0])), varying(x_MbTD), varying(jnp.zeros_like(x_MbTD)))
-    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(pl.iterations))
-    return out
+    acc = jax.tree.map(lambda a: varying(jnp.zeros((V, *a.shape), a.dtype)), aux_like) if with_aux else None
+    init = (varying(jnp.zeros_like(x_MbTD[0])), varying(x_MbTD), varying(jnp.zeros_like(x_MbTD)), acc)
+    (_, _, out, acc), _ = jax.lax.scan(body, init, jnp.arange(pl.iterations))
+    if not with_aux:
+        return out
+    return out, jax.tree.map(lambda a: a.reshape(V * G, *a.shape[2:]), acc)
+
+
+def layer_order(x_SVG, pl: Plan):
+    """Per-stage rows (P, V G, ...) -> the model's layer order (L, ...) (as `from_stages`)."""
+    x = x_SVG.reshape(pl.stages, pl.repeats, pl.layers_per_group, *x_SVG.shape[2:]).swapaxes(0, 1)
+    return x.reshape(pl.repeats * pl.stages * pl.layers_per_group, *x.shape[3:])
 
 
 def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
     """apply_fn(params, tokens_BT) -> logits_BTV (features=True: the loss.Head) with the layer stack run as a
     pipeline. `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
-    positions when not 0..T-1 (context parallelism)."""
+    positions when not 0..T-1 (context parallelism). MoE models return (out, aux) like the plain model:
+    the per-layer aux sums leave the pipeline stacked by stage and are put back in layer order."""
 
     def apply_fn(params, tokens_BT, features=False):
         B = tokens_BT.shape[0]
@@ -225,20 +243,37 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
             )
         model = nnx.merge(graphdef, params)
         blocks_def, _ = nnx.split(model.blocks)
+        sparse = bool(model.cfg.moe_experts)
 
         def stage_fn(group_params, x):
-            return model.run_layers(x, nnx.merge(blocks_def, group_params), positions_T=positions_T)
+            out, aux = model.run_layers_aux(x, nnx.merge(blocks_def, group_params), positions_T=positions_T)
+            return (out, aux) if sparse else out
+
+        x_MbTD = split_microbatches(model.embed(tokens_BT), pl.microbatches)
+        aux_like = None
+        if sparse:  # shapes of one group's per-layer aux sums
+            group = jax.tree.map(lambda a: a[0, : pl.layers_per_group], params[STACK])
+            aux_like = jax.eval_shape(lambda g, x: stage_fn(g, x)[1], group, x_MbTD[0])
 
         def per_rank(stage_params, x_MbTD):
             local = jax.tree.map(lambda a: a[0], stage_params)  # (1, V G, ...) -> (V G, ...)
-            return run_schedule(stage_fn, local, x_MbTD, pl)[None]
+            res = run_schedule(stage_fn, local, x_MbTD, pl, aux_like)
+            return jax.tree.map(lambda a: a[None], res)
 
-        x_MbTD = split_microbatches(model.embed(tokens_BT), pl.microbatches)
         params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
-        out_SMbTD = jax.shard_map(per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS), axis_names={AXIS})(
-            params[STACK], x_MbTD
-        )
+        # check_vma off: a MoE layer's expert shard_map nests inside this one, and with the varying-axes
+        # check on, jax 0.10.2 gives the inner one's backward residuals a spec naming pp (outer-manual)
+        # after inner-manual axes, which Shardy's verifier rejects. Nothing here relies on the check.
+        res = jax.shard_map(
+            per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False
+        )(params[STACK], x_MbTD)
+        out_SMbTD, aux_S = res if sparse else (res, None)
         x_BTD = from_microbatches(out_SMbTD[pl.stages - 1])
-        return model.head(x_BTD) if features else model.logits(x_BTD)
+        out = model.head(x_BTD) if features else model.logits(x_BTD)
+        if not sparse:
+            return out
+        from jaxdist.models.moe import combine_layers  # the model's own combination of per-layer sums
+
+        return out, combine_layers(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
     return apply_fn
