@@ -251,7 +251,7 @@ def numpy_dropped(idx, C, shards):
 def test_capacity_large_factor_equals_dropless_and_reference(dispatch_inputs):
     (y, dropped), _ = run_dispatch("ep=8", None, dispatch_inputs)
     (y_cap, dropped_cap), _ = run_dispatch("ep=8", E / K, dispatch_inputs)  # C = tokens: nothing drops
-    ref, _, _ = masked_reference_ffn(*dispatch_inputs[:2], *dispatch_inputs[2], None, None, None, ROUTE)
+    ref, _, _ = masked_reference_ffn(*dispatch_inputs[:2], *dispatch_inputs[2], None, None, ROUTE)
     assert dropped.sum() == dropped_cap.sum() == 0
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y_cap, y, rtol=1e-5, atol=1e-6)  # dropless ran a smaller tier: C differs
@@ -275,7 +275,7 @@ def test_dropless_tiers_never_drop(dispatch_inputs, hot):
     fullest = max(np.bincount(np.asarray(ROUTE(logits)[0][b]).ravel(), minlength=E).max() for b in range(B))
     assert {1: fullest > 2 * N * K / E, 2: fullest == N, 8: fullest <= 1.25 * N * K / E}[hot]
     (y, dropped), _ = run_dispatch("ep=8", None, inputs)
-    ref, _, _ = masked_reference_ffn(x, logits, *ws, None, None, None, ROUTE)
+    ref, _, _ = masked_reference_ffn(x, logits, *ws, None, None, ROUTE)
     assert dropped.sum() == 0
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
 
@@ -387,10 +387,12 @@ def test_planner_matches_compiler_for_ep(cfg):
     """Planner vs the compiled train step at ep=4,fsdp=2: argument bytes (expert weights split over ep)
     within 1%, and bytes of every collective kind (all-to-all over ep, the hand-gathered expert weights'
     fsdp all-gather and reduce-scatter, gradient all-reduces, the embedding table's gradient summed over
-    ep) within 5%, as tests/test_plan.py."""
+    ep) within 5%, as tests/test_plan.py. Capacity dispatch: dropless compiles three capacity tiers as
+    branches of one switch, of which a step runs one, and the HLO reader sums every branch."""
     from jaxdist.planner import comms, hardware, memory
     from jaxdist.planner.layout import Layout
 
+    cfg = cfg.replace(model=dict(moe_dispatch="capacity"))
     mesh_text = "ep=4,fsdp=2"
     prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text))
     tokens = jax.ShapeDtypeStruct(

@@ -6,6 +6,7 @@ published stay, because orbax deletes old steps only after a new one is complete
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +79,15 @@ class Saver:
             f"stopping: {older}; free space or fix the folder, then run the same command to resume"
         )
 
+    def _unpublished_reason(self) -> str:
+        """Why orbax finished without publishing a step when it reported no error (its background
+        thread can lose an ENOSPC): a disk with less room than the last checkpoint took is named."""
+        free = shutil.disk_usage(self.directory).free
+        need = self.timings[-1]["bytes"] if self.timings else 0
+        if free < need:
+            return f"no space left on device: {free:,} bytes free, the last checkpoint took {need:,}"
+        return "orbax did not publish it"
+
     def _guard(self, step: int, fn: Callable) -> None:
         try:
             fn()
@@ -136,7 +146,7 @@ class Saver:
         final = self.directory / str(step)
         if jax.process_index() == 0 and not integrity.has_checksums(final):
             self.pending = None
-            raise self._fail(step, RuntimeError("orbax did not publish it"))
+            raise self._fail(step, RuntimeError(self._unpublished_reason()))
         total = time.perf_counter() - start
         checksum_s, nbytes = self._checksum
         self.timings.append(
