@@ -151,6 +151,21 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     return record
 
 
+CPU_COLLECTIVE_TIMEOUT_S = 1800
+
+
+def _patient_cpu_collectives() -> None:
+    """XLA:CPU aborts the process when a collective's rendezvous waits over 40 s (its default), which a
+    long-sequence step on a loaded machine reaches; bench raises it before the backend starts (a value
+    already in XLA_FLAGS wins)."""
+    import os
+
+    flag = "xla_cpu_collective_call_terminate_timeout_seconds"
+    current = os.environ.get("XLA_FLAGS", "")
+    if flag not in current:
+        os.environ["XLA_FLAGS"] = f"{current} --{flag}={CPU_COLLECTIVE_TIMEOUT_S}".strip()
+
+
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -163,6 +178,7 @@ def main(argv=None) -> int:
             "(--steps >= 1) after --warmup >= 0 untimed ones"
         )
     cfg = config.load(args.config, args.overrides)
+    _patient_cpu_collectives()
     setup_platform(args.cpu_devices)
     records = []
     for mesh_text in args.mesh or [cfg.mesh.shape]:

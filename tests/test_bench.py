@@ -1,4 +1,5 @@
 import json
+import os
 
 from conftest import SMALL_ARGS
 
@@ -74,3 +75,13 @@ def test_compile_only_allocates_nothing_and_prints_no_timings(capsys, monkeypatc
     assert not {"tokens_per_sec", "step_time_s", "mfu", "loss"} & set(r)
     assert r["devices"] == 8 and r["bytes_per_device"]["arguments"] > 0 and r["bytes_per_device"]["temp"] > 0
     assert "all-gather" in r["collectives"] and r["pipeline"]["schedule"] == "none"
+
+
+def test_bench_raises_the_cpu_collective_abort_unless_the_user_set_it(monkeypatch):
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    bench._patient_cpu_collectives()
+    assert os.environ["XLA_FLAGS"] == f"--xla_backend_optimization_level=0 {flag}={bench.CPU_COLLECTIVE_TIMEOUT_S}"
+    monkeypatch.setenv("XLA_FLAGS", f"{flag}=60")
+    bench._patient_cpu_collectives()
+    assert os.environ["XLA_FLAGS"] == f"{flag}=60"
