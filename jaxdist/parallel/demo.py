@@ -30,7 +30,8 @@ from jaxdist.config import Config
 from jaxdist.gradients import GradientStage, accumulate_with_stats
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.optim import schedule
-from jaxdist.parallel import compress
+from jaxdist.parallel import compress, context
+from jaxdist.parallel.reduce import per_replica_apply
 from jaxdist.resolve import ResolvedModel
 
 
@@ -117,28 +118,19 @@ def replica_update(cfg: Config, batch_dims_tree, lr_schedule):
 
 def demo_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     axis = cfg.reduce.axis
-    replicas = mesh.shape[axis]
+    replicas, order_T = mesh.shape[axis], context.sequence_order(cfg, mesh)  # cp > 1: load-balanced order
     lr = schedule(cfg.optim, cfg.optim.schedule_steps or cfg.train.steps, cfg.train.global_batch)
     update = replica_update(cfg, model.stacked_dims, lr)
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, cfg.train.grad_accum_steps)
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, cfg.train.grad_accum_steps, order_T)
         local = jax.tree.map(lambda g: g / count, grads)  # this replica's mean gradient
         total = jax.lax.psum(jnp.stack([loss, count]), axis)  # the logged loss: every replica's tokens
         direction, delta = update(local, jax.tree.map(lambda d: d[0], state.delta), step)
         extra = metrics_from_sums(jax.lax.psum(stats, axis), total[1])
         return direction, total[0] / total[1], DemoState(jax.tree.map(lambda d: d[None], delta)), extra
 
-    def apply(params, tokens, state, step):
-        fn = jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(P(), P(axis), P(axis), P()),
-            out_specs=(P(), P(), P(axis), P()),
-            axis_names={axis},
-            check_vma=False,
-        )
-        return fn(params, tokens, state, step)
+    apply = per_replica_apply(per_replica, mesh, axis)
 
     def init(params):
         return DemoState(jax.tree.map(lambda p: jnp.zeros((replicas,) + p.shape, jnp.float32), params))

@@ -184,6 +184,25 @@ def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
     return True
 
 
+def per_replica_apply(per_replica: Callable, mesh: Mesh, axis: str) -> Callable:
+    """`apply(params, tokens, state, step)` running `per_replica` once per `axis` replica (manual over
+    `axis` only): params and step replicated, tokens and per-replica state split over `axis`; returns
+    (gradient-like update, loss, state, metrics), the update and loss replicated."""
+
+    def apply(params, tokens, state, step):
+        fn = jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P(), P(axis), P(axis), P()),
+            out_specs=(P(), P(), P(axis), P()),
+            axis_names={axis},
+            check_vma=False,
+        )
+        return fn(params, tokens, state, step)
+
+    return apply
+
+
 def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
     `train.grad_accum_steps` (token-weighted), then reduced once. Activation constraints drop the manual
@@ -203,16 +222,7 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
         extra = metrics_from_sums(jax.lax.psum(stats, axis), count)  # model statistics (MoE), all replicas
         return summed, loss / count, jax.tree.map(lambda s: s[None], state), extra
 
-    def apply(params, tokens, state, step):
-        fn = jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(P(), P(axis), P(axis), P()),
-            out_specs=(P(), P(), P(axis), P()),
-            axis_names={axis},
-            check_vma=False,
-        )
-        return fn(params, tokens, state, step)
+    apply = per_replica_apply(per_replica, mesh, axis)
 
     def init(params):  # every replica starts from the same state
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), reducer.init(params))
