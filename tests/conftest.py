@@ -47,3 +47,33 @@ def tiny_cfg():
 def small_cfg(tiny_cfg):
     """tiny_cfg with the SMALL_MODEL shape; tests vary it with cfg.replace(model=dict(...))."""
     return tiny_cfg.replace(model=SMALL_MODEL)
+
+
+def learnable_batches(cfg, steps: int):
+    """`steps` global batches of learnable rows (arithmetic progressions mod vocab, random start and
+    stride), the same for every equivalence test of that shape."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    shape = (steps, cfg.train.global_batch, 1)
+    start, stride = rng.integers(0, cfg.model.vocab_size, shape), rng.integers(1, 4, shape)
+    return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
+
+
+def tokens_spec(prog):
+    """The abstract global batch a program's steps take."""
+    import jax.numpy as jnp
+
+    shape = (prog.cfg.train.global_batch, prog.cfg.model.seq_len + 1)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prog.batch_sharding)
+
+
+def compiled_gradients(prog, **compiler_options):
+    """The program's gradient stage alone, `(params, tokens) -> (mean gradients, loss)`, compiled for its
+    shardings."""
+    fn = jax.jit(
+        lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
+        in_shardings=(prog.state_shardings.params, prog.batch_sharding),
+    )
+    with prog.activate():
+        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(compiler_options or None)

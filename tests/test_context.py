@@ -10,10 +10,10 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import compiled_gradients, learnable_batches
 
 from jaxdist import checkpoint, data, hlo, step
 from jaxdist import mesh as mesh_mod
@@ -25,7 +25,6 @@ from jaxdist.planner.layout import Layout
 SMALL = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, seq_len=512)
 BATCH = 4
 STEPS = 10
-FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 # id: (mesh, model.context_impl, config overrides)
 CASES = {
@@ -58,24 +57,7 @@ def cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batches(cfg):
-    """Learnable rows: arithmetic progressions mod vocab with random start and stride."""
-    rng = np.random.default_rng(7)
-    start = rng.integers(0, cfg.model.vocab_size, (STEPS, BATCH, 1))
-    stride = rng.integers(1, 4, (STEPS, BATCH, 1))
-    return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
-
-
-def tokens_spec(prog):
-    return jax.ShapeDtypeStruct((BATCH, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
-
-
-def compiled_gradients(prog):
-    fn = jax.jit(
-        lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
-        in_shardings=(prog.state_shardings.params, prog.batch_sharding),
-    )
-    with prog.activate():
-        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(FAST_COMPILE)
+    return learnable_batches(cfg, STEPS)
 
 
 def loss_curve(prog, grads_fn, update, params, batches):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import compiled_gradients, learnable_batches, tokens_spec
 
 from jaxdist import hlo, sharding, step
 from jaxdist import mesh as mesh_mod
@@ -47,25 +48,7 @@ def cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batches(cfg):
-    """Learnable rows: arithmetic progressions mod vocab with random start and stride."""
-    rng = np.random.default_rng(7)
-    start = rng.integers(0, cfg.model.vocab_size, (STEPS, BATCH, 1))
-    stride = rng.integers(1, 4, (STEPS, BATCH, 1))
-    return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
-
-
-def tokens_spec(prog):
-    return jax.ShapeDtypeStruct((BATCH, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
-
-
-def compiled_gradients(prog):
-    """The gradient stage alone (loss and mean gradients), compiled for the program's shardings."""
-    fn = jax.jit(
-        lambda p, t: prog.gradients.apply(p, t, (), 0)[:2],
-        in_shardings=(prog.state_shardings.params, prog.batch_sharding),
-    )
-    with prog.activate():
-        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile()
+    return learnable_batches(cfg, STEPS)
 
 
 def in_layout(prog, params):

@@ -5,9 +5,9 @@ Tolerance: fp32 on CPU; only the order of reductions differs, so each gradient t
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import learnable_batches, tokens_spec
 
 from jaxdist import mesh as mesh_mod
 from jaxdist import step
@@ -24,18 +24,11 @@ def cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batches(cfg):
-    """Learnable rows: arithmetic progressions mod vocab with random start and stride."""
-    rng = np.random.default_rng(7)
-    start = rng.integers(0, cfg.model.vocab_size, (STEPS, cfg.train.global_batch, 1))
-    stride = rng.integers(1, 4, (STEPS, cfg.train.global_batch, 1))
-    return ((start + stride * np.arange(cfg.model.seq_len + 1)) % cfg.model.vocab_size).astype(np.int32)
+    return learnable_batches(cfg, STEPS)
 
 
 def compile_step(prog, cfg):
-    tokens = jax.ShapeDtypeStruct(
-        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
-    )
-    return prog.train_step.lower(prog.abstract_state, tokens).compile()
+    return prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile()
 
 
 def loss_grads_and_curve(cfg, mesh, batches):
