@@ -165,6 +165,12 @@ class ReduceConfig:
     outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
     momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
     chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
+    dgc: Literal["update", "gradient", "off"] = (
+        "update"  # topk: DGC momentum correction on each replica's Adam-scaled update (gradient: on the raw gradient; off: plain error feedback)
+    )
+    warmup_density: Annotated[float, Range(0, 1, lo_open=True)] = (
+        0.0625  # topk with dgc: density at the start of the sparsity warm-up (falls to ratio over warmup_fraction)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
