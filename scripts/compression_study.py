@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,13 +27,12 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "int8": dict(method="int8"),
     "powersgd r=4": dict(method="powersgd", rank=4),
     "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
-    "topk 1%": dict(method="topk", ratio=0.01),  # DGC on each replica's Adam-scaled update (reduce.dgc=update)
+    "topk 1%": dict(method="topk", ratio=0.01),  # DGC, its sum fed to Adam with b1=0 (reduce.dgc=gradient)
     "topk 0.1%": dict(method="topk", ratio=0.001),
-    "topk 1% dgc=gradient": dict(method="topk", ratio=0.01, dgc="gradient"),  # DGC's sum fed to Adam (b1 0)
+    "topk 1% dgc=update": dict(method="topk", ratio=0.01, dgc="update"),  # DGC on each replica's Adam step
     "topk 1% dgc=off": dict(method="topk", ratio=0.01, dgc="off"),  # plain error feedback, dense warm-up
-    "topk 1% dgc=gradient b2=0.999": dict(method="topk", ratio=0.01, dgc="gradient", optim=dict(b2=0.999)),
-    "topk 0.1% dgc=gradient": dict(method="topk", ratio=0.001, dgc="gradient"),
-    "topk 1% warm-up from 25%": dict(method="topk", ratio=0.01, warmup_density=0.25),  # DGC's own start
+    "topk 1% b2=0.999": dict(method="topk", ratio=0.01, optim=dict(b2=0.999)),  # Adam's memory >> 1/density
+    "topk 1% dgc=update warm-up from 25%": dict(method="topk", ratio=0.01, dgc="update", warmup_density=0.25),
     "topk 0.1% dgc=off": dict(method="topk", ratio=0.001, dgc="off"),
     "demo 1%": dict(method="demo", ratio=0.01),
     "demo 0.1%": dict(method="demo", ratio=0.001),
@@ -78,6 +78,7 @@ def run_method(label, base, mesh, out: Path, known=None):
     # the warm-up's mean bytes per step (for the cumulative-bytes plot)
     warm = (run * steps - steady * (steps - warm_steps)) / warm_steps if warm_steps else steady
     run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "").replace("(", "").replace(")", "")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts afresh (metrics.jsonl would append)
     result = train.run(cfg, run_dir, log=lambda *a, **k: None)
     if result.steps < cfg.train.steps:  # stopped early (a signal): no row rather than a wrong one
         raise SystemExit(f"{label}: stopped at step {result.steps} of {cfg.train.steps}; nothing recorded")

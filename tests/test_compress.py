@@ -57,58 +57,60 @@ def expected_bytes(codec, abstract, batch_dims, n):
 @pytest.mark.parametrize(
     "knobs,codec",
     [
-        (dict(method="topk", ratio=0.01), compress.topk(0.01)),  # DGC (the default): warm-up in stages
         (dict(method="topk", ratio=0.001, dgc="off"), compress.topk(0.001)),  # plain: a dense warm-up
         (dict(method="int8"), compress.int8(256)),
         (dict(method="powersgd", rank=4), compress.powersgd(4)),
     ],
-    ids=["topk0.01", "topk0.001", "int8", "powersgd4"],
+    ids=["topk0.001", "int8", "powersgd4"],
 )
 def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
-    """Two-sided: the compiled reduction sends exactly what the codec accounts for (steady state);
-    its dense warm-up branch exactly a dense float32 all-reduce of every tensor; DGC's sparsity
-    warm-up stages each exactly top-k at that stage's density, and the run average their mix."""
+    """Two-sided: the compiled reduction sends exactly what the codec accounts for (steady state),
+    and its dense warm-up branch exactly a dense float32 all-reduce of every tensor."""
     model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
     text = reduction_text(small_cfg, dp8, **knobs)
     want = expected_bytes(codec, model.abstract, model.stacked_dims, 8)
     assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(want, rel=1e-12, abs=0)
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
-    cfg = small_cfg.replace(reduce=knobs)
-    if dgc.enabled(cfg):
-        stages = dgc.stages(cfg)
-        assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]  # 10% of 100 steps
-        # 6.25% falling by (1% / 6.25%)^(1/4) per stage: 6.25%, 3.95%, 2.5%, 1.58%, then 1%
-        np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
-        per_stage = []
-        for i, (_, _, density) in enumerate(stages):
-            stage_want = expected_bytes(compress.topk(density), model.abstract, model.stacked_dims, 8)
-            per_stage.append(measure.dp_bytes_per_step(text, dp8, phase=i))
-            assert per_stage[-1] == pytest.approx(stage_want, rel=1e-12, abs=0)
-        assert dense > per_stage[0] > per_stage[1] > per_stage[2] > per_stage[3] > want
-        # (the train step's run average is held to these per-stage bytes in test_dgc_train_step)
-    elif knobs["method"] in reduce.WARMED_UP:  # warm-up branch: the dense reduction, to the byte
+    if knobs["method"] in reduce.WARMED_UP:  # warm-up branch: the dense reduction, to the byte
         assert measure.dp_bytes_per_step(text, dp8, phase="warmup") == pytest.approx(dense, rel=1e-12)
     assert (
         dense / want > {"topk": 15 if knobs.get("ratio") == 0.01 else 100, "int8": 3.5, "powersgd": 8}[knobs["method"]]
     )
 
 
-def test_topk_costs_four_bytes_per_kept_entry(small_cfg, dp8):
-    """Chunked top-k packs a bfloat16 value and a 16-bit in-chunk position in one uint32: the measured
-    bytes per kept entry per peer are 4.0 (against 8 for float32 value + int32 index)."""
-    model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
-    codec = compress.topk(0.01)
-    text = reduction_text(small_cfg, dp8, method="topk", ratio=0.01)
+def test_dgc_bytes_are_exact_per_stage_and_four_per_kept_entry(tiny_cfg, dp8):
+    """topk 1% (DGC, the default) over 100 steps: its 10-step sparsity warm-up is 4 stages whose
+    densities fall from 6.25% to 1%; the compiled reduction sends, in each stage's branch and in the
+    steady state, exactly top-k's bytes at that density (dense float32 for tensors top-k would not
+    shrink), falling stage by stage. Each kept entry is one uint32 (bfloat16 value over its 16-bit
+    in-chunk position): the measured bytes per kept entry per peer are 4.0, against 8 for float32
+    value + int32 index. The run average weighs each stage by its steps."""
+    cfg = tiny_cfg.replace(model=MINI_MODEL, reduce=dict(method="topk", ratio=0.01), train=dict(steps=100))
+    model = step.resolve(cfg, dp8, step.sharding.DEFAULT_RULES)
+    text = measure.compile_reduction(cfg, dp8).as_text()
+    stages = dgc.stages(cfg)
+    assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]  # 10% of 100 steps
+    # 6.25% falling by (1% / 6.25%)^(1/4) per stage: 6.25%, 3.95%, 2.5%, 1.58%, then 1%
+    np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
+    dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
+    measured = [measure.dp_bytes_per_step(text, dp8, phase=i) for i in range(4)] + [
+        measure.dp_bytes_per_step(text, dp8)
+    ]
+    for got, density in zip(measured, [d for _, _, d in stages] + [0.01]):
+        want = expected_bytes(compress.topk(density), model.abstract, model.stacked_dims, 8)
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert dense > measured[0] > measured[1] > measured[2] > measured[3] > measured[4] and dense / measured[4] > 15
     kept, dense_part = 0, 0.0
     for a in jax.tree.leaves(model.abstract):
         chunks, chunk = compress.chunking(a.size)
-        k = max(1, int(np.ceil(0.01 * chunk)))
-        if codec.bytes_sent(a.shape, 0, 8) < compress.dense_bytes(a.shape, 8):
-            kept += chunks * k
+        if dgc.compressible(a.shape, 0.01, 8):
+            kept += chunks * max(1, int(np.ceil(0.01 * chunk)))
         else:
             dense_part += compress.dense_bytes(a.shape, 8)
-    per_entry = (measure.dp_bytes_per_step(text, dp8) - dense_part) / (7 * kept)
-    assert per_entry == pytest.approx(4.0, rel=1e-12)
+    assert kept > 0 and (measured[4] - dense_part) / (7 * kept) == pytest.approx(4.0, rel=1e-12)
+    # the run average: each stage's bytes for its steps (2, 3, 2, 3), then 90 steady steps
+    run = (2 * measured[0] + 3 * measured[1] + 2 * measured[2] + 3 * measured[3] + 90 * measured[4]) / 100
+    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((measured[4], run), rel=1e-12)
 
 
 def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
@@ -169,8 +171,7 @@ DGC_SHAPES = {"w": (96, 128), "b": (3,)}  # top-k'd (one chunk of 12,288: k = 12
 def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
     """Per replica, against numpy: share clipped to optim.clip_norm/sqrt(8) locally; (update) scaled by
     its own Adam second moment v' = b2 v + (1-b2)(8 share)^2; u' = b1 u + (1-b1) p; a' = a + u'. What
-    it sent (a' - new a) is exactly the k entries of a' largest in gradient units (|a'|, update:
-    |a'|·sqrt(v̂')), bfloat16-rounded, nothing else; new u is u'
+    it sent (a' - new a) is exactly the k largest |a'| (bfloat16-rounded), nothing else; new u is u'
     with the sent entries zeroed (masking); the sum every replica receives is the sum of what all
     sent; the 3-entry tensor goes dense: the sum of u', a unchanged. At step 0 the density is the
     warm-up's first stage (6.25%: k = 768), at step 10 the target (1%: k = 123)."""
@@ -201,12 +202,10 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
             g = {key: x * (1 / np.sqrt(8)) / norm for key, x in g.items()}
             for key in DGC_SHAPES:
                 p = g[key]
-                scale = 1.0
                 if mode == "update":
                     v_new = o.b2 * np.asarray(v[key][r]) + (1 - o.b2) * (8 * p) ** 2
                     np.testing.assert_allclose(new.variance[key][r], v_new, rtol=1e-5)
-                    scale = np.sqrt(v_new / (1 - o.b2 ** (i + 1))) + o.eps
-                    p = p / scale
+                    p = p / (np.sqrt(v_new / (1 - o.b2 ** (i + 1))) + o.eps)
                 u_new = o.b1 * np.asarray(u[key][r]) + (1 - o.b1) * p
                 a_new = np.asarray(a[key][r]) + u_new
                 if key == "b":  # dense: the momentum itself is summed, nothing held back
@@ -215,7 +214,7 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
                     sent_sum[key] = sent_sum[key] + u_new
                     continue
                 sent = a_new.reshape(-1) - np.asarray(new.accum[key][r], np.float64).reshape(-1)
-                score = np.abs(a_new * scale).reshape(-1)  # ranked in gradient units (update: a' x sqrt(v))
+                score = np.abs(a_new).reshape(-1)
                 top = score >= -np.sort(-score)[k - 1]
                 assert top.sum() == k
                 np.testing.assert_allclose(sent[~top], 0, atol=1e-7)
@@ -260,7 +259,8 @@ def test_variance_frozen_only_where_compressing(small_cfg, dp8):
     only where a method compresses."""
     on = dict(freeze_variance=True)
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) == 10
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", dgc="off", **on)), dp8) == 10
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) is None  # DGC
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
     assert (
         reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8"))
@@ -378,28 +378,22 @@ def demo_run(mini_cfg, dp8):
 
 @pytest.fixture(scope="module")
 def dgc_run(mini_cfg, dp8):
-    """topk 1% (DGC, the default) for 3 steps: a 1-step sparsity warm-up stage (10% of 3, at 6.25%),
-    then the target."""
-    cfg = mini_cfg.replace(reduce=dict(method="topk"))
+    """topk 1% (DGC, the default) for 3 steps, without the sparsity warm-up (one compiled branch; the
+    stages' bytes are held in the reduction's own test)."""
+    cfg = mini_cfg.replace(reduce=dict(method="topk", warmup_fraction=0.0))
     batches = [jax.random.randint(jax.random.key(30 + i), (16, 9), 0, 256) for i in range(3)]
     prog, state, losses, text = run_steps(cfg, dp8, batches)
     return cfg, prog, state, losses, text, batches, run_steps.metrics
 
 
-def test_dgc_train_step_bytes_run_average_and_grad_norm(dgc_run, dp8):
-    """The whole step: steady bytes are exactly DGC's exchange at 1% plus the psum of (loss, count,
-    squared local gradient norm); the warm-up stage's exactly the exchange at 6.25%; the run average
-    mixes them by their steps (1 of 3). The logged grad_norm is the RMS of the replicas' own gradient
-    norms (computed here replica by replica), not the sparse sum's."""
+def test_dgc_train_step_bytes_and_grad_norm(dgc_run, dp8):
+    """The whole step: its bytes are exactly DGC's exchange at 1% plus the psum of (loss, count,
+    squared local gradient norm), every step. The logged grad_norm is the RMS of the replicas' own
+    gradient norms (computed here replica by replica), not the sparse sum's."""
     cfg, prog, state, losses, text, batches, metrics = dgc_run
-    assert dgc.stages(cfg) == [(0, 1, 0.0625)] and prog.gradients.name == "explicit-dgc"
-    shapes = [a.shape for a in jax.tree.leaves(prog.model.abstract)]
-    psum = 2 * 7 / 8 * 12
-    steady = sum(dgc.bytes_sent(s, 0.01, 8) for s in shapes) + psum
-    warm = sum(dgc.bytes_sent(s, 0.0625, 8) for s in shapes) + psum
-    assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(steady, rel=1e-12)
-    assert measure.dp_bytes_per_step(text, dp8, phase=0) == pytest.approx(warm, rel=1e-12)
-    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((steady, (warm + 2 * steady) / 3), rel=1e-12)
+    assert dgc.stages(cfg) == [] and prog.gradients.name == "explicit-dgc"
+    steady = sum(dgc.bytes_sent(a.shape, 0.01, 8) for a in jax.tree.leaves(prog.model.abstract)) + 2 * 7 / 8 * 12
+    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((steady, steady), rel=1e-12)
     first = replica_grad_rms(prog, prog.init_state(0).params, batches[0])
     assert float(metrics[0]["grad_norm"]) == pytest.approx(first, rel=1e-4)
     assert np.isfinite(losses).all()

@@ -45,14 +45,13 @@ def chunking(size: int) -> tuple[int, int]:
     return chunks, -(-size // chunks)
 
 
-def sparse_sum(x_CE, k: int, axis, score_CE=None):
+def sparse_sum(x_CE, k: int, axis):
     """Sum over `axis` of each replica's `k` largest-magnitude entries per row (chunk) of `x_CE`
-    (rows of <= 65,536 entries), or those with the largest `score_CE` when given. Each kept entry
-    travels as one uint32 — its bfloat16 value's bits over its 16-bit position in the row — in one
-    all-gather; replicas scatter-add what they gather.
+    (rows of <= 65,536 entries). Each kept entry travels as one uint32 — its bfloat16 value's bits
+    over its 16-bit position in the row — in one all-gather; replicas scatter-add what they gather.
     Returns (total_CE, sent_CE): the sum, and this replica's own bfloat16-rounded share of it."""
     chunks, chunk = x_CE.shape
-    _, idx = jax.lax.top_k(jnp.abs(x_CE) if score_CE is None else score_CE, k)  # (chunks, k) positions in each chunk
+    _, idx = jax.lax.top_k(jnp.abs(x_CE), k)  # (chunks, k) positions in each chunk
     vals = jnp.take_along_axis(x_CE, idx, axis=1).astype(jnp.bfloat16)
     bits = jax.lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)
     every = jax.lax.all_gather((bits << 16) | idx.astype(jnp.uint32), axis)  # (n, chunks, k)

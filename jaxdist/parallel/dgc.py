@@ -1,28 +1,30 @@
 """Deep Gradient Compression (Lin et al., ICLR 2018): `reduce.method=topk`'s default (`reduce.dgc`).
 
-Plain top-k with error feedback feeds Adam a sparse, bursty sum: a coordinate fires every ~1/density
-steps with everything it accumulated, and Adam's 1/√v divides the burst back down to one step's size —
-the accumulation is lost (+11.5% eval loss at 1% in the study). DGC instead accumulates *momentum* on
-each replica and sends the top-k of that; applied by a linear optimizer, what was sent telescopes to
-what a dense momentum run would have applied. Per replica and step (inside the manual shard_map):
+Plain top-k with error feedback hands Adam a bursty sum of stale residuals (+11.5% eval loss at 1% in
+the study). DGC accumulates *momentum* on each replica instead and sends the top-k of that. Per
+replica and step (inside the manual shard_map):
 
     g  = clip(this replica's share of the mean gradient, optim.clip_norm / √N)   local clipping
-    p  = g / (√v̂ + eps)  with v ← b2·v + (1 − b2)·(N·g)²          reduce.dgc=update (default)
-    p  = g                                                         reduce.dgc=gradient
+    p  = g                                                     reduce.dgc=gradient (default)
+    p  = g / (√v̂ + eps),  v ← b2·v + (1 − b2)·(N·g)²           reduce.dgc=update
     u ← b1·u + (1 − b1)·p        momentum correction (optim.b1: Adam's momentum moves onto the replica)
     a ← a + u                    accumulation (error feedback)
-    send the top-k of a per chunk (compress.topk's packed uint32s); a ← a − sent; u ← 0 where sent
+    send the top-k of |a| per chunk (compress.topk's packed uint32s); a ← a − sent; u ← 0 where sent
     (momentum factor masking)
 
-`update` compresses the optimizer's update: each replica keeps its own Adam second moment of its own
-gradient (no communication), so the step applies the summed update with the LR and decoupled decay
-alone — linear, so the accumulation telescopes. `gradient` feeds the sum to Adam with its first moment
-off (DGC's momentum replaces it). Tensors top-k would not shrink get the same momentum, summed dense.
+DGC was built for momentum SGD; with Adam, `gradient` feeds the sum to the step's Adam with its first
+moment off (b1 = 0: DGC's momentum replaces it; the second moment is Adam's own, of the sum).
+`update` compresses the optimizer's update instead: each replica scales by its own second moment of
+its own gradient (no communication) and the step applies the sum with the LR and decoupled decay
+alone — linear, so the accumulation telescopes, but with one sequence per replica that local second
+moment is mostly noise and the steps come out small; measured worse (README). Tensors top-k would not
+shrink get the same momentum, summed dense.
 
 Sparsity warm-up: the density falls exponentially from `reduce.warmup_density` to `reduce.ratio` in
 `WARMUP_STAGES` equal stages over the warm-up (`reduce.warmup_fraction` of the steps; DGC: 4 epochs,
-75% → 99.9% sparsity). Each stage is a `lax.switch` branch under its own name scope, so its bytes are
-read from the compiled program (`measure.dp_bytes_per_step(phase=i)`).
+from 25%: at dp=8 top-k at 25% costs what dense does, so the default starts at 6.25%). Each stage is
+a `lax.switch` branch under its own name scope, so its bytes are read from the compiled program
+(`measure.dp_bytes_per_step(phase=i)`).
 
 State per replica under a leading `dp` axis, sharded like the parameters, checkpointed with the train
 state (restoring onto another dp size: `reduce.check_replica_count`'s one-line error).
@@ -86,26 +88,12 @@ def bytes_sent(shape, density: float, n: int) -> float:
     return compress.dense_bytes(shape, n)
 
 
-def chunked(x, size: int):
-    """Flat float32, zero-padded into compress.chunking's rows."""
-    chunks, chunk = compress.chunking(size)
-    return jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - size)).reshape(chunks, chunk)
-
-
-def exchange(accum, momentum, scale, density: float, axis, n: int):
-    """One tensor: (sum over replicas of what each sent, new accum, new momentum). The entries sent
-    are the k largest of |accum · scale| per chunk (scale: √v̂ under reduce.dgc=update, so they are
-    ranked by their size in gradient units, as under `gradient`; None: of |accum|)."""
+def exchange(accum, momentum, density: float, axis, n: int):
+    """One tensor: (sum over replicas of what each sent, new accum, new momentum)."""
     if not compressible(accum.shape, density, n):  # dense: the momentum itself, nothing held back
         return jax.lax.psum(momentum, axis), accum, momentum
     accum = accum + momentum
-    chunks, chunk = compress.chunking(accum.size)
-    k = max(1, math.ceil(density * chunk))  # as compress.topk: the same bytes_sent
-    x_CE = chunked(accum, accum.size)
-    score = None if scale is None else jnp.abs(x_CE * chunked(scale, accum.size))
-    total, sent = compress.sparse_sum(x_CE, k, axis, score)
-    unpad = lambda a: a.reshape(-1)[: accum.size].reshape(accum.shape)  # noqa: E731
-    total, sent = unpad(total), unpad(sent)
+    total, sent, _ = compress.topk(density).reduce(accum, (), 0, axis)
     # bfloat16 keeps float32's exponent range: a kept entry is nonzero unless it was exactly zero.
     return total, accum - sent, jnp.where(sent != 0, 0.0, momentum)
 
@@ -119,27 +107,20 @@ def replica_update(cfg: Config, replicas: int):
     def update(share, state: DgcState, step):
         if o.clip_norm > 0:  # local clipping, scaled for a sum of N shares (DGC)
             share = optax.clip_by_global_norm(o.clip_norm / math.sqrt(replicas)).update(share, optax.EmptyState())[0]
-        variance, scale = state.variance, None
+        variance = state.variance
         if r.dgc == "update":  # this replica's own Adam scaling of its own mean gradient (N x its share)
             variance = jax.tree.map(lambda v, g: o.b2 * v + (1 - o.b2) * (replicas * g) ** 2, variance, share)
             correction = 1 - o.b2 ** (jnp.asarray(step) + 1).astype(jnp.float32)
-            scale = jax.tree.map(lambda v: jnp.sqrt(v / correction) + o.eps, variance)
-            share = jax.tree.map(jnp.divide, share, scale)
+            share = jax.tree.map(lambda g, v: g / (jnp.sqrt(v / correction) + o.eps), share, variance)
         momentum = jax.tree.map(lambda u, g: o.b1 * u + (1 - o.b1) * g, state.momentum, share)
         leaves_a, treedef = jax.tree.flatten(state.accum)  # accumulated in `exchange`
         leaves_u = treedef.flatten_up_to(momentum)
-        leaves_s = [None] * len(leaves_a) if scale is None else treedef.flatten_up_to(scale)
 
         def branch(i):
             def run(leaves_a, leaves_u):
                 with jax.named_scope(stage_scope(i) if i < len(schedule) else reduce.COMPRESSED_SCOPE):
                     return tuple(
-                        zip(
-                            *[
-                                exchange(a, u, s, densities[i], r.axis, replicas)
-                                for a, u, s in zip(leaves_a, leaves_u, leaves_s)
-                            ]
-                        )
+                        zip(*[exchange(a, u, densities[i], r.axis, replicas) for a, u in zip(leaves_a, leaves_u)])
                     )
 
             return run
@@ -159,8 +140,8 @@ def replica_update(cfg: Config, replicas: int):
 
 
 def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransformation:
-    """What the step applies to the summed update: no global clip (clipped locally). `update`: the LR
-    and decoupled decay (Adam's scaling ran on the replicas); `gradient`: AdamW with b1 = 0."""
+    """What the step applies to the summed update: no global clip (clipped locally). `gradient`: AdamW
+    with b1 = 0; `update`: the LR and decoupled decay (Adam's scaling ran on the replicas)."""
     o = cfg.optim
     if cfg.reduce.dgc == "update":
         scale = optax.identity()
