@@ -78,28 +78,38 @@ def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     )
 
 
+def test_dgc_warmup_stages():
+    """The sparsity warm-up: 10% of the steps in 4 near-equal stages whose density falls from 6.25%
+    by (1% / 6.25%)^(1/4) per stage; fewer stages when the warm-up has fewer steps; none when the
+    target is not below the start density."""
+    cfg = step.Config().replace(reduce=dict(method="topk", ratio=0.01), train=dict(steps=100))
+    stages = dgc.stages(cfg)
+    assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
+    assert dgc.stages(cfg.replace(train=dict(steps=20))) == [(0, 1, 0.0625), (1, 2, 0.025)]
+    assert dgc.stages(cfg.replace(reduce=dict(ratio=0.1))) == []
+
+
 def test_dgc_bytes_are_exact_per_stage_and_four_per_kept_entry(tiny_cfg, dp8):
-    """topk 1% (DGC, the default) over 100 steps: its 10-step sparsity warm-up is 4 stages whose
-    densities fall from 6.25% to 1%; the compiled reduction sends, in each stage's branch and in the
-    steady state, exactly top-k's bytes at that density (dense float32 for tensors top-k would not
-    shrink), falling stage by stage. Each kept entry is one uint32 (bfloat16 value over its 16-bit
-    in-chunk position): the measured bytes per kept entry per peer are 4.0, against 8 for float32
-    value + int32 index. The run average weighs each stage by its steps."""
-    cfg = tiny_cfg.replace(model=MINI_MODEL, reduce=dict(method="topk", ratio=0.01), train=dict(steps=100))
+    """topk 1% (DGC, the default) over 20 steps: a 2-step sparsity warm-up in 2 stages (6.25%,
+    2.5%). The compiled reduction sends, in each stage's branch and in the steady state, exactly
+    top-k's bytes at that density (dense float32 for tensors top-k would not shrink), falling stage
+    by stage; the run average weighs each by its steps. Each kept entry is one uint32 (bfloat16
+    value over its 16-bit in-chunk position): the measured bytes per kept entry per peer are 4.0,
+    against 8 for float32 value + int32 index."""
+    cfg = tiny_cfg.replace(model=MINI_MODEL, reduce=dict(method="topk", ratio=0.01), train=dict(steps=20))
     model = step.resolve(cfg, dp8, step.sharding.DEFAULT_RULES)
     text = measure.compile_reduction(cfg, dp8).as_text()
-    stages = dgc.stages(cfg)
-    assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]  # 10% of 100 steps
-    # 6.25% falling by (1% / 6.25%)^(1/4) per stage: 6.25%, 3.95%, 2.5%, 1.58%, then 1%
-    np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
-    measured = [measure.dp_bytes_per_step(text, dp8, phase=i) for i in range(4)] + [
+    measured = [measure.dp_bytes_per_step(text, dp8, phase=i) for i in range(2)] + [
         measure.dp_bytes_per_step(text, dp8)
     ]
-    for got, density in zip(measured, [d for _, _, d in stages] + [0.01]):
+    for got, density in zip(measured, [0.0625, 0.025, 0.01]):
         want = expected_bytes(compress.topk(density), model.abstract, model.stacked_dims, 8)
         assert got == pytest.approx(want, rel=1e-12, abs=0)
-    assert dense > measured[0] > measured[1] > measured[2] > measured[3] > measured[4] and dense / measured[4] > 15
+    assert dense > measured[0] > measured[1] > measured[2] and dense / measured[2] > 15
+    run = (measured[0] + measured[1] + 18 * measured[2]) / 20
+    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((measured[2], run), rel=1e-12)
     kept, dense_part = 0, 0.0
     for a in jax.tree.leaves(model.abstract):
         chunks, chunk = compress.chunking(a.size)
@@ -107,10 +117,7 @@ def test_dgc_bytes_are_exact_per_stage_and_four_per_kept_entry(tiny_cfg, dp8):
             kept += chunks * max(1, int(np.ceil(0.01 * chunk)))
         else:
             dense_part += compress.dense_bytes(a.shape, 8)
-    assert kept > 0 and (measured[4] - dense_part) / (7 * kept) == pytest.approx(4.0, rel=1e-12)
-    # the run average: each stage's bytes for its steps (2, 3, 2, 3), then 90 steady steps
-    run = (2 * measured[0] + 3 * measured[1] + 2 * measured[2] + 3 * measured[3] + 90 * measured[4]) / 100
-    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((measured[4], run), rel=1e-12)
+    assert kept > 0 and (measured[2] - dense_part) / (7 * kept) == pytest.approx(4.0, rel=1e-12)
 
 
 def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
