@@ -59,7 +59,7 @@ def compile_reduction(cfg: Config, mesh: Mesh):
     axis = cfg.reduce.axis
     model = resolve(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
     if dgc.enabled(cfg) and mesh.shape[axis] > 1:
-        reducer = dgc.reducer(cfg, mesh.shape[axis], model.abstract)
+        reducer = dgc.reducer(cfg, mesh.shape[axis])
     else:
         reducer = reduce.make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     state = jax.eval_shape(reducer.init, model.abstract)

@@ -66,8 +66,8 @@ def stage_scope(i: int) -> str:
 
 
 def stages(cfg: Config) -> list[tuple[int, int, float]]:
-    """(first step, end step, density) of each warm-up stage; after them, `reduce.ratio`. None when the
-    target is at least the start density or there are no warm-up steps."""
+    """(first step, end step, density) of each warm-up stage; after them, `reduce.ratio`. Empty when
+    the target is at least the start density or there are no warm-up steps."""
     r, warm = cfg.reduce, reduce.warmup_steps(cfg)
     if warm == 0 or r.ratio >= r.warmup_density:
         return []
@@ -125,12 +125,11 @@ def replica_update(cfg: Config, replicas: int):
 
             return run
 
-        index = sum((jnp.asarray(step) >= start).astype(jnp.int32) for start, _, _ in schedule[1:]) if schedule else 0
-        if schedule:
-            index = jnp.where(step >= schedule[-1][1], len(schedule), index)
-            totals, leaves_a, leaves_u = jax.lax.switch(
-                index, [branch(i) for i in range(len(densities))], leaves_a, leaves_u
-            )
+        if schedule:  # branch i from the start of stage i; the last (the target) from the warm-up's end
+            bounds = [start for start, _, _ in schedule[1:]] + [schedule[-1][1]]
+            index = sum((jnp.asarray(step) >= b).astype(jnp.int32) for b in bounds)
+            branches = [branch(i) for i in range(len(densities))]
+            totals, leaves_a, leaves_u = jax.lax.switch(index, branches, leaves_a, leaves_u)
         else:
             totals, leaves_a, leaves_u = branch(0)(leaves_a, leaves_u)
         new = DgcState(treedef.unflatten(list(leaves_u)), treedef.unflatten(list(leaves_a)), variance)
@@ -152,7 +151,7 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
     )
 
 
-def reducer(cfg: Config, replicas: int, abstract_params) -> reduce.Reducer:
+def reducer(cfg: Config, replicas: int) -> reduce.Reducer:
     """DGC as a reducer of the explicit reduction (one replica's state; `measure.compile_reduction`)."""
     update = replica_update(cfg, replicas)
     keeps_variance = cfg.reduce.dgc == "update"
@@ -170,14 +169,14 @@ def reducer(cfg: Config, replicas: int, abstract_params) -> reduce.Reducer:
 def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     axis = cfg.reduce.axis
     replicas, order_T = mesh.shape[axis], context.sequence_order(cfg, mesh)  # cp > 1: load-balanced order
-    dgc = reducer(cfg, replicas, model.abstract)
+    red = reducer(cfg, replicas)
 
     def per_replica(params, tokens, state, step):
         grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, cfg.train.grad_accum_steps, order_T)
         local_sq = optax.tree.norm(grads, squared=True) / count**2  # this replica's own mean gradient, squared
         loss, count, sq = jax.lax.psum(jnp.stack([loss, count, local_sq]), axis)
         share = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
-        total, new = dgc.update(share, jax.tree.map(lambda s: s[0], state), step)
+        total, new = red.update(share, jax.tree.map(lambda s: s[0], state), step)
         extra = metrics_from_sums(jax.lax.psum(stats, axis), count)
         # The mean gradient's norm would need the dense all-reduce DGC avoids: log the RMS of the
         # replicas' own mean-gradient norms instead (not the norm of the sparse sum).
@@ -185,11 +184,11 @@ def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> Gr
         return total, loss / count, jax.tree.map(lambda s: s[None], new), extra
 
     def init(params):  # every replica starts from zeros
-        return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), dgc.init(params))
+        return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), red.init(params))
 
     def state_specs(param_specs):
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        return jax.tree.map(lambda s: P(axis, *s), dgc.state_specs(param_specs), is_leaf=is_spec)
+        return jax.tree.map(lambda s: P(axis, *s), red.state_specs(param_specs), is_leaf=is_spec)
 
     apply = reduce.per_replica_apply(per_replica, mesh, axis)
     return GradientStage(init=init, apply=apply, state_specs=state_specs, name="explicit-dgc")
