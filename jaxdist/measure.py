@@ -14,24 +14,27 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import hlo, sharding, step
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import reduce
+from jaxdist.parallel import dgc, reduce
 from jaxdist.resolve import resolve
 
 
 def dp_bytes_per_step(
-    compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str = "steady", sync_every: int = 1
+    compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str | int = "steady", sync_every: int = 1
 ) -> float:
     """Bytes each device sends across `axis` per optimizer step: every collective whose replica
     groups span the axis, times its executions, costed with the ring model.
     `phase="steady"` leaves out a reducer's dense warm-up branch (reduce.WARMUP_SCOPE); `"warmup"`
     leaves out the compressed branch it replaces (reduce.COMPRESSED_SCOPE) instead. Collectives under
     reduce.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
-    average over a sync period. A collective across the axis in a loop of unknown trip count raises."""
-    skip = {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}[phase]
+    average over a sync period. An int phase i: DGC's sparsity warm-up stage i alone (dgc.stage_scope).
+    A collective across the axis in a loop of unknown trip count raises."""
+    skip = {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}.get(phase, reduce.COMPRESSED_SCOPE)
     shape, total = dict(mesh.shape), 0.0
     for c in hlo.collectives(compiled_hlo_text):
         if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
             continue
+        if isinstance(phase, int) and reduce.WARMUP_SCOPE in c.line and f"{dgc.stage_scope(phase)}/" not in c.line:
+            continue  # another warm-up stage
         if not c.trips_known:
             raise JaxdistError(
                 f"a {c.kind} across {axis} sits in a loop without a known trip count "
@@ -55,7 +58,10 @@ def compile_reduction(cfg: Config, mesh: Mesh):
     are the train step's less the (loss, token count) psum."""
     axis = cfg.reduce.axis
     model = resolve(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
-    reducer = reduce.make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
+    if dgc.enabled(cfg) and mesh.shape[axis] > 1:
+        reducer = dgc.reducer(cfg, mesh.shape[axis])
+    else:
+        reducer = reduce.make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     state = jax.eval_shape(reducer.init, model.abstract)
     fn = jax.shard_map(
         lambda g, s, i: reducer.update(g, s, i),
@@ -93,6 +99,13 @@ def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple
     steady = dp_bytes_per_step(compiled_hlo_text, mesh, axis, sync_every=every)
     warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
     steps, w = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
+    if dgc.enabled(cfg):  # the sparsity warm-up: each stage's own bytes for its own steps
+        stages = dgc.stages(cfg)
+        warm = sum(
+            (b - a) * dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase=i) for i, (a, b, _) in enumerate(stages)
+        )
+        w = stages[-1][1] if stages else 0
+        return steady, (warm + (steps - w) * steady) / steps
     return steady, (w * warm + (steps - w) * steady) / steps
 
 

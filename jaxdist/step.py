@@ -27,7 +27,7 @@ from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums
 from jaxdist.mesh import axis_size
 from jaxdist.models.attention import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import context, demo, diloco, pipeline, reduce
+from jaxdist.parallel import context, demo, dgc, diloco, pipeline, reduce
 from jaxdist.parallel import moe as moe_parallel
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
@@ -175,6 +175,8 @@ def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStag
     )
     if stage.name == "explicit-diloco":
         tx = diloco.outer_optimizer()
+    if stage.name == "explicit-dgc":  # the stage returns DGC's summed sparse update, clipped per replica
+        tx = dgc.optimizer(cfg, lr_schedule, decay_mask(model.names))
     if stage.name == "explicit-demo":  # the stage returns DeMo's sign update: the step applies LR and decay
         tx = demo.optimizer(cfg, lr_schedule, decay_mask(model.names))
     return tx, lr_schedule
@@ -247,14 +249,22 @@ def _demo(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientSt
     return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): AdamW as usual
 
 
+def _dgc(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+    if reduce.check_axis(cfg, mesh, model):
+        return dgc.dgc_gradients(apply_fn, cfg, mesh, model)
+    return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): AdamW as usual
+
+
 # reduce.method -> gradient stage; every other method is a codec of the explicit dp reduction.
 STAGES: dict[str, Callable[..., GradientStage]] = {"implicit": _implicit, "diloco": _diloco, "demo": _demo}
+STAGES["dgc"] = _dgc  # reduce.method=topk with reduce.dgc on (its default)
 
 
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce), DiLoCo, DeMo,
     or the explicit once-per-step (optionally compressed) reduction."""
-    return STAGES.get(cfg.reduce.method, reduce.explicit_gradients)(apply_fn, cfg, mesh, model)
+    name = "dgc" if dgc.enabled(cfg) else cfg.reduce.method
+    return STAGES.get(name, reduce.explicit_gradients)(apply_fn, cfg, mesh, model)
 
 
 class _in_mesh:

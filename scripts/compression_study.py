@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,8 +27,13 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "int8": dict(method="int8"),
     "powersgd r=4": dict(method="powersgd", rank=4),
     "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
-    "topk 1%": dict(method="topk", ratio=0.01),
+    "topk 1%": dict(method="topk", ratio=0.01),  # DGC, its sum fed to Adam with b1=0 (reduce.dgc=gradient)
     "topk 0.1%": dict(method="topk", ratio=0.001),
+    "topk 1% dgc=update": dict(method="topk", ratio=0.01, dgc="update"),  # DGC on each replica's Adam step
+    "topk 1% dgc=off": dict(method="topk", ratio=0.01, dgc="off"),  # plain error feedback, dense warm-up
+    "topk 1% b2=0.999": dict(method="topk", ratio=0.01, optim=dict(b2=0.999)),  # Adam's memory >> 1/density
+    "topk 1% dgc=update warm-up from 25%": dict(method="topk", ratio=0.01, dgc="update", warmup_density=0.25),
+    "topk 0.1% dgc=off": dict(method="topk", ratio=0.001, dgc="off"),
     "demo 1%": dict(method="demo", ratio=0.01),
     "demo 0.1%": dict(method="demo", ratio=0.001),
     "demo 0.24%": dict(method="demo", ratio=0.0024),  # 10 of 4,096 per tile: the densest at >= 100x
@@ -62,23 +68,23 @@ def run_method(label, base, mesh, out: Path, known=None):
     from jaxdist import measure, train
     from jaxdist.parallel import reduce
 
-    cfg = base.replace(reduce=METHODS[label])
+    knobs = dict(METHODS[label])  # reduce.* overrides, and optim.* ones under "optim"
+    cfg = base.replace(optim=knobs.pop("optim", {}), reduce=knobs)
+    steps, warm_steps = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
     if known:
-        steady, warm = known["dp_bytes_per_step"], known["warmup_bytes_per_step"]
-    else:
-        text = measure.compile_train_step(cfg, mesh).as_text()
-        every = cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 1
-        steady = measure.dp_bytes_per_step(text, mesh, sync_every=every)
-        warm = measure.dp_bytes_per_step(text, mesh, phase="warmup", sync_every=every)
-    warm_steps = reduce.warmup_steps(cfg)
+        steady, run = known["dp_bytes_per_step"], known["run_bytes_per_step"]
+    else:  # steady and run average (warm-up stages each at their own bytes) from the compiled step
+        steady, run = measure.run_bytes_per_step(cfg, mesh, measure.compile_train_step(cfg, mesh).as_text())
+    # the warm-up's mean bytes per step (for the cumulative-bytes plot)
+    warm = (run * steps - steady * (steps - warm_steps)) / warm_steps if warm_steps else steady
     run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "").replace("(", "").replace(")", "")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts afresh (metrics.jsonl would append)
     result = train.run(cfg, run_dir, log=lambda *a, **k: None)
     if result.steps < cfg.train.steps:  # stopped early (a signal): no row rather than a wrong one
         raise SystemExit(f"{label}: stopped at step {result.steps} of {cfg.train.steps}; nothing recorded")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["loss"]) for r in records if "loss" in r and not r.get("summary")]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and not r.get("summary")]
-    steps = cfg.train.steps
     return {
         "label": label,
         "final_loss": result.final_loss,
@@ -86,7 +92,7 @@ def run_method(label, base, mesh, out: Path, known=None):
         "dp_bytes_per_step": steady,
         "warmup_bytes_per_step": warm,
         "warmup_steps": warm_steps,
-        "run_bytes_per_step": (warm * min(warm_steps, steps) + steady * max(steps - warm_steps, 0)) / steps,
+        "run_bytes_per_step": run,
         "curve": curve,
         "evals": evals,
         "tokens_per_sec": result.tokens_per_sec,

@@ -18,7 +18,7 @@ from jaxdist import checkpoint, data, measure, optim, step
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import accumulate_gradients
 from jaxdist.mesh import mesh_from_string
-from jaxdist.parallel import compress, demo, reduce
+from jaxdist.parallel import compress, demo, dgc, reduce
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
 # DiLoCo compiles whole train steps: the smallest model that has every kind of tensor.
@@ -57,12 +57,11 @@ def expected_bytes(codec, abstract, batch_dims, n):
 @pytest.mark.parametrize(
     "knobs,codec",
     [
-        (dict(method="topk", ratio=0.01), compress.topk(0.01)),
-        (dict(method="topk", ratio=0.001), compress.topk(0.001)),
+        (dict(method="topk", ratio=0.001, dgc="off"), compress.topk(0.001)),  # plain: a dense warm-up
         (dict(method="int8"), compress.int8(256)),
         (dict(method="powersgd", rank=4), compress.powersgd(4)),
     ],
-    ids=["topk0.01", "topk0.001", "int8", "powersgd4"],
+    ids=["topk0.001", "int8", "powersgd4"],
 )
 def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     """Two-sided: the compiled reduction sends exactly what the codec accounts for (steady state),
@@ -79,39 +78,59 @@ def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     )
 
 
-def test_topk_costs_four_bytes_per_kept_entry(small_cfg, dp8):
-    """Chunked top-k packs a bfloat16 value and a 16-bit in-chunk position in one uint32: the measured
-    bytes per kept entry per peer are 4.0 (against 8 for float32 value + int32 index)."""
-    model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
-    codec = compress.topk(0.01)
-    text = reduction_text(small_cfg, dp8, method="topk", ratio=0.01)
+def test_dgc_warmup_stages():
+    """The sparsity warm-up: 10% of the steps in 4 near-equal stages whose density falls from 6.25%
+    by (1% / 6.25%)^(1/4) per stage; fewer stages when the warm-up has fewer steps; none when the
+    target is not below the start density."""
+    cfg = step.Config().replace(reduce=dict(method="topk", ratio=0.01), train=dict(steps=100))
+    stages = dgc.stages(cfg)
+    assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
+    assert dgc.stages(cfg.replace(train=dict(steps=20))) == [(0, 1, 0.0625), (1, 2, 0.025)]
+    assert dgc.stages(cfg.replace(reduce=dict(ratio=0.1))) == []
+
+
+def test_dgc_bytes_are_exact_per_stage_and_four_per_kept_entry(tiny_cfg, dp8):
+    """topk 1% (DGC, the default) over 20 steps: a 2-step sparsity warm-up in 2 stages (6.25%,
+    2.5%). The compiled reduction sends, in each stage's branch and in the steady state, exactly
+    top-k's bytes at that density (dense float32 for tensors top-k would not shrink), falling stage
+    by stage; the run average weighs each by its steps. Each kept entry is one uint32 (bfloat16
+    value over its 16-bit in-chunk position): the measured bytes per kept entry per peer are 4.0,
+    against 8 for float32 value + int32 index."""
+    cfg = tiny_cfg.replace(model=MINI_MODEL, reduce=dict(method="topk", ratio=0.01), train=dict(steps=20))
+    model = step.resolve(cfg, dp8, step.sharding.DEFAULT_RULES)
+    text = measure.compile_reduction(cfg, dp8).as_text()
+    dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
+    measured = [measure.dp_bytes_per_step(text, dp8, phase=i) for i in range(2)] + [
+        measure.dp_bytes_per_step(text, dp8)
+    ]
+    for got, density in zip(measured, [0.0625, 0.025, 0.01]):
+        want = expected_bytes(compress.topk(density), model.abstract, model.stacked_dims, 8)
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert dense > measured[0] > measured[1] > measured[2] and dense / measured[2] > 15
+    run = (measured[0] + measured[1] + 18 * measured[2]) / 20
+    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((measured[2], run), rel=1e-12)
     kept, dense_part = 0, 0.0
     for a in jax.tree.leaves(model.abstract):
         chunks, chunk = compress.chunking(a.size)
-        k = max(1, int(np.ceil(0.01 * chunk)))
-        if codec.bytes_sent(a.shape, 0, 8) < compress.dense_bytes(a.shape, 8):
-            kept += chunks * k
+        if dgc.compressible(a.shape, 0.01, 8):
+            kept += chunks * max(1, int(np.ceil(0.01 * chunk)))
         else:
             dense_part += compress.dense_bytes(a.shape, 8)
-    per_entry = (measure.dp_bytes_per_step(text, dp8) - dense_part) / (7 * kept)
-    assert per_entry == pytest.approx(4.0, rel=1e-12)
+    assert kept > 0 and (measured[2] - dense_part) / (7 * kept) == pytest.approx(4.0, rel=1e-12)
 
 
-def test_train_step_bytes_and_run_average(tiny_cfg, dp8):
-    """The whole step: the reduction plus the (loss, count) psum; run average over train.steps mixes
-    the warm-up's dense steps in: PowerSGD with its default 10-step warm-up (10%) of 100 steps."""
-    base = tiny_cfg.replace(model=MINI_MODEL, train=dict(global_batch=16, steps=100))
-    cfg = base.replace(reduce=dict(method="powersgd", rank=4))
-    text = measure.compile_train_step(cfg, dp8).as_text()
-    loss_psum = 2 * 7 / 8 * 8
-    reduction = measure.dp_bytes_per_step(reduction_text(base, dp8, method="powersgd", rank=4), dp8)
+def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
+    """PowerSGD's run average over train.steps mixes its dense warm-up steps in: the default 10-step
+    warm-up (10%) of 100 steps at the dense branch's bytes, 90 at the compressed branch's (the
+    whole train step's extra psum is held exactly in the DGC and DeMo step tests)."""
+    cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=4))
+    text = reduction_text(small_cfg, dp8, method="powersgd", rank=4)  # shared with the byte test
     steady, run = measure.run_bytes_per_step(cfg, dp8, text)
-    assert steady == pytest.approx(reduction + loss_psum, rel=1e-12)
     warm = measure.dp_bytes_per_step(text, dp8, phase="warmup")
-    model = step.resolve(base, dp8, step.sharding.DEFAULT_RULES)
-    assert warm == pytest.approx(
-        sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract)) + loss_psum, rel=1e-12
-    )
+    model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
+    assert warm == pytest.approx(sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract)))
+    assert steady == pytest.approx(expected_bytes(compress.powersgd(4), model.abstract, model.stacked_dims, 8))
     assert reduce.warmup_steps(cfg) == 10
     assert run == pytest.approx((10 * warm + 90 * steady) / 100, rel=1e-12) and steady < run < warm
 
@@ -150,6 +169,72 @@ def test_chunked_topk_error_feedback_is_exact(dp8):
 
 
 # ---------------------------------------------------------------------------------------------------
+# DGC: momentum correction, momentum factor masking, local clipping, sparsity warm-up
+
+DGC_SHAPES = {"w": (96, 128), "b": (3,)}  # top-k'd (one chunk of 12,288: k = 123 at 1%); dense (3 entries)
+
+
+@pytest.mark.parametrize("mode", ["update", "gradient"])
+def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
+    """Per replica, against numpy: share clipped to optim.clip_norm/sqrt(8) locally; (update) scaled by
+    its own Adam second moment v' = b2 v + (1-b2)(8 share)^2; u' = b1 u + (1-b1) p; a' = a + u'. What
+    it sent (a' - new a) is exactly the k largest |a'| (bfloat16-rounded), nothing else; new u is u'
+    with the sent entries zeroed (masking); the sum every replica receives is the sum of what all
+    sent; the 3-entry tensor goes dense: the sum of u', a unchanged. At step 0 the density is the
+    warm-up's first stage (6.25%: k = 768), at step 10 the target (1%: k = 123)."""
+    cfg = tiny_cfg.replace(reduce=dict(method="topk", ratio=0.01, dgc=mode), train=dict(steps=100))
+    o = cfg.optim
+    update = dgc.replica_update(cfg, 8)
+    keys = iter(jax.random.split(jax.random.key(5), 12))
+    rnd = lambda scale: {k: scale * jax.random.normal(next(keys), (8,) + v) for k, v in DGC_SHAPES.items()}  # noqa: E731
+    share, u, a, v = rnd(0.1), rnd(0.01), rnd(0.01), jax.tree.map(jnp.abs, rnd(0.01))
+    state = dgc.DgcState(u, a, v if mode == "update" else ())
+    spec = {k: P("dp") for k in DGC_SHAPES}
+    state_spec = dgc.DgcState(spec, spec, spec if mode == "update" else ())
+
+    def body(g, s, i):
+        total, new = update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s), i)
+        return jax.tree.map(lambda x: x[None], total), jax.tree.map(lambda x: x[None], new)
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=dp8, in_specs=(spec, state_spec, P()), out_specs=(spec, state_spec), check_vma=False)
+    )
+    for i, k in ((0, 768), (10, 123)):
+        total, new = fn(share, state, jnp.int32(i))
+        sent_sum = {key: 0.0 for key in DGC_SHAPES}
+        for r in range(8):
+            g = {key: np.asarray(x[r], np.float64) for key, x in share.items()}
+            norm = np.sqrt(sum((x**2).sum() for x in g.values()))
+            assert norm > 1 / np.sqrt(8)  # the local clip is active
+            g = {key: x * (1 / np.sqrt(8)) / norm for key, x in g.items()}
+            for key in DGC_SHAPES:
+                p = g[key]
+                if mode == "update":
+                    v_new = o.b2 * np.asarray(v[key][r]) + (1 - o.b2) * (8 * p) ** 2
+                    np.testing.assert_allclose(new.variance[key][r], v_new, rtol=1e-5)
+                    p = p / (np.sqrt(v_new / (1 - o.b2 ** (i + 1))) + o.eps)
+                u_new = o.b1 * np.asarray(u[key][r]) + (1 - o.b1) * p
+                a_new = np.asarray(a[key][r]) + u_new
+                if key == "b":  # dense: the momentum itself is summed, nothing held back
+                    np.testing.assert_allclose(new.accum[key][r], a[key][r], rtol=0)
+                    np.testing.assert_allclose(new.momentum[key][r], u_new, rtol=1e-4, atol=1e-8)
+                    sent_sum[key] = sent_sum[key] + u_new
+                    continue
+                sent = a_new.reshape(-1) - np.asarray(new.accum[key][r], np.float64).reshape(-1)
+                score = np.abs(a_new).reshape(-1)
+                top = score >= -np.sort(-score)[k - 1]
+                assert top.sum() == k
+                np.testing.assert_allclose(sent[~top], 0, atol=1e-7)
+                np.testing.assert_allclose(sent[top], a_new.reshape(-1)[top], rtol=2**-8)  # bfloat16 values
+                want_u = np.where(top, 0.0, u_new.reshape(-1))  # momentum factor masking
+                np.testing.assert_allclose(np.asarray(new.momentum[key][r]).reshape(-1), want_u, rtol=1e-4, atol=1e-8)
+                sent_sum[key] = sent_sum[key] + sent.reshape(a_new.shape)
+        for key in DGC_SHAPES:
+            for r in range(8):
+                np.testing.assert_allclose(total[key][r], sent_sum[key], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Adam with a frozen second moment (1-bit Adam): what lets error feedback telescope through Adam
 
 
@@ -181,7 +266,8 @@ def test_variance_frozen_only_where_compressing(small_cfg, dp8):
     only where a method compresses."""
     on = dict(freeze_variance=True)
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) == 10
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", dgc="off", **on)), dp8) == 10
+    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) is None  # DGC
     assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
     assert (
         reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8"))
@@ -205,11 +291,26 @@ def run_steps(cfg, mesh, batches):
     state = prog.init_state(0)
     tokens = [jax.device_put(b, prog.batch_sharding) for b in batches]
     compiled = prog.train_step.lower(state, tokens[0]).compile()
-    losses = []
+    losses, metrics = [], []
     for t in tokens:
-        state, metrics = compiled(state, t)
-        losses.append(float(metrics["loss"]))
+        state, m = compiled(state, t)
+        losses.append(float(m["loss"]))
+        metrics.append(m)
+    run_steps.metrics = metrics  # the last run's per-step metrics
     return prog, state, losses, compiled.as_text()
+
+
+def replica_grad_rms(prog, params, rows, replicas=8):
+    """RMS over replicas of each replica's own mean-gradient norm (replica r holds rows 2r, 2r+1)."""
+    per = len(rows) // replicas
+
+    @jax.jit
+    def norm(rows):
+        g, _, count = accumulate_gradients(prog.apply_fn, params, rows, 1)
+        return optax.tree.norm(jax.tree.map(lambda x: x / count, g))
+
+    with prog.activate():
+        return float(np.sqrt(np.mean([float(norm(rows[r * per : (r + 1) * per])) ** 2 for r in range(replicas)])))
 
 
 def test_diloco_h1_sgd_outer_equals_data_parallel(mini_cfg, dp8):
@@ -279,15 +380,43 @@ def demo_run(mini_cfg, dp8):
     cfg = mini_cfg.replace(reduce=dict(method="demo"))
     batches = [jax.random.randint(jax.random.key(20), (16, 9), 0, 256)]
     prog, state, losses, text = run_steps(cfg, dp8, batches)
-    return cfg, prog, state, losses, text
+    return cfg, prog, state, losses, text, batches, run_steps.metrics
 
 
-@pytest.mark.parametrize("run,field", [("diloco_run", "params"), ("demo_run", "delta")], ids=["diloco", "demo"])
+@pytest.fixture(scope="module")
+def dgc_run(mini_cfg, dp8):
+    """topk 1% (DGC, the default) for 3 steps, without the sparsity warm-up (one compiled branch; the
+    stages' bytes are held in the reduction's own test)."""
+    cfg = mini_cfg.replace(reduce=dict(method="topk", warmup_fraction=0.0))
+    batches = [jax.random.randint(jax.random.key(30 + i), (16, 9), 0, 256) for i in range(3)]
+    prog, state, losses, text = run_steps(cfg, dp8, batches)
+    return cfg, prog, state, losses, text, batches, run_steps.metrics
+
+
+def test_dgc_train_step_bytes_and_grad_norm(dgc_run, dp8):
+    """The whole step: its bytes are exactly DGC's exchange at 1% plus the psum of (loss, count,
+    squared local gradient norm), every step. The logged grad_norm is the RMS of the replicas' own
+    gradient norms (computed here replica by replica), not the sparse sum's."""
+    cfg, prog, state, losses, text, batches, metrics = dgc_run
+    assert dgc.stages(cfg) == [] and prog.gradients.name == "explicit-dgc"
+    steady = sum(dgc.bytes_sent(a.shape, 0.01, 8) for a in jax.tree.leaves(prog.model.abstract)) + 2 * 7 / 8 * 12
+    assert measure.run_bytes_per_step(cfg, dp8, text) == pytest.approx((steady, steady), rel=1e-12)
+    first = replica_grad_rms(prog, prog.init_state(0).params, batches[0])
+    assert float(metrics[0]["grad_norm"]) == pytest.approx(first, rel=1e-4)
+    assert np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize(
+    "run,field",
+    [("diloco_run", "params"), ("demo_run", "delta"), ("dgc_run", "accum")],
+    ids=["diloco", "demo", "dgc"],
+)
 def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path, run, field):
     """DiLoCo's replicas and DeMo's momenta, after real steps (they differ between replicas), are
     saved with the train state (sharded like the params under a leading dp axis); they restore
     bitwise; restoring them onto dp=4 is a one-line error naming the method and the fix."""
     cfg, prog, state = request.getfixturevalue(run)[:3]
+    assert jax.tree.leaves(getattr(state.reducer_state, field))  # the field exists and holds arrays
     for s, ps in zip(
         jax.tree.leaves(getattr(prog.state_shardings.reducer_state, field)),
         jax.tree.leaves(prog.state_shardings.params),
@@ -419,9 +548,11 @@ def test_demo_bytes_are_exact(small_cfg, dp8):
 def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(demo_run, dp8):
     """The whole step: every parameter moves by lr·(s + wd·p) with s in {-1, 0, 1} (decoupled decay
     on matrices only), the loss is finite, and the compiled step's dp bytes are exactly the DeMo
-    exchange plus the (loss, count) psum."""
-    cfg, prog, state, losses, text = demo_run
+    exchange plus the (loss, count, squared gradient norm) psum; the logged grad_norm is the RMS of
+    the replicas' own gradient norms (computed here replica by replica), not the sign vector's."""
+    cfg, prog, state, losses, text, batches, metrics = demo_run
     before = prog.init_state(0).params
+    assert float(metrics[0]["grad_norm"]) == pytest.approx(replica_grad_rms(prog, before, batches[0]), rel=1e-4)
     lr0, wd = float(prog.lr_schedule(0)), cfg.optim.weight_decay
     masks = jax.tree.leaves(optim.decay_mask(prog.param_names))
     moved = 0
@@ -436,4 +567,5 @@ def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(demo_run, dp8):
         demo.bytes_sent(a.shape, b, cfg.reduce.ratio, 64, 8)
         for a, b in zip(jax.tree.leaves(prog.model.abstract), jax.tree.leaves(prog.model.stacked_dims))
     )
-    assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(exchange + 2 * 7 / 8 * 8, rel=1e-12)
+    # + the psum of (loss, token count, squared local gradient norm): 3 float32s
+    assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(exchange + 2 * 7 / 8 * 12, rel=1e-12)

@@ -103,10 +103,11 @@ def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
 
 
 def test_train_step_dp_bytes_are_the_reduction_and_the_loss(small_cfg, dp8):
-    """The whole compiled step sends across dp exactly the reduction plus one (loss, count) psum."""
-    cfg = small_cfg.replace(reduce=dict(method="topk", ratio=0.01))
-    whole = measure.dp_bytes_per_step(measure.compile_train_step(cfg, dp8).as_text(), dp8)
-    assert whole == pytest.approx(reduction_bytes(small_cfg, dp8, method="topk", ratio=0.01) + 2 * 7 / 8 * 8)
+    """The whole compiled step sends across dp exactly the reduction plus one (loss, count) psum
+    (plain top-k; DGC's step, which also sums the replicas' gradient norms, is in test_compress)."""
+    knobs = dict(method="topk", ratio=0.01, dgc="off")
+    whole = measure.dp_bytes_per_step(measure.compile_train_step(small_cfg.replace(reduce=knobs), dp8).as_text(), dp8)
+    assert whole == pytest.approx(reduction_bytes(small_cfg, dp8, **knobs) + 2 * 7 / 8 * 8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_dp1_compressed_is_a_no_op_with_warning(small_cfg):
 
 
 def test_reducer_state_is_sharded_like_params(small_cfg, dp8):
-    prog = step.build_program(small_cfg.replace(reduce=dict(method="topk")), dp8)
+    prog = step.build_program(small_cfg.replace(reduce=dict(method="topk", dgc="off")), dp8)  # DGC: test_compress
     residual = prog.abstract_state.reducer_state.residual
     residual_specs = prog.state_shardings.reducer_state.residual
     for r, p, s, ps in zip(

@@ -149,13 +149,15 @@ class ReduceConfig:
     ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per chunk of <= 65536
     rank: Positive = 4  # powersgd: rank of the low-rank factors
     start_step: NonNegative = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)
-    error_feedback: bool = True  # keep what was not sent and add it next step
+    error_feedback: bool = True  # keep what was not sent and add it next step (topk: dgc=off; DGC always accumulates)
     block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
     warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = (
-        0.1  # topk, powersgd: dense for this fraction of train.steps (at least start_step); torch's advice
+        0.1  # topk, powersgd: warm-up for this fraction of train.steps (at least start_step): dense (torch's advice), or DGC's density warm-up
     )
-    freeze_variance: bool = False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam)
+    freeze_variance: bool = (
+        False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam; topk: dgc=off only)
+    )
     variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
     sync_every: Positive = 16  # diloco: local steps between outer steps (H)
     outer_lr: PositiveFloat = 1.0  # diloco: outer SGD learning rate on the pseudo-gradient (1, momentum 0: averaging)
@@ -165,6 +167,12 @@ class ReduceConfig:
     outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
     momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
     chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
+    dgc: Literal["gradient", "update", "off"] = (
+        "gradient"  # topk: DGC momentum correction, the sum fed to Adam with b1=0 (update: on each replica's Adam-scaled update; off: plain error feedback)
+    )
+    warmup_density: Annotated[float, Range(0, 1, lo_open=True)] = (
+        0.0625  # topk with dgc: density at the start of the sparsity warm-up (falls to ratio over warmup_fraction)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

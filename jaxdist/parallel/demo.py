@@ -125,9 +125,13 @@ def demo_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> G
     def per_replica(params, tokens, state, step):
         grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, cfg.train.grad_accum_steps, order_T)
         local = jax.tree.map(lambda g: g / count, grads)  # this replica's mean gradient
-        total = jax.lax.psum(jnp.stack([loss, count]), axis)  # the logged loss: every replica's tokens
+        # the logged loss (every replica's tokens) and the replicas' own gradient norms, in one psum
+        total = jax.lax.psum(jnp.stack([loss, count, optax.tree.norm(local, squared=True)]), axis)
         direction, delta = update(local, jax.tree.map(lambda d: d[0], state.delta), step)
         extra = metrics_from_sums(jax.lax.psum(stats, axis), total[1])
+        # grad_norm: the RMS of the replicas' own (unclipped) gradient norms, not the sign update's
+        # norm; the mean gradient's own norm would need the dense all-reduce DeMo avoids.
+        extra["grad_norm"] = jnp.sqrt(total[2] / replicas)
         return direction, total[0] / total[1], DemoState(jax.tree.map(lambda d: d[None], delta)), extra
 
     apply = per_replica_apply(per_replica, mesh, axis)

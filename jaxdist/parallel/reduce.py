@@ -136,6 +136,8 @@ def variance_freeze_step(cfg: Config, mesh: Mesh) -> int | None:
     r = cfg.reduce
     if r.method not in WARMED_UP or not r.freeze_variance or mesh.shape.get(r.axis, 1) == 1:
         return None
+    if r.method == "topk" and r.dgc != "off":  # DGC (parallel/dgc.py) brings its own optimizer
+        return None
     return max(warmup_steps(cfg), 1)
 
 
