@@ -84,7 +84,9 @@ def compile_only(cfg, mesh_text: str) -> dict:
     return record
 
 
-def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
+def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
+    """Compile and time `cfg`'s train step on one fixed random batch. `probe(prog, tokens, state) -> dict`,
+    if given, looks at the state before the first step and after the last (record["probe"])."""
     import jax
     import jax.numpy as jnp
 
@@ -104,6 +106,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     compiled = prog.train_step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
 
+    first = probe(prog, tokens, state) if probe else None
     for _ in range(warmup):
         state, m = compiled(state, tokens)
     jax.block_until_ready(state)
@@ -148,6 +151,8 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int) -> dict:
     record["dp_bytes_per_step"], record["dp_bytes_per_step_run"] = steady, run
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, steady)
     record["compression_ratio_run"] = record["compression_ratio"] * steady / run if run else record["compression_ratio"]
+    if probe:
+        record["probe"] = {"first": first, "last": probe(prog, tokens, state)}
     return record
 
 

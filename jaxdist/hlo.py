@@ -10,6 +10,11 @@ results); `collective-permute-start` adds u32 contexts; reduce-scatter and all-t
 once. `replica_groups={}` means one group of all devices (read from the module header). A collective
 inside a `while` body counts once per iteration (XLA's `known_trip_count`); one in a loop without a
 known trip count is flagged (`Collective.trips_known`), never silently counted once.
+
+A `conditional` (lax.cond / lax.switch) runs one of its branches per execution. `collectives` lists
+every branch's collectives (each tagged with its `branch` path, for callers that pick a branch by jax
+scope, as `measure.dp_bytes_per_step` does); `per_step` and `summarize` keep only the largest branch of
+each conditional (by bytes sent per device): the most one step can send, never the sum of branches.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ DTYPE_BYTES = {
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _SHAPE_RE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-_CALLS_RE = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_CALLS_RE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # async-done / async-update repeat the start's `calls=`: following them would count its collective twice.
 _NOT_A_CALL = ("async-done", "async-update")
@@ -82,6 +90,8 @@ class Collective:
     computation: str
     trips_known: bool = True  # False: inside a while loop without a known trip count (count is a floor)
     line: str = ""  # the HLO instruction (its metadata names the jax scope it came from)
+    # Conditional branches it lies in, outermost first: ((computation, conditional instruction), index).
+    branch: tuple = ()
 
     @property
     def result_bytes(self) -> int:
@@ -200,11 +210,13 @@ def collectives(hlo_text: str) -> list[Collective]:
     # Propagate execution counts from ENTRY through calls; while bodies multiply by their trip count.
     counts: dict[str, int] = defaultdict(int)
     unknown: set[str] = set()  # computations run by a loop of unknown trip count (directly or not)
+    paths: dict[str, tuple] = {}  # computation -> the conditional branches it runs in (first path seen)
 
-    def visit(name: str, mult: int, loose: bool, depth: int = 0):
+    def visit(name: str, mult: int, loose: bool, path: tuple, depth: int = 0):
         if name not in comps or depth > 64:
             return
         counts[name] += mult
+        paths.setdefault(name, path)
         if loose:
             unknown.add(name)
         for line in comps[name]:
@@ -212,14 +224,21 @@ def collectives(hlo_text: str) -> list[Collective]:
             if m and m.group(3) in _NOT_A_CALL:
                 continue
             trip = _TRIP_RE.search(line)
+            cond = (name, m.group(1) if m else line.strip())  # names this conditional
             for attr, callee, branches in _CALLS_RE.findall(line):
                 times = int(trip.group(1)) if trip and attr == "body" else 1
                 lost = loose or (attr in ("body", "condition") and not trip)
-                for name in [callee] if callee else [b.strip().lstrip("%") for b in branches.split(",")]:
-                    visit(name, mult * times, lost, depth + 1)
+                if not callee:  # a conditional's branches, in index order
+                    names = [b.strip().lstrip("%") for b in branches.split(",")]
+                    for i, b in enumerate(names):
+                        visit(b, mult, lost, (*path, (cond, i)), depth + 1)
+                elif attr in ("true_computation", "false_computation"):
+                    visit(callee, mult, lost, (*path, (cond, int(attr[0] == "f"))), depth + 1)
+                else:
+                    visit(callee, mult * times, lost, path, depth + 1)
 
     if entry:
-        visit(entry, 1, False)
+        visit(entry, 1, False, ())
 
     devices = _num_devices(hlo_text)
     found = []
@@ -244,15 +263,42 @@ def collectives(hlo_text: str) -> list[Collective]:
             result = _result_bytes(op, m.group(2))  # S: the gathered / unscattered size
             full = result * n if kind == "reduce-scatter" else result
             found.append(
-                Collective(kind, full, n, groups, counts.get(comp, 0) or 1, comp, comp not in unknown, line.strip())
+                Collective(
+                    kind,
+                    full,
+                    n,
+                    groups,
+                    counts.get(comp, 0) or 1,
+                    comp,
+                    comp not in unknown,
+                    line.strip(),
+                    paths.get(comp, ()),
+                )
             )
     return found
 
 
-def summarize(colls: list[Collective]) -> dict[str, dict[str, float]]:
-    """{kind: {"count": executions per run, "bytes": bytes sent per device per run}}."""
-    out = {k: {"count": 0, "bytes": 0.0} for k in KINDS}
+def per_step(colls: list[Collective], depth: int = 0) -> list[Collective]:
+    """The collectives one program run executes at most: outside conditionals all of them; of each
+    conditional only its largest branch (bytes sent per device, its own nested conditionals reduced
+    the same way first). A branch without collectives sends 0 and is never the largest unless all are."""
+    chosen = [c for c in colls if len(c.branch) == depth]
+    conds: dict = defaultdict(lambda: defaultdict(list))
     for c in colls:
+        if len(c.branch) > depth:
+            cond, index = c.branch[depth]
+            conds[cond][index].append(c)
+    for branches in conds.values():
+        options = [per_step(b, depth + 1) for _, b in sorted(branches.items())]
+        chosen += max(options, key=lambda cs: sum(c.count * c.sent_bytes for c in cs))
+    return chosen
+
+
+def summarize(colls: list[Collective]) -> dict[str, dict[str, float]]:
+    """{kind: {"count": executions per run, "bytes": bytes sent per device per run}}, each conditional
+    counted by its largest branch (`per_step`): one run takes one branch."""
+    out = {k: {"count": 0, "bytes": 0.0} for k in KINDS}
+    for c in per_step(colls):
         out[c.kind]["count"] += c.count
         out[c.kind]["bytes"] += c.count * c.sent_bytes
     return {k: v for k, v in out.items() if v["count"]}

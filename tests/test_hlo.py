@@ -152,3 +152,70 @@ def test_unknown_trip_count_is_refused_not_undercounted():
     text = (FIXTURES / "gpu_async.txt").read_text()
     with pytest.raises(JaxdistError, match="loop without a known trip count \\(body.unknown\\)"):
         measure.dp_bytes_per_step(text, mesh_from_string("dp=8"))
+
+
+def test_golden_cpu_conditional_program_counts_the_largest_branch():
+    """cpu_switch.txt (scripts/make_hlo_switch_fixture.py, jax 0.10.2's compiled XLA:CPU text, 8 devices):
+    psum f32[16] outside; lax.switch whose branches send all_to_all f32[8,4] / all_to_all f32[8,16] +
+    psum f32[32] / nothing; a 3-trip loop around lax.cond of psum f32[64] / all_gather f32[4] -> f32[32].
+    Every branch is listed (tagged with its branch); a step is costed by the largest of each."""
+    colls = hlo.collectives((FIXTURES / "cpu_switch.txt").read_text())
+    got = sorted((c.kind, c.full_bytes, c.count, len(c.branch)) for c in colls)
+    assert got == sorted(
+        [
+            ("all-reduce", 64, 1, 0),
+            ("all-to-all", 128, 1, 1),
+            ("all-to-all", 512, 1, 1),
+            ("all-reduce", 128, 1, 1),
+            ("all-reduce", 256, 3, 1),
+            ("all-gather", 128, 3, 1),
+        ]
+    )
+    switch = {c.branch[0][1] for c in colls if c.kind == "all-to-all"}
+    assert switch == {0, 1} and len({c.branch[0][0] for c in colls if c.branch}) == 2  # two conditionals
+    s = hlo.summarize(colls)
+    ring = 7 / 8
+    assert s["all-reduce"] == {"count": 5, "bytes": pytest.approx(2 * ring * (64 + 128 + 3 * 256))}
+    assert s["all-to-all"] == {"count": 1, "bytes": pytest.approx(ring * 512)}
+    assert "all-gather" not in s  # the loop's smaller branch
+    every_branch = sum(c.count * c.sent_bytes for c in colls)
+    assert every_branch == pytest.approx(2 * ring * (64 + 128 + 3 * 256) + ring * (512 + 128 + 3 * 128))
+
+
+NESTED = """
+HloModule m, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%small (p: f32[8]) -> f32[8] {
+  ROOT %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={}, to_apply=%add
+}
+
+%big (p: f32[8]) -> f32[8] {
+  ROOT %ar2 = f32[64]{0} all-reduce(f32[64]{0} %p), replica_groups={}, to_apply=%add
+}
+
+%outer_true (p: f32[8]) -> f32[8] {
+  %ag = f32[16]{0} all-gather(f32[4]{0} %p), replica_groups={}, dimensions={0}
+  ROOT %c = f32[8]{0} conditional(s32[] %i, f32[8] %p, f32[8] %p), branch_computations={%small, %big}
+}
+
+%outer_false (p: f32[8]) -> f32[8] {
+  ROOT %ag3 = f32[128]{0} all-gather(f32[32]{0} %p), replica_groups={}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  ROOT %k = f32[8]{0} conditional(pred[] %q, f32[8] %a, f32[8] %a), true_computation=%outer_true, false_computation=%outer_false
+}
+"""
+
+
+def test_nested_conditionals_take_the_largest_branch_inside_out():
+    """pred conditional (true_/false_computation): true = all-gather f32[16] + (switch: all-reduce of 32 or
+    256 bytes), false = all-gather f32[128]. True's largest is 3/4·64 + 2·3/4·256 = 432 > false's 384."""
+    colls = hlo.collectives(NESTED)
+    assert len(colls) == 4 and all(c.count == 1 for c in colls)
+    s = hlo.summarize(colls)
+    assert s == {"all-reduce": {"count": 1, "bytes": 2 * 3 / 4 * 256}, "all-gather": {"count": 1, "bytes": 3 / 4 * 64}}

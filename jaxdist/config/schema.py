@@ -54,6 +54,7 @@ class ModelConfig:
     moe_capacity_factor: PositiveFloat = 1.25  # capacity dispatch: slots per expert / (tokens x topk / experts)
     moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_weight: NonNegativeFloat = 0.001  # router z-loss weight
+    embed_init_std: NonNegativeFloat = 0.0  # normal init of the embedding table; 0 = init_std (torchtitan: 1.0)
     context_impl: Literal["allgather", "ring", "ulysses"] = (
         "allgather"  # cp > 1: attention across sequence shards (parallel/context.py)
     )

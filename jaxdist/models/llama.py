@@ -152,7 +152,10 @@ class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32):
         self.cfg, self.compute_dtype = cfg, compute_dtype
         init = nnx.initializers.normal(cfg.init_std)
-        self.embed_VD = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        # Every layer reads its input through RMSNorm, so a small table (0.02) lets the first layers'
+        # outputs, shared by a sequence's tokens at init, outweigh the tokens themselves (see models/moe.py).
+        embed_init = nnx.initializers.normal(cfg.embed_init_std or cfg.init_std)
+        self.embed_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
         unit, stacked = scanned_unit(cfg)
 
