@@ -55,7 +55,7 @@ from collections import defaultdict
 
 from jaxdist.hlo import ring_bytes
 from jaxdist.mesh import AXES
-from jaxdist.parallel.moe import a2a_bytes_per_direction
+from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes
 
@@ -228,7 +228,27 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
     if ep > 1:
         tokens = lay.micro_batch * m.seq_len
         buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
-        add("ep", "all-to-all", "MoE dispatch + combine (fwd + bwd)", buffer, (4 + 2 * remat) * sparse_steps)
+        what = "MoE dispatch + combine (fwd + bwd)" + (", dropless worst tier" if m.moe_dispatch == "dropless" else "")
+        add("ep", "all-to-all", what, buffer, (4 + 2 * remat) * sparse_steps)
+
+
+def dropless_a2a_tiers(lay: Layout) -> dict | None:
+    """Dropless MoE over ep: the step's all-to-all bytes per device at the worst tier (C = every local
+    token, what step_traffic and the compiled program's byte count report: the HLO holds every tier's
+    branch) and at the smallest tier, the one a balanced router runs (C = 1.25 N K / E:
+    jaxdist.parallel.moe.DROPLESS_TIERS). None unless dropless MoE runs over ep > 1."""
+    m, ep = lay.cfg.model, lay.mesh["ep"]
+    if not m.moe_experts or ep == 1 or m.moe_dispatch != "dropless":
+        return None
+    tokens = lay.micro_batch * m.seq_len
+    slots = dropless_tiers(tokens, m.moe_experts, m.moe_topk)
+    worst = sum(t.bytes for t in step_traffic(lay) if t.axis == "ep" and t.kind == "all-to-all")
+    return {
+        "worst_slots": slots[-1],
+        "worst_bytes": worst,
+        "balanced_slots": slots[0],
+        "balanced_bytes": worst * slots[0] / slots[-1],
+    }
 
 
 def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:

@@ -11,6 +11,12 @@ T x T attention scores (quadratic). The per-device bytes of a layer are then
 
 with heads, kv heads and the MLP width divided by tp (the Megatron layout splits them; B·T·D rows are
 replicated over tp), traced once per (model, tp, remat policy) and cached.
+
+The residuals are read from the jaxpr of that backward function, and one buffer is counted once: JAX
+lists a value once per use (each of q, k, v's matmuls keeps its own reshape of the normed input; two
+identical masked-score computations), while XLA shares the buffer of a reshape or broadcast of the
+same size (a bitcast) and merges identical computations (CSE). Residuals are therefore keyed by the
+computation that makes them, looking through same-size reshapes, and counted once per key.
 """
 
 from __future__ import annotations
@@ -57,10 +63,42 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
         if policy != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
         x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
-        backward = jax.eval_shape(lambda x, s: jax.vjp(layer, x, s)[1], x, state)
-        return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward)]
+        jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+        return [v.aval.size * v.aval.dtype.itemsize for v in unique_outputs(jaxpr)]
 
     a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
+    if len(a) != len(b):  # the same computation at both lengths: the same buffers
+        raise AssertionError(f"residual buffers differ between T={TRACE_T} and {2 * TRACE_T}")
     linear = sum(x for x, y in zip(a, b) if y == 2 * x)
     pairs = sum(x for x, y in zip(a, b) if y == 4 * x)
     return Saved(linear / TRACE_T, pairs / TRACE_T**2)
+
+
+BITCASTS = ("reshape", "broadcast_in_dim", "squeeze", "expand_dims")  # same-size: XLA shares the buffer
+
+
+def unique_outputs(jaxpr) -> list:
+    """The jaxpr's output variables, one per distinct buffer (module docstring), in first-seen order."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    keys: dict = {}
+
+    def key(v):
+        if not hasattr(v, "aval") or type(v).__name__ == "Literal":
+            return ("literal", repr(getattr(v, "val", v)))
+        if v in inputs:
+            return ("input", inputs[v])
+        if v not in keys:
+            e = producer[v]
+            if e.primitive.name in BITCASTS and v.aval.size == e.invars[0].aval.size:
+                keys[v] = key(e.invars[0])
+            else:
+                params = tuple(sorted((k, str(p)) for k, p in e.params.items()))
+                keys[v] = hash((e.primitive.name, params, tuple(key(i) for i in e.invars), e.outvars.index(v)))
+        return keys[v]
+
+    seen: dict = {}
+    for v in jaxpr.outvars:
+        if hasattr(v, "aval") and type(v).__name__ != "Literal":
+            seen.setdefault(key(v), v)
+    return list(seen.values())
