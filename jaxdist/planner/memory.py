@@ -104,7 +104,9 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
     place of the T x T scores; otherwise the formulas of the module docstring."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
     if not m.moe_experts:
-        saved = residuals.saved_per_layer(m, t, policy)
+        # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's
+        # merged buffers do not describe it, so under cp every residual JAX lists is counted.
+        saved = (residuals.listed_per_layer if lay.cp > 1 else residuals.saved_per_layer)(m, t, policy)
         # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
         # ring keep its output and log-sum-exp instead.
         scores = saved.per_token_pair * m.seq_len
@@ -208,8 +210,8 @@ def ring_block_bytes(lay: Layout) -> float:
     m = lay.cfg.model
     if lay.cp == 1 or m.context_impl != "ring" or lay.hw.flash_attention:
         return 0.0
-    pairs = residuals.saved_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
-        residuals.saved_per_layer(m, lay.mesh["tp"], "none").per_token_pair
+    pairs = residuals.listed_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
+        residuals.listed_per_layer(m, lay.mesh["tp"], "none").per_token_pair
     )
     return pairs * lay.micro_batch * (m.seq_len // lay.cp) ** 2 * lay.act_bytes / 4
 

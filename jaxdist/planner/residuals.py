@@ -2,8 +2,8 @@
 
 `jax.vjp` returns its backward function as a pytree whose leaves are the residuals the forward keeps
 for the backward (under `jax.checkpoint` with a remat policy: exactly those the policy saves). Traced
-with `jax.eval_shape` on one Block of the model (nothing is allocated), at two sequence lengths, the
-residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
+with `jax.make_jaxpr` on one Block of the model (nothing is allocated) at a symbolic sequence length T
+(`jax.export.symbolic_shape`), the residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
 stacks its parameter shards, counted with the parameters), per-token activations (linear) and the
 T x T attention scores (quadratic). The per-device bytes of a layer are then
 
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from jaxdist.config import ModelConfig
 
-TRACE_T = 16  # short sequences: the per-token and quadratic terms are exact at any length
+TRACE_T = 16  # where the symbolic sizes are evaluated: the per-token and quadratic terms are exact at any T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,66 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax import export
 
     from jaxdist.models.llama import REMAT_POLICIES, Block
 
-    local = dataclasses.replace(
+    local = _local(model, tp)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
+
+    def layer(x, state):
+        return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1]))
+
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
+    x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+    linear = pairs = 0.0
+    for v in unique_outputs(jaxpr):
+        at = [_size(v, TRACE_T), _size(v, 2 * TRACE_T)]
+        if at[1] == 2 * at[0]:
+            linear += at[0] / TRACE_T
+        elif at[1] == 4 * at[0]:
+            pairs += at[0] / TRACE_T**2
+        elif at[1] != at[0]:
+            raise AssertionError(f"residual of shape {v.aval.shape} is not constant, linear or quadratic in T")
+    return Saved(linear, pairs)
+
+
+@functools.lru_cache(maxsize=64)
+def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
+    """saved_per_layer with every leaf of the backward function's pytree counted as often as JAX lists
+    it (`jax.eval_shape` at two concrete lengths; nothing merged): for context parallelism, whose
+    attention (jaxdist.parallel.context) is not the Block's traced here, so the Block's merges do not
+    describe its program (jaxdist.planner.memory)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.models.llama import REMAT_POLICIES, Block
+
+    local = _local(model, tp)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
+
+    def sizes(T: int) -> list[int]:
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x, jnp.arange(T))
+
+        if policy != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+        x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+        backward = jax.eval_shape(lambda x, s: jax.vjp(layer, x, s)[1], x, state)
+        return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward)]
+
+    a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
+    linear = sum(x for x, y in zip(a, b) if y == 2 * x)
+    return Saved(linear / TRACE_T, sum(x for x, y in zip(a, b) if y == 4 * x) / TRACE_T**2)
+
+
+def _local(model: ModelConfig, tp: int) -> ModelConfig:
+    """The layer one device computes under tp: 1/tp of the heads and of the MLP, dense, float32."""
+    return dataclasses.replace(
         model,
         num_heads=model.num_heads // tp,
         num_kv_heads=max(1, model.num_kv_heads // tp),
@@ -54,24 +111,15 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
         compute_dtype="float32",
     )
 
-    def sizes(T: int) -> list[int]:
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
 
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, jnp.arange(T))
+def _size(v, t: int) -> int:
+    """Bytes of jaxpr variable v at T = t."""
+    return math.prod(_dim(d, t) for d in v.aval.shape) * v.aval.dtype.itemsize
 
-        if policy != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
-        x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
-        jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
-        return [v.aval.size * v.aval.dtype.itemsize for v in unique_outputs(jaxpr)]
 
-    a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
-    if len(a) != len(b):  # the same computation at both lengths: the same buffers
-        raise AssertionError(f"residual buffers differ between T={TRACE_T} and {2 * TRACE_T}")
-    linear = sum(x for x, y in zip(a, b) if y == 2 * x)
-    pairs = sum(x for x, y in zip(a, b) if y == 4 * x)
-    return Saved(linear / TRACE_T, pairs / TRACE_T**2)
+def _dim(d, t: int) -> int:
+    """A dimension (an int, or a polynomial in the symbolic length T) at T = t."""
+    return d if isinstance(d, int) else int(eval(str(d).replace("^", "**"), {"T": t}))  # noqa: S307
 
 
 BITCASTS = ("reshape", "broadcast_in_dim", "squeeze", "expand_dims")  # same-size: XLA shares the buffer
