@@ -57,7 +57,10 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
     (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
     x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+    try:
+        jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+    except Exception:  # a layer that branches on T's value: count at two concrete lengths, unmerged
+        return listed_per_layer(model, tp, policy)
     linear = pairs = 0.0
     for v in unique_outputs(jaxpr):
         at = [_size(v, TRACE_T), _size(v, 2 * TRACE_T)]
