@@ -90,6 +90,12 @@ def comm_table(e: Estimate) -> str:
                 f"  {axis:<5} {kind:<19} {v['count']:>7} {gb(v['bytes']):>9} {v['seconds']:>9.3g}  "
                 f"{link} {bw / 1e9:.0f} GB/s"
             )
+    tiers = comms.dropless_a2a_tiers(lay)
+    if tiers:
+        rows.append(
+            f"  ep all-to-all is dropless MoE's worst tier ({tiers['worst_slots']} slots per expert); a balanced "
+            f"router runs the {tiers['balanced_slots']}-slot tier: {gb(tiers['balanced_bytes'])} GB"
+        )
     rows.append(
         f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
         f"({e.exposed_comm_s:.3g} s exposed with overlap)"

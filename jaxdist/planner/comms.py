@@ -11,7 +11,8 @@ every backend):
 - fsdp: each layer's weights are all-gathered in the compute dtype (cast on their shard first:
   jaxdist.mixed.weight_matmul) in the forward scan and again in the backward scan
   (2 gathers per layer per pass; with remat=full the recompute and the gradient share one backward
-  gather in this model — XLA:CPU was seen to re-gather some weights a third time).
+  gather, except that with bf16 compute XLA:CPU gathers the attention weights and norms separately for
+  each: +1 gather of those per layer).
 - gradients: float32 (bf16 compute included), per layer, inside the backward scan (so once per
   accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
   reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
@@ -23,7 +24,8 @@ every backend):
   tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
   forward and again in the backward's recompute (in the compute dtype), the float32 input gradient and
   three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
-  The final norm is gathered twice per pass.
+  The final norm is gathered twice. Gathers of loop-invariant weights (the final norm, the naive head, a
+  head of one vocab block) are hoisted out of the accumulation loop: once per step, not per pass.
 - embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
   rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
   table's gradient is local (no fsdp reduction), then all-reduced over ep and over cp (they split the
@@ -39,7 +41,8 @@ every backend):
   B·T·D activations forward and one backward; per pass one permute of the whole pass's activations each
   way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are
   rematerialised, so stage weights are gathered three times per iteration (forward, recompute,
-  gradient) and the forward tp all-reduces happen twice.
+  gradient) and the forward tp all-reduces happen twice. With one layer per stage application (no layer
+  scan) the recompute skips w_down, and GPipe's forward gather is hoisted out of the loops (once a step).
 - cp (jaxdist.parallel.context), per layer: allgather all-gathers K and V of the whole sequence forward
   and reduce-scatters their gradients backward; ring sends 2(cp-1) K/V blocks (B·T/cp·K·H) forward and,
   backward, 2(cp-1) again plus 2cp float32 dK/dV blocks travelling home; ulysses all-to-alls q, k, v and
@@ -54,8 +57,9 @@ import dataclasses
 from collections import defaultdict
 
 from jaxdist.hlo import ring_bytes
+from jaxdist.loss import block_rows
 from jaxdist.mesh import AXES
-from jaxdist.parallel.moe import a2a_bytes_per_direction
+from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes
 
@@ -114,14 +118,32 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     # The pipeline rematerialises each stage: its backward gathers again for the recompute.
     # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
     # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
-    add(
-        "fsdp",
-        "all-gather",
-        "layer weights (fwd + bwd)",
-        layer * lay.act_bytes / PARAM_BYTES,
-        (3 if pp > 1 else 2) * layer_steps,
-        n=lay.weight_shards,
-    )
+    gather = lay.act_bytes / PARAM_BYTES
+    if pp == 1:
+        add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer * gather, 2 * layer_steps, n=lay.weight_shards)
+    else:  # forward, the backward's recompute, the gradient
+        fwd, remat = layer_steps, layer
+        if m.num_layers == pp * lay.repeats:
+            # One layer per stage application: no layer scan, so (XLA:CPU's HLO) the recompute does
+            # not re-gather w_down (its output is not needed), and under GPipe, where the stage's
+            # weights are loop-invariant, the forward gather is hoisted out of the pipeline and
+            # accumulation loops (once per step)
+            remat -= w_down_layer_bytes(lay)
+            fwd = m.num_layers // pp if lay.repeats == 1 else fwd
+        add("fsdp", "all-gather", "layer weights (fwd)", layer * gather, fwd, n=lay.weight_shards)
+        add("fsdp", "all-gather", "layer weights (recompute)", remat * gather, layer_steps, n=lay.weight_shards)
+        add("fsdp", "all-gather", "layer weights (gradient)", layer * gather, layer_steps, n=lay.weight_shards)
+    if m.remat == "full" and lay.compute_dtype != "float32" and pp == 1:
+        # bf16 + remat=full (XLA:CPU's HLO): the recompute and the gradient gather the attention weights
+        # and norms separately (different layouts of the cast shard), the MLP's once between them
+        add(
+            "fsdp",
+            "all-gather",
+            "attention weights + norms again (bf16 recompute)",
+            attention_layer_bytes(lay) * lay.act_bytes / PARAM_BYTES,
+            layer_steps,
+            n=lay.weight_shards,
+        )
     reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
@@ -134,9 +156,13 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     rows = pass_batch * T
     head = tables["embed" if m.tie_embeddings else "head"]
     head_full = head.size * PARAM_BYTES / lay.tp_shards(head)  # after the fsdp gather
+    # A gather of a loop-invariant weight (not sliced by a block index) is hoisted out of the
+    # accumulation loop (XLA:CPU's HLO): the final norm, the naive head and a one-block head, once a step.
+    one_block = m.vocab_size // tp == block_rows(m.vocab_size, tp, rows, D, m.loss_block)
+    head_passes = 1 if m.loss_impl == "naive" or one_block else passes
     if m.loss_impl == "naive":
         gathers = 2 if m.tie_embeddings and tp > 1 else 1
-        add("fsdp", "all-gather", "head weights", head_full, gathers * passes, n=lay.weight_shards)
+        add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
         add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
     else:  # jaxdist.loss: every block gathered forward and again for the backward's recompute
         add(
@@ -144,14 +170,14 @@ def step_traffic(lay: Layout) -> list[Traffic]:
             "all-gather",
             "head weight blocks (fwd + bwd)",
             head_full * lay.act_bytes / PARAM_BYTES,
-            2 * passes,
+            2 * head_passes,
             n=lay.weight_shards,
         )
         add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
         add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
     reduce_grads("head gradient", head_full, passes, dp_syncs)
     norm = tables["norm"]
-    add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2 * passes, n=lay.weight_shards)
+    add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2, n=lay.weight_shards)
     reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, dp_syncs)
     # Embedding lookup (jaxdist.parallel.embedding): tokens gathered over fsdp, rows summed over tp,
     # then an all-to-all over fsdp (and its transpose in the backward); the table's gradient stays local.
@@ -191,6 +217,26 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     return out
 
 
+def attention_layer_bytes(lay: Layout) -> float:
+    """One layer's attention weights and norms after the fsdp all-gather (split by tp), float32."""
+    L = lay.cfg.model.num_layers
+    return sum(
+        g.size / L * PARAM_BYTES / lay.tp_shards(g)
+        for g in param_table(lay.cfg.model)
+        if g.role == "layer" and ("/attn/" in g.path or "norm/" in g.path)
+    )
+
+
+def w_down_layer_bytes(lay: Layout) -> float:
+    """One layer's dense MLP down projection after the fsdp all-gather (split by tp), float32."""
+    L = lay.cfg.model.num_layers
+    return sum(
+        g.size / L * PARAM_BYTES / lay.tp_shards(g)
+        for g in param_table(lay.cfg.model)
+        if g.role == "layer" and g.path.startswith("blocks/mlp/w_down")
+    )
+
+
 def expert_layer_bytes(lay: Layout) -> float:
     """One MoE layer's expert weights after the fsdp all-gather (split by ep and tp), float32, averaged
     over all layers (moe_every), as `gathered_layer_bytes`."""
@@ -228,7 +274,27 @@ def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit:
     if ep > 1:
         tokens = lay.micro_batch * m.seq_len
         buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
-        add("ep", "all-to-all", "MoE dispatch + combine (fwd + bwd)", buffer, (4 + 2 * remat) * sparse_steps)
+        what = "MoE dispatch + combine (fwd + bwd)" + (", dropless worst tier" if m.moe_dispatch == "dropless" else "")
+        add("ep", "all-to-all", what, buffer, (4 + 2 * remat) * sparse_steps)
+
+
+def dropless_a2a_tiers(lay: Layout) -> dict | None:
+    """Dropless MoE over ep: the step's all-to-all bytes per device at the worst tier (C = every local
+    token, what step_traffic and the compiled program's byte count report: the HLO holds every tier's
+    branch) and at the smallest tier, the one a balanced router runs (C = 1.25 N K / E:
+    jaxdist.parallel.moe.DROPLESS_TIERS). None unless dropless MoE runs over ep > 1."""
+    m, ep = lay.cfg.model, lay.mesh["ep"]
+    if not m.moe_experts or ep == 1 or m.moe_dispatch != "dropless":
+        return None
+    tokens = lay.micro_batch * m.seq_len
+    slots = dropless_tiers(tokens, m.moe_experts, m.moe_topk)
+    worst = sum(t.bytes for t in step_traffic(lay) if t.axis == "ep" and t.kind == "all-to-all")
+    return {
+        "worst_slots": slots[-1],
+        "worst_bytes": worst,
+        "balanced_slots": slots[0],
+        "balanced_bytes": worst * slots[0] / slots[-1],
+    }
 
 
 def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:

@@ -61,6 +61,7 @@ class Estimate:
             "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
             "memory": self.memory.as_dict(),
             "communication": comms.by_axis(lay, list(self.traffic)),
+            "dropless_all_to_all": comms.dropless_a2a_tiers(lay),  # worst (reported) and balanced tiers
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
             "comm_s": self.comm_s,

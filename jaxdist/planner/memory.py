@@ -18,6 +18,12 @@ With context parallelism (jaxdist.parallel.context) a device holds T/cp tokens o
 every per-token term above divides by cp; the attention scores are (T/cp) x T per head for allgather
 and ulysses, while the ring (like a fused attention) keeps only O(T/cp) statistics. allgather also holds
 the gathered K and V (and their gradients) of one layer: 4·B·T·K·H/tp elements.
+
+Temporary bytes (memory_analysis().temp) are the backward pass's peak, read term by term from XLA:CPU's
+buffer assignment: saved activations + one set of float32 gradients (+ the non-layer gradients'
+accumulator under accumulation) + two copies of the stacked layer-weight shards + the larger of one
+layer's recomputed activations and one layer's gradient group being reduced — or, where larger, the
+loss's working set. The AdamW update is in place (no copies of the optimizer state).
 """
 
 from __future__ import annotations
@@ -84,13 +90,23 @@ def grad_bytes(lay: Layout) -> float:
     return param_bytes(lay)
 
 
+def accumulator_bytes(lay: Layout) -> float:
+    """The gradient accumulator across micro-batches beyond the one set of gradients: the backward scan
+    adds each layer's reduced gradient into the accumulator in place (XLA:CPU's buffer assignment holds
+    one layer-gradient stack under accumulation), so only the other parameters' gradients (embedding,
+    head, final norm) exist twice."""
+    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role != "layer")
+
+
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
     """Bytes one layer keeps for backward per token of a micro-batch: for dense layers without cp, the
     residuals JAX itself saves (jaxdist.planner.residuals), with a fused attention's O(T) statistics in
     place of the T x T scores; otherwise the formulas of the module docstring."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
     if not m.moe_experts:
-        saved = residuals.saved_per_layer(m, t, policy)
+        # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's
+        # merged buffers do not describe it, so under cp every residual JAX lists is counted.
+        saved = (residuals.listed_per_layer if lay.cp > 1 else residuals.saved_per_layer)(m, t, policy)
         # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
         # ring keep its output and log-sum-exp instead.
         scores = saved.per_token_pair * m.seq_len
@@ -155,15 +171,37 @@ def layer_weight_shards(lay: Layout) -> float:
     return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
 
 
+def layer_gradient_bytes(lay: Layout) -> float:
+    """One layer's weight gradient while the backward scan reduces it to its parameter's sharding (read
+    from XLA:CPU's buffer assignment at the backward's peak). The backward produces the MLP's matrices'
+    gradients, then the attention's, and each group is reduced as it is done, so the peak holds the
+    larger group: its unreduced float32 gradients at the gathered (tp-split) size and the reduction's
+    result — all-reduced in full on CPU (XLA emits all-reduce for the batch axes' gradient sum),
+    reduce-scattered to the shard on GPU/TPU. With one replica nothing is reduced."""
+    m = lay.cfg.model
+    groups: dict[str, float] = {}
+    for g in param_table(m):
+        if g.role == "layer" and len(g.shape) > 2:  # the matrices (norm scales are a few bytes)
+            part = "mlp" if "/mlp/" in f"/{g.path}/" or "expert" in g.names else "attn"
+            groups[part] = groups.get(part, 0.0) + g.size / m.num_layers * PARAM_BYTES / lay.tp_shards(g)
+    full = max(groups.values(), default=0.0)
+    if lay.batch_shards == 1:
+        return full
+    return full + (full if lay.hw.backend == "cpu" else full / lay.weight_shards)
+
+
 def temporary_bytes(lay: Layout) -> float:
     """The backward scan's working set beside the saved activations and the gradients: two copies of
     the stacked layer weight shards (read from XLA:CPU's buffer assignment: the scan's weight residuals
-    and a re-laid-out copy for the backward), one layer's full activations when its forward is recomputed
-    (remat, or a pipeline stage), and allgather's gathered K and V."""
+    and a re-laid-out copy for the backward), allgather's gathered K and V, and the larger of one layer's
+    full activations when its forward is recomputed (remat, or a pipeline stage) and one layer's
+    gradient being reduced (layer_gradient_bytes): the recomputed activations are dead by the time the
+    layer's gradient is complete."""
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
     one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
-    return one_layer + 2 * layer_weight_shards(lay) + gathered_kv_bytes(lay) + ring_block_bytes(lay)
+    working = max(one_layer, layer_gradient_bytes(lay))
+    return 2 * layer_weight_shards(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
 
 
 def ring_block_bytes(lay: Layout) -> float:
@@ -172,27 +210,25 @@ def ring_block_bytes(lay: Layout) -> float:
     m = lay.cfg.model
     if lay.cp == 1 or m.context_impl != "ring" or lay.hw.flash_attention:
         return 0.0
-    pairs = residuals.saved_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
-        residuals.saved_per_layer(m, lay.mesh["tp"], "none").per_token_pair
+    pairs = residuals.listed_per_layer(m, lay.mesh["tp"], m.remat).per_token_pair or (
+        residuals.listed_per_layer(m, lay.mesh["tp"], "none").per_token_pair
     )
     return pairs * lay.micro_batch * (m.seq_len // lay.cp) ** 2 * lay.act_bytes / 4
 
 
-OPTIMIZER_COPIES = 3  # new params, mu and nu exist beside the old ones until the non-finite guard picks
-
-
 def compiled_temp_bytes(mem: Memory) -> float:
-    """What memory_analysis() calls temp: the peak of the backward pass (the saved activations, and
-    either the loss's working set — before any layer gradient exists — or the gradients and the layers'
-    working set) and of the update (gradients and the optimizer's new state)."""
-    backward = mem.activations + max(mem.grads + mem.temporary, mem.loss)
-    update = mem.grads + OPTIMIZER_COPIES * mem.params
-    return max(backward, update)
+    """What memory_analysis() calls temp: the peak of the backward pass — the saved activations, and
+    either the loss's working set (before any layer gradient exists) or the gradients and the layers'
+    working set. The optimizer update adds no peak of its own: clip, AdamW and the non-finite guard fuse
+    into one elementwise pass per parameter that writes the new parameters and moments into the donated
+    state's buffers (XLA:CPU's buffer assignment gives each update fusion its parameter's allocation), so
+    it needs only the gradients, which the backward already holds."""
+    return mem.activations + max(mem.grads + mem.temporary, mem.loss)
 
 
 def estimate(lay: Layout) -> Memory:
     params = param_bytes(lay)
-    grads = grad_bytes(lay) + (params if lay.accum > 1 else 0)  # + the accumulator across micro-batches
+    grads = grad_bytes(lay) + (accumulator_bytes(lay) if lay.accum > 1 else 0)
     batch = lay.cfg.train.global_batch // lay.batch_shards * (lay.cfg.model.seq_len + 1) * 4
     return Memory(
         params=params,

@@ -2,8 +2,8 @@
 
 `jax.vjp` returns its backward function as a pytree whose leaves are the residuals the forward keeps
 for the backward (under `jax.checkpoint` with a remat policy: exactly those the policy saves). Traced
-with `jax.eval_shape` on one Block of the model (nothing is allocated), at two sequence lengths, the
-residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
+with `jax.make_jaxpr` on one Block of the model (nothing is allocated) at a symbolic sequence length T
+(`jax.export.symbolic_shape`), the residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
 stacks its parameter shards, counted with the parameters), per-token activations (linear) and the
 T x T attention scores (quadratic). The per-device bytes of a layer are then
 
@@ -11,16 +11,23 @@ T x T attention scores (quadratic). The per-device bytes of a layer are then
 
 with heads, kv heads and the MLP width divided by tp (the Megatron layout splits them; B·T·D rows are
 replicated over tp), traced once per (model, tp, remat policy) and cached.
+
+The residuals are read from the jaxpr of that backward function, and one buffer is counted once: JAX
+lists a value once per use (each of q, k, v's matmuls keeps its own reshape of the normed input; two
+identical masked-score computations), while XLA shares the buffer of a reshape or broadcast of the
+same size (a bitcast) and merges identical computations (CSE). Residuals are therefore keyed by the
+computation that makes them, looking through same-size reshapes, and counted once per key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from jaxdist.config import ModelConfig
 
-TRACE_T = 16  # short sequences: the per-token and quadratic terms are exact at any length
+TRACE_T = 16  # where the symbolic sizes are evaluated: the per-token and quadratic terms are exact at any T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +43,52 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax import export
 
     from jaxdist.models.llama import REMAT_POLICIES, Block
 
-    local = dataclasses.replace(
-        model,
-        num_heads=model.num_heads // tp,
-        num_kv_heads=max(1, model.num_kv_heads // tp),
-        mlp_dim=model.mlp_dim // tp,
-        moe_experts=0,
-        compute_dtype="float32",
-    )
+    local = _local(model, tp)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
+
+    def layer(x, state):
+        return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1]))
+
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
+    x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+    try:
+        jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+    except Exception:  # a layer that branches on T's value: count at two concrete lengths, unmerged
+        return listed_per_layer(model, tp, policy)
+    linear = pairs = 0.0
+    for v in unique_outputs(jaxpr):
+        at = [_size(v, TRACE_T), _size(v, 2 * TRACE_T)]
+        if at[1] == 2 * at[0]:
+            linear += at[0] / TRACE_T
+        elif at[1] == 4 * at[0]:
+            pairs += at[0] / TRACE_T**2
+        elif at[1] != at[0]:
+            raise AssertionError(f"residual of shape {v.aval.shape} is not constant, linear or quadratic in T")
+    return Saved(linear, pairs)
+
+
+@functools.lru_cache(maxsize=64)
+def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
+    """saved_per_layer with every leaf of the backward function's pytree counted as often as JAX lists
+    it (`jax.eval_shape` at two concrete lengths; nothing merged): for context parallelism, whose
+    attention (jaxdist.parallel.context) is not the Block's traced here, so the Block's merges do not
+    describe its program (jaxdist.planner.memory)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.models.llama import REMAT_POLICIES, Block
+
+    local = _local(model, tp)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
 
     def sizes(T: int) -> list[int]:
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
-
         def layer(x, state):
             return nnx.merge(graphdef, state)(x, jnp.arange(T))
 
@@ -62,5 +100,56 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
 
     a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
     linear = sum(x for x, y in zip(a, b) if y == 2 * x)
-    pairs = sum(x for x, y in zip(a, b) if y == 4 * x)
-    return Saved(linear / TRACE_T, pairs / TRACE_T**2)
+    return Saved(linear / TRACE_T, sum(x for x, y in zip(a, b) if y == 4 * x) / TRACE_T**2)
+
+
+def _local(model: ModelConfig, tp: int) -> ModelConfig:
+    """The layer one device computes under tp: 1/tp of the heads and of the MLP, dense, float32."""
+    return dataclasses.replace(
+        model,
+        num_heads=model.num_heads // tp,
+        num_kv_heads=max(1, model.num_kv_heads // tp),
+        mlp_dim=model.mlp_dim // tp,
+        moe_experts=0,
+        compute_dtype="float32",
+    )
+
+
+def _size(v, t: int) -> int:
+    """Bytes of jaxpr variable v at T = t."""
+    return math.prod(_dim(d, t) for d in v.aval.shape) * v.aval.dtype.itemsize
+
+
+def _dim(d, t: int) -> int:
+    """A dimension (an int, or a polynomial in the symbolic length T) at T = t."""
+    return d if isinstance(d, int) else int(eval(str(d).replace("^", "**"), {"T": t}))  # noqa: S307
+
+
+BITCASTS = ("reshape", "broadcast_in_dim", "squeeze", "expand_dims")  # same-size: XLA shares the buffer
+
+
+def unique_outputs(jaxpr) -> list:
+    """The jaxpr's output variables, one per distinct buffer (module docstring), in first-seen order."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    keys: dict = {}
+
+    def key(v):
+        if not hasattr(v, "aval") or type(v).__name__ == "Literal":
+            return ("literal", repr(getattr(v, "val", v)))
+        if v in inputs:
+            return ("input", inputs[v])
+        if v not in keys:
+            e = producer[v]
+            if e.primitive.name in BITCASTS and v.aval.size == e.invars[0].aval.size:
+                keys[v] = key(e.invars[0])
+            else:
+                params = tuple(sorted((k, str(p)) for k, p in e.params.items()))
+                keys[v] = hash((e.primitive.name, params, tuple(key(i) for i in e.invars), e.outvars.index(v)))
+        return keys[v]
+
+    seen: dict = {}
+    for v in jaxpr.outvars:
+        if hasattr(v, "aval") and type(v).__name__ != "Literal":
+            seen.setdefault(key(v), v)
+    return list(seen.values())

@@ -1,0 +1,29 @@
+"""The planner's inputs from a compiled train step: lower and compile (never run) one (config, mesh)
+on this process's devices, and read what the planner predicts — memory_analysis() and the HLO's
+collectives. Used by tests/test_plan.py and scripts/plan_check.py."""
+
+from __future__ import annotations
+
+
+def compile_pair(path: str | None, mesh: str, overrides: list[str]):
+    """(Layout on the CPU hardware entry, memory_analysis(), hlo.summarize of the collectives)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist import config, hlo
+    from jaxdist.mesh import mesh_from_string, parse_mesh
+    from jaxdist.planner import hardware
+    from jaxdist.planner.layout import Layout
+    from jaxdist.step import build_program
+
+    cfg = config.load(path, ["train.steps=10", *overrides])
+    prog = build_program(cfg, mesh_from_string(mesh))
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
+    compiled = prog.train_step.lower(prog.abstract_state, tokens).compile()
+    return (
+        Layout(cfg, parse_mesh(mesh, len(jax.devices())), hardware.get("cpu")),
+        compiled.memory_analysis(),
+        hlo.summarize(hlo.collectives(compiled.as_text())),
+    )

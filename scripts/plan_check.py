@@ -1,0 +1,77 @@
+"""The planner's memory and collective bytes against the compiled train step (compile only, 8 CPU devices).
+
+    nice -n 10 python scripts/plan_check.py --mesh fsdp=8 model.remat=full [--dump DIR]
+
+Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
+terms, and the bytes per collective kind on both sides. `--dump DIR` also writes XLA's buffer
+assignment (`*buffer-assignment.txt`, with the live-range peak and the buffers live at it) there.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=None)
+    p.add_argument("--mesh", default="fsdp=8")
+    p.add_argument("--dump", default=None)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--pair", action="append", default=[], help='several pairs: "MESH OVERRIDE ..." each')
+    args = p.parse_args()
+    pairs = [(q.split()[0], q.split()[1:]) for q in args.pair] or [(args.mesh, args.overrides)]
+    # the test suite's flags (tests/conftest.py), so the numbers are the tests' numbers
+    flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    if args.dump:
+        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*"]
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+    from jaxdist.train import setup_platform
+
+    setup_platform(8)
+    from jaxdist.planner import check, comms, memory
+
+    for mesh, overrides in pairs:
+        report(check, comms, memory, args.config, mesh, overrides, args.dump)
+    return 0
+
+
+def peak(folder: str) -> dict:
+    """XLA's live-range peak of the train step (bytes), and the part of it that is arguments."""
+    import glob
+    import re
+
+    newest = max(glob.glob(f"{folder}/*train_step*live-range.txt"), key=os.path.getmtime)
+    text = open(newest).read().split("(peak):")[1]
+    text = text.split("Stack trace")[0]
+    sizes = {m[0]: int(m[1]) for m in re.findall(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes", text, re.M)}
+    params = sum(v for k, v in sizes.items() if k.startswith("param."))
+    return {"live_peak": sum(sizes.values()), "live_peak_args": params}
+
+
+def report(check, comms, memory, path, mesh, overrides, dump):
+    lay, mem, measured = check.compile_pair(path, mesh, overrides)
+    pred = memory.estimate(lay)
+    kinds = comms.by_kind(comms.step_traffic(lay))
+    out = {
+        "mesh": mesh,
+        "overrides": overrides,
+        "arguments": [pred.arguments, mem.argument_size_in_bytes],
+        "temp": [pred.compiled_temp, mem.temp_size_in_bytes],
+        "temp_err": pred.compiled_temp / mem.temp_size_in_bytes - 1,
+        "args_err": pred.arguments / mem.argument_size_in_bytes - 1,
+        "terms": {k: float(v) for k, v in pred.as_dict().items() if not isinstance(v, bool)},
+        "collectives": {
+            k: [kinds.get(k, 0.0), measured.get(k, {"bytes": 0.0})["bytes"]] for k in set(kinds) | set(measured)
+        },
+    }
+    if dump:
+        out.update(peak(dump))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
