@@ -50,6 +50,15 @@ def test_bad_values_are_one_line_errors(override, message):
     assert "\n" not in str(err.value)
 
 
+def test_error_feedback_off_under_dgc_is_refused():
+    with pytest.raises(JaxdistError, match="no effect with reduce.dgc=gradient.*set reduce.dgc=off"):
+        config.load(None, ["reduce.method=topk", "reduce.error_feedback=false"])
+    # a bare `off` is a bool to YAML 1.1; the choice field takes it back as the word
+    plain = config.load(None, ["reduce.method=topk", "reduce.error_feedback=false", "reduce.dgc=off"])
+    assert plain.reduce.dgc == "off" and not plain.reduce.error_feedback
+    assert config.load(None, [f"reduce.{k}={v}" for k, v in plain.to_dict()["reduce"].items()]) == plain
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(JaxdistError, match="not found"):
         config.load(tmp_path / "nope.yaml")

@@ -52,6 +52,12 @@ def validate(cfg) -> None:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
         )
     _validate_rules(cfg.mesh.rules)
+    r = cfg.reduce
+    if r.method == "topk" and r.dgc != "off" and not r.error_feedback:
+        raise JaxdistError(
+            f"reduce.error_feedback=false has no effect with reduce.dgc={r.dgc} (DGC always accumulates "
+            "what it has not sent); set reduce.dgc=off for plain top-k without error feedback"
+        )
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
     validate_moe(m)

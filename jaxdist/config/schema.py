@@ -206,12 +206,17 @@ class Config:
         return from_dict(raw)
 
 
+YAML_BOOL_WORDS = {False: "off", True: "on"}
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the field type; ints are accepted for floats."""
     tp, _ = _base(tp)
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and YAML_BOOL_WORDS[value] in allowed:
+            value = YAML_BOOL_WORDS[value]  # YAML 1.1 reads a bare off / on as a bool
         if value not in allowed:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
