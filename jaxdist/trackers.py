@@ -11,7 +11,9 @@ A leaf module: imports nothing from jaxdist but the error type.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -21,12 +23,26 @@ from jaxdist.errors import JaxdistError
 TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
+def import_tracker(module: str):
+    """Import a tracker's package. tensorboardX imports torch where it is installed only to accept
+    torch tensors, which jaxdist never logs: torch is hidden for that import (3.4 s of every run's
+    start-up) and visible again after it."""
+    hide = module == "tensorboardX" and "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        return importlib.import_module(module)
+    finally:
+        if hide:
+            del sys.modules["torch"]
+
+
 def check_installed(names: list[str]) -> None:
     """At start-up: a tracker whose package is missing is a one-line error naming the extra."""
     for name in names:
         module, extra = TRACKERS[name]
         try:
-            __import__(module)
+            import_tracker(module)
         except ImportError:
             raise JaxdistError(
                 f"train.trackers includes {name} but {module} is not installed; "
@@ -64,7 +80,7 @@ def _run_id(run_dir: Path, name: str, new) -> str:
 
 class TensorBoard:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
-        from tensorboardX import SummaryWriter
+        SummaryWriter = import_tracker("tensorboardX").SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / "tb"))
         self.writer.add_text("config", "```\n" + config_text + "\n```")

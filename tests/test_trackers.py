@@ -117,3 +117,15 @@ def test_unknown_tracker_is_a_config_error():
 
     with pytest.raises(JaxdistError, match="train.trackers: 'neptune' is not one of tensorboard, wandb, mlflow"):
         config.load(None, ["train.trackers=[neptune]"])
+
+
+def test_tensorboard_import_leaves_torch_out_and_importable():
+    """tensorboardX would import torch (seconds of every run's start-up) to accept torch tensors; the
+    tracker hides it for that import only: torch is not loaded, and a later `import torch` still works."""
+    code = (
+        "import sys, importlib.util; from jaxdist import trackers; trackers.import_tracker('tensorboardX'); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; "
+        "assert importlib.util.find_spec('torch') is None or __import__('torch').zeros(1).shape == (1,)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
