@@ -165,10 +165,10 @@ def _patient_cpu_collectives() -> None:
     already in XLA_FLAGS wins)."""
     import os
 
-    flag = "xla_cpu_collective_call_terminate_timeout_seconds"
-    current = os.environ.get("XLA_FLAGS", "")
-    if flag not in current:
-        os.environ["XLA_FLAGS"] = f"{current} --{flag}={CPU_COLLECTIVE_TIMEOUT_S}".strip()
+    from jaxdist import xla_flags
+
+    flag = {"xla_cpu_collective_call_terminate_timeout_seconds": str(CPU_COLLECTIVE_TIMEOUT_S)}
+    os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), flag)
 
 
 @command

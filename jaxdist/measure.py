@@ -28,7 +28,11 @@ def dp_bytes_per_step(
     reduce.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
     average over a sync period. An int phase i: DGC's sparsity warm-up stage i alone (dgc.stage_scope).
     A collective across the axis in a loop of unknown trip count raises."""
-    skip = {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}.get(phase, reduce.COMPRESSED_SCOPE)
+    skip = (
+        reduce.COMPRESSED_SCOPE
+        if isinstance(phase, int)
+        else {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}[phase]
+    )
     shape, total = dict(mesh.shape), 0.0
     for c in hlo.collectives(compiled_hlo_text):
         if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
@@ -44,13 +48,13 @@ def dp_bytes_per_step(
     return float(total)
 
 
-def compile_train_step(cfg: Config, mesh: Mesh):
+def compile_train_step(cfg: Config, mesh: Mesh, compiler_options: dict | None = None):
     """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
     prog = step.build_program(cfg, mesh)
     tokens = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
     )
-    return prog.train_step.lower(prog.abstract_state, tokens).compile()
+    return prog.train_step.lower(prog.abstract_state, tokens).compile(compiler_options)
 
 
 def compile_reduction(cfg: Config, mesh: Mesh):
@@ -97,8 +101,7 @@ def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple
     dense warm-up, and the average over `train.steps` with the warm-up's dense steps included."""
     axis, every = cfg.reduce.axis, sync_every(cfg)
     steady = dp_bytes_per_step(compiled_hlo_text, mesh, axis, sync_every=every)
-    warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
-    steps, w = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
+    steps = cfg.train.steps
     if dgc.enabled(cfg):  # the sparsity warm-up: each stage's own bytes for its own steps
         stages = dgc.stages(cfg)
         warm = sum(
@@ -106,6 +109,8 @@ def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple
         )
         w = stages[-1][1] if stages else 0
         return steady, (warm + (steps - w) * steady) / steps
+    warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
+    w = min(reduce.warmup_steps(cfg), steps)
     return steady, (w * warm + (steps - w) * steady) / steps
 
 

@@ -64,7 +64,7 @@ def routing(cfg, prog, tokens, state) -> dict:
     return {
         "fullest_of_N": [int(f) for f in fullest],
         "N": N,
-        "dropless_slots": [min(t for t in tiers if t >= f) for f in fullest],
+        "dropless_slots": [tiers[int(moe_parallel.select_tier(f, tiers))] for f in fullest],
         "capacity_slots": C,
         "capacity_dropped_fraction": [round(float(x), 3) for x in dropped],
     }

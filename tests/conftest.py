@@ -68,7 +68,7 @@ def tokens_spec(prog):
     return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prog.batch_sharding)
 
 
-def compiled_gradients(prog, **compiler_options):
+def compiled_gradients(prog):
     """The program's gradient stage alone, `(params, tokens) -> (mean gradients, loss)`, compiled for its
     shardings."""
     fn = jax.jit(
@@ -76,4 +76,4 @@ def compiled_gradients(prog, **compiler_options):
         in_shardings=(prog.state_shardings.params, prog.batch_sharding),
     )
     with prog.activate():
-        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile(compiler_options or None)
+        return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile()

@@ -129,8 +129,11 @@ def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
     steady, run = measure.run_bytes_per_step(cfg, dp8, text)
     warm = measure.dp_bytes_per_step(text, dp8, phase="warmup")
     model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
-    assert warm == pytest.approx(sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract)))
-    assert steady == pytest.approx(expected_bytes(compress.powersgd(4), model.abstract, model.stacked_dims, 8))
+    dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
+    assert warm == pytest.approx(dense, rel=1e-12)
+    assert steady == pytest.approx(
+        expected_bytes(compress.powersgd(4), model.abstract, model.stacked_dims, 8), rel=1e-12
+    )
     assert reduce.warmup_steps(cfg) == 10
     assert run == pytest.approx((10 * warm + 90 * steady) / 100, rel=1e-12) and steady < run < warm
 

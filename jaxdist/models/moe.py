@@ -22,7 +22,8 @@ at init averages over the causal prefix, so those outputs are largely shared by 
 In tiny-moe at init (random tokens) the per-sequence mean carries 6% of the router input's energy at
 layer 0 and 64% at layer 3, and the fullest expert takes 96-127 of a device's 128 tokens there (32 is
 balanced). Embeddings at std 1 (`model.embed_init_std=1.0`, torchtitan's init) keep the tokens
-distinct: 1% shared at every layer, the fullest expert 36-48.
+distinct: 1% shared at every layer, the fullest expert well under twice the balanced load (tests/test_moe.py: at most 64 of 128
+tokens with K=2, E=8; 36-51 measured).
 """
 
 from __future__ import annotations

@@ -109,6 +109,11 @@ def dropless_tiers(tokens: int, experts: int, topk: int) -> tuple[int, ...]:
     return tuple(sorted(tiers))
 
 
+def select_tier(fullest, tiers):
+    """Index of the smallest tier with at least `fullest` slots (the last tier holds every token)."""
+    return jnp.sum(fullest > jnp.asarray(tiers[:-1]))
+
+
 def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axes):
     """Slots, dispatch buffer, all-to-all, experts, all-to-all back, combine: -> (y_ND, keep)."""
     N, D = x_ND.shape
@@ -176,7 +181,7 @@ def _local(
         fullest = jnp.max(jnp.bincount(idx_BTK.reshape(-1), length=experts))
         if all_axes:
             fullest = jax.lax.pmax(fullest, all_axes)
-        tier = jnp.sum(fullest > jnp.asarray(tiers[:-1]))
+        tier = select_tier(fullest, tiers)
         y_ND, keep = jax.lax.switch(tier, [tier_fn(C) for C in tiers], *args) if len(tiers) > 1 else run(N)(*args)
     if inner_axes:  # each tp rank computed a slice of the experts' inner dim
         y_ND = jax.lax.psum(y_ND, inner_axes)

@@ -10,22 +10,16 @@ DEFAULT_FUSION = {"xla_cpu_use_fusion_emitters": True}
 def compile_pair(path: str | None, mesh: str, overrides: list[str]):
     """(Layout on the CPU hardware entry, memory_analysis(), hlo.summarize of the collectives)."""
     import jax
-    import jax.numpy as jnp
 
-    from jaxdist import config, hlo
+    from jaxdist import config, hlo, measure
     from jaxdist.mesh import mesh_from_string, parse_mesh
     from jaxdist.planner import hardware
     from jaxdist.planner.layout import Layout
-    from jaxdist.step import build_program
 
     cfg = config.load(path, ["train.steps=10", *overrides])
-    prog = build_program(cfg, mesh_from_string(mesh))
-    tokens = jax.ShapeDtypeStruct(
-        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
-    )
     # XLA:CPU's default fusion, whatever XLA_FLAGS says: the tests turn its fusion emitters off to
     # compile faster, and that changes buffer assignment (circular pp=2 temp 15.27 -> 14.88 MB).
-    compiled = prog.train_step.lower(prog.abstract_state, tokens).compile(DEFAULT_FUSION)
+    compiled = measure.compile_train_step(cfg, mesh_from_string(mesh), DEFAULT_FUSION)
     return (
         Layout(cfg, parse_mesh(mesh, len(jax.devices())), hardware.get("cpu")),
         compiled.memory_analysis(),
