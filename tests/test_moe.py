@@ -132,26 +132,48 @@ def test_pipeline_with_experts_equals_single_device_reference(cfg, batches, refe
     np.testing.assert_allclose(curve, ref_curve, rtol=1e-5)
 
 
-def test_variants_under_explicit_dp_reduction_equal_reference(cfg, batches):
-    """Every other layer sparse, one shared expert, sigmoid router, on dp=2,ep=4 with the explicit dense
-    dp reduction (the expert shard_map nested in the dp-manual one): loss, gradients and 2 steps."""
-    variant = cfg.replace(
-        model=dict(moe_every=2, moe_shared_experts=1, moe_router="sigmoid"), reduce=dict(method="dense")
-    )
+@pytest.fixture(scope="module")
+def variant(cfg, batches):
+    """Every other layer sparse (the stack scans dense+sparse pairs), one shared expert, sigmoid router,
+    4 layers (2 pairs): its config and single-device reference (loss, gradients, 2-step curve)."""
+    variant = cfg.replace(model=dict(num_layers=4, moe_every=2, moe_shared_experts=1, moe_router="sigmoid"))
     single = mesh_mod.mesh_from_string("fsdp=1", devices=jax.devices()[:1])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "expert_ffn", masked_reference_ffn)
-        ref_prog = step.build_program(variant.replace(reduce=dict(method="implicit")), single)
+        ref_prog = step.build_program(variant, single)
         state0 = jax.device_get(ref_prog.init_state(0))
-        ref_loss, ref_grads, ref_curve = grads_and_curve(ref_prog, state0, batches[:2])[0]
-    prog = step.build_program(variant, mesh_mod.mesh_from_string("dp=2,ep=4"))
-    assert prog.gradients.name == "explicit-dense"
-    state = jax.device_put(state0, prog.state_shardings)
-    loss, grads, curve = grads_and_curve(prog, state, batches[:2])[0]
+        return variant, state0, grads_and_curve(ref_prog, state0, batches[:2])[0]
+
+
+def assert_matches(out, ref):
+    (loss, grads, curve), (ref_loss, ref_grads, ref_curve) = out, ref
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.abs(r).max()))
     np.testing.assert_allclose(curve, ref_curve, rtol=1e-5)
+
+
+def test_variants_under_explicit_dp_reduction_equal_reference(variant, batches):
+    """The variant on dp=2,ep=4 with the explicit dense dp reduction (the expert shard_map nested in the
+    dp-manual one): loss, gradients and 2 steps."""
+    cfg, state0, ref = variant
+    prog = step.build_program(cfg.replace(reduce=dict(method="dense")), mesh_mod.mesh_from_string("dp=2,ep=4"))
+    assert prog.gradients.name == "explicit-dense"
+    assert_matches(grads_and_curve(prog, jax.device_put(state0, prog.state_shardings), batches[:2])[0], ref)
+
+
+def test_pipeline_cuts_dense_sparse_groups(variant, batches):
+    """moe_every=2 on pp=2,ep=4: each stage holds one dense+sparse pair (the pipeline cuts the stacked
+    groups, not single layers); loss, gradients and 2 steps equal the reference."""
+    cfg, state0, ref = variant
+    prog = step.build_program(cfg.replace(pipeline=dict(microbatches=2)), mesh_mod.mesh_from_string("pp=2,ep=4"))
+    assert (prog.pipeline.stages, prog.pipeline.layers_per_group) == (2, 1)
+    params = pipeline.to_stages(state0.params, prog.pipeline)
+    state = step.TrainState(
+        step=np.int32(0), params=params, opt_state=prog.tx.init(params), reducer_state=(), skipped=np.int32(0)
+    )
+    loss, grads, curve = grads_and_curve(prog, jax.device_put(state, prog.state_shardings), batches[:2])[0]
+    assert_matches((loss, pipeline.from_stages(grads, prog.pipeline), curve), ref)
 
 
 def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg):
@@ -413,8 +435,9 @@ def test_experts_not_divisible_by_ep_and_pipeline_are_named(cfg):
         moe_parallel.check(
             cfg.replace(model=dict(moe_experts=4, moe_topk=2)), mesh_mod.mesh_from_string("ep=8"), sharding.make_rules()
         )
-    with pytest.raises(JaxdistError, match="moe_every=2 with pp > 1 is not supported"):
-        moe_parallel.check(
+    # 2 layers in one dense+sparse group: nothing to give the second stage
+    with pytest.raises(JaxdistError, match=r"num_layers=2 \(1 group of model.moe_every=2 layers\) cannot be split"):
+        pipeline.plan(
             cfg.replace(model=dict(moe_every=2)), mesh_mod.mesh_from_string("pp=2,ep=4"), sharding.make_rules()
         )
 

@@ -146,6 +146,11 @@ def scanned_unit(cfg: ModelConfig):
     return SparseGroup, cfg.num_layers // cfg.moe_every
 
 
+def stack_depth(cfg: ModelConfig) -> int:
+    """Length of the stacked layer axis: num_layers, or num_layers / moe_every groups of layers."""
+    return scanned_unit(cfg)[1]
+
+
 class Llama(nnx.Module):
     """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis."""
 

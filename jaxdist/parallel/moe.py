@@ -63,11 +63,6 @@ def check(cfg: Config, mesh, rules: Rules) -> None:
     m = cfg.model
     if not m.moe_experts:
         return
-    if mesh.shape.get("pp", 1) > 1 and m.moe_every > 1:
-        raise JaxdistError(
-            f"model.moe_every={m.moe_every} with pp > 1 is not supported (the pipeline cuts the stack by "
-            "layer, not by dense+sparse group); use model.moe_every=1 or pp=1"
-        )
     ep = math.prod(mesh.shape[a] for a in rules.get(EXPERT, ()))
     if m.moe_experts % ep:
         raise JaxdistError(

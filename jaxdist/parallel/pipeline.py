@@ -46,7 +46,7 @@ class Plan:
     stages: int  # P
     microbatches: int  # M, per pipeline pass (per gradient-accumulation micro-batch)
     repeats: int  # V: layer groups per stage (1 for gpipe)
-    layers_per_group: int  # L / (P V)
+    layers_per_group: int  # stacked units (layers, or moe_every-layer groups) per group: U / (P V)
 
     @property
     def iterations(self) -> int:
@@ -62,7 +62,10 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     stages = mesh.shape.get(AXIS, 1)
     if stages == 1:
         return None
-    p, layers = cfg.pipeline, cfg.model.num_layers
+    from jaxdist.models.llama import stack_depth  # the stack's length: layers, or dense+sparse groups
+
+    p, layers, units = cfg.pipeline, cfg.model.num_layers, stack_depth(cfg.model)
+    per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
     if p.schedule == "gpipe" and p.repeats != 1:
@@ -71,15 +74,16 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
         )
     repeats = p.repeats if p.schedule == "circular" else 1
     micro = p.microbatches or stages
-    if layers % (stages * repeats):
+    if units % (stages * repeats):
         fits = [
             f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
-            for d in range(2, layers + 1)
-            if layers % (d * repeats) == 0
+            for d in range(2, units + 1)
+            if units % (d * repeats) == 0
         ]
+        groups = f" ({units} group{'s' * (units > 1)} of model.moe_every={per_unit} layers)" if per_unit > 1 else ""
         raise JaxdistError(
-            f"model.num_layers={layers} cannot be split into pp={stages} stages x {repeats} repeats; "
-            f"use num_layers divisible by {stages * repeats}" + (f", or {' / '.join(fits)}" if fits else "")
+            f"model.num_layers={layers}{groups} cannot be split into pp={stages} stages x {repeats} repeats; "
+            f"use num_layers divisible by {stages * repeats * per_unit}" + (f", or {' / '.join(fits)}" if fits else "")
         )
     if repeats > 1 and micro < stages:
         raise JaxdistError(
@@ -99,7 +103,7 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
         raise JaxdistError(
             "mesh.rules maps a logical axis other than 'stage' to 'pp'; with pp > 1 only 'stage' may use the pp axis"
         )
-    return Plan(p.schedule, stages, micro, repeats, layers // (stages * repeats))
+    return Plan(p.schedule, stages, micro, repeats, units // (stages * repeats))
 
 
 def describe(pl: Plan | None) -> dict[str, Any]:
