@@ -75,8 +75,23 @@ class Memory:
         return d
 
 
+def stored_bytes(lay: Layout, keep=lambda g: True) -> float:
+    """float32 bytes on one device of the parameters `keep` selects, as stored (sharded): the size of
+    their gradients, and of each AdamW moment, too."""
+    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if keep(g))
+
+
+def gathered_per_layer(lay: Layout, keep=lambda g: True) -> float:
+    """One layer's float32 bytes of the layer parameters `keep` selects after the fsdp all-gather
+    (still split by tp, and expert weights by ep), averaged over the layers (moe_every)."""
+    m = lay.cfg.model
+    return sum(
+        g.size / m.num_layers * PARAM_BYTES / lay.tp_shards(g) for g in param_table(m) if g.role == "layer" and keep(g)
+    )
+
+
 def param_bytes(lay: Layout) -> float:
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model))
+    return stored_bytes(lay)
 
 
 def optimizer_bytes(lay: Layout) -> float:
@@ -95,7 +110,7 @@ def accumulator_bytes(lay: Layout) -> float:
     adds each layer's reduced gradient into the accumulator in place (XLA:CPU's buffer assignment holds
     one layer-gradient stack under accumulation), so only the other parameters' gradients (embedding,
     head, final norm) exist twice."""
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role != "layer")
+    return stored_bytes(lay, lambda g: g.role != "layer")
 
 
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
@@ -136,8 +151,7 @@ def activation_bytes(lay: Layout) -> float:
 
 def gathered_layer_bytes(lay: Layout) -> float:
     """One layer's parameters after the fsdp all-gather (still split by tp), float32."""
-    L = lay.cfg.model.num_layers
-    return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+    return gathered_per_layer(lay)
 
 
 def gathered_kv_bytes(lay: Layout) -> float:
@@ -168,7 +182,7 @@ def loss_bytes(lay: Layout) -> float:
 
 def layer_weight_shards(lay: Layout) -> float:
     """The scanned layers' parameters on one device (all layers of its stage, float32)."""
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+    return stored_bytes(lay, lambda g: g.role == "layer")
 
 
 def layer_gradient_bytes(lay: Layout) -> float:
@@ -178,13 +192,12 @@ def layer_gradient_bytes(lay: Layout) -> float:
     larger group: its unreduced float32 gradients at the gathered (tp-split) size and the reduction's
     result — all-reduced in full on CPU (XLA emits all-reduce for the batch axes' gradient sum),
     reduce-scattered to the shard on GPU/TPU. With one replica nothing is reduced."""
-    m = lay.cfg.model
-    groups: dict[str, float] = {}
-    for g in param_table(m):
-        if g.role == "layer" and len(g.shape) > 2:  # the matrices (norm scales are a few bytes)
-            part = "mlp" if "/mlp/" in f"/{g.path}/" or "expert" in g.names else "attn"
-            groups[part] = groups.get(part, 0.0) + g.size / m.num_layers * PARAM_BYTES / lay.tp_shards(g)
-    full = max(groups.values(), default=0.0)
+    matrix = lambda g: len(g.shape) > 2  # noqa: E731 (norm scales are a few bytes)
+    mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names  # noqa: E731
+    full = max(
+        gathered_per_layer(lay, lambda g: matrix(g) and mlp(g)),
+        gathered_per_layer(lay, lambda g: matrix(g) and not mlp(g)),
+    )
     if lay.batch_shards == 1:
         return full
     return full + (full if lay.hw.backend == "cpu" else full / lay.weight_shards)
