@@ -4,7 +4,9 @@
 
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
 terms, and the bytes per collective kind on both sides. `--dump DIR` also writes XLA's buffer
-assignment (`*buffer-assignment.txt`, with the live-range peak and the buffers live at it) there.
+assignment and live ranges there and adds what the temp allocation is made of (jaxdist.planner.heap):
+`occupied`, the most bytes of it in use at once, and `packing_waste`, temp / occupied - 1.
+`--devices N` simulates N CPU devices (default 8; e.g. 1 for a single-device mesh).
 """
 
 import argparse
@@ -20,6 +22,7 @@ def main() -> int:
     p.add_argument("--config", default=None)
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--dump", default=None)
+    p.add_argument("--devices", type=int, default=8)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--pair", action="append", default=[], help='several pairs: "MESH OVERRIDE ..." each')
     args = p.parse_args()
@@ -31,7 +34,7 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     from jaxdist.train import setup_platform
 
-    setup_platform(8)
+    setup_platform(args.devices)
     from jaxdist.planner import check, comms, memory
 
     for mesh, overrides in pairs:
@@ -39,17 +42,16 @@ def main() -> int:
     return 0
 
 
-def peak(folder: str) -> dict:
-    """XLA's live-range peak of the train step (bytes), and the part of it that is arguments."""
+def packing(folder: str) -> dict:
+    """The newest train step's temp allocation in `folder`: its bytes, the most in use at once, the waste."""
     import glob
-    import re
 
-    newest = max(glob.glob(f"{folder}/*train_step*live-range.txt"), key=os.path.getmtime)
-    text = open(newest).read().split("(peak):")[1]
-    text = text.split("Stack trace")[0]
-    sizes = {m[0]: int(m[1]) for m in re.findall(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes", text, re.M)}
-    params = sum(v for k, v in sizes.items() if k.startswith("param."))
-    return {"live_peak": sum(sizes.values()), "live_peak_args": params}
+    from jaxdist.planner import heap
+
+    newest = max(glob.glob(f"{folder}/*train_step*after_optimizations-buffer-assignment.txt"), key=os.path.getmtime)
+    with open(newest) as ba, open(newest.replace("buffer-assignment", "live-range")) as lr:
+        p = heap.packing(ba.read(), lr.read())
+    return {"occupied": p.occupied, "packing_waste": p.waste}
 
 
 def report(check, comms, memory, path, mesh, overrides, dump):
@@ -69,7 +71,7 @@ def report(check, comms, memory, path, mesh, overrides, dump):
         },
     }
     if dump:
-        out.update(peak(dump))
+        out.update(packing(dump))
     print(json.dumps(out), flush=True)
 
 

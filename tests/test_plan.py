@@ -290,3 +290,43 @@ def test_dropless_all_to_all_names_its_tier(capsys):
     assert worst == 262144 and balanced == 81920  # 64 x 4096 local tokens; 1.25 x N x 2 / 8
     assert plan.main([*argv, "model.moe_dispatch=capacity"]) == 0
     assert "worst tier" not in capsys.readouterr().out
+
+
+# XLA's dump formats (jax 0.10.2, XLA:CPU), cut down: a parameter allocation (ignored) and the temp
+# allocation; d is a tuple element, and e reuses d's range in place at instruction 6.
+BUFFER_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <0 p @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 400, preallocated-temp:
+ value: <1 a @0> (size=100,offset=0): f32[25]{0}
+ value: <2 b @0> (size=100,offset=100): f32[25]{0}
+ value: <3 c @0> (size=200,offset=200): f32[50]{0}
+ value: <4 d{1} @0> (size=100,offset=0): f32[25]{0}
+ value: <5 e @0> (size=100,offset=0): f32[25]{0}
+allocation 2: size 4, thread-local:
+"""
+LIVE_RANGE = """HloLiveRange (max 7):
+  InstructionSequence:
+    0:p
+  BufferLiveRange:
+    p{}:0-7
+    a{}:0-2
+    b{}:1-5
+    c{}:6-7
+    d{1}:3-6
+    e{}:6-6
+  Live ranges at 6 (peak):
+    c{}: 200 bytes (cumulative: 200 bytes)
+"""
+
+
+def test_heap_packing_reads_occupancy_from_the_dump():
+    """Worked by hand: at 6, c [200, 400) and d, e sharing [0, 100) occupy 300 of the 400-byte heap
+    (a and b, live earlier, never overlap c, yet the packing put c above them): waste 1/3. A value
+    without a live range is refused, not skipped."""
+    from jaxdist.planner import heap
+
+    p = heap.packing(BUFFER_ASSIGNMENT, LIVE_RANGE)
+    assert (p.heap, p.occupied, p.at) == (400, 300, 6) and p.waste == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="e\\{\\} of the temp allocation has no live range"):
+        heap.packing(BUFFER_ASSIGNMENT, LIVE_RANGE.replace("    e{}:6-6\n", ""))
