@@ -3,9 +3,10 @@
     nice -n 10 python scripts/plan_check.py --mesh fsdp=8 model.remat=full [--dump DIR]
 
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
-terms, and the bytes per collective kind on both sides. `--dump DIR` also writes XLA's buffer
-assignment and live ranges there and adds what the temp allocation is made of (jaxdist.planner.heap):
-`occupied`, the most bytes of it in use at once, and `packing_waste`, temp / occupied - 1.
+terms, and the bytes per collective kind on both sides. `--dump DIR` also writes the compiled HloProto
+there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
+bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1) and
+`peak_buffers`, the largest buffers live at that peak (defining instruction, bytes).
 `--devices N` simulates N CPU devices (default 8; e.g. 1 for a single-device mesh).
 """
 
@@ -30,7 +31,7 @@ def main() -> int:
     # the test suite's flags (tests/conftest.py), so the numbers are the tests' numbers
     flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
     if args.dump:
-        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*"]
+        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*", "--xla_dump_hlo_as_proto"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     from jaxdist.train import setup_platform
 
@@ -43,15 +44,15 @@ def main() -> int:
 
 
 def packing(folder: str) -> dict:
-    """The newest train step's temp allocation in `folder`: its bytes, the most in use at once, the waste."""
+    """The newest train step's heap simulation in `folder`: its peak, the waste above it, the peak's buffers."""
     import glob
 
     from jaxdist.planner import heap
 
-    newest = max(glob.glob(f"{folder}/*train_step*after_optimizations-buffer-assignment.txt"), key=os.path.getmtime)
-    with open(newest) as ba, open(newest.replace("buffer-assignment", "live-range")) as lr:
-        p = heap.packing(ba.read(), lr.read())
-    return {"occupied": p.occupied, "packing_waste": p.waste}
+    newest = max(glob.glob(f"{folder}/*train_step*after_optimizations.hlo.pb"), key=os.path.getmtime)
+    with open(newest, "rb") as f:
+        peak = max(heap.simulator_peaks(f.read()), key=lambda p: p.live)
+    return {"simulator_peak": peak.live, "peak_buffers": peak.buffers[:16]}
 
 
 def report(check, comms, memory, path, mesh, overrides, dump):
@@ -72,6 +73,7 @@ def report(check, comms, memory, path, mesh, overrides, dump):
     }
     if dump:
         out.update(packing(dump))
+        out["packing_waste"] = mem.temp_size_in_bytes / out["simulator_peak"] - 1
     print(json.dumps(out), flush=True)
 
 

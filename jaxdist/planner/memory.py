@@ -26,11 +26,10 @@ recomputed activations and one layer's gradient group being reduced — or, wher
 working set. The update writes the new parameters and moments into the donated state, but XLA:CPU
 first copies the old moments (the non-finite guard's select still reads them), at the step's start.
 
-These terms were revised against the compiled size of the temp allocation, which is a heap packing
-(jaxdist.planner.heap): XLA places every buffer at one offset for its whole life, and the allocation
-measured 4-54% above the most bytes ever in use at once on the checked pairs, by pair, not by a rule
-seen here. So the sum above is not the bytes live at the peak (on the checked pairs it is -5% to +54%
-of them); it matches the allocation where the packing's waste happens to equal what the terms over-count.
+These terms were revised against the compiled temp allocation. XLA's heap simulator packs it with
+little waste (jaxdist.planner.heap replays its trace: the allocation is 0.0-1.8% above the bytes held at
+its peak on most checked pairs, at most 8.7%), so a miss is a buffer the terms leave out or count
+wrongly, not fragmentation.
 """
 
 from __future__ import annotations
@@ -150,10 +149,38 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
 def activation_bytes(lay: Layout) -> float:
     m, tokens = lay.cfg.model, lay.micro_tokens
     if lay.mesh["pp"] == 1:
-        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens
+        tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
+        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
     stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
     group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
     return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
+
+
+def dropless_tier_bytes(lay: Layout) -> float:
+    """One dropless MoE layer's saved dispatch buffers (remat=none, no pipeline): every tier keeps its
+    two all-to-all results (E x C x D each) for the backward, the tiers not taken too, because a
+    lax.switch returns every branch's residuals (jaxdist.parallel.moe; read from the compiled step's
+    heap trace: the layers' stacks of each tier's buffers are live at its peak). 0 otherwise: remat
+    and the pipeline's stage recompute rebuild them in the backward."""
+    from jaxdist.parallel.moe import dropless_tiers
+
+    m = lay.cfg.model
+    if not m.moe_experts or m.moe_dispatch != "dropless" or m.remat != "none" or lay.mesh["pp"] > 1:
+        return 0.0
+    tiers = dropless_tiers(lay.micro_batch * m.seq_len, m.moe_experts, m.moe_topk)
+    return 2 * m.moe_experts * sum(tiers) * m.d_model * lay.act_bytes if len(tiers) > 1 else 0.0
+
+
+def dropless_recompute_bytes(lay: Layout) -> float:
+    """One dropless MoE layer's tier recomputed in the backward (its residuals other than the two
+    all-to-all results are not kept): the experts' SwiGLU intermediates (gate, up, silu(gate), their
+    product; E x C x F/tp each, as the dense MLP's 4 F per token) at the largest tier, C = every local
+    token, which the compiled conditional's buffers are sized for. 0 where dropless_tier_bytes is."""
+    m = lay.cfg.model
+    if not dropless_tier_bytes(lay):
+        return 0.0
+    F = m.moe_mlp_dim or m.mlp_dim
+    return 4 * m.moe_experts * lay.micro_batch * m.seq_len * F / lay.mesh["tp"] * lay.act_bytes
 
 
 def gathered_layer_bytes(lay: Layout) -> float:
@@ -219,7 +246,7 @@ def temporary_bytes(lay: Layout) -> float:
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
     one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
-    working = max(one_layer, layer_gradient_bytes(lay))
+    working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay))
     return moment_copy_bytes(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
 
 
