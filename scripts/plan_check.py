@@ -3,8 +3,11 @@
     nice -n 10 python scripts/plan_check.py --mesh fsdp=8 model.remat=full [--dump DIR]
 
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
-terms, and the bytes per collective kind on both sides. `--dump DIR` also writes XLA's buffer
-assignment (`*buffer-assignment.txt`, with the live-range peak and the buffers live at it) there.
+terms, and the bytes per collective kind on both sides. `--dump DIR` also writes the compiled HloProto
+there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
+bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1) and
+`peak_buffers`, the largest buffers live at that peak (defining instruction, bytes).
+`--devices N` simulates N CPU devices (default 8; e.g. 1 for a single-device mesh).
 """
 
 import argparse
@@ -20,6 +23,7 @@ def main() -> int:
     p.add_argument("--config", default=None)
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--dump", default=None)
+    p.add_argument("--devices", type=int, default=8)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--pair", action="append", default=[], help='several pairs: "MESH OVERRIDE ..." each')
     args = p.parse_args()
@@ -27,11 +31,11 @@ def main() -> int:
     # the test suite's flags (tests/conftest.py), so the numbers are the tests' numbers
     flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
     if args.dump:
-        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*"]
+        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*", "--xla_dump_hlo_as_proto"]
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     from jaxdist.train import setup_platform
 
-    setup_platform(8)
+    setup_platform(args.devices)
     from jaxdist.planner import check, comms, memory
 
     for mesh, overrides in pairs:
@@ -39,17 +43,16 @@ def main() -> int:
     return 0
 
 
-def peak(folder: str) -> dict:
-    """XLA's live-range peak of the train step (bytes), and the part of it that is arguments."""
+def packing(folder: str) -> dict:
+    """The newest train step's heap simulation in `folder`: its peak, the waste above it, the peak's buffers."""
     import glob
-    import re
 
-    newest = max(glob.glob(f"{folder}/*train_step*live-range.txt"), key=os.path.getmtime)
-    text = open(newest).read().split("(peak):")[1]
-    text = text.split("Stack trace")[0]
-    sizes = {m[0]: int(m[1]) for m in re.findall(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes", text, re.M)}
-    params = sum(v for k, v in sizes.items() if k.startswith("param."))
-    return {"live_peak": sum(sizes.values()), "live_peak_args": params}
+    from jaxdist.planner import heap
+
+    newest = max(glob.glob(f"{folder}/*train_step*after_optimizations.hlo.pb"), key=os.path.getmtime)
+    with open(newest, "rb") as f:
+        peak = max(heap.simulator_peaks(f.read()), key=lambda p: p.live)
+    return {"simulator_peak": peak.live, "peak_buffers": peak.buffers[:16]}
 
 
 def report(check, comms, memory, path, mesh, overrides, dump):
@@ -69,7 +72,8 @@ def report(check, comms, memory, path, mesh, overrides, dump):
         },
     }
     if dump:
-        out.update(peak(dump))
+        out.update(packing(dump))
+        out["packing_waste"] = mem.temp_size_in_bytes / out["simulator_peak"] - 1
     print(json.dumps(out), flush=True)
 
 

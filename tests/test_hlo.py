@@ -95,6 +95,9 @@ def test_golden_cpu_sync_program():
         ]
     )
     assert all(c.trips_known for c in colls)
+    # The tuple psum's two 32-byte all-reduces are the f32[8] and the s32[8], not one of them twice.
+    small = sorted(c.line.split(" = ")[1].split("{")[0] for c in colls if c.kind == "all-reduce" and c.full_bytes == 32)
+    assert small == ["f32[8]", "s32[8]"]
     total = sum(c.count * c.sent_bytes for c in colls)
     assert total == pytest.approx(
         2 * 3 / 4 * 256 + 1 / 2 * 256 + 7 / 8 * 256 + 3 / 4 * 256 + 32 + 3 * 2 * 1 / 2 * 64 + 2 * (2 * 1 / 2 * 32)

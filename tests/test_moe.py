@@ -97,13 +97,19 @@ def reference(cfg, batches):
 RESULTS = {}
 
 
+def dropless_run(cfg, batches, reference, mesh_text):
+    """((loss, grads, curve), compiled) of the dropless program on `mesh_text` from the reference's
+    initial state: run once per mesh in this module, whichever test asks first."""
+    if mesh_text not in RESULTS:
+        prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text))
+        RESULTS[mesh_text] = grads_and_curve(prog, jax.device_put(reference[0], prog.state_shardings), batches)
+    return RESULTS[mesh_text]
+
+
 @pytest.mark.parametrize("mesh_text", MESHES)
 def test_dropless_equals_single_device_reference(cfg, batches, reference, mesh_text):
-    state0, (ref_loss, ref_grads, ref_curve) = reference
-    prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text))
-    state = jax.device_put(state0, prog.state_shardings)
-    (loss, grads, curve), compiled = grads_and_curve(prog, state, batches)
-    RESULTS[mesh_text] = compiled
+    _, (ref_loss, ref_grads, ref_curve) = reference
+    (loss, grads, curve), _ = dropless_run(cfg, batches, reference, mesh_text)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.abs(r).max()))
@@ -176,14 +182,12 @@ def test_pipeline_cuts_dense_sparse_groups(variant, batches):
     assert_matches((loss, pipeline.from_stages(grads, prog.pipeline), curve), ref)
 
 
-def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg):
+def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg, batches, reference):
     """The ep=8 train step (10 steps, scanned): all-to-alls over ep only, in every dropless tier's branch
     (STEPS x layers x (dispatch, combine) x (forward, backward) each), each sending E·C·D·4·(ep-1)/ep
     bytes per device for its tier's C; the per-step figure (hlo.summarize) counts the largest tier only,
     C = N local tokens, as the planner's a2a_bytes_per_direction; no all-gather of expert weights."""
-    compiled = RESULTS.get("ep=8")
-    if compiled is None:
-        pytest.skip("needs test_dropless_equals_single_device_reference[ep=8]")
+    compiled = dropless_run(cfg, batches, reference, "ep=8")[1]  # the equivalence test's program
     mesh = mesh_mod.mesh_from_string("ep=8")
     colls = hlo.collectives(compiled.as_text())
     shape, order = dict(mesh.shape), tuple(mesh.axis_names)

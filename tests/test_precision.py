@@ -71,3 +71,33 @@ def test_reduction_runs_in_reduce_dtype(tiny_cfg, bf16_program, monkeypatch):
     _, lowered = build(tiny_cfg, "bfloat16")
     monkeypatch.undo()
     assert sorted(op_dtypes(lowered.as_text(dialect="hlo"), "all-reduce")) == ["bf16"] * n_params + ["f32"]
+
+
+def test_weight_matmul_names_exactly_the_matrices_it_multiplies(tiny_cfg, monkeypatch):
+    """mixed.WEIGHT_MATMUL tells the layer scan which matrices to leave float32 for weight_matmul, which
+    casts each on its shard and returns its gradient in float32. A matrix used through weight_matmul but
+    missing from the list would be pre-cast by the scan, its gradient then reduced in bf16; a listed
+    name that weight_matmul never sees would not be cast before its gather at all. One dense Block,
+    traced: the parameters weight_matmul receives are exactly the listed ones, and they are all of the
+    Block's matrices (norm scales are vectors)."""
+    from flax import nnx
+
+    from jaxdist.mixed import WEIGHT_MATMUL
+    from jaxdist.models import llama
+
+    seen, real = [], llama.weight_matmul
+    monkeypatch.setattr(llama, "weight_matmul", lambda x, w, *a, **k: seen.append(w) or real(x, w, *a, **k))
+    model = tiny_cfg.replace(model=SMALL).model
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: llama.Block(model, nnx.Rngs(params=0))))
+    names, matrices = {}, set()
+
+    def run(x, state):
+        block = nnx.merge(graphdef, state)
+        for path, p in nnx.to_flat_state(nnx.state(block, nnx.Param)):
+            names[id(p.get_value())] = str(path[-1])
+            matrices.update([str(path[-1])] if p.get_value().ndim >= 2 else [])
+        return block(x, jnp.arange(x.shape[1]))
+
+    jax.make_jaxpr(run)(jax.ShapeDtypeStruct((1, 8, model.d_model), jnp.bfloat16), state)
+    used = [names.get(id(w)) for w in seen]
+    assert sorted(used) == sorted(WEIGHT_MATMUL) and matrices == WEIGHT_MATMUL

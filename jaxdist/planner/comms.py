@@ -61,7 +61,7 @@ from jaxdist.loss import block_rows
 from jaxdist.mesh import AXES
 from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
-from jaxdist.planner.memory import gathered_layer_bytes
+from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
 
 OVERLAPPED = ("fsdp", "dp")  # weight gathers and gradient reductions can run behind compute
 
@@ -219,33 +219,18 @@ def step_traffic(lay: Layout) -> list[Traffic]:
 
 def attention_layer_bytes(lay: Layout) -> float:
     """One layer's attention weights and norms after the fsdp all-gather (split by tp), float32."""
-    L = lay.cfg.model.num_layers
-    return sum(
-        g.size / L * PARAM_BYTES / lay.tp_shards(g)
-        for g in param_table(lay.cfg.model)
-        if g.role == "layer" and ("/attn/" in g.path or "norm/" in g.path)
-    )
+    return gathered_per_layer(lay, lambda g: "/attn/" in g.path or "norm/" in g.path)
 
 
 def w_down_layer_bytes(lay: Layout) -> float:
     """One layer's dense MLP down projection after the fsdp all-gather (split by tp), float32."""
-    L = lay.cfg.model.num_layers
-    return sum(
-        g.size / L * PARAM_BYTES / lay.tp_shards(g)
-        for g in param_table(lay.cfg.model)
-        if g.role == "layer" and g.path.startswith("blocks/mlp/w_down")
-    )
+    return gathered_per_layer(lay, lambda g: g.path.startswith("blocks/mlp/w_down"))
 
 
 def expert_layer_bytes(lay: Layout) -> float:
     """One MoE layer's expert weights after the fsdp all-gather (split by ep and tp), float32, averaged
     over all layers (moe_every), as `gathered_layer_bytes`."""
-    L = lay.cfg.model.num_layers
-    return sum(
-        g.size / L * PARAM_BYTES / lay.tp_shards(g)
-        for g in param_table(lay.cfg.model)
-        if g.role == "layer" and "expert" in g.names
-    )
+    return gathered_per_layer(lay, lambda g: "expert" in g.names)
 
 
 def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit: bool) -> None:

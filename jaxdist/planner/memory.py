@@ -21,9 +21,15 @@ the gathered K and V (and their gradients) of one layer: 4·B·T·K·H/tp elemen
 
 Temporary bytes (memory_analysis().temp) are the backward pass's peak, read term by term from XLA:CPU's
 buffer assignment: saved activations + one set of float32 gradients (+ the non-layer gradients'
-accumulator under accumulation) + two copies of the stacked layer-weight shards + the larger of one
-layer's recomputed activations and one layer's gradient group being reduced — or, where larger, the
-loss's working set. The AdamW update is in place (no copies of the optimizer state).
+accumulator under accumulation) + copies of the layers' two AdamW moments + the larger of one layer's
+recomputed activations and one layer's gradient group being reduced — or, where larger, the loss's
+working set. The update writes the new parameters and moments into the donated state, but XLA:CPU
+first copies the old moments (the non-finite guard's select still reads them), at the step's start.
+
+These terms were revised against the compiled temp allocation. XLA's heap simulator packs it with
+little waste (jaxdist.planner.heap replays its trace: the allocation is 0.0-1.8% above the bytes held at
+its peak on most checked pairs, at most 8.7%), so a miss is a buffer the terms leave out or count
+wrongly, not fragmentation.
 """
 
 from __future__ import annotations
@@ -75,8 +81,23 @@ class Memory:
         return d
 
 
+def stored_bytes(lay: Layout, keep=lambda g: True) -> float:
+    """float32 bytes on one device of the parameters `keep` selects, as stored (sharded): the size of
+    their gradients, and of each AdamW moment, too."""
+    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if keep(g))
+
+
+def gathered_per_layer(lay: Layout, keep=lambda g: True) -> float:
+    """One layer's float32 bytes of the layer parameters `keep` selects after the fsdp all-gather
+    (still split by tp, and expert weights by ep), averaged over the layers (moe_every)."""
+    m = lay.cfg.model
+    return sum(
+        g.size / m.num_layers * PARAM_BYTES / lay.tp_shards(g) for g in param_table(m) if g.role == "layer" and keep(g)
+    )
+
+
 def param_bytes(lay: Layout) -> float:
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model))
+    return stored_bytes(lay)
 
 
 def optimizer_bytes(lay: Layout) -> float:
@@ -95,7 +116,7 @@ def accumulator_bytes(lay: Layout) -> float:
     adds each layer's reduced gradient into the accumulator in place (XLA:CPU's buffer assignment holds
     one layer-gradient stack under accumulation), so only the other parameters' gradients (embedding,
     head, final norm) exist twice."""
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role != "layer")
+    return stored_bytes(lay, lambda g: g.role != "layer")
 
 
 def saved_per_token_layer(lay: Layout, policy: str) -> float:
@@ -128,16 +149,43 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
 def activation_bytes(lay: Layout) -> float:
     m, tokens = lay.cfg.model, lay.micro_tokens
     if lay.mesh["pp"] == 1:
-        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens
+        tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
+        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
     stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
     group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
     return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
 
 
+def dropless_tier_bytes(lay: Layout) -> float:
+    """One dropless MoE layer's saved dispatch buffers (remat=none, no pipeline): every tier keeps its
+    two all-to-all results (E x C x D each) for the backward, the tiers not taken too, because a
+    lax.switch returns every branch's residuals (jaxdist.parallel.moe; read from the compiled step's
+    heap trace: the layers' stacks of each tier's buffers are live at its peak). 0 otherwise: remat
+    and the pipeline's stage recompute rebuild them in the backward."""
+    from jaxdist.parallel.moe import dropless_tiers
+
+    m = lay.cfg.model
+    if not m.moe_experts or m.moe_dispatch != "dropless" or m.remat != "none" or lay.mesh["pp"] > 1:
+        return 0.0
+    tiers = dropless_tiers(lay.micro_batch * m.seq_len, m.moe_experts, m.moe_topk)
+    return 2 * m.moe_experts * sum(tiers) * m.d_model * lay.act_bytes if len(tiers) > 1 else 0.0
+
+
+def dropless_recompute_bytes(lay: Layout) -> float:
+    """One dropless MoE layer's tier recomputed in the backward (its residuals other than the two
+    all-to-all results are not kept): the experts' SwiGLU intermediates (gate, up, silu(gate), their
+    product; E x C x F/tp each, as the dense MLP's 4 F per token) at the largest tier, C = every local
+    token, which the compiled conditional's buffers are sized for. 0 where dropless_tier_bytes is."""
+    m = lay.cfg.model
+    if not dropless_tier_bytes(lay):
+        return 0.0
+    F = m.moe_mlp_dim or m.mlp_dim
+    return 4 * m.moe_experts * lay.micro_batch * m.seq_len * F / lay.mesh["tp"] * lay.act_bytes
+
+
 def gathered_layer_bytes(lay: Layout) -> float:
     """One layer's parameters after the fsdp all-gather (still split by tp), float32."""
-    L = lay.cfg.model.num_layers
-    return sum(g.size / L * PARAM_BYTES / lay.tp_shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+    return gathered_per_layer(lay)
 
 
 def gathered_kv_bytes(lay: Layout) -> float:
@@ -168,7 +216,7 @@ def loss_bytes(lay: Layout) -> float:
 
 def layer_weight_shards(lay: Layout) -> float:
     """The scanned layers' parameters on one device (all layers of its stage, float32)."""
-    return sum(g.size * PARAM_BYTES / lay.shards(g) for g in param_table(lay.cfg.model) if g.role == "layer")
+    return stored_bytes(lay, lambda g: g.role == "layer")
 
 
 def layer_gradient_bytes(lay: Layout) -> float:
@@ -178,30 +226,38 @@ def layer_gradient_bytes(lay: Layout) -> float:
     larger group: its unreduced float32 gradients at the gathered (tp-split) size and the reduction's
     result — all-reduced in full on CPU (XLA emits all-reduce for the batch axes' gradient sum),
     reduce-scattered to the shard on GPU/TPU. With one replica nothing is reduced."""
-    m = lay.cfg.model
-    groups: dict[str, float] = {}
-    for g in param_table(m):
-        if g.role == "layer" and len(g.shape) > 2:  # the matrices (norm scales are a few bytes)
-            part = "mlp" if "/mlp/" in f"/{g.path}/" or "expert" in g.names else "attn"
-            groups[part] = groups.get(part, 0.0) + g.size / m.num_layers * PARAM_BYTES / lay.tp_shards(g)
-    full = max(groups.values(), default=0.0)
+    matrix = lambda g: len(g.shape) > 2  # noqa: E731 (norm scales are a few bytes)
+    mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names  # noqa: E731
+    full = max(
+        gathered_per_layer(lay, lambda g: matrix(g) and mlp(g)),
+        gathered_per_layer(lay, lambda g: matrix(g) and not mlp(g)),
+    )
     if lay.batch_shards == 1:
         return full
     return full + (full if lay.hw.backend == "cpu" else full / lay.weight_shards)
 
 
 def temporary_bytes(lay: Layout) -> float:
-    """The backward scan's working set beside the saved activations and the gradients: two copies of
-    the stacked layer weight shards (read from XLA:CPU's buffer assignment: the scan's weight residuals
-    and a re-laid-out copy for the backward), allgather's gathered K and V, and the larger of one layer's
+    """The backward scan's working set beside the saved activations and the gradients: copies of the
+    layers' AdamW mu and nu (moment_copy_bytes), allgather's gathered K and V, and the larger of one layer's
     full activations when its forward is recomputed (remat, or a pipeline stage) and one layer's
     gradient being reduced (layer_gradient_bytes): the recomputed activations are dead by the time the
     layer's gradient is complete."""
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
     one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
-    working = max(one_layer, layer_gradient_bytes(lay))
-    return 2 * layer_weight_shards(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
+    working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay))
+    return moment_copy_bytes(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
+
+
+def moment_copy_bytes(lay: Layout) -> float:
+    """The old AdamW moments XLA:CPU copies at the step's start and holds until the update: the update
+    fusions write the new mu and nu into their donated buffers while the non-finite guard's select (and
+    the parameter's fusion, which recomputes the moments) still read the old ones (copy insertion; none
+    without the guard). Read from the buffer assignments: every mu copy and most nu copies sit in the
+    temp allocation (a few go into a donated buffer already copied out). The layers' moments: the
+    embedding's and head's are small at the checked shapes and not counted."""
+    return 2 * layer_weight_shards(lay)
 
 
 def ring_block_bytes(lay: Layout) -> float:
@@ -220,9 +276,8 @@ def compiled_temp_bytes(mem: Memory) -> float:
     """What memory_analysis() calls temp: the peak of the backward pass — the saved activations, and
     either the loss's working set (before any layer gradient exists) or the gradients and the layers'
     working set. The optimizer update adds no peak of its own: clip, AdamW and the non-finite guard fuse
-    into one elementwise pass per parameter that writes the new parameters and moments into the donated
-    state's buffers (XLA:CPU's buffer assignment gives each update fusion its parameter's allocation), so
-    it needs only the gradients, which the backward already holds."""
+    into elementwise passes that write the new parameters and moments into the donated state's buffers,
+    reading the gradients and the old moments' copies, which the backward already holds."""
     return mem.activations + max(mem.grads + mem.temporary, mem.loss)
 
 

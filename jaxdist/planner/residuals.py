@@ -42,25 +42,15 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     the heads and of the MLP (dense layers; the caller models MoE and context-parallel attention)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from jax import export
 
-    from jaxdist.models.llama import REMAT_POLICIES, Block
-
-    local = _local(model, tp)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
-
-    def layer(x, state):
-        return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1]))
-
-    if policy != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    layer, state = _traced_layer(model, tp, policy)
     (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
-    x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, T, model.d_model), jnp.float32)
     try:
         jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
-    except Exception:  # a layer that branches on T's value: count at two concrete lengths, unmerged
-        return listed_per_layer(model, tp, policy)
+    except jax.errors.InconclusiveDimensionOperation:  # the layer branches on T's value: count at two
+        return listed_per_layer(model, tp, policy)  # concrete lengths, unmerged
     linear = pairs = 0.0
     for v in unique_outputs(jaxpr):
         at = [_size(v, TRACE_T), _size(v, 2 * TRACE_T)]
@@ -81,26 +71,36 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     describe its program (jaxdist.planner.memory)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from jaxdist.models.llama import REMAT_POLICIES, Block
-
-    local = _local(model, tp)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(local, nnx.Rngs(params=0))))
+    layer, state = _traced_layer(model, tp, policy)
 
     def sizes(T: int) -> list[int]:
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, jnp.arange(T))
-
-        if policy != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
-        x = jax.ShapeDtypeStruct((1, T, local.d_model), jnp.float32)
+        x = jax.ShapeDtypeStruct((1, T, model.d_model), jnp.float32)
         backward = jax.eval_shape(lambda x, s: jax.vjp(layer, x, s)[1], x, state)
         return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward)]
 
     a, b = sizes(TRACE_T), sizes(2 * TRACE_T)
     linear = sum(x for x, y in zip(a, b) if y == 2 * x)
     return Saved(linear / TRACE_T, sum(x for x, y in zip(a, b) if y == 4 * x) / TRACE_T**2)
+
+
+def _traced_layer(model: ModelConfig, tp: int, policy: str):
+    """(layer(x_BTD, state) under the remat policy, the abstract state) of one dense Block as one device
+    computes it under tp (nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.models.llama import REMAT_POLICIES, Block
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(_local(model, tp), nnx.Rngs(params=0))))
+
+    def layer(x, state):
+        return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1]))
+
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return layer, state
 
 
 def _local(model: ModelConfig, tp: int) -> ModelConfig:
