@@ -7,7 +7,8 @@ a circular pipeline, a large vocabulary with either loss, bf16, accumulation —
 were revised after reading these programs' buffer assignments, so they are checks, not held-out data):
 arguments within 1%, collectives within 5%, temp and total bytes within 10% — except the pairs in
 KNOWN_OFF, held to the bound there, for the reason given. FRESH pairs were compiled once, after the
-model was final, and never used to change it: the same tolerances.
+model was final, and not used to change it, except that the tp=4 pair's heap trace was then read and
+its sliced residuals modelled (the d_model 128 pair's was read, not modelled): the same tolerances.
 """
 
 import functools
@@ -65,12 +66,15 @@ CPU = hardware.get("cpu")
 # is temp over the simulator's peak - 1, plan_check.py --dump), so these are buffers the model
 # misses or over-counts (the README's table lists every pair):
 KNOWN_OFF = {
-    # +21%, waste 1.8%: a pipeline's stage inputs and per-iteration recompute are coarse (no
+    # +20.9%, waste 1.8%: a pipeline's stage inputs and per-iteration recompute are coarse (no
     # buffer-level model)
     "tiny-pp=2,fsdp=4-pipeline.schedule=circular-pipeline.repeats=2-pipeline.microbatches=2": (0.22, 0.05),
-    # FRESH pairs, as measured on their one check (the model was not changed for them):
-    # -11.5%, waste 0.0%
-    "tiny-fsdp=8-model.num_layers=2-model.d_model=128-model.mlp_dim=512-model.seq_len=64": (0.13, 0.05),
+    # FRESH pair (-11.5% on its one check, -10.4% after the slicing and loss revision), waste 0.0%:
+    # XLA combines all of a layer's gradient all-reduces into one, so its peak holds the whole
+    # layer's gradient unreduced and reduced (2.4 MB), not the larger group's (1.6 MB modelled);
+    # counting the whole layer puts remat=full at +15% (its gradient stacks and moment copies are
+    # over-counted by 1.2 MB: heap trace)
+    "tiny-fsdp=8-model.num_layers=2-model.d_model=128-model.mlp_dim=512-model.seq_len=64": (0.12, 0.05),
 }
 
 
