@@ -250,9 +250,9 @@ def temporary_bytes(lay: Layout) -> float:
     # Not recomputed, the backward scan slices the layer's residuals out of the saved stacks into
     # buffers of their own, beside the gradients computed from them (heap trace of fsdp=2,tp=4: 5.5 MB
     # of dynamic-slice fusions and 2.4 MB of backward work at its peak; the traced per-token residuals
-    # are 7.0 MB; the T x T scores, one of whose two copies is sliced, are left out). Not under cp,
-    # whose programs hold no such slices at their peak
-    # (tests/test_context.py: ring +23% with them).
+    # are 7.0 MB; the T x T scores, one of whose two copies is sliced, are left out). Not under cp:
+    # with it the prediction is 23% over the compiled gradient programs of tests/test_context.py
+    # (ring; their heap traces were not read).
     sliced = not recompute and lay.cp == 1
     one_layer = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens if recompute or sliced else 0.0
     working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay))
