@@ -21,9 +21,9 @@ the gathered K and V (and their gradients) of one layer: 4·B·T·K·H/tp elemen
 
 Temporary bytes (memory_analysis().temp) are the backward pass's peak, read term by term from XLA:CPU's
 buffer assignment: saved activations + one set of float32 gradients (+ the non-layer gradients'
-accumulator under accumulation) + copies of the layers' two AdamW moments + the larger of one layer's
-recomputed activations and one layer's gradient group being reduced — or, where larger, the loss's
-working set. The update writes the new parameters and moments into the donated state, but XLA:CPU
+accumulator under accumulation) + copies of the two AdamW moments + the larger of one layer's
+activations (recomputed, or without remat sliced out of the saved stacks) and one layer's gradient
+group being reduced — or, where larger, the loss's working set beside the moments' copies. The update writes the new parameters and moments into the donated state, but XLA:CPU
 first copies the old moments (the non-finite guard's select still reads them), at the step's start.
 
 These terms were revised against the compiled temp allocation. XLA's heap simulator packs it with
@@ -56,6 +56,7 @@ class Memory:
     batch: float  # the step's input tokens
     capacity: float  # usable HBM
     loss: float = 0.0  # the loss's working set (loss_bytes)
+    moment_copies: float = 0.0  # the old AdamW moments' copies, held through the step (moment_copy_bytes)
 
     @property
     def arguments(self) -> float:
@@ -119,10 +120,10 @@ def accumulator_bytes(lay: Layout) -> float:
     return stored_bytes(lay, lambda g: g.role != "layer")
 
 
-def saved_per_token_layer(lay: Layout, policy: str) -> float:
+def saved_per_token_layer(lay: Layout, policy: str, pairs: bool = True) -> float:
     """Bytes one layer keeps for backward per token of a micro-batch: for dense layers without cp, the
     residuals JAX itself saves (jaxdist.planner.residuals), with a fused attention's O(T) statistics in
-    place of the T x T scores; otherwise the formulas of the module docstring."""
+    place of the T x T scores (pairs=False: without them); otherwise the formulas of the module docstring."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
     if not m.moe_experts:
         # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's
@@ -130,7 +131,7 @@ def saved_per_token_layer(lay: Layout, policy: str) -> float:
         saved = (residuals.listed_per_layer if lay.cp > 1 else residuals.saved_per_layer)(m, t, policy)
         # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
         # ring keep its output and log-sum-exp instead.
-        scores = saved.per_token_pair * m.seq_len
+        scores = saved.per_token_pair * m.seq_len if pairs else 0.0
         if scores and (lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")):
             scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)
         return (saved.per_token + scores) * c / 4
@@ -198,20 +199,21 @@ def gathered_kv_bytes(lay: Layout) -> float:
 
 
 def loss_bytes(lay: Layout) -> float:
-    """The loss's working set per device, over the tokens of one pass (the pipeline's micro-batches
-    rejoin before the head). naive: float32 logits, one-hot labels, softmax and gradient over the vocab
-    shard (3 x tokens x V/tp). blockwise (jaxdist.loss): a block of logits (the probabilities and their gradient are fused
-    into its consumers), the gathered block weight, its unreduced float32 gradient and the reduced one,
-    and the input-gradient sum."""
+    """The loss's working set per device at its peak, over the tokens of one pass (the pipeline's
+    micro-batches rejoin before the head), as the heap traces show it at V=8192 (fsdp=8, fsdp=4,tp=2):
+    naive: float32 logits, their exponential and the softmax gradient over the vocab shard
+    (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.loss): a block of logits (the
+    probabilities and their gradient are fused into its consumers), the block's weight gathered twice
+    (the forward's gather is still live when the backward's recompute gathers it again) and the
+    input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
     m = lay.cfg.model
     tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len // lay.cp
     shards = lay.mesh["tp"]
-    # Both: the head weight in use (gathered over fsdp), its unreduced float32 gradient and the reduced one.
     if m.loss_impl == "naive":
         rows = m.vocab_size // shards
-        return 3 * tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES)
+        return 3 * tokens * rows * 4 + m.d_model * rows * lay.act_bytes
     rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
-    return tokens * rows * 4 + m.d_model * rows * (lay.act_bytes + 2 * PARAM_BYTES) + tokens * m.d_model * 4
+    return tokens * rows * 4 + 2 * m.d_model * rows * lay.act_bytes + tokens * m.d_model * 4
 
 
 def layer_weight_shards(lay: Layout) -> float:
@@ -239,13 +241,20 @@ def layer_gradient_bytes(lay: Layout) -> float:
 
 def temporary_bytes(lay: Layout) -> float:
     """The backward scan's working set beside the saved activations and the gradients: copies of the
-    layers' AdamW mu and nu (moment_copy_bytes), allgather's gathered K and V, and the larger of one layer's
-    full activations when its forward is recomputed (remat, or a pipeline stage) and one layer's
-    gradient being reduced (layer_gradient_bytes): the recomputed activations are dead by the time the
-    layer's gradient is complete."""
+    AdamW mu and nu (moment_copy_bytes), allgather's gathered K and V, and the larger of one layer's
+    full activations when its forward is recomputed (remat, or a pipeline stage) — without remat its
+    per-token residuals sliced out of the stacks — and one layer's gradient being reduced
+    (layer_gradient_bytes): the layer's activations are dead by the time its gradient is complete."""
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
-    one_layer = saved_per_token_layer(lay, "none") * lay.micro_tokens if recompute else 0.0
+    # Not recomputed, the backward scan slices the layer's residuals out of the saved stacks into
+    # buffers of their own, beside the gradients computed from them (heap trace of fsdp=2,tp=4: 5.5 MB
+    # of dynamic-slice fusions and 2.4 MB of backward work at its peak; the traced per-token residuals
+    # are 7.0 MB; the T x T scores, one of whose two copies is sliced, are left out). Not under cp:
+    # with it the prediction is 23% over the compiled gradient programs of tests/test_context.py
+    # (ring; their heap traces were not read).
+    sliced = not recompute and lay.cp == 1
+    one_layer = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens if recompute or sliced else 0.0
     working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay))
     return moment_copy_bytes(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
 
@@ -254,10 +263,11 @@ def moment_copy_bytes(lay: Layout) -> float:
     """The old AdamW moments XLA:CPU copies at the step's start and holds until the update: the update
     fusions write the new mu and nu into their donated buffers while the non-finite guard's select (and
     the parameter's fusion, which recomputes the moments) still read the old ones (copy insertion; none
-    without the guard). Read from the buffer assignments: every mu copy and most nu copies sit in the
-    temp allocation (a few go into a donated buffer already copied out). The layers' moments: the
-    embedding's and head's are small at the checked shapes and not counted."""
-    return 2 * layer_weight_shards(lay)
+    without the guard). Read from the buffer assignments and heap traces: every mu copy and most nu
+    copies sit in the temp allocation (a few go into a donated buffer already copied out), the
+    embedding's and head's too (at V=8192: 3-4 MB of the 7.0-7.4 MB of copies at the loss's peak), so
+    both moments of every parameter are counted, in both of compiled_temp_bytes's branches."""
+    return 2 * param_bytes(lay)
 
 
 def ring_block_bytes(lay: Layout) -> float:
@@ -274,11 +284,11 @@ def ring_block_bytes(lay: Layout) -> float:
 
 def compiled_temp_bytes(mem: Memory) -> float:
     """What memory_analysis() calls temp: the peak of the backward pass — the saved activations, and
-    either the loss's working set (before any layer gradient exists) or the gradients and the layers'
-    working set. The optimizer update adds no peak of its own: clip, AdamW and the non-finite guard fuse
+    either the loss's working set beside the moments' copies, taken at the step's start (before any
+    layer gradient exists), or the gradients and the layers' working set (the copies included). The optimizer update adds no peak of its own: clip, AdamW and the non-finite guard fuse
     into elementwise passes that write the new parameters and moments into the donated state's buffers,
     reading the gradients and the old moments' copies, which the backward already holds."""
-    return mem.activations + max(mem.grads + mem.temporary, mem.loss)
+    return mem.activations + max(mem.grads + mem.temporary, mem.loss + mem.moment_copies)
 
 
 def estimate(lay: Layout) -> Memory:
@@ -294,4 +304,5 @@ def estimate(lay: Layout) -> Memory:
         batch=batch,
         capacity=lay.hw.hbm_bytes * USABLE_FRACTION,
         loss=loss_bytes(lay),
+        moment_copies=moment_copy_bytes(lay),
     )
