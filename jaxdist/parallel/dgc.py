@@ -57,7 +57,7 @@ WARMUP_STAGES = 4  # DGC's four warm-up epochs
 
 
 class DgcState(NamedTuple):
-    momentum: Any  # u: this replica's momentum not yet sent (masked where sent)
+    momentum: Any  # u: this replica's momentum not yet sent (zeroed where kept)
     accum: Any  # a: this replica's accumulated momentum not yet sent (error feedback)
     variance: Any  # v: Adam's second moment of this replica's own gradient (reduce.dgc=update); () else
     mean: Any = ()  # m: the EMA of this replica's own gradient (reduce.dgc=update); () else
