@@ -56,14 +56,14 @@ def chunking(size: int) -> tuple[int, int]:
     return chunks, -(-size // chunks)
 
 
-def sparse_sum(x_CE, k: int, axis, score_CE=None):
-    """Sum over `axis` of each replica's `k` entries per row (chunk) of `x_CE` (rows of <= 65,536
-    entries) with the largest `score_CE` (default |x_CE|). Each kept entry travels as one uint32 —
+def sparse_sum(x_CE, k: int, axis):
+    """Sum over `axis` of each replica's `k` largest-magnitude entries per row (chunk) of `x_CE`
+    (rows of <= 65,536 entries). Each kept entry travels as one uint32 —
     its bfloat16 value's bits over its 16-bit position in the row — in one all-gather; replicas
     scatter-add what they gather. Returns (total_CE, sent_CE, kept_CE): the sum, this replica's own
     bfloat16-rounded share of it, and where its kept entries are (a kept value may round to 0)."""
     chunks, chunk = x_CE.shape
-    _, idx = jax.lax.top_k(jnp.abs(x_CE) if score_CE is None else score_CE, k)  # (chunks, k) positions
+    _, idx = jax.lax.top_k(jnp.abs(x_CE), k)  # (chunks, k) positions in each chunk
     vals = jnp.take_along_axis(x_CE, idx, axis=1).astype(jnp.bfloat16)
     bits = jax.lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)
     every = jax.lax.all_gather((bits << 16) | idx.astype(jnp.uint32), axis)  # (n, chunks, k)
@@ -87,18 +87,12 @@ def topk_k(size: int, ratio: float) -> tuple[int, int, int]:
     return chunks, chunk, max(1, math.ceil(ratio * chunk))
 
 
-def topk_sum(x, ratio: float, axis, score=None):
+def topk_sum(x, ratio: float, axis):
     """`sparse_sum` of a whole tensor: flattened into chunks of <= 65,536 entries, the `ratio`
-    highest-`score` (default |x|) entries of each kept. Returns (total, sent, kept) shaped like x."""
+    largest-magnitude entries of each kept. Returns (total, sent, kept) shaped like x."""
     chunks, chunk, k = topk_k(x.size, ratio)
-    pad = chunks * chunk - x.size
-
-    def rows(a, fill):
-        return jnp.pad(a.reshape(-1), (0, pad), constant_values=fill).reshape(chunks, chunk)
-
-    flat = rows(x.astype(jnp.float32), 0)
-    score_CE = None if score is None else rows(score.astype(jnp.float32), -1)  # padding is never kept
-    total, sent, kept = sparse_sum(flat, k, axis, score_CE)
+    flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
+    total, sent, kept = sparse_sum(flat, k, axis)
     unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape)  # noqa: E731
     return unpad(total).astype(x.dtype), unpad(sent).astype(x.dtype), unpad(kept)
 
