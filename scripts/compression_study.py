@@ -27,12 +27,13 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "int8": dict(method="int8"),
     "powersgd r=4": dict(method="powersgd", rank=4),
     "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
-    "topk 1%": dict(method="topk", ratio=0.01),  # DGC, its sum fed to Adam with b1=0 (reduce.dgc=gradient)
+    "topk 1%": dict(method="topk", ratio=0.01),  # DGC on each replica's Adam-scaled update (reduce.dgc=update)
     "topk 0.1%": dict(method="topk", ratio=0.001),
-    "topk 1% dgc=update": dict(method="topk", ratio=0.01, dgc="update"),  # DGC on each replica's Adam step
+    "topk 1% dgc=gradient": dict(method="topk", ratio=0.01, dgc="gradient"),  # DGC's sum fed to Adam, b1=0
+    "topk 0.1% dgc=gradient": dict(method="topk", ratio=0.001, dgc="gradient"),
     "topk 1% dgc=off": dict(method="topk", ratio=0.01, dgc="off"),  # plain error feedback, dense warm-up
     "topk 1% b2=0.999": dict(method="topk", ratio=0.01, optim=dict(b2=0.999)),  # Adam's memory >> 1/density
-    "topk 1% dgc=update warm-up from 25%": dict(method="topk", ratio=0.01, dgc="update", warmup_density=0.25),
+    "topk 1% warm-up from 25%": dict(method="topk", ratio=0.01, warmup_density=0.25),
     "topk 0.1% dgc=off": dict(method="topk", ratio=0.001, dgc="off"),
     "demo 1%": dict(method="demo", ratio=0.01),
     "demo 0.1%": dict(method="demo", ratio=0.001),
@@ -71,7 +72,9 @@ def run_method(label, base, mesh, out: Path, known=None):
     knobs = dict(METHODS[label])  # reduce.* overrides, and optim.* ones under "optim"
     cfg = base.replace(optim=knobs.pop("optim", {}), reduce=knobs)
     steps, warm_steps = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
+    shape = bytes_shape(cfg)
     if known:
+        check_same_shape(label, known, shape)
         steady, run = known["dp_bytes_per_step"], known["run_bytes_per_step"]
     else:  # steady and run average (warm-up stages each at their own bytes) from the compiled step
         steady, run = measure.run_bytes_per_step(cfg, mesh, measure.compile_train_step(cfg, mesh).as_text())
@@ -96,7 +99,39 @@ def run_method(label, base, mesh, out: Path, known=None):
         "curve": curve,
         "evals": evals,
         "tokens_per_sec": result.tokens_per_sec,
+        "shape": shape,
     }
+
+
+def bytes_shape(cfg) -> dict:
+    """What a row's bytes depend on: the model, the mesh, the steps (run average) and the reduce knobs."""
+    import dataclasses
+
+    return {
+        "model": dataclasses.asdict(cfg.model),
+        "mesh": cfg.mesh.shape,
+        "steps": cfg.train.steps,
+        "reduce": dataclasses.asdict(cfg.reduce),
+    }
+
+
+def check_same_shape(label: str, known: dict, shape: dict) -> None:
+    """--bytes-from reuses a stored row's bytes only for the same model, mesh, steps and knobs."""
+    stored = known.get("shape")
+    if stored is None:
+        raise SystemExit(f"--bytes-from: its {label!r} row does not record its shape; rerun without --bytes-from")
+    for part in shape:
+        if stored.get(part) != shape[part]:
+            diff = part
+            if isinstance(shape[part], dict):
+                there = stored.get(part) or {}
+                keys = [k for k in shape[part] if there.get(k) != shape[part][k]]
+                diff = ", ".join(f"{part}.{k}={there.get(k)} there, {shape[part][k]} here" for k in keys)
+            else:
+                diff = f"{part}={stored.get(part)} there, {shape[part]} here"
+            raise SystemExit(
+                f"--bytes-from: its {label!r} row was measured for another setup ({diff}); rerun without --bytes-from"
+            )
 
 
 def cumulative_bytes(r, step):
@@ -200,8 +235,10 @@ def main(argv=None) -> int:
         print(f"{label}: done, final loss {row['final_loss']:.4f}", file=sys.stderr, flush=True)
     dense = next((r for r in results if r["label"] == "dense"), None)
     m = base.model
+    shaped = any(o.startswith("model.") for o in args.overrides)  # not the config's own shape
     title = (
-        f"{args.config or 'tiny'} (d_model {m.d_model}, {m.num_layers} layers, seq {m.seq_len}), mesh {args.mesh}, "
+        f"{args.config or 'tiny'}{' reshaped' if shaped else ''} (d_model {m.d_model}, {m.num_layers} layers, "
+        f"seq {m.seq_len}), mesh {args.mesh}, "
         f"{args.steps} steps, seed {base.train.seed}"
     )
     lines = [

@@ -80,14 +80,17 @@ def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
 
 def test_dgc_warmup_stages():
     """The sparsity warm-up: 10% of the steps in 4 near-equal stages whose density falls from 6.25%
-    by (1% / 6.25%)^(1/4) per stage; fewer stages when the warm-up has fewer steps; none when the
-    target is not below the start density."""
+    (or 25x the target, where lower) by (target / start)^(1/4) per stage; fewer stages when the
+    warm-up has fewer steps; none when the target is not below the start density."""
     cfg = step.Config().replace(reduce=dict(method="topk", ratio=0.01), train=dict(steps=100))
     stages = dgc.stages(cfg)
     assert [(a, b) for a, b, _ in stages] == [(0, 2), (2, 5), (5, 7), (7, 10)]
     np.testing.assert_allclose([d for _, _, d in stages], [0.0625, 0.039528, 0.025, 0.015811], rtol=1e-4)
     assert dgc.stages(cfg.replace(train=dict(steps=20))) == [(0, 1, 0.0625), (1, 2, 0.025)]
     assert dgc.stages(cfg.replace(reduce=dict(ratio=0.1))) == []
+    # a 0.1% target starts at 25x itself (2.5%), not 6.25%: four stages of 2.5% / 1.12% / 0.5% / 0.22%
+    low = dgc.stages(cfg.replace(reduce=dict(ratio=0.001)))
+    np.testing.assert_allclose([d for _, _, d in low], [0.025, 0.011180, 0.005, 0.002236], rtol=1e-4)
 
 
 def test_dgc_bytes_are_exact_per_stage_and_four_per_kept_entry(tiny_cfg, dp8):
@@ -180,20 +183,23 @@ DGC_SHAPES = {"w": (96, 128), "b": (3,)}  # top-k'd (one chunk of 12,288: k = 12
 @pytest.mark.parametrize("mode", ["update", "gradient"])
 def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
     """Per replica, against numpy: share clipped to optim.clip_norm/sqrt(8) locally; (update) scaled by
-    its own Adam second moment v' = b2 v + (1-b2)(8 share)^2; u' = b1 u + (1-b1) p; a' = a + u'. What
+    the mean gradient's scale estimated from its own moments, v' = b2 v + (1-b2)(8 share)^2 and
+    m' = b1 m + (1-b1) 8 share: sqrt(7/8 m̂'^2 + v̂'/8) + eps; u' = b1 u + (1-b1) p; a' = a + c u'
+    (update: c = 1/(1 - b1^t), Adam's bias correction; gradient: c = 1). What
     it sent (a' - new a) is exactly the k largest |a'| (bfloat16-rounded), nothing else; new u is u'
     with the sent entries zeroed (masking); the sum every replica receives is the sum of what all
-    sent; the 3-entry tensor goes dense: the sum of u', a unchanged. At step 0 the density is the
+    sent; the 3-entry tensor goes dense: the sum of c u', a unchanged. At step 0 the density is the
     warm-up's first stage (6.25%: k = 768), at step 10 the target (1%: k = 123)."""
     cfg = tiny_cfg.replace(reduce=dict(method="topk", ratio=0.01, dgc=mode), train=dict(steps=100))
     o = cfg.optim
     update = dgc.replica_update(cfg, 8)
     keys = iter(jax.random.split(jax.random.key(5), 12))
     rnd = lambda scale: {k: scale * jax.random.normal(next(keys), (8,) + v) for k, v in DGC_SHAPES.items()}  # noqa: E731
-    share, u, a, v = rnd(0.1), rnd(0.01), rnd(0.01), jax.tree.map(jnp.abs, rnd(0.01))
-    state = dgc.DgcState(u, a, v if mode == "update" else ())
+    share, u, a, v, m = rnd(0.1), rnd(0.01), rnd(0.01), jax.tree.map(jnp.abs, rnd(0.01)), rnd(0.01)
+    moments = mode == "update"
+    state = dgc.DgcState(u, a, v if moments else (), m if moments else ())
     spec = {k: P("dp") for k in DGC_SHAPES}
-    state_spec = dgc.DgcState(spec, spec, spec if mode == "update" else ())
+    state_spec = dgc.DgcState(spec, spec, spec if moments else (), spec if moments else ())
 
     def body(g, s, i):
         total, new = update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s), i)
@@ -214,14 +220,18 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
                 p = g[key]
                 if mode == "update":
                     v_new = o.b2 * np.asarray(v[key][r]) + (1 - o.b2) * (8 * p) ** 2
+                    m_new = o.b1 * np.asarray(m[key][r]) + (1 - o.b1) * 8 * p
                     np.testing.assert_allclose(new.variance[key][r], v_new, rtol=1e-5)
-                    p = p / (np.sqrt(v_new / (1 - o.b2 ** (i + 1))) + o.eps)
+                    np.testing.assert_allclose(new.mean[key][r], m_new, rtol=1e-5, atol=1e-9)
+                    m_hat, v_hat = m_new / (1 - o.b1 ** (i + 1)), v_new / (1 - o.b2 ** (i + 1))
+                    p = p / (np.sqrt(7 / 8 * m_hat**2 + v_hat / 8) + o.eps)
                 u_new = o.b1 * np.asarray(u[key][r]) + (1 - o.b1) * p
-                a_new = np.asarray(a[key][r]) + u_new
+                c = 1 / (1 - o.b1 ** (i + 1)) if mode == "update" else 1.0  # Adam's m̂ = m / (1 - b1^t)
+                a_new = np.asarray(a[key][r]) + c * u_new
                 if key == "b":  # dense: the momentum itself is summed, nothing held back
                     np.testing.assert_allclose(new.accum[key][r], a[key][r], rtol=0)
                     np.testing.assert_allclose(new.momentum[key][r], u_new, rtol=1e-4, atol=1e-8)
-                    sent_sum[key] = sent_sum[key] + u_new
+                    sent_sum[key] = sent_sum[key] + c * u_new
                     continue
                 sent = a_new.reshape(-1) - np.asarray(new.accum[key][r], np.float64).reshape(-1)
                 score = np.abs(a_new).reshape(-1)
@@ -235,6 +245,29 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
         for key in DGC_SHAPES:
             for r in range(8):
                 np.testing.assert_allclose(total[key][r], sent_sum[key], rtol=1e-4, atol=1e-6)
+
+
+def test_dgc_masks_the_kept_positions_even_where_the_value_is_zero(dp8):
+    """Momentum factor masking zeroes u where top-k *kept* an entry, not where the sent value is
+    nonzero: a chunk with 30 nonzero accumulated entries and k = 41 keeps 11 zeros too, and all 41
+    positions leave the momentum (sent != 0 would have masked 30)."""
+    n, k = 4096, 41  # one chunk; 1% keeps ceil(40.96) = 41
+    u = (1 + jax.random.randint(jax.random.key(1), (8, n), 0, 100)) / 1024  # nonzero, exact in fp32
+    hot = jnp.zeros(n, bool).at[jnp.arange(0, 300, 10)].set(True)  # 30 entries accumulate to 1.0
+    a = jnp.where(hot, 1.0 - u, -u)  # elsewhere a + u is exactly zero
+
+    def body(a, u):
+        total, accum, momentum = dgc.exchange(a[0], u[0], 0.01, "dp", 8)
+        return total[None], accum[None], momentum[None]
+
+    spec = P("dp")
+    fn = jax.jit(jax.shard_map(body, mesh=dp8, in_specs=(spec, spec), out_specs=(spec,) * 3, check_vma=False))
+    total, accum, momentum = (np.asarray(x) for x in fn(a, u))
+    masked = momentum == 0
+    assert (masked.sum(1) == k).all() and masked[:, np.asarray(hot)].all()
+    np.testing.assert_array_equal(momentum[~masked], np.asarray(u)[~masked])
+    np.testing.assert_array_equal(accum, 0)  # all of a + u was kept and sent (1.0 is exact in bfloat16)
+    np.testing.assert_array_equal(total, np.broadcast_to(np.where(hot, 8.0, 0.0), (8, n)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -572,3 +605,25 @@ def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(demo_run, dp8):
     )
     # + the psum of (loss, token count, squared local gradient norm): 3 float32s
     assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(exchange + 2 * 7 / 8 * 12, rel=1e-12)
+
+
+def test_study_reuses_bytes_only_from_the_same_setup():
+    """compression_study --bytes-from: a stored row's bytes are reused for another seed of the same
+    model, mesh, steps and knobs; any other difference, or a row that does not record its setup, is
+    refused naming what differs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "compression_study.py"
+    spec = importlib.util.spec_from_file_location("compression_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    cfg = step.Config().replace(reduce=dict(method="topk"))
+    shape = study.bytes_shape(cfg)
+    study.check_same_shape("topk 1%", {"shape": study.bytes_shape(cfg.replace(train=dict(seed=1)))}, shape)
+    with pytest.raises(SystemExit, match=r"model\.d_model=128 there, 256 here"):
+        study.check_same_shape("topk 1%", {"shape": study.bytes_shape(cfg.replace(model=dict(d_model=128)))}, shape)
+    with pytest.raises(SystemExit, match="steps=100 there, 300 here"):
+        study.check_same_shape("topk 1%", {"shape": study.bytes_shape(cfg.replace(train=dict(steps=100)))}, shape)
+    with pytest.raises(SystemExit, match="does not record its shape"):
+        study.check_same_shape("topk 1%", {"dp_bytes_per_step": 1.0}, shape)

@@ -51,7 +51,7 @@ def test_bad_values_are_one_line_errors(override, message):
 
 
 def test_error_feedback_off_under_dgc_is_refused():
-    with pytest.raises(JaxdistError, match="no effect with reduce.dgc=gradient.*set reduce.dgc=off"):
+    with pytest.raises(JaxdistError, match="no effect with reduce.dgc=update.*set reduce.dgc=off"):
         config.load(None, ["reduce.method=topk", "reduce.error_feedback=false"])
     # a bare `off` is a bool to YAML 1.1; the choice field takes it back as the word
     plain = config.load(None, ["reduce.method=topk", "reduce.error_feedback=false", "reduce.dgc=off"])

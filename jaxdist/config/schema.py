@@ -168,11 +168,11 @@ class ReduceConfig:
     outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
     momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
     chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
-    dgc: Literal["gradient", "update", "off"] = (
-        "gradient"  # topk: DGC momentum correction, the sum fed to Adam with b1=0 (update: on each replica's Adam-scaled update; off: plain error feedback)
+    dgc: Literal["update", "gradient", "off"] = (
+        "update"  # topk: DGC momentum correction on each replica's Adam-scaled update (gradient: the sum fed to Adam with b1=0; off: plain error feedback)
     )
     warmup_density: Annotated[float, Range(0, 1, lo_open=True)] = (
-        0.0625  # topk with dgc: density at the start of the sparsity warm-up (falls to ratio over warmup_fraction)
+        0.0625  # topk with dgc: density at the start of the sparsity warm-up, at most 25x ratio (falls to ratio over warmup_fraction)
     )
 
 

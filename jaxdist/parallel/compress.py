@@ -33,6 +33,17 @@ def dense_bytes(shape, n: int) -> float:
     return hlo.ring_bytes("all-reduce", n, 4 * math.prod(shape))
 
 
+def cheaper(codec: Codec, shape, batch_dims: int, n: int) -> bool:
+    """Whether the codec sends fewer bytes for this tensor than a dense float32 all-reduce: where
+    not, reducers send it dense."""
+    return codec.bytes_sent(shape, batch_dims, n) < dense_bytes(shape, n)
+
+
+def bytes_or_dense(codec: Codec, shape, batch_dims: int, n: int) -> float:
+    """What one tensor costs per replica: the codec's bytes, or dense float32 where that is not more."""
+    return codec.bytes_sent(shape, batch_dims, n) if cheaper(codec, shape, batch_dims, n) else dense_bytes(shape, n)
+
+
 # ---------------------------------------------------------------------------------------------------
 # top-k: exchange values + indices (Lin et al. 2018, Deep Gradient Compression), chunked and packed
 
@@ -47,9 +58,10 @@ def chunking(size: int) -> tuple[int, int]:
 
 def sparse_sum(x_CE, k: int, axis):
     """Sum over `axis` of each replica's `k` largest-magnitude entries per row (chunk) of `x_CE`
-    (rows of <= 65,536 entries). Each kept entry travels as one uint32 — its bfloat16 value's bits
-    over its 16-bit position in the row — in one all-gather; replicas scatter-add what they gather.
-    Returns (total_CE, sent_CE): the sum, and this replica's own bfloat16-rounded share of it."""
+    (rows of <= 65,536 entries). Each kept entry travels as one uint32 —
+    its bfloat16 value's bits over its 16-bit position in the row — in one all-gather; replicas
+    scatter-add what they gather. Returns (total_CE, sent_CE, kept_CE): the sum, this replica's own
+    bfloat16-rounded share of it, and where its kept entries are (a kept value may round to 0)."""
     chunks, chunk = x_CE.shape
     _, idx = jax.lax.top_k(jnp.abs(x_CE), k)  # (chunks, k) positions in each chunk
     vals = jnp.take_along_axis(x_CE, idx, axis=1).astype(jnp.bfloat16)
@@ -58,13 +70,31 @@ def sparse_sum(x_CE, k: int, axis):
     got_vals = jax.lax.bitcast_convert_type((every >> 16).astype(jnp.uint16), jnp.bfloat16)
     got_idx = (every & 0xFFFF).astype(jnp.int32) + chunk * jnp.arange(chunks, dtype=jnp.int32)[:, None]
     total = jnp.zeros(chunks * chunk, jnp.float32).at[got_idx.reshape(-1)].add(got_vals.astype(jnp.float32).reshape(-1))
-    sent = jnp.zeros_like(x_CE).at[jnp.arange(chunks)[:, None], idx].set(vals.astype(jnp.float32))
-    return total.reshape(chunks, chunk), sent
+    rows = jnp.arange(chunks)[:, None]
+    sent = jnp.zeros_like(x_CE).at[rows, idx].set(vals.astype(jnp.float32))
+    kept = jnp.zeros(x_CE.shape, bool).at[rows, idx].set(True)
+    return total.reshape(chunks, chunk), sent, kept
 
 
 def sparse_bytes(chunks: int, k: int, n: int) -> float:
     """Bytes per device of `sparse_sum`: the all-gather of every replica's chunks·k packed entries."""
     return hlo.ring_bytes("all-gather", n, n * 4 * chunks * k)
+
+
+def topk_k(size: int, ratio: float) -> tuple[int, int, int]:
+    """(chunks, chunk, k): the chunking of a tensor of `size` entries and the entries kept per chunk."""
+    chunks, chunk = chunking(size)
+    return chunks, chunk, max(1, math.ceil(ratio * chunk))
+
+
+def topk_sum(x, ratio: float, axis):
+    """`sparse_sum` of a whole tensor: flattened into chunks of <= 65,536 entries, the `ratio`
+    largest-magnitude entries of each kept. Returns (total, sent, kept) shaped like x."""
+    chunks, chunk, k = topk_k(x.size, ratio)
+    flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
+    total, sent, kept = sparse_sum(flat, k, axis)
+    unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape)  # noqa: E731
+    return unpad(total).astype(x.dtype), unpad(sent).astype(x.dtype), unpad(kept)
 
 
 def topk(ratio: float) -> Codec:
@@ -75,19 +105,12 @@ def topk(ratio: float) -> Codec:
     (2(N-1)/N·4 bytes per entry) the bytes shrink by ~ 2/(N·ratio): the gather of N sparse sets
     limits it. `sent` is the bfloat16-rounded values, so error feedback keeps the rounding too."""
 
-    def k_of(size):
-        chunks, chunk = chunking(size)
-        return chunks, chunk, max(1, math.ceil(ratio * chunk))
-
     def reduce(x, state, batch_dims, axis):
-        chunks, chunk, k = k_of(x.size)
-        flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
-        total, sent = sparse_sum(flat, k, axis)
-        unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)  # noqa: E731
-        return unpad(total), unpad(sent), state
+        total, sent, _ = topk_sum(x, ratio, axis)
+        return total, sent, state
 
     def bytes_sent(shape, batch_dims, n):
-        chunks, _, k = k_of(math.prod(shape))
+        chunks, _, k = topk_k(math.prod(shape), ratio)
         return sparse_bytes(chunks, k, n)
 
     return Codec("topk", lambda shape, batch_dims: (), reduce, bytes_sent)

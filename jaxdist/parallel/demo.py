@@ -83,7 +83,7 @@ def sparse_dct_sum(x, batch_dims: int, ratio: float, target: int, axis):
     """(total, sent): the sum over `axis` of every replica's top coefficients, decoded, and this
     replica's own share (decoded, bfloat16-rounded coefficients): x − sent is what it keeps."""
     lay = layout(x.shape, batch_dims, target)
-    total, sent = compress.sparse_sum(encode(x, lay), kept(lay, ratio)[1], axis)
+    total, sent, _ = compress.sparse_sum(encode(x, lay), kept(lay, ratio)[1], axis)
     return decode(total, x.shape, lay), decode(sent, x.shape, lay)
 
 

@@ -5,20 +5,26 @@ the study). DGC accumulates *momentum* on each replica instead and sends the top
 replica and step (inside the manual shard_map):
 
     g  = clip(this replica's share of the mean gradient, optim.clip_norm / √N)   local clipping
-    p  = g                                                     reduce.dgc=gradient (default)
-    p  = g / (√v̂ + eps),  v ← b2·v + (1 − b2)·(N·g)²           reduce.dgc=update
+    p  = g / ŝ                    reduce.dgc=update (default): Adam's scaling, per replica
+         m ← b1·m + (1 − b1)·N·g,  v ← b2·v + (1 − b2)·(N·g)²   (this replica's own gradient N·g)
+         ŝ = √((1 − 1/N)·m̂² + v̂/N) + eps   (the *mean* gradient's scale: `mean_gradient_scale`)
+    p  = g                        reduce.dgc=gradient
     u ← b1·u + (1 − b1)·p        momentum correction (optim.b1: Adam's momentum moves onto the replica)
-    a ← a + u                    accumulation (error feedback)
-    send the top-k of |a| per chunk (compress.topk's packed uint32s); a ← a − sent; u ← 0 where sent
+    a ← a + u·c                  accumulation (error feedback); update: c = 1/(1 − b1^t), Adam's m̂
+    send the top-k of |a| per chunk (compress.topk's packed uint32s); a ← a − sent; u ← 0 where kept
     (momentum factor masking)
 
-DGC was built for momentum SGD; with Adam, `gradient` feeds the sum to the step's Adam with its first
-moment off (b1 = 0: DGC's momentum replaces it; the second moment is Adam's own, of the sum).
-`update` compresses the optimizer's update instead: each replica scales by its own second moment of
-its own gradient (no communication) and the step applies the sum with the LR and decoupled decay
-alone — linear, so the accumulation telescopes, but with one sequence per replica that local second
-moment is mostly noise and the steps come out small; measured worse (README). Tensors top-k would not
-shrink get the same momentum, summed dense.
+DGC was built for momentum SGD, where the accumulation telescopes: over time the sum of what was sent
+is the sum of every replica's momentum. `update` keeps that under Adam by compressing the optimizer's
+update: the step applies the sum with the LR and decoupled decay alone (linear). Its scale ŝ
+estimates, on each replica and without communication, the second moment of the *mean* gradient that
+dense Adam divides by, E[ḡ²] = μ² + σ²/N, from the replica's own moments (m̂² ≈ μ², v̂ ≈ μ² + σ²):
+a replica's own v̂ alone overstates a noisy coordinate by up to N (one sequence per replica at dp=8),
+and the steps came out up to √N too small (the first version; measured in the README). `gradient`
+feeds the sum to the step's Adam with its first moment off (b1 = 0; the second moment is Adam's own,
+of the bursty sparse sum: entries sent rarely get at most √(1/(1 − b2))·lr per send) — close on the
+small study shape, 9% off dense on `tiny`. Tensors top-k would not shrink get the same momentum,
+summed dense.
 
 Sparsity warm-up: the density falls exponentially from `reduce.warmup_density` to `reduce.ratio` in
 `WARMUP_STAGES` equal stages over the warm-up (`reduce.warmup_fraction` of the steps; DGC: 4 epochs,
@@ -51,9 +57,10 @@ WARMUP_STAGES = 4  # DGC's four warm-up epochs
 
 
 class DgcState(NamedTuple):
-    momentum: Any  # u: this replica's momentum not yet sent (masked where sent)
+    momentum: Any  # u: this replica's momentum not yet sent (zeroed where kept)
     accum: Any  # a: this replica's accumulated momentum not yet sent (error feedback)
     variance: Any  # v: Adam's second moment of this replica's own gradient (reduce.dgc=update); () else
+    mean: Any = ()  # m: the EMA of this replica's own gradient (reduce.dgc=update); () else
 
 
 def enabled(cfg: Config) -> bool:
@@ -65,37 +72,54 @@ def stage_scope(i: int) -> str:
     return f"{reduce.WARMUP_SCOPE}_stage{i}"
 
 
+MAX_WARMUP_SPAN = 25  # the warm-up starts at most 25x the target density (DGC: 25% -> 0.1% is 250x)
+
+
+def start_density(cfg: Config) -> float:
+    """`reduce.warmup_density`, or 25x `reduce.ratio` where that is lower: a 0.1% target starts at
+    2.5%, so the warm-up's 30 steps cost ~1.3 dense steps, not 2.8 (run average 128x, not 78x)."""
+    return min(cfg.reduce.warmup_density, MAX_WARMUP_SPAN * cfg.reduce.ratio)
+
+
 def stages(cfg: Config) -> list[tuple[int, int, float]]:
     """(first step, end step, density) of each warm-up stage; after them, `reduce.ratio`. Empty when
     the target is at least the start density or there are no warm-up steps."""
-    r, warm = cfg.reduce, reduce.warmup_steps(cfg)
-    if warm == 0 or r.ratio >= r.warmup_density:
+    r, warm, start = cfg.reduce, reduce.warmup_steps(cfg), start_density(cfg)
+    if warm == 0 or r.ratio >= start:
         return []
     n = min(WARMUP_STAGES, warm)
     bounds = [i * warm // n for i in range(n + 1)]
-    return [(bounds[i], bounds[i + 1], r.warmup_density * (r.ratio / r.warmup_density) ** (i / n)) for i in range(n)]
+    return [(bounds[i], bounds[i + 1], start * (r.ratio / start) ** (i / n)) for i in range(n)]
 
 
 def compressible(shape, density: float, n: int) -> bool:
     """Whether top-k at `density` sends fewer bytes than a dense float32 all-reduce (ring model)."""
-    return compress.topk(density).bytes_sent(shape, 0, n) < compress.dense_bytes(shape, n)
+    return compress.cheaper(compress.topk(density), shape, 0, n)
 
 
 def bytes_sent(shape, density: float, n: int) -> float:
-    """What one tensor costs per replica at `density`: top-k, or dense where that is not smaller."""
-    if compressible(shape, density, n):
-        return compress.topk(density).bytes_sent(shape, 0, n)
-    return compress.dense_bytes(shape, n)
+    """What one tensor costs per replica at `density`: the top-k codec's own `bytes_sent`, or dense."""
+    return compress.bytes_or_dense(compress.topk(density), shape, 0, n)
 
 
-def exchange(accum, momentum, density: float, axis, n: int):
-    """One tensor: (sum over replicas of what each sent, new accum, new momentum)."""
+def exchange(accum, momentum, density: float, axis, n: int, bias=1.0):
+    """One tensor: (sum over replicas of what each sent, new accum, new momentum); `bias` scales the
+    momentum as it is accumulated (Adam's 1 / (1 − b1^t) under reduce.dgc=update)."""
     if not compressible(accum.shape, density, n):  # dense: the momentum itself, nothing held back
-        return jax.lax.psum(momentum, axis), accum, momentum
-    accum = accum + momentum
-    total, sent, _ = compress.topk(density).reduce(accum, (), 0, axis)
-    # bfloat16 keeps float32's exponent range: a kept entry is nonzero unless it was exactly zero.
-    return total, accum - sent, jnp.where(sent != 0, 0.0, momentum)
+        return jax.lax.psum(momentum * bias, axis), accum, momentum
+    accum = accum + momentum * bias
+    total, sent, kept = compress.topk_sum(accum, density, axis)
+    return total, accum - sent, jnp.where(kept, 0.0, momentum)  # momentum factor masking: kept positions
+
+
+def mean_gradient_scale(mean, variance, step, o, n: int):
+    """√v̂ + eps of the *mean* gradient (over n replicas), estimated on one replica from its own
+    gradient's EMA m and second moment v: E[ḡ²] = μ² + σ²/n, with μ² ≈ m̂² and μ² + σ² ≈ v̂ (the
+    replica's own v̂ alone overstates a noisy coordinate's scale by up to n, so its steps come out
+    up to √n too small)."""
+    t = (jnp.asarray(step) + 1).astype(jnp.float32)
+    m_hat, v_hat = mean / (1 - o.b1**t), variance / (1 - o.b2**t)
+    return jnp.sqrt((1 - 1 / n) * m_hat**2 + v_hat / n) + o.eps
 
 
 def replica_update(cfg: Config, replicas: int):
@@ -107,11 +131,14 @@ def replica_update(cfg: Config, replicas: int):
     def update(share, state: DgcState, step):
         if o.clip_norm > 0:  # local clipping, scaled for a sum of N shares (DGC)
             share = optax.clip_by_global_norm(o.clip_norm / math.sqrt(replicas)).update(share, optax.EmptyState())[0]
-        variance = state.variance
-        if r.dgc == "update":  # this replica's own Adam scaling of its own mean gradient (N x its share)
+        variance, mean, bias = state.variance, state.mean, 1.0
+        if r.dgc == "update":  # Adam's scaling of this replica's own mean gradient (N x its share)
             variance = jax.tree.map(lambda v, g: o.b2 * v + (1 - o.b2) * (replicas * g) ** 2, variance, share)
-            correction = 1 - o.b2 ** (jnp.asarray(step) + 1).astype(jnp.float32)
-            share = jax.tree.map(lambda g, v: g / (jnp.sqrt(v / correction) + o.eps), share, variance)
+            mean = jax.tree.map(lambda m, g: o.b1 * m + (1 - o.b1) * replicas * g, mean, share)
+            scale = lambda m, v: mean_gradient_scale(m, v, step, o, replicas)  # noqa: E731
+            share = jax.tree.map(lambda g, m, v: g / scale(m, v), share, mean, variance)
+            # Adam's bias correction of its momentum: the step applies m̂ = m / (1 − b1^t), not m.
+            bias = 1 / (1 - o.b1 ** (jnp.asarray(step) + 1).astype(jnp.float32))
         momentum = jax.tree.map(lambda u, g: o.b1 * u + (1 - o.b1) * g, state.momentum, share)
         leaves_a, treedef = jax.tree.flatten(state.accum)  # accumulated in `exchange`
         leaves_u = treedef.flatten_up_to(momentum)
@@ -120,7 +147,7 @@ def replica_update(cfg: Config, replicas: int):
             def run(leaves_a, leaves_u):
                 with jax.named_scope(stage_scope(i) if i < len(schedule) else reduce.COMPRESSED_SCOPE):
                     return tuple(
-                        zip(*[exchange(a, u, densities[i], r.axis, replicas) for a, u in zip(leaves_a, leaves_u)])
+                        zip(*[exchange(a, u, densities[i], r.axis, replicas, bias) for a, u in zip(leaves_a, leaves_u)])
                     )
 
             return run
@@ -132,7 +159,7 @@ def replica_update(cfg: Config, replicas: int):
             totals, leaves_a, leaves_u = jax.lax.switch(index, branches, leaves_a, leaves_u)
         else:
             totals, leaves_a, leaves_u = branch(0)(leaves_a, leaves_u)
-        new = DgcState(treedef.unflatten(list(leaves_u)), treedef.unflatten(list(leaves_a)), variance)
+        new = DgcState(treedef.unflatten(list(leaves_u)), treedef.unflatten(list(leaves_a)), variance, mean)
         return treedef.unflatten(list(totals)), new
 
     return update
@@ -154,14 +181,15 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
 def reducer(cfg: Config, replicas: int) -> reduce.Reducer:
     """DGC as a reducer of the explicit reduction (one replica's state; `measure.compile_reduction`)."""
     update = replica_update(cfg, replicas)
-    keeps_variance = cfg.reduce.dgc == "update"
+    moments = cfg.reduce.dgc == "update"
 
     def init(params):
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # noqa: E731
-        return DgcState(zeros(), zeros(), zeros() if keeps_variance else ())
+        return DgcState(zeros(), zeros(), zeros() if moments else (), zeros() if moments else ())
 
     def state_specs(param_specs):
-        return DgcState(param_specs, param_specs, param_specs if keeps_variance else ())
+        extra = param_specs if moments else ()
+        return DgcState(param_specs, param_specs, extra, extra)
 
     return reduce.Reducer(init=init, update=update, state_specs=state_specs)
 

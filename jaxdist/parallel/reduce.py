@@ -77,7 +77,7 @@ def compressed(
     the params, the number of leading stacked-layer dims of each tensor."""
     shapes = [p.shape for p in jax.tree.leaves(abstract_params)]
     bdims = jax.tree.leaves(batch_dims)
-    use = [codec.bytes_sent(s, b, replicas) < compress.dense_bytes(s, replicas) for s, b in zip(shapes, bdims)]
+    use = [compress.cheaper(codec, s, b, replicas) for s, b in zip(shapes, bdims)]
 
     def init(params):
         codec_state = tuple(codec.init(s, b) if u else () for s, b, u in zip(shapes, bdims, use))
