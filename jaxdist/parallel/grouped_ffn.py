@@ -20,9 +20,11 @@ import jax.numpy as jnp
 
 
 def chunk_rows(tokens: int, experts: int, topk: int) -> int:
-    """Rows per dropless compute chunk: one source's balanced share N·K/E, so an expert's compute is its
-    real load rounded up by less than one share (of the ep shares a balanced expert receives)."""
-    return max(1, math.ceil(tokens * topk / experts))
+    """Rows per dropless compute chunk: two sources' balanced shares 2·N·K/E, so an expert's compute is
+    its real load rounded up by less than two of the ep shares a balanced expert receives. (tiny-moe's
+    expert at ep=8, 300 rows of 1024, forward + backward on one device: 48.7 ms in chunks of one share,
+    38.2 of two, 53.4 of four; 62.3 for the 512 padded rows of the 2x tier, measured together.)"""
+    return max(1, 2 * math.ceil(tokens * topk / experts))
 
 
 def _live_chunks(valid, chunk: int):

@@ -28,7 +28,7 @@ measured here at the same time for 64 or 512 rows per group), so dropless splits
   (linear in the rows, integer residuals): nothing is rematerialised.
 - compute on the rows actually received: each local expert's rows from every source are packed
   contiguously (their counts are in the table) and `grouped_ffn.expert_chunks` runs the SwiGLU over them in chunks
-  of N·K/E rows, a loop whose trip count is the expert's load in chunks. So compute follows the real
+  of 2·N·K/E rows, a loop whose trip count is the expert's load in chunks. So compute follows the real
   load, rounded up per expert by less than one chunk, whatever the tier; shapes stay static.
 Nothing is ever dropped. The packed buffer holds an expert's worst case, ep·N rows, so it and the
 two pre-activations kept for the backward are sized for that, zeros past the load.
