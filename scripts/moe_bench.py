@@ -8,7 +8,9 @@ shared machine's load hits all of them; each line is one measurement, the summar
 best round. Ratios are tokens/s over dense's. Every MoE measurement also reports the routing it ran
 with, before its first step and after its last (all steps train on the same random batch): per layer,
 the fullest expert's assignments on the fullest device (of N = 128 tokens there, balanced = N·K/E =
-32), the dropless tier that load selects (slots per expert) and the assignments capacity mode drops.
+32), the dropless tier that load selects (slots per expert, the all-to-all's size), the rows the
+fullest expert receives from all devices (balanced 256), the rows dropless computes over the rows
+routed (each expert's load rounded up to whole chunks of N·K/E) and the assignments capacity mode drops.
 """
 
 from __future__ import annotations
@@ -61,10 +63,17 @@ def routing(cfg, prog, tokens, state) -> dict:
     tiers = moe_parallel.dropless_tiers(N, m.moe_experts, m.moe_topk)
     C = moe_parallel.capacity(N, m.moe_experts, m.moe_topk, m.moe_capacity_factor)
     dropped = np.maximum(loads - C, 0).sum((0, 2)) / loads.sum((0, 2))
+    chunk = moe_parallel.chunk_rows(N, m.moe_experts, m.moe_topk)
+    per_expert = loads.sum(0)  # (layers, E): rows each expert receives from every device
     return {
         "fullest_of_N": [int(f) for f in fullest],
         "N": N,
         "dropless_slots": [tiers[int(moe_parallel.select_tier(f, tiers))] for f in fullest],
+        # dropless compute: each expert's received rows rounded up to whole chunks, over the real rows
+        "expert_rows_max": [int(x) for x in per_expert.max(-1)],
+        "dropless_compute_over_routed": [
+            round(float(x), 3) for x in (np.ceil(per_expert / chunk) * chunk).sum(-1) / per_expert.sum(-1)
+        ],
         "capacity_slots": C,
         "capacity_dropped_fraction": [round(float(x), 3) for x in dropped],
     }

@@ -55,6 +55,7 @@ class ModelConfig:
     moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight
     moe_z_weight: NonNegativeFloat = 0.001  # router z-loss weight
     embed_init_std: NonNegativeFloat = 0.0  # normal init of the embedding table; 0 = init_std (torchtitan: 1.0)
+    embed_scale: PositiveFloat = 1.0  # embedding output x this (Vaswani et al. 2017, Gemma: sqrt(d_model))
     context_impl: Literal["allgather", "ring", "ulysses"] = (
         "allgather"  # cp > 1: attention across sequence shards (parallel/context.py)
     )

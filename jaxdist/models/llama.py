@@ -175,7 +175,9 @@ class Llama(nnx.Module):
 
     def embed(self, tokens_BT):
         # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
-        return embedding.lookup(self.embed_VD[...], tokens_BT, self.compute_dtype)
+        x_BTD = embedding.lookup(self.embed_VD[...], tokens_BT, self.compute_dtype)
+        # model.embed_scale: a large residual stream from a small table, which Adam moves at its own pace.
+        return x_BTD if self.cfg.embed_scale == 1.0 else x_BTD * self.cfg.embed_scale
 
     def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With

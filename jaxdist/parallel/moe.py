@@ -19,11 +19,19 @@ Dispatch modes: capacity, C = ceil(factor · N·K / E); dropless (default): a to
 row to any expert (its K choices are distinct), so C = N can never drop. XLA:CPU cannot run a ragged
 all-to-all (`ragged-all-to-all` is UNIMPLEMENTED in its thunk emitter, jax 0.10.2) and its matmuls cost
 their padded size (`jax.lax.ragged_dot` too: XLA:CPU expands it into one masked dense matmul per group,
-measured here at the same time for 64 or 512 rows per group), so dropless runs in tiers:
-C = ceil(f·N·K/E) for f in DROPLESS_TIERS, then N. The fullest expert's count on any device (one pmax
-over the mesh) picks the smallest tier that holds it, and `lax.switch` runs only that tier's dispatch; nothing is ever dropped, and a balanced router pays
-capacity mode's price rather than the E/K times larger worst case. Each direction sends E·C·D
-elements per device for the tier taken (worst case E·N·D; a perfectly balanced ragged exchange K·N·D).
+measured here at the same time for 64 or 512 rows per group), so dropless splits the work in two:
+- data movement in tiers: C = ceil(f·N·K/E) for f in DROPLESS_TIERS, then N. Every device's
+  (source, expert) counts (one psum over ep of an (ep, E) integer table) and one pmax over the mesh
+  pick the smallest tier that holds the fullest expert anywhere; `lax.switch` runs only that tier's
+  buffer, all-to-all and return. Each direction sends E·C·D elements per device for the tier taken
+  (worst case E·N·D; a perfectly balanced ragged exchange K·N·D). The switches move data only
+  (linear in the rows, integer residuals): nothing is rematerialised.
+- compute on the rows actually received: each local expert's rows from every source are packed
+  contiguously (their counts are in the table) and `grouped_ffn.expert_chunks` runs the SwiGLU over them in chunks
+  of 2·N·K/E rows, a loop whose trip count is the expert's load in chunks. So compute follows the real
+  load, rounded up per expert by less than one chunk, whatever the tier; shapes stay static.
+Nothing is ever dropped. The packed buffer holds an expert's worst case, ep·N rows, so it and the
+two pre-activations kept for the backward are sized for that, zeros past the load.
 """
 
 from __future__ import annotations
@@ -33,11 +41,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.parallel.grouped_ffn import chunk_rows, expert_chunks
 from jaxdist.sharding import Rules, current_rules, drop_axes, logical_to_spec
 
 EXPERT, INNER = "expert", "mlp"  # logical names of the expert dim and the tp-split inner dim
@@ -94,10 +102,6 @@ def route_slots(idx_NK, experts: int, C: int):
 DROPLESS_TIERS = (1.25, 2.0)
 
 
-DISPATCHED, COMBINED = "moe_dispatched", "moe_combined"  # the all-to-all results, by checkpoint name
-TIER_SAVES = jax.checkpoint_policies.save_only_these_names(DISPATCHED, COMBINED)
-
-
 def dropless_tiers(tokens: int, experts: int, topk: int) -> tuple[int, ...]:
     """Distinct slot counts a dropless layer may run with, smallest first, the last = tokens."""
     tiers = {capacity(tokens, experts, topk, f) for f in DROPLESS_TIERS} | {tokens}
@@ -109,8 +113,15 @@ def select_tier(fullest, tiers):
     return jnp.sum(fullest > jnp.asarray(tiers[:-1]))
 
 
+def _swiglu(x_RD, w_gate_DF, w_up_DF, w_down_FD):
+    dt = x_RD.dtype
+    h = jax.nn.silu(x_RD @ w_gate_DF.astype(dt)) * (x_RD @ w_up_DF.astype(dt))
+    return h @ w_down_FD.astype(dt)
+
+
 def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axes):
-    """Slots, dispatch buffer, all-to-all, experts, all-to-all back, combine: -> (y_ND, keep)."""
+    """Capacity mode: slots, dispatch buffer, all-to-all, experts over every slot, all-to-all back,
+    combine: -> (y_ND, keep)."""
     N, D = x_ND.shape
     K = idx_NK.shape[-1]
     slot, keep = route_slots(idx_NK, experts, C)
@@ -121,19 +132,84 @@ def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axe
     buf = buf.reshape(ep, El * C, D)
     if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
         buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
-    buf = checkpoint_name(buf, DISPATCHED)
     rows_ERD = buf.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
-    dt = x_ND.dtype
-    h = jax.nn.silu(jnp.einsum("erd,edf->erf", rows_ERD, w_gate.astype(dt)))
-    h = h * jnp.einsum("erd,edf->erf", rows_ERD, w_up.astype(dt))
-    out_ERD = jnp.einsum("erf,efd->erd", h, w_down.astype(dt))
+    out_ERD = jax.vmap(_swiglu)(rows_ERD, w_gate, w_up, w_down)
     out = out_ERD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, El * C, D)
     if ep > 1:  # back to the devices the tokens came from
         out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
-    out = checkpoint_name(out, COMBINED)
     picked = jnp.take(out.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
-    gate = gate_NK.T.reshape(-1, 1).astype(dt)
+    gate = gate_NK.T.reshape(-1, 1).astype(x_ND.dtype)
     return (picked * gate).reshape(K, N, D).sum(0), keep
+
+
+def _compact_index(recv_SE, C: int, R: int):
+    """Received slot (source s, local expert j, rank r) -> its row in the compacted (El·R) buffer, where
+    expert j's rows from every source lie contiguously from j·R; slots past the source's count -> El·R."""
+    ep, El = recv_SE.shape
+    offset_SE = jnp.cumsum(recv_SE, axis=0) - recv_SE
+    r = jnp.arange(C)[None, None, :]
+    dest = jnp.arange(El)[None, :, None] * R + offset_SE[:, :, None] + r
+    return jnp.where(r < recv_SE[:, :, None], dest, El * R).reshape(-1).astype(jnp.int32)
+
+
+def _dropless_there(x_ND, idx_NK, recv_SE, *, experts, C, R, ep_axes):
+    """Tier C's dispatch, data movement only: slots, buffer, all-to-all, compacted rows (El·R, D)."""
+    N, D = x_ND.shape
+    K = idx_NK.shape[-1]
+    ep, El = recv_SE.shape
+    slot, _ = route_slots(idx_NK, experts, C)  # C holds the fullest expert: nothing drops
+    buf = jnp.zeros((experts * C, D), x_ND.dtype).at[slot].set(x_ND[jnp.tile(jnp.arange(N), K)], mode="drop")
+    if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
+        buf = jax.lax.all_to_all(buf.reshape(ep, El * C, D), ep_axes, 0, 0, tiled=True)
+    dest = _compact_index(recv_SE, C, R)
+    return jnp.zeros((El * R, D), x_ND.dtype).at[dest].set(buf.reshape(-1, D), mode="drop")
+
+
+def _dropless_back(out_RD, idx_NK, recv_SE, *, experts, C, R, ep_axes):
+    """Tier C's way back: compacted expert outputs -> slots -> all-to-all -> each assignment's row (K·N, D)."""
+    D = out_RD.shape[-1]
+    ep, El = recv_SE.shape
+    slot, _ = route_slots(idx_NK, experts, C)
+    buf = jnp.take(out_RD, _compact_index(recv_SE, C, R), axis=0, mode="fill", fill_value=0)
+    if ep > 1:  # back to the devices the tokens came from
+        buf = jax.lax.all_to_all(buf.reshape(ep, El * C, D), ep_axes, 0, 0, tiled=True)
+    return jnp.take(buf.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
+
+
+def _dropless(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, ep_axes, all_axes):
+    """Dropless: every device's (source, expert) counts (one psum over ep) give the smallest tier that
+    holds the fullest expert anywhere (one pmax, the same tier on every device) and each local expert's
+    received rows; `lax.switch` runs that tier's data movement, `expert_chunks` the experts on the rows
+    actually received. Both switches move data only (linear, integer residuals), so nothing is
+    rematerialised."""
+    N, D = x_ND.shape
+    K = idx_NK.shape[-1]
+    ep = math.prod(jax.lax.axis_size(a) for a in ep_axes) if ep_axes else 1
+    El = experts // ep
+    counts_E = jnp.bincount(idx_NK.reshape(-1), length=experts).astype(jnp.int32)
+    if ep > 1:
+        me = jax.lax.axis_index(ep_axes)
+        counts_SE = jax.lax.psum(jnp.zeros((ep, experts), jnp.int32).at[me].set(counts_E), ep_axes)
+        recv_SE = jax.lax.dynamic_slice_in_dim(counts_SE, me * El, El, axis=1)
+    else:
+        counts_SE, recv_SE = counts_E[None], counts_E[None]
+    fullest = jnp.max(counts_SE)
+    if all_axes:
+        fullest = jax.lax.pmax(fullest, all_axes)
+    tiers = dropless_tiers(N, experts, K)
+    tier = select_tier(fullest, tiers)
+    chunk = chunk_rows(N, experts, K)
+    R = math.ceil(ep * N / chunk) * chunk  # an expert receives at most every source's N tokens
+    kw = dict(experts=experts, R=R, ep_axes=ep_axes)
+    there = [functools.partial(_dropless_there, C=C, **kw) for C in tiers]
+    rows = jax.lax.switch(tier, there, x_ND, idx_NK, recv_SE)
+    dt = x_ND.dtype
+    ws = (w.astype(dt) for w in (w_gate, w_up, w_down))
+    out = expert_chunks(rows.reshape(El, R, D), recv_SE.sum(0), *ws, chunk)
+    back = [functools.partial(_dropless_back, C=C, **kw) for C in tiers]
+    picked = jax.lax.switch(tier, back, out.reshape(El * R, -1), idx_NK, recv_SE)
+    gate = gate_NK.T.reshape(-1, 1).astype(x_ND.dtype)
+    return (picked * gate).reshape(K, N, -1).sum(0)
 
 
 def _local(
@@ -163,21 +239,11 @@ def _local(
     for i, axes in gather:
         w_down = jax.lax.all_gather(w_down, axes, axis=2 if i == 1 else 1, tiled=True)
     args = (x_BTD.reshape(N, D), idx_BTK.reshape(N, K), gate_BTK.reshape(N, K), w_gate, w_up, w_down)
-    run = lambda C: functools.partial(_dispatch, experts=experts, C=C, ep_axes=ep_axes)  # noqa: E731
-    # A switch's forward returns the residuals of every branch (zeros for those not taken): each tier
-    # keeps only its two all-to-all results (never sent again) and recomputes the rest in the backward.
-    # Tiny-moe's dispatch alone, forward + backward at ep=8: 10-25% faster than saving everything in
-    # each of three same-process comparisons on the loaded 2-core machine.
-    tier_fn = lambda C: jax.checkpoint(run(C), policy=TIER_SAVES)  # noqa: E731
     if factor is not None:
-        y_ND, keep = run(capacity(N, experts, K, factor))(*args)
-    else:  # dropless: the smallest tier that no device's fullest expert overflows (the same everywhere)
-        tiers = dropless_tiers(N, experts, K)
-        fullest = jnp.max(jnp.bincount(idx_BTK.reshape(-1), length=experts))
-        if all_axes:
-            fullest = jax.lax.pmax(fullest, all_axes)
-        tier = select_tier(fullest, tiers)
-        y_ND, keep = jax.lax.switch(tier, [tier_fn(C) for C in tiers], *args) if len(tiers) > 1 else run(N)(*args)
+        C = capacity(N, experts, K, factor)
+        y_ND, keep = _dispatch(*args, experts=experts, C=C, ep_axes=ep_axes)
+    else:  # dropless: nothing is ever dropped
+        y_ND, keep = _dropless(*args, experts=experts, ep_axes=ep_axes, all_axes=all_axes), jnp.ones(N * K, bool)
     if inner_axes:  # each tp rank computed a slice of the experts' inner dim
         y_ND = jax.lax.psum(y_ND, inner_axes)
     dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
