@@ -31,6 +31,21 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def check_exportable(m: ModelConfig) -> None:
+    """LlamaForCausalLM has no experts and no embedding multiplier: such a model would load without error
+    in transformers and compute something else, so it is refused before anything is written."""
+    if m.moe_experts:
+        raise JaxdistError(
+            f"model.moe_experts={m.moe_experts}: a mixture of experts has no LlamaForCausalLM form; "
+            "export a dense model (model.moe_experts=0)"
+        )
+    if m.embed_scale != 1.0:
+        raise JaxdistError(
+            f"model.embed_scale={m.embed_scale}: LlamaForCausalLM does not scale its embeddings, so the "
+            "exported model would compute something else; export a model trained with model.embed_scale=1"
+        )
+
+
 def export(
     params: dict,
     m: ModelConfig,
@@ -42,6 +57,7 @@ def export(
     log: Callable = print,
 ) -> list[Path]:
     """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes."""
+    check_exportable(m)
     np_dtype = EXPORT_DTYPES[dtype]
     entries = []  # (hf name, tensor, layer or None, bytes)
     for t in hf.tensors(m):

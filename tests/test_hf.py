@@ -143,6 +143,15 @@ def test_tied_model_round_trips(tmp_path):
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
 
 
+@pytest.mark.parametrize("field", ["model.moe_experts=8", "model.embed_scale=16"])
+def test_export_refuses_what_llama_cannot_hold(tmp_path, field):
+    """Experts or an embedding multiplier: one-line error before anything is written."""
+    m = config.load(None, [field]).model
+    with pytest.raises(JaxdistError, match=field.split("=")[0]):
+        hf_export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
+    assert not (tmp_path / "out").exists()
+
+
 SCRATCH = [
     "model.num_layers=1",
     "model.d_model=32",
