@@ -447,9 +447,10 @@ def test_mixtral_parameter_count_matches_published():
 def test_tiny_moe_has_dense_tiny_active_params():
     moe_counts = count_params(config.load("configs/tiny-moe.yaml").model)
     dense = count_params(config.load(None).model)
-    router = 4 * 256 * 8
-    assert moe_counts["active"] == dense["total"] + router
-    assert moe_counts["total"] == dense["total"] + router + 4 * 3 * 256 * 512 * 6  # 6 more experts' worth
+    router, swiglu = 4 * 256 * 8, lambda F: 3 * 256 * F  # a SwiGLU of inner dim F: 3 matrices
+    # shared + top-2 experts of 341 each: 1023 of dense tiny's 1024 inner dims per layer
+    assert moe_counts["active"] == dense["total"] + router + 4 * (3 * swiglu(341) - swiglu(1024))
+    assert moe_counts["total"] == moe_counts["active"] + 4 * 6 * swiglu(341)  # 6 more routed experts' worth
 
 
 @pytest.mark.parametrize(
