@@ -5,8 +5,10 @@
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
 terms, and the bytes per collective kind on both sides. `--dump DIR` also writes the compiled HloProto
 there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
-bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1) and
-`peak_buffers`, the largest buffers live at that peak (defining instruction, bytes).
+bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1),
+`peak_buffers`, the largest buffers live at that peak (defining instruction, bytes), and
+`donated_live` / `donated_buffers`: the bytes (and largest values) live at that peak that XLA placed
+in donated parameter buffers instead, outside temp (heap.donated_live).
 `--devices N` simulates N CPU devices (default 8; e.g. 1 for a single-device mesh).
 """
 
@@ -32,6 +34,7 @@ def main() -> int:
     flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
     if args.dump:
         flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*", "--xla_dump_hlo_as_proto"]
+        flags += ["--xla_dump_hlo_as_text"]  # the buffer assignment and live ranges, for donated_live
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     from jaxdist.train import setup_platform
 
@@ -52,7 +55,11 @@ def packing(folder: str) -> dict:
     newest = max(glob.glob(f"{folder}/*train_step*after_optimizations.hlo.pb"), key=os.path.getmtime)
     with open(newest, "rb") as f:
         peak = max(heap.simulator_peaks(f.read()), key=lambda p: p.live)
-    return {"simulator_peak": peak.live, "peak_buffers": peak.buffers[:16]}
+    stem = newest.removesuffix(".hlo.pb")
+    with open(f"{stem}-buffer-assignment.txt") as a, open(f"{stem}-live-range.txt") as r:
+        donated, values = heap.donated_live(a.read(), r.read(), peak.at)
+    out = {"simulator_peak": peak.live, "peak_at": peak.at, "peak_buffers": peak.buffers[:16]}
+    return {**out, "donated_live": donated, "donated_buffers": values[:8]}
 
 
 def report(check, comms, memory, path, mesh, overrides, dump):

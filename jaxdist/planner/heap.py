@@ -14,6 +14,12 @@ The text dumps' `*live-range.txt` is not this: its per-value ranges end where a 
 while the simulator holds a chunk until every value sharing it is dead (measured: a tp=4 pair whose
 live-range union peaks at 21.6 MB has 26.9 MB live in the simulator, its whole allocation).
 
+Not every temporary value is in temp: XLA's buffer assignment also places values in donated
+parameter buffers while these hold nothing live (the old AdamW moments, once copied at the step's
+start, until the update writes the new ones: jaxdist.planner.memory.moment_copy_bytes).
+`donated_live` reads the text dumps (`--xla_dump_hlo_as_text`: the buffer assignment and the live
+ranges) for the bytes of such values live at the simulator's peak.
+
 The proto is read with a minimal wire-format decoder (no schema is installed with jaxlib); field
 numbers are those of xla/service/hlo.proto.
 """
@@ -21,6 +27,7 @@ numbers are those of xla/service/hlo.proto.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 # xla/service/hlo.proto
 HLO_PROTO_BUFFER_ASSIGNMENT = 3
@@ -35,6 +42,7 @@ ALLOC, FREE, SHARE_WITH = 0, 1, 2
 class Peak:
     live: int  # bytes the heap simulator holds at its peak
     buffers: tuple[tuple[str, int], ...]  # (defining instruction, bytes) of the chunks live there, largest first
+    at: str = ""  # the instruction of the trace event that reached the peak
 
 
 def fields(data: bytes) -> list[tuple[int, int | bytes]]:
@@ -78,6 +86,7 @@ def _replay(events: list[dict], size: dict) -> Peak:
     name: dict[int, str] = {}
     live = best = 0
     best_set: tuple = ()
+    best_at = ""
     for e in events:
         kind, buf = e.get(EV_KIND, ALLOC), e.get(EV_BUFFER, 0)
         if kind in (ALLOC, SHARE_WITH):
@@ -95,9 +104,27 @@ def _replay(events: list[dict], size: dict) -> Peak:
                 del members[chunk]
                 live -= size.get(chunk, 0)
         if live > best:
-            best, best_set = live, tuple(members)
+            best, best_set, best_at = live, tuple(members), e.get(EV_INSTRUCTION, b"?").decode()
     buffers = sorted(((name.get(c, "?"), size.get(c, 0)) for c in best_set), key=lambda x: -x[1])
-    return Peak(best, tuple(buffers))
+    return Peak(best, tuple(buffers), best_at)
+
+
+def donated_live(buffer_assignment: str, live_range: str, at: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """(bytes, (value, bytes) largest first) of the values live at instruction `at` that XLA placed in
+    donated parameter buffers (allocations of a parameter that may be live out), from the text dumps
+    `*buffer-assignment.txt` and `*live-range.txt` (a value's range: first to last schedule position)."""
+    position = dict(re.findall(r"^\s+(\d+):(\S+)$", live_range, re.M))
+    where = {name: int(p) for p, name in position.items()}[at]
+    ranges = {n: (int(a), int(b)) for n, a, b in re.findall(r"^\s+(\S+):(\d+)-(\d+)$", live_range, re.M)}
+    donated, found = False, []
+    for line in buffer_assignment.splitlines():
+        if line.startswith("allocation"):
+            donated = ", parameter " in line and "maybe-live-out" in line
+        elif donated and (m := re.match(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+)", line)):
+            start, end = ranges.get(m.group(1), (-1, -1))
+            if start <= where <= end:
+                found.append((m.group(1), int(m.group(2))))
+    return sum(b for _, b in found), tuple(sorted(found, key=lambda x: -x[1]))
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:

@@ -13,7 +13,8 @@ O(T) statistics where attention is fused or a ring; MoE layers use these formula
   none          : every intermediate, including the T x T attention probabilities unless the backend
                   uses a fused (flash) attention.
 With pipeline parallelism (jaxdist.parallel.pipeline) each stage keeps one stage input per pipeline
-iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward.
+iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward
+(with one layer per group XLA inlines the group's scan, so no residual stack is kept: flat_group_bytes).
 With context parallelism (jaxdist.parallel.context) a device holds T/cp tokens of each sequence, so
 every per-token term above divides by cp; the attention scores are (T/cp) x T per head for allgather
 and ulysses, while the ring (like a fused attention) keeps only O(T/cp) statistics. allgather also holds
@@ -29,7 +30,8 @@ first copies the old moments (the non-finite guard's select still reads them), a
 These terms were revised against the compiled temp allocation. XLA's heap simulator packs it with
 little waste (jaxdist.planner.heap replays its trace: the allocation is 0.0-1.8% above the bytes held at
 its peak on most checked pairs, at most 8.7%), so a miss is a buffer the terms leave out or count
-wrongly, not fragmentation.
+wrongly, not fragmentation — or a value XLA placed in a donated parameter buffer instead of temp
+(heap.donated_live; 0-82% of the moment copies' bytes at the peak on 18 traced programs).
 """
 
 from __future__ import annotations
@@ -153,8 +155,38 @@ def activation_bytes(lay: Layout) -> float:
         tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
         return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
     stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
+    if flattened_group(lay):  # no residual stack: the recompute feeds the backward directly
+        return stage_inputs
     group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
     return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
+
+
+def flattened_group(lay: Layout) -> bool:
+    """A pipeline whose layer groups hold one scanned unit each (L = P·V for dense layers): the group's
+    scan runs once, and XLA inlines it into the pipeline loop's body (circular pp=2 repeats 2 compiles
+    to two while loops, the pipeline's forward and backward; with two layers per group, to five)."""
+    from jaxdist.models.llama import stack_depth
+
+    return lay.mesh["pp"] > 1 and stack_depth(lay.cfg.model) == lay.mesh["pp"] * lay.repeats
+
+
+def flat_group_bytes(lay: Layout) -> float:
+    """A flattened group's (flattened_group) backward iteration, beside the stacks: its recompute and its
+    backward are one graph whose all-gathers depend on no activation, so XLA issues them together at the
+    iteration's start and holds the layer's weights gathered twice (heap traces of tiny at circular pp=2
+    repeats 2 and GPipe pp=2 with 2 layers: 7.6 and 7.3 MB of gathered weights at the peak, of 7.9; the
+    residuals, each freed by its consumer, are about 0.3 MB there) — as many bytes as the layer's
+    gradient unreduced and reduced. Under accumulation GPipe's one group is the same layer in every
+    iteration, so XLA hoists the forward's gathers out of the accumulation loop (they sit in the entry
+    computation) and holds them beside the backward's (GPipe 2 layers, accumulation 2: 3.3 MB of them at
+    the peak). 0 otherwise."""
+    if not flattened_group(lay):
+        return 0.0
+    from jaxdist.models.llama import stack_depth
+
+    m = lay.cfg.model
+    unit = gathered_layer_bytes(lay) * m.num_layers / stack_depth(m)  # one scanned unit's layers
+    return (3 if lay.accum > 1 and lay.repeats == 1 else 2) * unit
 
 
 def dropless_tier_bytes(lay: Layout) -> float:
@@ -222,12 +254,16 @@ def layer_weight_shards(lay: Layout) -> float:
 
 
 def layer_gradient_bytes(lay: Layout) -> float:
-    """One layer's weight gradient while the backward scan reduces it to its parameter's sharding (read
-    from XLA:CPU's buffer assignment at the backward's peak). The backward produces the MLP's matrices'
-    gradients, then the attention's, and each group is reduced as it is done, so the peak holds the
-    larger group: its unreduced float32 gradients at the gathered (tp-split) size and the reduction's
-    result — all-reduced in full on CPU (XLA emits all-reduce for the batch axes' gradient sum),
-    reduce-scattered to the shard on GPU/TPU. With one replica nothing is reduced."""
+    """One layer's weight gradient while the backward scan reduces it to its parameter's sharding: its
+    unreduced float32 gradients at the gathered (tp-split) size and the reduction's result —
+    all-reduced in full on CPU (XLA emits all-reduce for the batch axes' gradient sum),
+    reduce-scattered to the shard on GPU/TPU. With one replica nothing is reduced. XLA combines the
+    layer's gradient all-reduces into one (every traced program has one all-reduce of the layer's nine
+    gradients), so the whole layer's gradient is held twice; but XLA places part of it in the donated
+    moment buffers the copies free, outside temp (heap.donated_live: the attention's gradients, at
+    remat=full), in amounts its assignment order sets, not the shapes. The term counts the larger
+    group (the MLP's or the attention's matrices): right where the attention's gradients go there,
+    0.8 MB (10%) low for the d_model 128 pair, where none do."""
     matrix = lambda g: len(g.shape) > 2  # noqa: E731 (norm scales are a few bytes)
     mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names  # noqa: E731
     full = max(
@@ -243,8 +279,9 @@ def temporary_bytes(lay: Layout) -> float:
     """The backward scan's working set beside the saved activations and the gradients: copies of the
     AdamW mu and nu (moment_copy_bytes), allgather's gathered K and V, and the larger of one layer's
     full activations when its forward is recomputed (remat, or a pipeline stage) — without remat its
-    per-token residuals sliced out of the stacks — and one layer's gradient being reduced
-    (layer_gradient_bytes): the layer's activations are dead by the time its gradient is complete."""
+    per-token residuals sliced out of the stacks — one layer's gradient being reduced
+    (layer_gradient_bytes): the layer's activations are dead by the time its gradient is complete —
+    and a one-layer pipeline group's twice-gathered weights (flat_group_bytes)."""
     m = lay.cfg.model
     recompute = m.remat != "none" or lay.mesh["pp"] > 1
     # Not recomputed, the backward scan slices the layer's residuals out of the saved stacks into
@@ -255,7 +292,7 @@ def temporary_bytes(lay: Layout) -> float:
     # (ring; their heap traces were not read).
     sliced = not recompute and lay.cp == 1
     one_layer = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens if recompute or sliced else 0.0
-    working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay))
+    working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay), flat_group_bytes(lay))
     return moment_copy_bytes(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
 
 
