@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import hlo, sharding, step
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import dgc, reduce
+from jaxdist.parallel import dgc, diloco, reduce
 from jaxdist.resolve import resolve
 
 
@@ -109,6 +109,9 @@ def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple
         )
         w = stages[-1][1] if stages else 0
         return steady, (warm + (steps - w) * steady) / steps
+    if every > 1:  # DiLoCo: ceil(steps / H) syncs, the last one at the run's end (diloco.syncs)
+        sync = (dp_bytes_per_step(compiled_hlo_text, mesh, axis) - steady) * every / (every - 1)
+        return steady, steady + sync * (diloco.syncs(cfg) / steps - 1 / every)
     warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
     w = min(reduce.warmup_steps(cfg), steps)
     return steady, (w * warm + (steps - w) * steady) / steps

@@ -27,6 +27,7 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "int8": dict(method="int8"),
     "powersgd r=4": dict(method="powersgd", rank=4),
     "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
+    "powersgd r=4 no warm-up": dict(method="powersgd", rank=4, warmup_fraction=0.0),
     "topk 1%": dict(method="topk", ratio=0.01),  # DGC on each replica's Adam-scaled update (reduce.dgc=update)
     "topk 0.1%": dict(method="topk", ratio=0.001),
     "topk 1% dgc=gradient": dict(method="topk", ratio=0.01, dgc="gradient"),  # DGC's sum fed to Adam, b1=0
@@ -40,6 +41,8 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "demo 0.24%": dict(method="demo", ratio=0.0024),  # 10 of 4,096 per tile: the densest at >= 100x
     "diloco H=16": dict(method="diloco", sync_every=16),
     "diloco H=16 Nesterov 0.7/0.9": dict(method="diloco", sync_every=16, outer_lr=0.7, outer_momentum=0.9),
+    "diloco H=16 b2=0.99": dict(method="diloco", sync_every=16, optim=dict(b2=0.99)),
+    "diloco H=16 clip 0": dict(method="diloco", sync_every=16, optim=dict(clip_norm=0.0)),
     "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
     # Adam's second moment frozen after the warm-up (1-bit Adam); measured worse here, so off by default
     "powersgd r=4 frozen variance": dict(method="powersgd", rank=4, freeze_variance=True),

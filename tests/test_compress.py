@@ -18,7 +18,7 @@ from jaxdist import checkpoint, data, measure, optim, step
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import accumulate_gradients
 from jaxdist.mesh import mesh_from_string
-from jaxdist.parallel import compress, demo, dgc, reduce
+from jaxdist.parallel import compress, demo, dgc, diloco, reduce
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
 # DiLoCo compiles whole train steps: the smallest model that has every kind of tensor.
@@ -366,15 +366,17 @@ def test_diloco_h1_sgd_outer_equals_data_parallel(mini_cfg, dp8):
 @pytest.fixture(scope="module")
 def diloco_run(mini_cfg, dp8):
     cfg = mini_cfg.replace(reduce=dict(method="diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9))
-    batches = [jax.random.randint(jax.random.key(10 + i), (16, 9), 0, 256) for i in range(2)]
-    prog, state, _, text = run_steps(cfg, dp8, batches)
+    batches = [jax.random.randint(jax.random.key(10 + i), (16, 9), 0, 256) for i in range(3)]
+    prog, state, _, text = run_steps(cfg, dp8, batches)  # train.steps=3: the last step syncs too
     return cfg, prog, state, batches, text
 
 
 def test_diloco_matches_reference(diloco_run):
-    """H=2 with outer Nesterov momentum on distinct rows per replica, against a direct computation:
-    each replica takes two AdamW steps on its own rows from θ; Δ = mean(θ − θ_r); m = Δ;
-    θ' = θ − 0.7 (Δ + 0.9 m); every replica restarts from θ'."""
+    """H=2 with outer Nesterov momentum on distinct rows per replica, 3 steps, against a direct
+    computation: each replica takes two AdamW steps on its own rows from θ; Δ = mean(θ − θ_r); m = Δ;
+    θ' = θ − 0.7 (Δ + 0.9 m); every replica restarts from θ' (keeping its AdamW state). The third
+    step is the run's last (train.steps=3): its local step is not lost but synced, mid-period:
+    Δ' = mean(θ' − θ'_r), m' = 0.9 m + Δ', θ'' = θ' − 0.7 (Δ' + 0.9 m')."""
     cfg, prog, state, batches, _ = diloco_run
     theta = prog.init_state(0).params
     inner, _ = optim.make_optimizer(cfg.optim, cfg.train.steps, 2, optim.decay_mask(prog.param_names))
@@ -385,20 +387,31 @@ def test_diloco_matches_reference(diloco_run):
         u, s = inner.update(jax.tree.map(lambda x: x / count, g), s, p)
         return optax.apply_updates(p, u), s
 
-    locals_ = []
-    with prog.activate():
+    def outer_step(theta, states, momentum, batch):
+        locals_ = []
         for r in range(8):
-            p, s = theta, inner.init(theta)
-            for b in batches:
-                p, s = inner_step(p, s, b[2 * r : 2 * r + 2])
+            p, states[r] = inner_step(theta, states[r], batch[2 * r : 2 * r + 2])
             locals_.append(p)
-    delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
-    want = jax.tree.map(lambda t, d: t - 0.7 * (d + 0.9 * d), theta, delta)
+        delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
+        momentum = jax.tree.map(lambda m, d: 0.9 * m + d, momentum, delta)
+        return jax.tree.map(lambda t, d, m: t - 0.7 * (d + 0.9 * m), theta, delta, momentum), momentum
+
+    with prog.activate():
+        states, locals_ = [inner.init(theta) for _ in range(8)], []
+        for r in range(8):
+            p = theta
+            for b in batches[:2]:
+                p, states[r] = inner_step(p, states[r], b[2 * r : 2 * r + 2])
+            locals_.append(p)
+        delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
+        first = jax.tree.map(lambda t, d: t - 0.7 * (d + 0.9 * d), theta, delta)
+        want, momentum = outer_step(first, states, delta, batches[2])
+    assert not np.allclose(jax.tree.leaves(want)[0], jax.tree.leaves(first)[0], atol=1e-4)  # the last step moved
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(state.reducer_state.params), jax.tree.leaves(want)):  # replicas restart
         np.testing.assert_allclose(a, np.broadcast_to(b, a.shape), atol=1e-5, rtol=0)
-    for a, d in zip(jax.tree.leaves(state.reducer_state.momentum), jax.tree.leaves(delta)):
+    for a, d in zip(jax.tree.leaves(state.reducer_state.momentum), jax.tree.leaves(momentum)):
         np.testing.assert_allclose(a, np.broadcast_to(d, a.shape), atol=1e-6, rtol=0)
 
 
@@ -409,6 +422,10 @@ def test_diloco_bytes_are_one_dense_exchange_per_period(diloco_run, dp8):
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(prog.model.abstract))
     assert measure.dp_bytes_per_step(text, dp8, sync_every=2) == pytest.approx(dense / 2 + 2 * 7 / 8 * 8, rel=1e-12)
     assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(dense + 2 * 7 / 8 * 8, rel=1e-12)
+    # The run (train.steps=3) syncs twice, at steps 2 and 3: 2 exchanges over 3 steps, not 1.5.
+    steady, run = measure.run_bytes_per_step(cfg, dp8, text)
+    assert (steady, run) == pytest.approx((dense / 2 + 2 * 7 / 8 * 8, 2 * dense / 3 + 2 * 7 / 8 * 8), rel=1e-12)
+    assert diloco.syncs(cfg.replace(train=dict(steps=300), reduce=dict(sync_every=16))) == 19
 
 
 @pytest.fixture(scope="module")

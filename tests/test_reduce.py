@@ -170,6 +170,32 @@ def test_error_feedback_is_exact(dp8, codec):
         assert (ranks <= 2).all(), ranks
 
 
+def test_int8_requantisation_error_is_fed_back(dp8):
+    """int8 with the axis size (what reduce.method=int8 builds): replica j keeps what requantising
+    its chunk of the sum lost and adds it next step, so over both stages nothing is dropped: what
+    every replica receives plus the new chunk errors (all replicas' chunks in order) equals what the
+    senders sent plus the old chunk errors (fp32 rounding), and each error is within half an int8
+    step of its block. Without the axis size the codec is stateless (the test above)."""
+    reducer = make(compress.int8(16, 8), dp8)
+    grads = per_replica_tree(jax.random.key(4))
+    init = jax.tree.map(
+        lambda s: jnp.broadcast_to(s, (8,) + s.shape), reducer.init({k: v[0] for k, v in grads.items()})
+    )
+    assert [getattr(c, "shape", None) for c in init.codec] == [None, (8, 2 * 48 * 40 // 8)]  # b goes dense
+    old_chunks = ((), 0.01 * jax.random.normal(jax.random.key(5), init.codec[1].shape))
+    total, state = run_reducer(reducer, dp8, grads, init._replace(codec=old_chunks))
+    sent = jax.tree.map(lambda g, e: g - e, grads, state.residual)  # old sender residuals are zero
+    for i, name in [(1, "w")]:  # the codec state is in tree-flatten order
+        size = int(np.prod(SHAPES[name]))
+        old, new = (np.asarray(c[i]).reshape(-1)[:size] for c in (old_chunks, state.codec))  # chunk j: replica j
+        want = np.asarray(sent[name]).sum(0).reshape(-1) + old
+        np.testing.assert_allclose(np.asarray(total[name]).reshape(-1) + new, want, rtol=1e-5, atol=1e-5)
+        assert np.abs(new).max() > 0  # rounding lost something, and it was kept
+        blocks = np.pad(want, (0, -size % 16)).reshape(-1, 16)  # each block's step is its max |sum| / 127
+        step_of = np.repeat(np.abs(blocks).max(1) / 127, 16)[:size]
+        assert (np.abs(new) <= step_of / 2 + 1e-6).all()
+
+
 def test_without_error_feedback_the_rest_is_dropped(dp8):
     reducer = make(compress.topk(0.05), dp8, error_feedback=False)
     grads = per_replica_tree(jax.random.key(2))

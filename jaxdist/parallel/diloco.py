@@ -38,6 +38,12 @@ class DilocoState(NamedTuple):
     codec: Any  # the pseudo-gradient reducer's state (error feedback), () when dense
 
 
+def syncs(cfg: Config) -> int:
+    """Outer steps in a run of train.steps: every H steps, and at the last step when H does not divide
+    the run (its local steps would otherwise be lost): ceil(steps / H)."""
+    return -(-cfg.train.steps // cfg.reduce.sync_every)
+
+
 def outer_optimizer() -> optax.GradientTransformation:
     """What the train step applies to the stage's output: params − (θ_outer − θ_outer_new)."""
     return optax.sgd(1.0)
@@ -77,7 +83,8 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) ->
         def wait(local, momentum, codec):
             return local, momentum, codec
 
-        synced = (step + 1) % H == 0
+        # Every H steps, and at the run's last step: its local steps since the last sync are not lost.
+        synced = ((step + 1) % H == 0) | (step + 1 == cfg.train.steps)
         new_local, momentum, codec = jax.lax.cond(synced, sync, wait, local, state.momentum, state.codec)
         # Between syncs the outer parameters stay; at a sync every replica restarts from the new ones.
         step_out = jax.tree.map(lambda o, n: jnp.where(synced, o - n, jnp.zeros_like(o)), outer, new_local)

@@ -151,7 +151,7 @@ def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reduce
         return dense(axis, jnp.dtype(r.dtype))
     codec = {
         "topk": lambda: compress.topk(r.ratio),
-        "int8": lambda: compress.int8(r.block_size),
+        "int8": lambda: compress.int8(r.block_size, replicas if r.error_feedback else None),
         "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed),
     }[r.method]()
     reducer = compressed(codec, axis, replicas, abstract_params, batch_dims, r.error_feedback)
