@@ -387,13 +387,10 @@ def test_diloco_matches_reference(diloco_run):
         u, s = inner.update(jax.tree.map(lambda x: x / count, g), s, p)
         return optax.apply_updates(p, u), s
 
-    def outer_step(theta, states, momentum, batch):
-        locals_ = []
-        for r in range(8):
-            p, states[r] = inner_step(theta, states[r], batch[2 * r : 2 * r + 2])
-            locals_.append(p)
+    @jax.jit  # one compiled outer move (eager tree ops on the 8-device arrays once aborted XLA in CI)
+    def outer_move(theta, locals_, momentum=None):  # None: the first outer step, m = Δ
         delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
-        momentum = jax.tree.map(lambda m, d: 0.9 * m + d, momentum, delta)
+        momentum = delta if momentum is None else jax.tree.map(lambda m, d: 0.9 * m + d, momentum, delta)
         return jax.tree.map(lambda t, d, m: t - 0.7 * (d + 0.9 * m), theta, delta, momentum), momentum
 
     with prog.activate():
@@ -403,9 +400,12 @@ def test_diloco_matches_reference(diloco_run):
             for b in batches[:2]:
                 p, states[r] = inner_step(p, states[r], b[2 * r : 2 * r + 2])
             locals_.append(p)
-        delta = jax.tree.map(lambda t, *ps: t - sum(ps) / 8, theta, *locals_)
-        first = jax.tree.map(lambda t, d: t - 0.7 * (d + 0.9 * d), theta, delta)
-        want, momentum = outer_step(first, states, delta, batches[2])
+        first, momentum = outer_move(theta, locals_)
+        locals_ = []
+        for r in range(8):
+            p, states[r] = inner_step(first, states[r], batches[2][2 * r : 2 * r + 2])
+            locals_.append(p)
+        want, momentum = outer_move(first, locals_, momentum)
     assert not np.allclose(jax.tree.leaves(want)[0], jax.tree.leaves(first)[0], atol=1e-4)  # the last step moved
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
