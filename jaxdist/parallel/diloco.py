@@ -2,7 +2,7 @@
 
 `reduce.method=diloco`. Each data-parallel replica keeps its own parameters and inner optimizer
 (AdamW from `optim.*`, with its schedule and clipping) and trains on its own rows only; every
-`reduce.sync_every` (H) steps the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
+`reduce.sync_every` (H) steps, and at the run's last step (`syncs`), the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
 or through a codec (`reduce.outer_codec=int8|topk`, with error feedback) — and the outer optimizer,
 Nesterov SGD (`reduce.outer_lr`, `reduce.outer_momentum`), moves θ_outer; every replica restarts from it.
 
