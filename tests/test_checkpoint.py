@@ -313,3 +313,23 @@ def test_pipeline_layout_change_is_named():
         checkpoint.check_model(saved, wanted, Path("ckpt"))
     with pytest.raises(JaxdistError, match="different model: tensor params/blocks/w"):
         checkpoint.check_model({"blocks": {"w": jax.ShapeDtypeStruct((4, 8, 32), jnp.float32)}}, wanted, Path("c"))
+
+
+def test_train_state_layout_change_is_named():
+    """Optimizer or reducer state of another layout (another reduce.method, or int8 state from before
+    its requantisation feedback) is named with the setting and the fix, not left to orbax's tree error."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    adam = {"mu": {"w": f32(4, 8)}, "nu": {"w": f32(4, 8)}, "count": jax.ShapeDtypeStruct((), jnp.int32)}
+    int8 = config.load(None, ["reduce.method=int8"])
+    now = {"opt_state": adam, "reducer_state": {"residual": {"w": f32(8, 4, 8)}, "chunk": {"w": f32(8, 256)}}}
+    older = {"opt_state": adam, "reducer_state": {"residual": {"w": f32(8, 4, 8)}}}
+    saved_config = {"reduce": {"method": "int8"}}
+    checkpoint.check_train_state(now, now, saved_config, int8, Path("c"))  # same layout: passes
+    with pytest.raises(JaxdistError, match=r"holds reduce.method=int8 state in another layout \(1 tensors saved, 2 "):
+        checkpoint.check_train_state(older, now, saved_config, int8, Path("c"))
+    with pytest.raises(JaxdistError, match="holds reduce.method=dense state, which reduce.method=int8 cannot"):
+        dense = {"opt_state": adam, "reducer_state": ()}
+        checkpoint.check_train_state(dense, now, {"reduce": {"method": "dense"}}, int8, Path("c"))
+    sgd = {"opt_state": {"count": adam["count"]}, "reducer_state": now["reducer_state"]}
+    with pytest.raises(JaxdistError, match="optimizer state in another layout than this config's optim"):
+        checkpoint.check_train_state(sgd, now, saved_config, int8, Path("c"))

@@ -488,6 +488,11 @@ def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path
     method = cfg.reduce.method
     with pytest.raises(JaxdistError, match=rf"reduce.method={method} state for dp=8, but this mesh has dp=4"):
         checkpoint.restore(tmp_path, other, data.Loader(cfg, other.batch_sharding), cfg)
+    # Resuming under another method (allowed by name) is refused before orbax's tree mismatch, which
+    # read as an unreadable checkpoint and sent restore through every older one.
+    int8 = cfg.replace(reduce=dict(method="int8"))
+    with pytest.raises(JaxdistError, match=rf"holds reduce.method={method} state, which reduce.method=int8 cannot"):
+        checkpoint.restore(tmp_path, step.build_program(int8, dp8), loader, int8, allowed=frozenset({"reduce.method"}))
 
 
 def test_diloco_on_one_replica_warns_and_trains_as_usual(mini_cfg):

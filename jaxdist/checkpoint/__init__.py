@@ -12,7 +12,7 @@ One module per job:
   saving     asynchronous saves, reported once published; a failed save stops the run in one line
   integrity  checksums written before a step is published, verified on restore
   restoring  newest intact checkpoint onto the current mesh, falling back to older ones
-  compat     which checkpoint may continue which run (model, seed, config drift)
+  compat     which checkpoint may continue which run (model, seed, config drift, state layout)
   setaside   unreadable checkpoints renamed, never deleted
   agree      multi-host agreement on decisions
   signals    SIGTERM / SIGINT: stop after the current step with a checkpoint
@@ -38,6 +38,7 @@ _EXPORTS = {
     "compat": (
         "FREE_KEYS",
         "check_model",
+        "check_train_state",
         "check_resume",
         "check_config_drift",
         "check_allowed_keys",

@@ -2,6 +2,8 @@
 
 - the model must match tensor by tensor (a different model, or another pipeline layout, is named);
 - a resume keeps the seed (it fixes the data order) and a sequence length the weights were trained at;
+- the saved optimizer and reducer state must have the tensors this run builds (another reduce.method,
+  allowed by name, or a layout an older jaxdist wrote, is named);
 - any other change of the resolved config is refused with one line listing the changed keys, unless
   the user names them (`--allow-config-change KEY,...`) or they are meant to change between attempts
   (`FREE_KEYS`: length of the run, checkpointing, logging, mesh and memory settings that leave the
@@ -77,6 +79,42 @@ def check_model(saved_params, abstract_params, where: Path) -> None:
     if extra:
         raise JaxdistError(
             f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that this config lacks; {fix}"
+        )
+
+
+def _shapes(tree) -> list[tuple]:
+    return sorted(tuple(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))
+
+
+def check_train_state(saved_train, abstract_train: dict, saved_config: dict, cfg: Config, where: Path) -> None:
+    """The saved reducer and optimizer state holds the tensors this run's settings build, or one line
+    naming the setting. Without it orbax's tree mismatch reads like a corrupt file, and restore would
+    try every older checkpoint of the same layout before giving up."""
+    start = f"start from its weights with --restore {where} checkpoint.params_only=true in a new --run-dir"
+    for item in ("reducer_state", "opt_state"):
+        try:
+            saved = _shapes(saved_train[item])
+        except (KeyError, TypeError):
+            continue
+        wanted = _shapes(abstract_train[item])
+        if saved == wanted:
+            continue
+        counts = f"{len(saved)} tensors saved, {len(wanted)} needed"
+        if item == "opt_state":
+            raise JaxdistError(
+                f"checkpoint {where} holds optimizer state in another layout than this config's optim.* "
+                f"settings build ({counts}); resume with the optim.* settings it was saved with, or {start}"
+            )
+        then = saved_config.get("reduce", {}).get("method", Config().reduce.method)
+        if then != cfg.reduce.method:
+            raise JaxdistError(
+                f"checkpoint {where} holds reduce.method={then} state, which reduce.method={cfg.reduce.method} "
+                f"cannot continue from ({counts}); resume with reduce.method={then}, or {start}"
+            )
+        raise JaxdistError(
+            f"checkpoint {where} holds reduce.method={then} state in another layout ({counts}): other "
+            "reduce.* settings, or an older jaxdist (int8 before its requantisation feedback); resume with "
+            f"the reduce.* settings it was saved with, or {start}"
         )
 
 

@@ -73,6 +73,7 @@ def _restore_step(
             if drift
             else compat.changed_keys(meta.get("config", {}), cfg)
         )
+        compat.check_train_state(metadata["train"], train_part(prog.abstract_state), meta.get("config", {}), cfg, where)
     abstract = _abstract(prog.abstract_state, prog.state_shardings)
     items = {"params": ocp.args.StandardRestore(abstract.params)}
     if not params_only:
