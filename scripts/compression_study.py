@@ -24,7 +24,9 @@ from pathlib import Path
 
 METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "dense": dict(method="dense"),
+    "implicit": dict(method="implicit"),  # XLA's own all-reduce: dense summed in another order, the noise floor
     "int8": dict(method="int8"),
+    "int8 block 64": dict(method="int8", block_size=64),
     "powersgd r=4": dict(method="powersgd", rank=4),
     "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
     "powersgd r=4 no warm-up": dict(method="powersgd", rank=4, warmup_fraction=0.0),
@@ -99,6 +101,8 @@ def run_method(label, base, mesh, out: Path, known=None):
         "warmup_bytes_per_step": warm,
         "warmup_steps": warm_steps,
         "run_bytes_per_step": run,
+        "sync_every": cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 0,
+        "steps": steps,
         "curve": curve,
         "evals": evals,
         "tokens_per_sec": result.tokens_per_sec,
@@ -138,6 +142,12 @@ def check_same_shape(label: str, known: dict, shape: dict) -> None:
 
 
 def cumulative_bytes(r, step):
+    """Bytes sent by `step`: DiLoCo's in whole exchanges (at every H-th step and the last), spread over
+    the run's exchanges (its few bytes per step besides them, the loss's psum, are left out)."""
+    if r.get("sync_every"):
+        h, steps = r["sync_every"], r["steps"]
+        exchanges = step // h + (step == steps and steps % h > 0)
+        return r["run_bytes_per_step"] * steps * exchanges / -(-steps // h)
     w = min(step, r["warmup_steps"])
     return w * r["warmup_bytes_per_step"] + (step - w) * r["dp_bytes_per_step"]
 

@@ -629,10 +629,7 @@ def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(demo_run, dp8):
     assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(exchange + 2 * 7 / 8 * 12, rel=1e-12)
 
 
-def test_study_reuses_bytes_only_from_the_same_setup():
-    """compression_study --bytes-from: a stored row's bytes are reused for another seed of the same
-    model, mesh, steps and knobs; any other difference, or a row that does not record its setup, is
-    refused naming what differs."""
+def load_study():
     import importlib.util
     from pathlib import Path
 
@@ -640,6 +637,25 @@ def test_study_reuses_bytes_only_from_the_same_setup():
     spec = importlib.util.spec_from_file_location("compression_study", path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
+    return study
+
+
+def test_study_plots_bytes_as_sent():
+    """The Pareto plot's x: DiLoCo's bytes in whole exchanges (none before step H; at 300 steps with
+    H=16 the 19th, the last step's, lands at step 300), a warm-up's at its own rate."""
+    study = load_study()
+    diloco = {"sync_every": 16, "steps": 300, "run_bytes_per_step": 19 * 1600 / 300}  # 1600 bytes per exchange
+    got = [study.cumulative_bytes(diloco, s) for s in (15, 16, 31, 32, 288, 299, 300)]
+    assert got == pytest.approx([0, 1600, 1600, 3200, 18 * 1600, 18 * 1600, 19 * 1600], rel=1e-12)
+    warm = {"warmup_steps": 30, "warmup_bytes_per_step": 100.0, "dp_bytes_per_step": 10.0}
+    assert [study.cumulative_bytes(warm, s) for s in (10, 30, 300)] == [1000.0, 3000.0, 5700.0]
+
+
+def test_study_reuses_bytes_only_from_the_same_setup():
+    """compression_study --bytes-from: a stored row's bytes are reused for another seed of the same
+    model, mesh, steps and knobs; any other difference, or a row that does not record its setup, is
+    refused naming what differs."""
+    study = load_study()
     cfg = step.Config().replace(reduce=dict(method="topk"))
     shape = study.bytes_shape(cfg)
     study.check_same_shape("topk 1%", {"shape": study.bytes_shape(cfg.replace(train=dict(seed=1)))}, shape)
