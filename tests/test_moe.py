@@ -361,6 +361,10 @@ def test_dropless_compute_skips_chunks_past_each_experts_load():
     np.testing.assert_allclose(np.where(live[..., None], g[0], 0), g_ref[0], atol=1e-5)
     for a, b in zip(g[1], g_ref[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # A buffer that is not whole chunks is refused: XLA would clamp the last chunk's slice onto rows
+    # already done and count their weight gradients twice.
+    with pytest.raises(ValueError, match="buffer's 10 rows are not a multiple of chunk=4"):
+        moe_parallel.expert_chunks(x[:, :10], valid, *ws, chunk)
 
 
 @pytest.mark.parametrize("mesh_text", ["ep=8", "ep=4,fsdp=2"])

@@ -44,6 +44,9 @@ def expert_chunks(rows_ERD, valid_E, w_gate, w_up, w_down, chunk: int):
 def _chunks_fwd(rows_ERD, valid_E, w_gate, w_up, w_down, chunk):
     El, R, D = rows_ERD.shape
     F = w_gate.shape[-1]
+    if R % chunk:  # XLA clamps a slice that runs past the end: the last chunk would re-read rows and
+        # add their weight gradients twice, silently
+        raise ValueError(f"expert_chunks: the buffer's {R} rows are not a multiple of chunk={chunk}")
 
     def one_expert(_, xs):
         x, valid, wg, wu, wd = xs
