@@ -61,6 +61,18 @@ def differing_labels(configs: list[dict], names: list[str]) -> list[str]:
     return [", ".join(f"{k}={c.get(k)}" for k in differ) for c in configs]
 
 
+def legend_text(label: str, width: int = 48) -> str:
+    """A label broken into lines of at most `width` characters at its ', ' separators (a single
+    longer 'key=value' keeps its own line), so many differing keys do not push the legend off the plot."""
+    lines: list[str] = []
+    for part in label.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += ", " + part
+        else:
+            lines.append(part)
+    return ",\n".join(lines)
+
+
 def pyplot():
     import matplotlib
 
@@ -138,7 +150,7 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
             [r[metric] for r in pts],
             "o-" if metric == "eval_loss" else "-",
             ms=3,
-            label=label,
+            label=legend_text(label),
         )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(METRICS[metric])

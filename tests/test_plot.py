@@ -106,6 +106,15 @@ def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path
     assert plot.main([str(run_a), str(run_b), "--metric", "eval_loss", "--out", str(tmp_path / "e.png")]) == 0
 
 
+def test_long_legend_labels_are_broken_at_their_separators():
+    label = ", ".join(f"optim.key_{i}=0.00{i}" for i in range(7))  # seven differing keys: 131 characters
+    text = plot.legend_text(label)
+    assert all(len(line) <= 48 for line in text.splitlines()) and len(text.splitlines()) == 4
+    assert text.replace(",\n", ", ") == label  # nothing lost or reordered
+    assert plot.legend_text("a=1, b=2") == "a=1, b=2"
+    assert plot.legend_text("x" * 60 + ", b=2") == "x" * 60 + ",\nb=2"  # a long pair keeps its own line
+
+
 def test_plot_cli_errors_are_one_line(tmp_path, capsys):
     assert plot.main([str(tmp_path)]) == 2
     assert (
