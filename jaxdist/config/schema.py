@@ -64,6 +64,11 @@ class ModelConfig:
     )
     loss_block: NonNegative = 0  # blockwise: vocab rows per block on each device (divides V / tp); 0 = from the shapes
 
+    @property
+    def stack_depth(self) -> int:
+        """Length of the stacked layer axis: num_layers, or num_layers / moe_every dense+sparse groups."""
+        return self.num_layers // self.moe_every if self.moe_experts and self.moe_every > 1 else self.num_layers
+
 
 # The ModelConfig fields that decide the parameters' shapes (a checkpoint of another value is another model).
 SHAPE_FIELDS = (

@@ -140,15 +140,10 @@ class SparseGroup(nnx.Module):
 def scanned_unit(cfg: ModelConfig):
     """(module class, how many are stacked): Block per layer, or a SparseGroup per moe_every layers."""
     if not cfg.moe_experts:
-        return Block, cfg.num_layers
+        return Block, cfg.stack_depth
     if cfg.moe_every == 1:
-        return (lambda c, g: Block(c, g, sparse=True)), cfg.num_layers
-    return SparseGroup, cfg.num_layers // cfg.moe_every
-
-
-def stack_depth(cfg: ModelConfig) -> int:
-    """Length of the stacked layer axis: num_layers, or num_layers / moe_every groups of layers."""
-    return scanned_unit(cfg)[1]
+        return (lambda c, g: Block(c, g, sparse=True)), cfg.stack_depth
+    return SparseGroup, cfg.stack_depth
 
 
 class Llama(nnx.Module):

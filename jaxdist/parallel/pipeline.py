@@ -62,9 +62,7 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     stages = mesh.shape.get(AXIS, 1)
     if stages == 1:
         return None
-    from jaxdist.models.llama import stack_depth  # the stack's length: layers, or dense+sparse groups
-
-    p, layers, units = cfg.pipeline, cfg.model.num_layers, stack_depth(cfg.model)
+    p, layers, units = cfg.pipeline, cfg.model.num_layers, cfg.model.stack_depth
     per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")

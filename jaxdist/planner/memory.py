@@ -165,9 +165,7 @@ def flattened_group(lay: Layout) -> bool:
     """A pipeline whose layer groups hold one scanned unit each (L = P·V for dense layers): the group's
     scan runs once, and XLA inlines it into the pipeline loop's body (circular pp=2 repeats 2 compiles
     to two while loops, the pipeline's forward and backward; with two layers per group, to five)."""
-    from jaxdist.models.llama import stack_depth
-
-    return lay.mesh["pp"] > 1 and stack_depth(lay.cfg.model) == lay.mesh["pp"] * lay.repeats
+    return lay.mesh["pp"] > 1 and lay.cfg.model.stack_depth == lay.mesh["pp"] * lay.repeats
 
 
 def flat_group_bytes(lay: Layout) -> float:
@@ -182,10 +180,8 @@ def flat_group_bytes(lay: Layout) -> float:
     the peak). 0 otherwise."""
     if not flattened_group(lay):
         return 0.0
-    from jaxdist.models.llama import stack_depth
-
     m = lay.cfg.model
-    unit = gathered_layer_bytes(lay) * m.num_layers / stack_depth(m)  # one scanned unit's layers
+    unit = gathered_layer_bytes(lay) * m.num_layers / m.stack_depth  # one scanned unit's layers
     return (3 if lay.accum > 1 and lay.repeats == 1 else 2) * unit
 
 
