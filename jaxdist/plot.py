@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -62,15 +63,9 @@ def differing_labels(configs: list[dict], names: list[str]) -> list[str]:
 
 
 def legend_text(label: str, width: int = 48) -> str:
-    """A label broken into lines of at most `width` characters at its ', ' separators (a single
+    """A label broken into lines of at most `width` characters after its ', ' separators (a single
     longer 'key=value' keeps its own line), so many differing keys do not push the legend off the plot."""
-    lines: list[str] = []
-    for part in label.split(", "):
-        if lines and len(lines[-1]) + 2 + len(part) <= width:
-            lines[-1] += ", " + part
-        else:
-            lines.append(part)
-    return ",\n".join(lines)
+    return textwrap.fill(label, width, break_long_words=False, break_on_hyphens=False)
 
 
 def pyplot():

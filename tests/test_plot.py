@@ -113,6 +113,8 @@ def test_long_legend_labels_are_broken_at_their_separators():
     assert text.replace(",\n", ", ") == label  # nothing lost or reordered
     assert plot.legend_text("a=1, b=2") == "a=1, b=2"
     assert plot.legend_text("x" * 60 + ", b=2") == "x" * 60 + ",\nb=2"  # a long pair keeps its own line
+    edge = "a" * 20 + ", " + "b" * 26 + ", c=1"  # 48 characters before the second comma: that comma counts
+    assert [len(line) for line in plot.legend_text(edge).splitlines()] == [21, 31]
 
 
 def test_plot_cli_errors_are_one_line(tmp_path, capsys):
