@@ -101,7 +101,7 @@ def run_method(label, base, mesh, out: Path, known=None):
         "warmup_bytes_per_step": warm,
         "warmup_steps": warm_steps,
         "run_bytes_per_step": run,
-        "sync_every": cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 0,
+        "sync_every": measure.sync_every(cfg),
         "steps": steps,
         "curve": curve,
         "evals": evals,
@@ -142,9 +142,9 @@ def check_same_shape(label: str, known: dict, shape: dict) -> None:
 
 
 def cumulative_bytes(r, step):
-    """Bytes sent by `step`: DiLoCo's in whole exchanges (at every H-th step and the last), spread over
-    the run's exchanges (its few bytes per step besides them, the loss's psum, are left out)."""
-    if r.get("sync_every"):
+    """Bytes sent by `step`: DiLoCo's in whole exchanges (at every H-th step and the last; the loss's few
+    bytes per step are counted with them), any other method's warm-up and steady steps at their rates."""
+    if r.get("sync_every", 1) > 1:
         h, steps = r["sync_every"], r["steps"]
         exchanges = step // h + (step == steps and steps % h > 0)
         return r["run_bytes_per_step"] * steps * exchanges / -(-steps // h)

@@ -185,15 +185,14 @@ def test_int8_requantisation_error_is_fed_back(dp8):
     old_chunks = ((), 0.01 * jax.random.normal(jax.random.key(5), init.codec[1].shape))
     total, state = run_reducer(reducer, dp8, grads, init._replace(codec=old_chunks))
     sent = jax.tree.map(lambda g, e: g - e, grads, state.residual)  # old sender residuals are zero
-    for i, name in [(1, "w")]:  # the codec state is in tree-flatten order
-        size = int(np.prod(SHAPES[name]))
-        old, new = (np.asarray(c[i]).reshape(-1)[:size] for c in (old_chunks, state.codec))  # chunk j: replica j
-        want = np.asarray(sent[name]).sum(0).reshape(-1) + old
-        np.testing.assert_allclose(np.asarray(total[name]).reshape(-1) + new, want, rtol=1e-5, atol=1e-5)
-        assert np.abs(new).max() > 0  # rounding lost something, and it was kept
-        blocks = np.pad(want, (0, -size % 16)).reshape(-1, 16)  # each block's step is its max |sum| / 127
-        step_of = np.repeat(np.abs(blocks).max(1) / 127, 16)[:size]
-        assert (np.abs(new) <= step_of / 2 + 1e-6).all()
+    size = int(np.prod(SHAPES["w"]))  # w is the codec state's second leaf (tree-flatten order)
+    old, new = (np.asarray(c[1]).reshape(-1)[:size] for c in (old_chunks, state.codec))  # chunk j: replica j
+    want = np.asarray(sent["w"]).sum(0).reshape(-1) + old
+    np.testing.assert_allclose(np.asarray(total["w"]).reshape(-1) + new, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(new).max() > 0  # rounding lost something, and it was kept
+    blocks = np.pad(want, (0, -size % 16)).reshape(-1, 16)  # each block's step is its max |sum| / 127
+    step_of = np.repeat(np.abs(blocks).max(1) / 127, 16)[:size]
+    assert (np.abs(new) <= step_of / 2 + 1e-6).all()
 
 
 def test_without_error_feedback_the_rest_is_dropped(dp8):
