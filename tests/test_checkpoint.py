@@ -333,3 +333,25 @@ def test_train_state_layout_change_is_named():
     sgd = {"opt_state": {"count": adam["count"]}, "reducer_state": now["reducer_state"]}
     with pytest.raises(JaxdistError, match="optimizer state in another layout than this config's optim"):
         checkpoint.check_train_state(sgd, now, saved_config, int8, Path("c"))
+
+
+def test_read_only_manager_logs_no_notice(tmp_path):
+    """Every reader opens a read-only manager; orbax's 'Given directory is read only' warning is dropped
+    at the source (convert and generate printed it three or four times per call)."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addHandler(handler)
+    level = absl_logger.level
+    absl_logger.setLevel(logging.DEBUG)
+    try:
+        checkpoint.open_manager(tmp_path, read_only=True).all_steps()
+        absl_logger.warning("Given directory is read only=%s", tmp_path)  # as orbax words it
+        absl_logger.warning("another warning")
+    finally:
+        absl_logger.removeHandler(handler)
+        absl_logger.setLevel(level)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == ["another warning"]

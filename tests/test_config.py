@@ -202,8 +202,7 @@ def test_shipped_configs_from_a_non_editable_install(tmp_path):
             "pip",
             "install",
             "-q",
-            "--no-deps",
-            "--no-build-isolation",
+            "--no-deps",  # built in isolation, as a user's pip builds it (the venv's own setuptools may be older)
             "--target",
             str(target),
             str(ROOT),

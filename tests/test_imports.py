@@ -62,3 +62,42 @@ def test_jaxdist_has_no_import_cycle():
     assert "jaxdist.step" in graph and "jaxdist.gradients" in graph["jaxdist.step"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Optional extras: each is imported only where its feature is used, behind a one-line "install the
+# extra" error (tests/test_trackers.py and test_tokenize.py check those lines).
+EXTRAS = {"wandb", "mlflow", "pyarrow", "tensorboard"}
+
+
+def test_every_module_of_the_package_imports():
+    """A dependency missing from pyproject.toml fails here, naming the module (CI installs into a fresh venv)."""
+    import importlib
+    import pkgutil
+
+    import jaxdist
+
+    failed = {}
+    names = [m.name for m in pkgutil.walk_packages(jaxdist.__path__, "jaxdist.")]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] in EXTRAS:
+                continue
+            failed[name] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # an import that fails for any other reason is as broken
+            failed[name] = f"{type(e).__name__}: {e}"
+    assert len(names) > 40 and "jaxdist.train" in names and "jaxdist.checkpoint.restoring" in names
+    assert not failed, "modules that do not import: " + "; ".join(f"{k} ({v})" for k, v in failed.items())
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject.toml lists packages (configs/ is mapped in, which packages.find cannot do): none may be missing."""
+    import tomllib
+
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p) for p in PKG.rglob("__init__.py")}
+    assert found - listed == set(), (
+        f"packages missing from pyproject.toml's [tool.setuptools] packages: {found - listed}"
+    )
+    assert listed - found == {"jaxdist.configs"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,19 @@ import orbax.checkpoint as ocp
 
 SUBDIR = "checkpoints"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes <step><suffix> and renames it to <step> when complete
+READ_ONLY_NOTICE = "Given directory is read only"
+
+
+class _DropReadOnlyNotice(logging.Filter):
+    """orbax logs a warning for every read-only manager, and every reader (convert, generate, plot,
+    restore) opens one: the notice is the reader's intent echoed back, so it is dropped here, where
+    it is produced, whatever the command's logging set-up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return READ_ONLY_NOTICE not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_DropReadOnlyNotice())
 
 
 def _handlers() -> dict:
