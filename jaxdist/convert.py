@@ -194,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_platform(args.cpu_devices)
     distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
     if args.command == "from-hf":
-        cfg = hf_config(args.config, args.overrides, Path(args.hf_dir), args.mesh)
-        from_hf(Path(args.hf_dir), Path(args.out_run_dir), cfg)
+        from jaxdist.hf_hub import local_dir
+
+        hf_dir = local_dir(args.hf_dir)  # a directory, or a Hub id through the Hugging Face cache
+        cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)
+        from_hf(hf_dir, Path(args.out_run_dir), cfg)
     else:
         files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9))
         print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")

@@ -98,6 +98,9 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
     if hf_dir:
+        from jaxdist.hf_hub import local_dir
+
+        hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = convert.hf_config(None, [], Path(hf_dir), mesh_text)
         params, model = convert.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
         return cfg, params, model.graphdef, mesh, Path(hf_dir)
@@ -199,7 +202,7 @@ def parse_args(argv):
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a jaxdist run dir or checkpoints/STEP (its latest checkpoint)")
-    src.add_argument("--hf", help="a Hugging Face Llama directory")
+    src.add_argument("--hf", help="a Hugging Face Llama: a directory or a Hub id ORG/NAME[@REV]")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-tokens", action="append", default=[], help='token ids "ID ID ..." (repeatable)')
     p.add_argument("--max-new-tokens", type=int, required=True)

@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="start from another run's checkpoint (its run dir or checkpoints/STEP); with "
         "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them. "
-        "hf:HF_DIR fine-tunes a Hugging Face Llama (model shape from its config.json)",
+        "hf:DIR or hf:ORG/NAME[@REV] (a Hub id, through the Hugging Face cache) fine-tunes a Hugging Face "
+        "Llama (model shape from its config.json)",
     )
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU (default 8)")
     p.add_argument(
@@ -164,8 +165,9 @@ def _main(argv: list[str] | None, stopper) -> int:
         args = parse_args(argv)
         cfg = resolve_config(args)
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
-            from jaxdist import hf
+            from jaxdist import hf, hf_hub
 
+            args.restore = f"hf:{hf_hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
             cfg = hf.apply(cfg, Path(args.restore[3:]), hf.model_overrides(args.overrides))
         if args.print_config:
             setup_platform(args.cpu_devices)

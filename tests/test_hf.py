@@ -22,6 +22,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -357,3 +358,48 @@ def test_two_process_import_and_export(tmp_path):
         written |= load_file(str(f))
     original = load_file(str(FIXTURE / "model.safetensors"))
     assert sorted(written) == sorted(original) and all(np.array_equal(original[k], written[k]) for k in original)
+
+
+def hub_cache(root: Path, repo: str, source: Path) -> str:
+    """A Hugging Face cache holding `source` as `repo`'s main revision, laid out as huggingface_hub lays it
+    out (blobs/, snapshots/<commit>/ with links into blobs, refs/main): -> the commit."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / "hub" / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "blobs").mkdir()
+    for f in source.iterdir():
+        blob = repo_dir / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return commit
+
+
+def test_hub_ids_resolve_through_the_offline_cache(tmp_path):
+    """`--restore hf:ORG/NAME[@REV]` reads huggingface_hub's cache (HF_HOME) offline; a miss is one line
+    that says how to download; a local directory still wins."""
+    commit = hub_cache(tmp_path / "hf", "acme/tiny-llama", FIXTURE)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    expected = json.loads((FIXTURE / "config.json").read_text())
+
+    def run(spec):
+        cmd = [sys.executable, "-m", "jaxdist.train", "--restore", f"hf:{spec}", "--print-config"]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    for spec in ("acme/tiny-llama", f"acme/tiny-llama@{commit}"):
+        out = run(spec)
+        assert out.returncode == 0, out.stderr
+        model = yaml.safe_load(out.stdout)["model"]
+        assert model["d_model"] == expected["hidden_size"] and model["num_layers"] == expected["num_hidden_layers"]
+    miss = run("acme/not-cached")
+    assert miss.returncode == 2 and miss.stderr.count("\n") == 1, miss.stderr
+    assert "not in the Hugging Face cache" in miss.stderr and "hf download acme/not-cached" in miss.stderr
+    assert "HF_HUB_OFFLINE is set" in miss.stderr
+    # a directory spelled like a Hub id is a directory
+    local = tmp_path / "acme" / "tiny-llama"
+    shutil.copytree(FIXTURE, local)
+    out = run("acme/tiny-llama")
+    assert out.returncode == 0, out.stderr

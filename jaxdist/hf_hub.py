@@ -1,0 +1,56 @@
+"""Where a Hugging Face model is: a local directory, or a Hub id resolved through huggingface_hub's cache.
+
+`hf:meta-llama/Llama-3.2-1B` (optionally `@REVISION`) is what people type; huggingface_hub owns the cache
+layout (`HF_HOME`, `HF_HUB_CACHE`), offline mode (`HF_HUB_OFFLINE=1`) and revisions, so it is asked, not
+imitated. A directory that exists always wins over a Hub id of the same spelling. Only the files jaxdist
+reads are fetched: the weights in safetensors, the configs and the tokenizer, never `original/*.pth` or
+`*.bin` copies that would double the download.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+WANTED = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+# ORG/NAME as the Hub spells repository ids, with an optional @revision (branch, tag or commit)
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def local_dir(spec: str) -> Path:
+    """A local model directory for `spec` (a path, or ORG/NAME[@REVISION]), or a one-line error."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise JaxdistError(f"{spec} is a file; pass a Hugging Face model directory or a Hub id ORG/NAME")
+    match = _HUB_ID.match(spec)
+    if match is None or spec.startswith((".", "/", "~")):
+        raise JaxdistError(f"{spec}: no such directory, and not a Hub id (ORG/NAME[@REVISION])")
+    return _snapshot(match["repo"], match["revision"])
+
+
+def _snapshot(repo: str, revision: str | None) -> Path:
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    name = repo + (f"@{revision}" if revision else "")
+    download = f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
+    try:
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo, revision=revision, allow_patterns=WANTED, local_files_only=constants.HF_HUB_OFFLINE
+            )
+        )
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as e:
+        raise JaxdistError(
+            f"hf:{name}: the Hub refused it ({type(e).__name__}); check the id, or `hf auth login` for a gated model"
+        ) from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, OSError) as e:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the Hub is unreachable ({type(e).__name__})"
+        raise JaxdistError(
+            f"hf:{name} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: "
+            f"run {download} where the Hub is reachable (HF_HOME selects the cache), or pass a local directory"
+        ) from None
