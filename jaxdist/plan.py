@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+
+import yaml
 
 from jaxdist import config
 from jaxdist.errors import JaxdistError, command
-from jaxdist.mesh import parse_mesh
+from jaxdist.mesh import format_mesh, parse_mesh
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
 from jaxdist.planner.layout import Layout
 
 SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024
+STEP_TIME_NOTE = (
+    "step times are a roofline model (compute at the hardware table's peak x its matmul efficiency, collectives "
+    "at its link bandwidths): its memory and collective bytes are checked against compiled programs "
+    "(tests/test_plan.py), its seconds against no measured step yet, so rank layouts with them, do not budget with them"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -152,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
             )
         best, reason = recommend(ests)
     curves = {}
+    command_line = train_command(args, cfg, best) if best else None
     if not args.no_scaling:
         curves = scaling(cfg, hw, SCALING_DEVICES, cfg.train.global_batch / args.devices)
     return {
@@ -161,8 +170,30 @@ def run(args: argparse.Namespace) -> dict:
         "candidates": ests,
         "recommended": best,
         "reason": reason,
+        "command": command_line,
+        "step_time_note": STEP_TIME_NOTE,
         "scaling": curves,
     }
+
+
+def _yaml_value(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
+
+
+def train_command(args: argparse.Namespace, cfg: config.Config, best: Estimate) -> str:
+    """The `python -m jaxdist.train` line that runs `best`: the user's --config and overrides, the mesh, and
+    every config key the planner chose differently (accumulation, pipeline micro-batches, rules)."""
+    chosen, given = best.layout.cfg.to_dict(), cfg.to_dict()
+    changed = {
+        f"{section}.{key}": value
+        for section, values in chosen.items()
+        for key, value in values.items()
+        if given[section][key] != value
+    }
+    kept = [o for o in args.overrides if o.split("=", 1)[0] not in changed]
+    words = ["python", "-m", "jaxdist.train", *(["--config", args.config] if args.config else [])]
+    words += ["--mesh", format_mesh(best.layout.mesh), *kept]
+    return shlex.join(words + [f"{k}={_yaml_value(v)}" for k, v in changed.items()])
 
 
 def check_plot_path(path: str) -> None:
@@ -199,6 +230,9 @@ def main(argv=None) -> int:
     print()
     print(comm_table(shown))
     print(f"\nrecommendation: {out['reason']}")
+    if out["command"]:
+        print(f"run it with:\n  {out['command']}")
+    print(f"({STEP_TIME_NOTE})")
     if out["scaling"]:
         print()
         print(scaling_table(out["scaling"]))

@@ -23,7 +23,7 @@ from jaxdist import config, plan
 from jaxdist.mesh import parse_mesh
 from jaxdist.models.llama import count_params
 from jaxdist.planner import check, comms, hardware, memory
-from jaxdist.planner.estimate import candidates, compute_flops, estimate, recommend
+from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
 from jaxdist.planner.layout import Layout
 
 SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=float32"]
@@ -188,7 +188,9 @@ def test_recommendation_and_candidates_70b():
     assert not next(e for e in ests if e.family == "DP").memory.fits  # 70B does not replicate
     best, reason = recommend(ests)
     assert best is not None and best.memory.fits and best.family in reason
-    assert all(best.step_s <= e.step_s for e in ests if e.memory.fits)
+    fastest = min(e.step_s for e in ests if e.memory.fits)
+    tied = [e for e in ests if e.memory.fits and e.step_s <= fastest * (1 + TIE)]
+    assert best.step_s <= fastest * (1 + TIE) and best.memory.total == min(e.memory.total for e in tied)
     assert 0 < best.mfu < best.layout.hw.matmul_efficiency
 
 
@@ -365,3 +367,46 @@ allocation 2: size 500, preallocated-temp:
 """
     assert heap.donated_live(assignment, ranges, "x") == (100, (("x", 100),))
     assert heap.donated_live(assignment, ranges, "w") == (60, (("y", 60),))
+
+
+def test_ties_go_to_the_layout_with_more_headroom():
+    """Step times within TIE of the fastest are a tie (the model is a roofline): the one using the least
+    memory wins; a candidate just outside the tie keeps its place by speed."""
+    from types import SimpleNamespace as NS
+
+    def est(name, step_s, total):
+        return NS(name=name, step_s=step_s, memory=NS(total=total))
+
+    fitting = [est("a", 1.0, 70), est("b", 1.015, 50), est("c", 1.019, 60), est("d", 1.021, 10)]
+    assert [e.name for e in break_ties(fitting)] == ["b", "c", "a", "d"]
+    assert [e.name for e in break_ties(fitting[:1])] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "configs/llama3-8b.yaml", "--devices", "8", "model.seq_len=131072", "train.global_batch=1"],
+        ["--config", "llama2-70b", "--devices", "64", "train.steps=7"],
+    ],
+    ids=["cp-rules", "accumulation"],
+)
+def test_the_printed_command_trains_the_recommended_layout(argv, capsys):
+    """The line `plan` ends with, parsed by the trainer, is the recommended layout's config: mesh,
+    accumulation, pipeline micro-batches and rules the planner chose, and the user's own overrides."""
+    import shlex
+
+    from jaxdist import train
+
+    assert plan.main([*argv, "--no-scaling"]) == 0
+    printed = capsys.readouterr().out
+    out = plan.run(plan.parse_args([*argv, "--no-scaling"]))
+    assert f"run it with:\n  {out['command']}\n" in printed and "roofline" in printed
+    words = shlex.split(out["command"])
+    assert words[:3] == ["python", "-m", "jaxdist.train"]
+    got = train.resolve_config(train.parse_args(words[3:]))
+    best = out["recommended"].layout
+    assert parse_mesh(got.mesh.shape, best.devices) == best.mesh
+    expected = best.cfg.to_dict()
+    expected["mesh"]["shape"] = got.mesh.shape
+    assert got.to_dict() == expected
+    assert best.accum > 1 or best.mesh["cp"] > 1  # each case exercises a key the planner chose

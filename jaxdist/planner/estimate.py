@@ -230,13 +230,28 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
 
 
+# Step times closer than this are a tie: the model's seconds are a roofline (compute at the hardware
+# table's peak x matmul efficiency, collectives at link bandwidth), not a measurement, so a 2% edge is
+# not worth less memory headroom.
+TIE = 0.02
+
+
+def break_ties(fitting: list[Estimate]) -> list[Estimate]:
+    """`fitting` (fastest first) with the candidates tied with the fastest reordered by memory headroom."""
+    tied = [e for e in fitting if e.step_s <= fitting[0].step_s * (1 + TIE)]
+    return sorted(tied, key=lambda e: e.memory.total) + fitting[len(tied) :]
+
+
 def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
-    """The fastest fitting candidate and a one-paragraph reason."""
+    """The fastest fitting candidate (of those within TIE of the fastest, the one with the most memory
+    headroom) and a one-paragraph reason."""
     fitting = [e for e in ests if e.memory.fits]
     if not fitting:
         least = min(ests, key=lambda e: e.memory.total) if ests else None
         need = f" (the smallest needs {least.memory.total / 1e9:.0f} GB per device)" if least else ""
         return None, f"nothing fits{need}: add devices, use a larger-memory accelerator, or lower the batch"
+    ties = sum(e.step_s <= fitting[0].step_s * (1 + TIE) for e in fitting)
+    fitting = break_ties(fitting)
     best = fitting[0]
     lay = best.layout
     hw = lay.hw
@@ -245,9 +260,12 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
     reason = (
         f"{best.family} {lay.name} (accumulation {lay.accum}"
         + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh["pp"] > 1 else "")
-        + f") is the fastest of {len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
+        + f") {f'ties for the fastest ({ties} within {TIE:.0%})' if ties > 1 else 'is the fastest'} of "
+        f"{len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
         f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable"
     )
+    if ties > 1:
+        reason += f"; of the tied, it leaves the most memory free (the model's step times are not exact to {TIE:.0%})"
     if lay.cp > 1:
         reason += (
             f"; the sequence is split over cp={lay.cp} (model.context_impl={lay.cfg.model.context_impl}, "
