@@ -148,14 +148,6 @@ def test_help_lists_every_key_with_its_doc():
     assert "model.remat = 'none'  [none | full | dots_saveable]" in text
 
 
-def test_readme_key_reference_is_generated_from_the_dataclasses():
-    readme = (ROOT / "README.md").read_text()
-    start, end = "<!-- config-keys:start -->\n", "\n<!-- config-keys:end -->"
-    assert start in readme and end in readme, "README.md lacks the generated key reference markers"
-    table = readme.split(start, 1)[1].split(end, 1)[0]
-    assert table == config.keys_markdown(), "README key reference is stale: run python -m jaxdist.config"
-
-
 def test_every_package_is_listed_in_pyproject():
     import tomllib
 

@@ -7,7 +7,7 @@ one-line `JaxdistError`. The resolved `Config` is passed down explicitly; nothin
   schema.py   the sections as dataclasses; nested dicts -> a validated Config
   checks.py   value checks that relate fields
   files.py    YAML files, overrides, shipped configs by name
-  keys.py     --help and the README key reference, from the fields' comments
+  keys.py     --help and docs/configuration.md's key reference, from the fields' comments
 """
 
 from jaxdist.config.checks import parse_step_range, validate, validate_moe

@@ -1,4 +1,4 @@
-"""Documentation generated from the dataclasses: `--help` and the README's key reference."""
+"""Documentation generated from the dataclasses: `--help` and docs/configuration.md's key reference."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 
 from jaxdist.config.schema import Config, _section_types
 from jaxdist.config.types import _base, _field_types, _type_name
+from jaxdist.errors import JaxdistError
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -53,9 +54,20 @@ def keys_help() -> str:
 
 
 def keys_markdown() -> str:
-    """The README's key reference table."""
+    """The key reference table of docs/configuration.md."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, (tp, default, doc) in iter_keys():
         t = _describe_type(tp).replace("|", "\\|")
         rows.append(f"| `{key}` | {t} | `{default!r}` | {doc.replace('|', '/')} |")
     return "\n".join(rows)
+
+
+START, END = "<!-- config-keys:start -->\n", "\n<!-- config-keys:end -->"
+
+
+def with_reference(page: str | None, name: str = "the page") -> str:
+    """`page` with the table between its config-keys marks replaced by today's `keys_markdown()`."""
+    if page is None or START not in page or END not in page.split(START, 1)[1]:
+        raise JaxdistError(f"{name} has no '{START.strip()}' ... '{END.strip()}' marks; add them where the table goes")
+    head, rest = page.split(START, 1)
+    return head + START + keys_markdown() + END + rest.split(END, 1)[1]

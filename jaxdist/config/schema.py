@@ -1,5 +1,5 @@
 """The configuration's sections as typed, frozen dataclasses, and building a validated `Config` from
-nested dicts. Each field's `# comment` is its documentation (`--help`, the README key reference)."""
+nested dicts. Each field's `# comment` is its documentation (`--help`, docs/configuration.md)."""
 
 from __future__ import annotations
 

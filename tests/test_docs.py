@@ -1,0 +1,157 @@
+"""The documentation stays true: every relative link in README.md, CONTRIBUTING.md and docs/ resolves
+(files and #anchors), every `python -m jaxdist.X ...` command they show parses with that entry point's
+own argument parser (and its config overrides load), and docs/configuration.md's key reference is what
+the dataclasses generate. Nothing here trains or compiles: the whole file runs in a few seconds."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from jaxdist import config, train
+from jaxdist.config.keys import with_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
+FENCE = re.compile(r"^\s*(```|~~~)")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# `python -m jaxdist.X` -> the module whose parse_args(argv) is that command's parser
+PARSERS = {"data": "jaxdist.prepare", "config": "jaxdist.config.__main__"}
+
+
+def rel(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def prose_and_code(text: str) -> tuple[list[str], list[str]]:
+    """(lines outside fenced code blocks, lines inside them)."""
+    prose, code, fenced = [], [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced:
+            code.append(line)
+        else:
+            prose.append(line)
+    return prose, code
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (letters, digits, -, _ and spaces
+    kept), spaces to hyphens; link targets and inline-code marks contribute their text."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    kept = "".join(c for c in text if c in "-_ " or unicodedata.category(c)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose_and_code(page.read_text())[0]:
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[str]:
+    prose = "\n".join(prose_and_code(page.read_text())[0])
+    prose = re.sub(r"`[^`\n]*`", "", prose)  # inline code is not a link
+    return LINK.findall(prose)
+
+
+def test_the_pages_exist():
+    names = {rel(p) for p in PAGES}
+    assert {"README.md", "CONTRIBUTING.md", "docs/index.md", "docs/configuration.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not checked here
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
+            broken.append(f"{target} (no heading #{anchor} in {dest.name})")
+    assert not broken, f"{rel(page)}: broken links: {broken}"
+
+
+def test_the_link_checker_can_fail(tmp_path):
+    """Planted bad links are caught: a missing file, a missing anchor, and a good one is not."""
+    (tmp_path / "a.md").write_text("# A page\n\n## Two words\n\n```\n# not a heading\n```\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#two-words) [no file](c.md) [no anchor](a.md#not-a-heading) `[code](x.md)`\n")
+    assert links(page) == ["a.md#two-words", "c.md", "a.md#not-a-heading"]
+    assert anchors(tmp_path / "a.md") == {"a-page", "two-words"}
+    assert (
+        slug("Compressed data parallelism: defaults, `exact` bytes")
+        == "compressed-data-parallelism-defaults-exact-bytes"
+    )
+
+
+def commands(page: Path) -> list[str]:
+    """Every `python -m jaxdist.X ...` in the page's code blocks, continuation lines joined, without the
+    shell around it (`cmd && python -m ...`, trailing `# comment`)."""
+    out, lines = [], prose_and_code(page.read_text())[1]
+    joined, buf = [], ""
+    for line in lines:
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        joined.append(buf + line)
+        buf = ""
+    for line in joined:
+        for part in re.split(r"&&|\|\||;|\|", line):
+            part = part.strip()
+            if part.startswith("python -m jaxdist."):
+                out.append(part)
+    return out
+
+
+ALL_COMMANDS = [(rel(p), c) for p in PAGES for c in commands(p)]
+
+
+def test_the_readme_shows_every_main_command():
+    shown = {c.split()[2] for page, c in ALL_COMMANDS if page == "README.md"}
+    assert {"jaxdist.train", "jaxdist.plan", "jaxdist.convert", "jaxdist.generate", "jaxdist.plot"} <= shown
+
+
+@pytest.mark.parametrize(
+    ("page", "cmd"), ALL_COMMANDS, ids=[f"{p}:{c.split('#')[0].strip()[:70]}" for p, c in ALL_COMMANDS]
+)
+def test_every_command_shown_parses(page, cmd, monkeypatch):
+    """The entry point's own parser accepts the flags (in-process, nothing runs); train, bench and plan
+    overrides and --config names also load as a config."""
+    monkeypatch.chdir(ROOT)  # configs/1b.yaml and the like are relative to the checkout
+    words = shlex.split(cmd, comments=True)
+    name = words[2].removeprefix("jaxdist.")
+    module = importlib.import_module(PARSERS.get(name, f"jaxdist.{name}"))
+    try:
+        args = module.parse_args(words[3:])
+    except SystemExit as e:
+        assert e.code == 0 and "--help" in words, f"{page}: `{cmd}` does not parse (exit {e.code})"
+        return
+    if name == "train":
+        train.resolve_config(args)  # --mesh and --steps become overrides there
+    elif name in ("bench", "plan"):
+        config.load(args.config, list(args.overrides))
+
+
+def test_configuration_reference_is_current():
+    page = ROOT / "docs" / "configuration.md"
+    text = page.read_text()
+    assert with_reference(text) == text, (
+        "docs/configuration.md is stale: python -m jaxdist.config --write docs/configuration.md"
+    )
