@@ -66,7 +66,7 @@ CPU = hardware.get("cpu")
 # Pairs the model does not meet at 10% temp / 5% collectives: (temp, collectives) bounds and why.
 # XLA's heap simulator wastes little in packing temp (jaxdist.planner.heap replays its trace; "waste"
 # is temp over the simulator's peak - 1, plan_check.py --dump), so these are buffers the model
-# misses or over-counts (the README's table lists every pair):
+# misses or over-counts (docs/planner.md's table lists every pair):
 KNOWN_OFF = {
     # FRESH pair (-11.5% on its one check, -10.4% after the slicing and loss revision), waste 0.0%:
     # XLA combines all of a layer's gradient all-reduces into one, so its peak holds the whole

@@ -23,7 +23,7 @@ In tiny-moe at init (random tokens) the per-sequence mean carries 6% of the rout
 layer 0 and 64% at layer 3, and the fullest expert takes 96-127 of a device's 128 tokens there (32 is
 balanced). Embeddings at std 1 (`model.embed_init_std=1.0`, torchtitan's init) keep the tokens
 distinct, but Adam moves such a table ~50x slower relative to its size, and that alone costs dense
-tiny as much eval loss as tiny-moe trails it by (the README's study). tiny-moe keeps tiny's 0.02
+tiny as much eval loss as tiny-moe trails it by (docs/moe.md's study). tiny-moe keeps tiny's 0.02
 table and multiplies its output by `model.embed_scale` = sqrt(d_model) = 16 (Vaswani et al. 2017,
 Gemma): an effective std of 0.32 keeps the router's inputs apart (tests/test_moe.py: the fullest
 expert within twice the balanced load at every layer), and the table learns at dense tiny's pace.

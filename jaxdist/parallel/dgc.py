@@ -20,7 +20,7 @@ update: the step applies the sum with the LR and decoupled decay alone (linear).
 estimates, on each replica and without communication, the second moment of the *mean* gradient that
 dense Adam divides by, E[ḡ²] = μ² + σ²/N, from the replica's own moments (m̂² ≈ μ², v̂ ≈ μ² + σ²):
 a replica's own v̂ alone overstates a noisy coordinate by up to N (one sequence per replica at dp=8),
-and the steps came out up to √N too small (the first version; measured in the README). `gradient`
+and the steps came out up to √N too small (the first version; measured in docs/compression.md). `gradient`
 feeds the sum to the step's Adam with its first moment off (b1 = 0; the second moment is Adam's own,
 of the bursty sparse sum: entries sent rarely get at most √(1/(1 − b2))·lr per send) — close on the
 small study shape, 9% off dense on `tiny`. Tensors top-k would not shrink get the same momentum,
