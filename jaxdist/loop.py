@@ -58,10 +58,8 @@ def run(
 
 def _quietly(close):
     def call():
-        try:
+        with contextlib.suppress(OSError):  # e.g. a full disk: the run's own error says so
             close()
-        except OSError:  # e.g. a full disk: the run's own error says so
-            pass
 
     return call
 

@@ -218,7 +218,7 @@ class MetricWriter:
                 path.write_text("".join(line + "\n" for line in kept))
             elif path.exists():
                 _drop_partial_line(path)
-            self.file = open(path, "a")
+            self.file = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
 
     def write(self, record: dict) -> None:
         if not self.enabled:

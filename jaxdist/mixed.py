@@ -66,7 +66,7 @@ def weight_matmul(x, w, names, in_dims: int = 1):
     the partial sums over the batch axes (all-reduce / reduce-scatter) runs in float32 — a plain
     `w.astype(bf16)` makes XLA reduce the bf16 matmul output, then convert (checked in the HLO)."""
     out_dims = w.shape[in_dims:]
-    flat = lambda v: v.reshape(x.shape[-1], *out_dims)  # noqa: E731
+    flat = lambda v: v.reshape(x.shape[-1], *out_dims)
     if x.dtype == w.dtype:  # as the scan's other matrices: constrained, gradient reduced to the sharding
         return token_matmul(x, flat(cast_sharded(w, names, x.dtype)))
 

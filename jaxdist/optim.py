@@ -54,7 +54,7 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
     for the first `freeze_step` updates."""
 
     def init(params):
-        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
 
     def update(grads, state, params=None):

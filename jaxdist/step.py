@@ -185,7 +185,7 @@ def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStag
 def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: ResolvedModel, abstract_state):
     """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
     sharded like its parameters; with optim.offload=host it lives in pinned host memory between steps."""
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)
     opt_specs = optax.tree_map_params(
         tx, lambda _, s: s, abstract_state.opt_state, model.specs, transform_non_params=lambda _: P(), is_leaf=is_spec
     )

@@ -110,7 +110,7 @@ def load(path: str) -> Tok:
     file, folder = _locate(path)
     try:
         tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # noqa: BLE001 (the Rust side raises plain Exceptions for bad JSON or unknown models)
+    except Exception as e:  # the Rust side raises plain Exceptions for bad JSON or unknown models
         raise JaxdistError(
             f"{file} is not a tokenizers JSON file ({str(e).splitlines()[0][:120]}); "
             "give the tokenizer.json of a fast tokenizer"

@@ -15,9 +15,9 @@ import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hlo" / "cpu_switch.txt"
 

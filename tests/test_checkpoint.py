@@ -50,7 +50,7 @@ class Train:
 
     def __init__(self, run_dir: Path, *args: str, signal_on: tuple[str, int] | None = None):
         self.run_dir, self.signal_on, self.signalled_at = run_dir, signal_on, None
-        self.stderr = open(f"{run_dir}.stderr", "w")
+        self.stderr = open(f"{run_dir}.stderr", "w")  # noqa: SIM115 (the child's stderr for its lifetime)
         cmd = [sys.executable, "-u", "-m", "jaxdist.train", "--run-dir", str(run_dir), *SMALL, *SCHEDULE, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.out: list[str] = []
@@ -318,7 +318,7 @@ def test_pipeline_layout_change_is_named():
 def test_train_state_layout_change_is_named():
     """Optimizer or reducer state of another layout (another reduce.method, or int8 state from before
     its requantisation feedback) is named with the setting and the fix, not left to orbax's tree error."""
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     adam = {"mu": {"w": f32(4, 8)}, "nu": {"w": f32(4, 8)}, "count": jax.ShapeDtypeStruct((), jnp.int32)}
     int8 = config.load(None, ["reduce.method=int8"])
     now = {"opt_state": adam, "reducer_state": {"residual": {"w": f32(8, 4, 8)}, "chunk": {"w": f32(8, 256)}}}

@@ -194,7 +194,7 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
     o = cfg.optim
     update = dgc.replica_update(cfg, 8)
     keys = iter(jax.random.split(jax.random.key(5), 12))
-    rnd = lambda scale: {k: scale * jax.random.normal(next(keys), (8,) + v) for k, v in DGC_SHAPES.items()}  # noqa: E731
+    rnd = lambda scale: {k: scale * jax.random.normal(next(keys), (8,) + v) for k, v in DGC_SHAPES.items()}
     share, u, a, v, m = rnd(0.1), rnd(0.01), rnd(0.01), jax.tree.map(jnp.abs, rnd(0.01)), rnd(0.01)
     moments = mode == "update"
     state = dgc.DgcState(u, a, v if moments else (), m if moments else ())
@@ -524,7 +524,7 @@ def demo_exchange(tiny_cfg, dp8, ratio):
     """Runs one replica update on 8 replicas with known gradients and momenta; returns the inputs and
     (direction, new δ) per replica."""
     cfg = tiny_cfg.replace(reduce=dict(method="demo", ratio=ratio), optim=dict(clip_norm=1.0))
-    lr = lambda step: 0.5  # noqa: E731
+    lr = lambda step: 0.5
     update = demo.replica_update(cfg, DEMO_DIMS, lr)
     keys = iter(jax.random.split(jax.random.key(3), 4))
     grads = {k: 3.0 * jax.random.normal(next(keys), (8,) + s) for k, s in DEMO_SHAPES.items()}

@@ -276,7 +276,7 @@ def test_planner_matches_compiler(build, reference, case_id):
     for kind, v in measured.items():
         assert predicted[kind] == pytest.approx(v["bytes"], rel=0.05), kind
     temp = compiled.memory_analysis().temp_size_in_bytes
-    working = lambda m: m.activations + max(m.temporary, m.loss)  # noqa: E731
+    working = lambda m: m.activations + max(m.temporary, m.loss)
     assert working(mem) == pytest.approx(temp, rel=0.10)
     ref_prog, ref_compiled = reference[0], reference[4]
     ref_lay = Layout(ref_prog.cfg, {a: int(s) for a, s in ref_prog.mesh.shape.items()}, hardware.get("cpu"))

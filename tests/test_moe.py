@@ -195,7 +195,7 @@ def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg, batches,
     N, D, L = cfg.train.global_batch * cfg.model.seq_len // 8, cfg.model.d_model, cfg.model.num_layers
     tiers = [math.ceil(f * N * K / E) for f in moe_parallel.DROPLESS_TIERS] + [N]
     assert tuple(tiers) == moe_parallel.dropless_tiers(N, E, K) and len(set(tiers)) == len(tiers) == 3
-    per_execution = lambda C: E * C * D * 4 * 7 / 8  # noqa: E731
+    per_execution = lambda C: E * C * D * 4 * 7 / 8
     by_bytes = {}
     for c in a2a:
         by_bytes[c.sent_bytes] = by_bytes.get(c.sent_bytes, 0) + c.count
@@ -350,7 +350,7 @@ def test_dropless_compute_skips_chunks_past_each_experts_load():
         rows = jnp.arange(R)[None, :] < valid[:, None]
         return jnp.sum(jnp.where(rows[..., None], fn(x, *ws), 0.0) ** 2)
 
-    chunks = lambda x, *ws: moe_parallel.expert_chunks(x, valid, *ws, chunk)  # noqa: E731
+    chunks = lambda x, *ws: moe_parallel.expert_chunks(x, valid, *ws, chunk)
     ref = jax.vmap(swiglu)(x, *ws)
     both = jax.jit(lambda x, ws: (chunks(x, *ws), jax.grad(functools.partial(loss, chunks), argnums=(0, 1))(x, ws)))
     out, g = both(x_nan, ws)  # one compile
@@ -396,7 +396,7 @@ def test_expert_bytes_per_device_at_ep8_are_an_eighth(cfg):
     """memory_analysis of a program taking the expert weights: argument bytes per device = total / 8."""
     mesh = mesh_mod.mesh_from_string("ep=8")
     prog = step.build_program(cfg, mesh)
-    is_expert = lambda names: "expert" in names  # noqa: E731
+    is_expert = lambda names: "expert" in names
     leaves = [
         (a, s)
         for a, s, n in zip(

@@ -143,7 +143,7 @@ def test_stage_weights_live_on_their_stage(build, cfg):
     norm, and its batch shard), read from the compiled program's argument bytes."""
     prog, compiled, _, _ = build("pp=4")
     params = prog.abstract_state.params
-    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
     stack = nbytes(params["blocks"])
     rest = nbytes(params) - stack
     tokens = BATCH * (cfg.model.seq_len + 1) * 4

@@ -34,7 +34,7 @@ def compile_step(prog, cfg):
 def loss_grads_and_curve(cfg, mesh, batches):
     prog = step.build_program(cfg, mesh)
     state = prog.init_state(0)
-    put = lambda b: jax.device_put(b, prog.batch_sharding)  # noqa: E731
+    put = lambda b: jax.device_put(b, prog.batch_sharding)
     grads_fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])
     with prog.activate():
         grads, loss = grads_fn(state.params, put(batches[0]))

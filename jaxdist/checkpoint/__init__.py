@@ -51,7 +51,7 @@ _EXPORTS = {
     "signals": ("StopSignal",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)  # noqa: PLE0605 (built from the table above)
+__all__ = sorted(_WHERE)  # built from the table above
 
 
 def __getattr__(name: str):

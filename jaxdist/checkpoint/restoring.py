@@ -137,7 +137,7 @@ def restore(
                 )
             except JaxdistError:
                 raise
-            except Exception as e:  # noqa: BLE001 — any read failure means "try the previous checkpoint"
+            except Exception as e:  # any read failure means "try the previous checkpoint"
                 state, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 if isinstance(e, Corrupted):
                     error = f"{e}"

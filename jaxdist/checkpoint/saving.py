@@ -6,6 +6,7 @@ published stay, because orbax deletes old steps only after a new one is complete
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Callable
@@ -93,7 +94,7 @@ class Saver:
             fn()
         except JaxdistError:
             raise
-        except Exception as e:  # noqa: BLE001 — any failure to write is reported as one line
+        except Exception as e:  # any failure to write is reported as one line
             self.pending = None
             raise self._fail(step, e) from None
 
@@ -162,7 +163,5 @@ class Saver:
                 self._guard(self.pending[0], self.manager.wait_until_finished)
             self.poll()
         finally:
-            try:
+            with contextlib.suppress(Exception):  # the save's own failure, if any, is already being raised
                 self.manager.close()
-            except Exception:  # noqa: BLE001, S110 — the save's own failure, if any, is already being raised
-                pass

@@ -72,9 +72,8 @@ def find(name_or_path: str | Path | None) -> Path:
     if path.is_file():
         return path
     shipped = CONFIGS_DIR / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
-    if path.parent == Path(".") or path.parts[:1] == ("configs",):
-        if shipped.is_file():
-            return shipped
+    if (path.parent == Path(".") or path.parts[:1] == ("configs",)) and shipped.is_file():
+        return shipped
     names = ", ".join(shipped_configs())
     raise JaxdistError(
         f"config file {name_or_path} not found; pass --config with an existing YAML path or "

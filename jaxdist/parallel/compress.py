@@ -93,7 +93,7 @@ def topk_sum(x, ratio: float, axis):
     chunks, chunk, k = topk_k(x.size, ratio)
     flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
     total, sent, kept = sparse_sum(flat, k, axis)
-    unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape)  # noqa: E731
+    unpad = lambda a: a.reshape(-1)[: x.size].reshape(x.shape)
     return unpad(total).astype(x.dtype), unpad(sent).astype(x.dtype), unpad(kept)
 
 

@@ -135,7 +135,7 @@ def replica_update(cfg: Config, replicas: int):
         if r.dgc == "update":  # Adam's scaling of this replica's own mean gradient (N x its share)
             variance = jax.tree.map(lambda v, g: o.b2 * v + (1 - o.b2) * (replicas * g) ** 2, variance, share)
             mean = jax.tree.map(lambda m, g: o.b1 * m + (1 - o.b1) * replicas * g, mean, share)
-            scale = lambda m, v: mean_gradient_scale(m, v, step, o, replicas)  # noqa: E731
+            scale = lambda m, v: mean_gradient_scale(m, v, step, o, replicas)
             share = jax.tree.map(lambda g, m, v: g / scale(m, v), share, mean, variance)
             # Adam's bias correction of its momentum: the step applies m̂ = m / (1 − b1^t), not m.
             bias = 1 / (1 - o.b1 ** (jnp.asarray(step) + 1).astype(jnp.float32))
@@ -169,10 +169,7 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
     """What the step applies to the summed update: no global clip (clipped locally). `gradient`: AdamW
     with b1 = 0; `update`: the LR and decoupled decay (Adam's scaling ran on the replicas)."""
     o = cfg.optim
-    if cfg.reduce.dgc == "update":
-        scale = optax.identity()
-    else:
-        scale = optax.scale_by_adam(b1=0.0, b2=o.b2, eps=o.eps)
+    scale = optax.identity() if cfg.reduce.dgc == "update" else optax.scale_by_adam(b1=0.0, b2=o.b2, eps=o.eps)
     return optax.chain(
         scale, optax.add_decayed_weights(o.weight_decay, decay_mask_tree), optax.scale_by_learning_rate(lr_schedule)
     )
@@ -184,7 +181,7 @@ def reducer(cfg: Config, replicas: int) -> reduce.Reducer:
     moments = cfg.reduce.dgc == "update"
 
     def init(params):
-        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # noqa: E731
+        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         return DgcState(zeros(), zeros(), zeros() if moments else (), zeros() if moments else ())
 
     def state_specs(param_specs):
@@ -215,7 +212,7 @@ def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> Gr
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), red.init(params))
 
     def state_specs(param_specs):
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        is_spec = lambda x: isinstance(x, P)
         return jax.tree.map(lambda s: P(axis, *s), red.state_specs(param_specs), is_leaf=is_spec)
 
     apply = reduce.per_replica_apply(per_replica, mesh, axis)

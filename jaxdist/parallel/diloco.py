@@ -109,7 +109,7 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) ->
         return jax.tree.map(lambda s: jnp.broadcast_to(s, (replicas,) + s.shape), local)
 
     def state_specs(param_specs):
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        is_spec = lambda x: isinstance(x, P)
         inner_abstract = jax.eval_shape(inner_tx.init, model.abstract)
         inner = optax.tree_map_params(
             inner_tx, lambda _, s: s, inner_abstract, param_specs, transform_non_params=lambda _: P(), is_leaf=is_spec

@@ -265,14 +265,14 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
         return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
     done = set(mesh.manual_axes)
     manual = frozenset(a for a in mesh.axis_names if a not in done)
-    spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)  # noqa: E731
+    spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)
     x_spec, w_spec = spec(("batch", "seq", None)), spec(tuple(names))
     down_spec = P(w_spec[0], w_spec[2], w_spec[1])
-    used = lambda i: _axes(w_spec[i])  # noqa: E731
+    used = lambda i: _axes(w_spec[i])
     gather = tuple((i, used(i)) for i in (1,) if used(i))
     seq_axes = tuple(a for a in _axes(x_spec[1]) if mesh.shape[a] > 1)
     every = tuple(mesh.axis_names)  # the dropless tier is chosen alike on every device
-    body = lambda *a: _local(  # noqa: E731
+    body = lambda *a: _local(
         *a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, all_axes=every, **kw
     )
     # check_vma off: a size-1 cp axis still appears in x_spec; the per-sequence counts are summed over

@@ -159,7 +159,7 @@ def stage_names(names: dict) -> dict:
 
 def stage_specs(names: dict, abstract_params: dict, rules, mesh) -> dict:
     """PartitionSpecs for the staged parameters, checked to divide the mesh."""
-    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    is_names = lambda x: isinstance(x, tuple)
 
     def spec(path, n, a):
         what = f"parameter {jax.tree_util.keystr(path)}"
@@ -215,7 +215,7 @@ def run_schedule(stage_fn: Callable, stage_params, x_MbTD, pl: Plan, aux_like=No
         recv = jax.lax.ppermute(y, AXIS, [(k, (k + 1) % S) for k in range(S)])
         return (recv, buf, out, acc), None
 
-    varying = lambda a: jax.lax.pcast(a, (AXIS,), to="varying")  # noqa: E731  (differs per stage)
+    varying = lambda a: jax.lax.pcast(a, (AXIS,), to="varying")  # differs per stage
     acc = jax.tree.map(lambda a: varying(jnp.zeros((V, *a.shape), a.dtype)), aux_like) if with_aux else None
     init = (varying(jnp.zeros_like(x_MbTD[0])), varying(x_MbTD), varying(jnp.zeros_like(x_MbTD)), acc)
     (_, _, out, acc), _ = jax.lax.scan(body, init, jnp.arange(pl.iterations))

@@ -172,7 +172,7 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
         ]
     if devices == 1:
         out = [("single", {})]
-    full = lambda m: {a: m.get(a, 1) for a in AXES}  # noqa: E731
+    full = lambda m: {a: m.get(a, 1) for a in AXES}
     return [(name, full(m)) for name, m in out]
 
 

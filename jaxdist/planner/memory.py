@@ -260,8 +260,8 @@ def layer_gradient_bytes(lay: Layout) -> float:
     remat=full), in amounts its assignment order sets, not the shapes. The term counts the larger
     group (the MLP's or the attention's matrices): right where the attention's gradients go there,
     0.8 MB (10%) low for the d_model 128 pair, where none do."""
-    matrix = lambda g: len(g.shape) > 2  # noqa: E731 (norm scales are a few bytes)
-    mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names  # noqa: E731
+    matrix = lambda g: len(g.shape) > 2  # norm scales are a few bytes
+    mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names
     full = max(
         gathered_per_layer(lay, lambda g: matrix(g) and mlp(g)),
         gathered_per_layer(lay, lambda g: matrix(g) and not mlp(g)),

@@ -122,7 +122,7 @@ def _size(v, t: int) -> int:
 
 def _dim(d, t: int) -> int:
     """A dimension (an int, or a polynomial in the symbolic length T) at T = t."""
-    return d if isinstance(d, int) else int(eval(str(d).replace("^", "**"), {"T": t}))  # noqa: S307
+    return d if isinstance(d, int) else int(eval(str(d).replace("^", "**"), {"T": t}))
 
 
 BITCASTS = ("reshape", "broadcast_in_dim", "squeeze", "expand_dims")  # same-size: XLA shares the buffer
