@@ -185,7 +185,8 @@ def test_print_config_from_another_directory(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_configs_from_a_non_editable_install(tmp_path):
-    """`pip install .` (not -e) ships configs/ as package data: found by name outside the checkout."""
+    """`pip install .` (not -e) builds the wheel and installs it; outside the checkout its configs/ are found
+    by name (package data) and `python -m jaxdist.train --help` and `--config tiny --print-config` run."""
     target = tmp_path / "site"
     subprocess.run(
         [
@@ -215,3 +216,15 @@ def test_shipped_configs_from_a_non_editable_install(tmp_path):
     assert out.returncode == 0, out.stderr
     where, d_model = out.stdout.split()
     assert where.startswith(str(target)) and d_model == "4096"
+    # the installed command itself, outside the checkout: --help (every config key) and a shipped config
+    train = [sys.executable, "-m", "jaxdist.train"]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    for args in (["--help"], ["--config", "tiny", "--print-config"]):
+        out = subprocess.run([*train, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (args, out.stderr)
+        if args == ["--help"]:
+            assert "usage: python -m jaxdist.train" in out.stdout and "  model.remat = 'none'" in out.stdout
+        else:
+            cfg = config.from_dict(yaml.safe_load(out.stdout))
+            assert cfg.model.d_model == 256 and cfg.mesh.shape == "fsdp=8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # nothing written outside the install
