@@ -6,15 +6,19 @@ the dataclasses generate. Nothing here trains or compiles: the whole file runs i
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import shlex
 import unicodedata
 from pathlib import Path
 
+import jax
 import pytest
 
-from jaxdist import config, train
+from jaxdist import config, sharding, step, train
+from jaxdist import mesh as mesh_mod
 from jaxdist.config.keys import with_reference
+from jaxdist.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
@@ -133,7 +137,8 @@ def test_the_readme_shows_every_main_command():
 )
 def test_every_command_shown_parses(page, cmd, monkeypatch):
     """The entry point's own parser accepts the flags (in-process, nothing runs); train, bench and plan
-    overrides and --config names also load as a config."""
+    overrides and --config names also load as a config, and a train command's mesh passes the start-up
+    checks on the test devices."""
     monkeypatch.chdir(ROOT)  # configs/1b.yaml and the like are relative to the checkout
     words = shlex.split(cmd, comments=True)
     name = words[2].removeprefix("jaxdist.")
@@ -144,9 +149,22 @@ def test_every_command_shown_parses(page, cmd, monkeypatch):
         assert e.code == 0 and "--help" in words, f"{page}: `{cmd}` does not parse (exit {e.code})"
         return
     if name == "train":
-        train.resolve_config(args)  # --mesh and --steps become overrides there
+        check_on_the_test_devices(train.resolve_config(args))  # --mesh and --steps become overrides there
     elif name in ("bench", "plan"):
         config.load(args.config, list(args.overrides))
+
+
+def check_on_the_test_devices(cfg) -> None:
+    """The start-up checks that need the mesh (batch divisibility, MoE and cp rules, every parameter
+    divisible by its shards), on the suite's 8 CPU devices, from abstract shapes: nothing is compiled.
+    A command for another device count (a cluster's) is only parsed."""
+    explicit = [int(v) for _, v in (p.split("=") for p in cfg.mesh.shape.split(",") if p.strip())]
+    if -1 not in explicit and math.prod(explicit) != jax.device_count():
+        return
+    mesh = mesh_mod.mesh_from_string(cfg.mesh.shape)
+    rules = sharding.make_rules(cfg.mesh.rules)
+    step.check(cfg, mesh, rules)
+    resolve(cfg, mesh, rules)
 
 
 def test_configuration_reference_is_current():
