@@ -42,7 +42,11 @@ def without_aux(apply_fn: Callable) -> Callable:
 
 def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
     """The training objective: `token_loss_sums` plus the model's auxiliary objective. Returns
-    (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up."""
+    (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up.
+    An `apply_fn` carrying its own `objective_sums` (a pipeline schedule that computes its gradients
+    itself, behind a custom VJP) is used as it is."""
+    if hasattr(apply_fn, "objective_sums"):
+        return apply_fn.objective_sums(params, tokens_BT1, order_T)
     aux = {}
 
     def model_only(p, x, **kw):  # the aux outputs leave through `aux` within this same trace

@@ -35,8 +35,10 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import split_microbatches
 from jaxdist.mesh import axis_size
+from jaxdist.parallel import schedules
 
 AXIS = "pp"
+VIRTUAL = ("circular", "interleaved_1f1b")  # schedules with pipeline.repeats chunks per stage
 STACK = "blocks"  # the model's stacked layers (params[STACK] leaves have a leading `layers` axis)
 
 
@@ -50,11 +52,19 @@ class Plan:
 
     @property
     def iterations(self) -> int:
+        """Loop iterations per pass: GPipe / circular's forward scan; a table schedule's slots."""
+        if self.schedule in schedules.SCHEDULES:
+            return self.table().slots
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
+        if self.schedule in schedules.SCHEDULES:
+            return self.table().bubble_fraction
         return (self.stages - 1) / self.iterations
+
+    def table(self) -> schedules.Table:
+        return schedules.build(self.schedule, self.stages, self.microbatches, self.repeats)
 
 
 def plan(cfg: Config, mesh, rules) -> Plan | None:
@@ -66,12 +76,15 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
-    if p.schedule == "gpipe" and p.repeats != 1:
+    if p.schedule in ("gpipe", "1f1b") and p.repeats != 1:
         raise JaxdistError(
-            f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular; set pipeline.repeats=1 for gpipe"
+            f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular or interleaved_1f1b; "
+            f"set pipeline.repeats=1 for {p.schedule}"
         )
-    repeats = p.repeats if p.schedule == "circular" else 1
+    repeats = p.repeats if p.schedule in VIRTUAL else 1
     micro = p.microbatches or stages
+    if p.schedule in schedules.SCHEDULES:
+        check_table_schedule(cfg, stages, micro)
     if units % (stages * repeats):
         fits = [
             f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
@@ -85,7 +98,7 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
         )
     if repeats > 1 and micro < stages:
         raise JaxdistError(
-            f"circular pipeline.repeats={repeats} needs pipeline.microbatches >= pp={stages} (got {micro}) "
+            f"{p.schedule} pipeline.repeats={repeats} needs pipeline.microbatches >= pp={stages} (got {micro}) "
             f"so each micro-batch is back at stage 0 in time; set pipeline.microbatches={stages} or more"
         )
     shards = axis_size(mesh, sharding.batch_spec(rules)[0])
@@ -102,6 +115,21 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
             "mesh.rules maps a logical axis other than 'stage' to 'pp'; with pp > 1 only 'stage' may use the pp axis"
         )
     return Plan(p.schedule, stages, micro, repeats, units // (stages * repeats))
+
+
+def check_table_schedule(cfg: Config, stages: int, micro: int) -> None:
+    """What the table-driven schedules (parallel/pipeline_1f1b.py) cannot do yet: one-line errors."""
+    name = cfg.pipeline.schedule
+    if cfg.model.moe_experts:
+        raise JaxdistError(
+            f"pipeline.schedule={name} with MoE layers (model.moe_experts={cfg.model.moe_experts}) is not "
+            "supported yet; use pipeline.schedule=gpipe or circular for MoE models"
+        )
+    if name == "interleaved_1f1b" and micro % stages:
+        raise JaxdistError(
+            f"pipeline.schedule=interleaved_1f1b needs pipeline.microbatches a multiple of pp={stages} "
+            f"(got {micro}); use pipeline.microbatches={stages * max(1, micro // stages)}"
+        )
 
 
 def describe(pl: Plan | None) -> dict[str, Any]:
@@ -278,4 +306,8 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
 
         return out, combine_layers(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
+    if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.gradients)
+        from jaxdist.parallel.pipeline_1f1b import schedule_objective
+
+        apply_fn.objective_sums = schedule_objective(graphdef, pl, positions_T)
     return apply_fn

@@ -1,0 +1,194 @@
+"""Table-driven pipeline schedules (1F1B, interleaved 1F1B) in one SPMD program, with per-micro-batch VJPs.
+
+GPipe / circular (`jaxdist.parallel.pipeline`) differentiate through the whole schedule, so every stage
+keeps one input per iteration: memory grows with the micro-batch count M. Here gradients are computed
+by the schedule itself: a `lax.scan` over the slots of a static table (`jaxdist.parallel.schedules`),
+inside `shard_map` manual over pp. In each slot each stage runs, by `lax.switch` on its table entry:
+
+- idle;
+- F(v, i): the stage's chunk v on micro-batch i's input (stage 0, chunk 0: the embedding of its
+  tokens), sent on to the next stage by `ppermute`; the last virtual stage does nothing here (its B
+  computes the loss);
+- B(v, i): `jax.vjp` of the chunk at its saved input (the forward is recomputed, as remat does), with
+  the gradient received from the next stage (the last virtual stage: head + cross-entropy, cotangent
+  1); the weight gradient is added in place to this stage's accumulator, the input gradient goes back
+  by `ppermute` (stage 0, chunk 0: into the embedding table's gradient).
+
+Activations and gradients that arrive wait in small buffers whose slots the table assigns
+(`schedules.buffers`): at most P stage inputs per stage for 1F1B, whatever M is. Every slot sends one
+activation forward and one gradient backward (zeros when there is nothing to send).
+
+The result (summed loss, gradients of the sum) leaves through a `jax.custom_vjp` whose forward runs the
+schedule and whose backward scales the gradients it saved, so the gradient stages (`jax.grad` of the
+objective, accumulation, explicit reductions) use it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.gradients import split_microbatches
+from jaxdist.loss import cross_entropy
+from jaxdist.parallel import schedules
+
+AXIS, STACK = "pp", "blocks"
+# lax.switch branches
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+BRANCHES = ("idle", "F first", "F", "F last", "B first", "B", "B last")
+
+
+def branch_table(table: schedules.Table) -> np.ndarray:
+    """(slots, P) branch index: the action's kind refined by first / last virtual stage."""
+    P, V = table.stages, table.repeats
+    s = np.arange(P)[None, :]
+    first = (s == 0) & (table.chunk == 0)
+    last = (s == P - 1) & (table.chunk == V - 1)
+    fwd = np.where(first, F_FIRST, np.where(last, F_LAST, F_MID))
+    bwd = np.where(first, B_FIRST, np.where(last, B_LAST, B_MID))
+    out = np.where(table.kind == schedules.FWD, fwd, np.where(table.kind == schedules.BWD, bwd, IDLE))
+    return out.astype(np.int32)
+
+
+def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
+    """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.gradients`,
+    its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
+    table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
+    bufs = schedules.buffers(table)
+    consts = {
+        "branch": branch_table(table),
+        "chunk": table.chunk,
+        "mb": table.mb,
+        "x_in": bufs.x_in,
+        "g_in": bufs.g_in,
+        "x_read": np.maximum(bufs.x_read, 0),
+        "g_read": np.maximum(bufs.g_read, 0),
+    }
+    S, V, G = pl.stages, pl.repeats, pl.layers_per_group
+
+    def run(params, tokens_BT1):
+        """(loss_sum, gradients of loss_sum) — the schedule."""
+        rest = {k: v for k, v in params.items() if k != STACK}
+        model = nnx.merge(graphdef, params)
+        blocks_def, _ = nnx.split(model.blocks)
+        tokens_MbT1 = split_microbatches(tokens_BT1, pl.microbatches)
+
+        def per_rank(stack, rest, tokens_MbT1):
+            local = jax.tree.map(lambda a: a[0].reshape(V, G, *a.shape[2:]), stack)  # (V, G, ...)
+            s = jax.lax.axis_index(AXIS)
+
+            def whole(r):  # the model with `r` as its non-stack parameters (embedding, final norm, head)
+                return nnx.merge(graphdef, {**r, STACK: stack})
+
+            def chunk(group, x):
+                return model.run_layers_aux(x, nnx.merge(blocks_def, group), positions_T=positions_T)[0]
+
+            def embed(r, tok_bT):
+                return whole(r).embed(tok_bT)
+
+            def head_loss(r, y, tgt_bT):
+                return cross_entropy(whole(r).head(y), tgt_bT).sum()
+
+            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+            tok0 = tokens_MbT1[0, :, :-1]
+            x_like = jax.eval_shape(embed, rest, tok0)
+            zx = jnp.zeros(x_like.shape, x_like.dtype)
+            zg, zr = zeros(jax.tree.map(lambda a: a[0], local)), zeros(rest)
+
+            # Each branch: (sent forward, sent backward, chunk grads, other grads, loss, count).
+            def idle(group, x, dy, tok, tgt):
+                return zx, zx, zg, zr, jnp.zeros((), jnp.float32)
+
+            def f_first(group, x, dy, tok, tgt):
+                return chunk(group, embed(rest, tok)), zx, zg, zr, jnp.zeros((), jnp.float32)
+
+            def f_mid(group, x, dy, tok, tgt):
+                return chunk(group, x), zx, zg, zr, jnp.zeros((), jnp.float32)
+
+            def b_first(group, x, dy, tok, tgt):
+                _, vjp = jax.vjp(lambda g, r: chunk(g, embed(r, tok)), group, rest)
+                dg, dr = vjp(dy)
+                return zx, zx, dg, dr, jnp.zeros((), jnp.float32)
+
+            def b_mid(group, x, dy, tok, tgt):
+                _, vjp = jax.vjp(chunk, group, x)
+                dg, dx = vjp(dy)
+                return zx, dx, dg, zr, jnp.zeros((), jnp.float32)
+
+            def b_last(group, x, dy, tok, tgt):
+                loss, vjp = jax.vjp(lambda g, r, x: head_loss(r, chunk(g, x), tgt), group, rest, x)
+                dg, dr, dx = vjp(jnp.ones((), loss.dtype))
+                return zx, dx, dg, dr, loss.astype(jnp.float32)
+
+            branches = [idle, f_first, f_mid, idle, b_first, b_mid, b_last]  # F last: B last computes it
+            c = {k: jnp.asarray(v) for k, v in consts.items()}
+            fwd_perm = [(k, (k + 1) % S) for k in range(S)]
+            bwd_perm = [(k, (k - 1) % S) for k in range(S)]
+
+            def put(buf, slot, value):
+                """buf[slot] = value where slot >= 0."""
+                i = jnp.maximum(slot, 0)
+                return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, buf[i]), i, 0)
+
+            def body(carry, t):
+                recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
+                xbuf = put(xbuf, c["x_in"][t, s], recv_f)
+                gbuf = put(gbuf, c["g_in"][t, s], recv_b)
+                branch, v, i = c["branch"][t, s], c["chunk"][t, s], c["mb"][t, s]
+                group = jax.tree.map(lambda a: a[v], local)
+                tok_bT1 = tokens_MbT1[i]
+                x, dy = xbuf[c["x_read"][t, s]], gbuf[c["g_read"][t, s]]
+                y, dx, dg, dr, li = jax.lax.switch(branch, branches, group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:])
+                acc = jax.tree.map(lambda a, g: a.at[v].add(g), acc, dg)
+                racc = jax.tree.map(jnp.add, racc, dr)
+                counts = counts.at[branch].add(1)
+                recv_f = jax.lax.ppermute(y, AXIS, fwd_perm)
+                recv_b = jax.lax.ppermute(dx, AXIS, bwd_perm)
+                return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss + li, counts), None
+
+            buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)  # noqa: E731
+            init = (zx, zx, buf(bufs.x_size), buf(bufs.g_size), zeros(local), zr, jnp.zeros((), jnp.float32))
+            init = (*init, jnp.zeros(len(BRANCHES), jnp.int32))
+            carry, _ = jax.lax.scan(body, init, jnp.arange(table.slots))
+            _, _, _, _, acc, racc, loss, counts = carry
+            acc = jax.tree.map(lambda a: a.reshape(1, V * G, *a.shape[2:]), acc)
+            # Non-stack gradients live on stage 0 (embedding) and the last stage (norm, head): sum them.
+            return acc, jax.lax.psum(racc, AXIS), jax.lax.psum(loss, AXIS), counts[None]
+
+        specs_stack = jax.tree.map(lambda _: P(AXIS), params[STACK])
+        specs_rest = jax.tree.map(lambda _: P(), rest)
+        acc, racc, loss, counts = jax.shard_map(
+            per_rank,
+            in_specs=(specs_stack, specs_rest, P()),
+            out_specs=(specs_stack, specs_rest, P(), P(AXIS)),
+            axis_names={AXIS},
+            check_vma=False,
+        )(params[STACK], rest, tokens_MbT1)
+        return loss, {**racc, STACK: acc}, counts
+
+    @jax.custom_vjp
+    def objective(params, tokens_BT1):
+        return run(params, tokens_BT1)[0]
+
+    def fwd(params, tokens_BT1):
+        loss, grads, _ = run(params, tokens_BT1)
+        return loss, grads
+
+    def bwd(grads, g):
+        return jax.tree.map(lambda a: (g * a).astype(a.dtype), grads), None
+
+    objective.defvjp(fwd, bwd)
+
+    def objective_sums(params, tokens_BT1, order_T=None):
+        loss = objective(params, tokens_BT1)
+        count = jnp.asarray(tokens_BT1[:, 1:].size, jnp.float32)
+        return loss, (loss, count, {})
+
+    objective_sums.executed = lambda params, tokens_BT1: run(params, tokens_BT1)[2]  # (P, branches) counts
+    objective_sums.table = table
+    return objective_sums
