@@ -18,7 +18,7 @@ from conftest import compiled_gradients, learnable_batches, tokens_spec
 from jaxdist import hlo, sharding, step
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline
+from jaxdist.parallel import pipeline, schedules
 
 TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
 BATCH = 16
@@ -36,7 +36,23 @@ CASES = {
     "circular V=2": ("pp=2,fsdp=2", 4, dict(pipeline=dict(schedule="circular", repeats=2, microbatches=4))),
     # inside the explicit data-parallel gradient stage (shard_map manual over dp around this one)
     "pp=2,dp=2 reduce=dense": ("dp=2,pp=2", 4, dict(reduce=dict(method="dense"))),
+    # table-driven schedules (parallel/pipeline_1f1b.py): gradients from per-micro-batch VJPs
+    "1f1b pp=2": ("pp=2", 2, dict(pipeline=dict(schedule="1f1b"))),
+    "1f1b pp=4,fsdp=2 M=8": ("pp=4,fsdp=2", 8, dict(pipeline=dict(schedule="1f1b", microbatches=8))),
+    "1f1b accum pp=2,fsdp=2,dp=2": (
+        "dp=2,pp=2,fsdp=2",
+        8,
+        dict(pipeline=dict(schedule="1f1b", microbatches=2), train=dict(grad_accum_steps=2)),
+    ),
+    "1f1b pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, dict(pipeline=dict(schedule="1f1b", microbatches=4))),
+    "1f1b pp=2,dp=2 reduce=dense": ("dp=2,pp=2", 4, dict(pipeline=dict(schedule="1f1b"), reduce=dict(method="dense"))),
+    "interleaved V=2 pp=2,fsdp=2": (
+        "pp=2,fsdp=2",
+        4,
+        dict(pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=4)),
+    ),
 }
+TABLE_SCHEDULES = [k for k, (_, _, o) in CASES.items() if o.get("pipeline", {}).get("schedule") in schedules.SCHEDULES]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +135,8 @@ def test_schedule_length_and_permute_bytes(case):
     pl, m = prog.pipeline, prog.cfg.model
     text = compiled.as_text()
     trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
-    assert trips.count(pl.iterations) == 2, trips  # one forward loop, one backward loop
+    # GPipe / circular: one forward loop, one backward loop; a table schedule: one loop over its slots
+    assert trips.count(pl.iterations) == (1 if pl.schedule in schedules.SCHEDULES else 2), trips
     per_pass = BATCH // prog.cfg.train.grad_accum_steps
     microbatch_bytes = per_pass // pl.microbatches // prog.batch_shards() * m.seq_len * m.d_model * 4
     in_loop = [
@@ -127,6 +144,8 @@ def test_schedule_length_and_permute_bytes(case):
         for c in hlo.collectives(text)
         if c.kind == "collective-permute" and c.count == pl.iterations * prog.cfg.train.grad_accum_steps
     ]
+    # GPipe: activations forward (forward loop), their gradients backward (backward loop); a table
+    # schedule: both in its one loop, every slot
     assert len(in_loop) == 2 and all(c.result_bytes == microbatch_bytes for c in in_loop), in_loop
 
 
@@ -194,3 +213,30 @@ def test_describe(cfg):
 def test_errors_name_the_fix(cfg, mesh_text, overrides, message):
     with pytest.raises(JaxdistError, match=re.escape(message)):
         step.build_program(cfg.replace(**overrides), mesh_mod.mesh_from_string(mesh_text))
+
+
+def test_table_schedules_three_training_steps(build, reference, batches):
+    """Three optimizer steps of 1F1B with dp, fsdp, pp and accumulation, and of interleaved 1F1B: the
+    loss curve of the single-device run."""
+    for case_id in ("1f1b accum pp=2,fsdp=2,dp=2", "interleaved V=2 pp=2,fsdp=2"):
+        curve = loss_curve(build(case_id)[0], reference[0], batches[:3])
+        np.testing.assert_allclose(curve, reference[3][:3], rtol=1e-5)
+
+
+def test_table_schedule_runs_each_action_once_per_stage(build, batches, reference):
+    """The compiled 1F1B program (pp=4, M=8) counts the lax.switch branches each device really took:
+    per stage M forwards and M backwards (of the right first / middle / last kind) and the idle slots
+    the table predicts, so the bubble read from the program equals the table's."""
+    prog = build("1f1b pp=4,fsdp=2 M=8")[0]
+    pl = prog.pipeline
+    params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
+    with prog.activate():
+        counts = jax.jit(prog.apply_fn.objective_sums.executed)(params, jax.device_put(batches[0], prog.batch_sharding))
+    counts = np.asarray(counts)  # (P, [idle, forward, backward]): the switch branches each stage ran
+    M, S = pl.microbatches, pl.stages
+    forwards = np.array([M] * (S - 1) + [0])  # the last stage's F computes nothing: its B runs the loss
+    np.testing.assert_array_equal(counts[:, 1], forwards)
+    np.testing.assert_array_equal(counts[:, 2], M)
+    np.testing.assert_array_equal(counts[:, 0], pl.iterations - forwards - M)
+    idle = counts[:-1, 0].max() / pl.iterations  # stages 0..P-2 (the last one also idles in its F slots)
+    assert idle == pytest.approx(pl.bubble_fraction) == pytest.approx(3 / 11)

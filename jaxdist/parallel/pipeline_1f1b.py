@@ -41,6 +41,7 @@ AXIS, STACK = "pp", "blocks"
 # lax.switch branches
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
 BRANCHES = ("idle", "F first", "F", "F last", "B first", "B", "B last")
+SWITCH = np.array([0, 1, 1, 0, 2, 2, 2], np.int32)  # action kind -> lax.switch branch (idle, forward, backward)
 
 
 def branch_table(table: schedules.Table) -> np.ndarray:
@@ -62,6 +63,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
     bufs = schedules.buffers(table)
     consts = {
         "branch": branch_table(table),
+        "switch": SWITCH[branch_table(table)],
         "chunk": table.chunk,
         "mb": table.mb,
         "x_in": bufs.x_in,
@@ -100,32 +102,31 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
             zx = jnp.zeros(x_like.shape, x_like.dtype)
             zg, zr = zeros(jax.tree.map(lambda a: a[0], local)), zeros(rest)
 
-            # Each branch: (sent forward, sent backward, chunk grads, other grads, loss, count).
-            def idle(group, x, dy, tok, tgt):
-                return zx, zx, zg, zr, jnp.zeros((), jnp.float32)
+            # Three branches, so the chunk is compiled twice (forward; forward + backward) whatever the
+            # stage: first / last are per-device flags, handled by small conds inside.
+            # Each: (sent forward, sent backward, chunk grads, other grads, loss, which branch ran).
+            ran = lambda b: jnp.arange(3) == b  # noqa: E731  (counted, to read the bubble off the program)
 
-            def f_first(group, x, dy, tok, tgt):
-                return chunk(group, embed(rest, tok)), zx, zg, zr, jnp.zeros((), jnp.float32)
+            def idle(group, x, dy, tok, tgt, first, last):  # also F of the last virtual stage: B computes it
+                return zx, zx, zg, zr, jnp.zeros((), jnp.float32), ran(0)
 
-            def f_mid(group, x, dy, tok, tgt):
-                return chunk(group, x), zx, zg, zr, jnp.zeros((), jnp.float32)
+            def stage_input(r, x, tok, first):  # stage 0, chunk 0: the embedding of its tokens
+                return jax.lax.cond(first, lambda: embed(r, tok).astype(x.dtype), lambda: x)
 
-            def b_first(group, x, dy, tok, tgt):
-                _, vjp = jax.vjp(lambda g, r: chunk(g, embed(r, tok)), group, rest)
-                dg, dr = vjp(dy)
-                return zx, zx, dg, dr, jnp.zeros((), jnp.float32)
+            def forward(group, x, dy, tok, tgt, first, last):
+                return chunk(group, stage_input(rest, x, tok, first)), zx, zg, zr, jnp.zeros((), jnp.float32), ran(1)
 
-            def b_mid(group, x, dy, tok, tgt):
-                _, vjp = jax.vjp(chunk, group, x)
-                dg, dx = vjp(dy)
-                return zx, dx, dg, zr, jnp.zeros((), jnp.float32)
+            def backward(group, x, dy, tok, tgt, first, last):
+                def scalar(g, r, x):  # the loss (last virtual stage), else <y, dy>: its VJP is the chunk's
+                    y = chunk(g, stage_input(r, x, tok, first))
+                    dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: E731
+                    return jax.lax.cond(last, lambda: head_loss(r, y, tgt).astype(jnp.float32), dot)
 
-            def b_last(group, x, dy, tok, tgt):
-                loss, vjp = jax.vjp(lambda g, r, x: head_loss(r, chunk(g, x), tgt), group, rest, x)
-                dg, dr, dx = vjp(jnp.ones((), loss.dtype))
-                return zx, dx, dg, dr, loss.astype(jnp.float32)
+                out, vjp = jax.vjp(scalar, group, rest, x)
+                dg, dr, dx = vjp(jnp.ones((), jnp.float32))
+                return zx, dx, dg, dr, jnp.where(last, out, 0.0), ran(2)
 
-            branches = [idle, f_first, f_mid, idle, b_first, b_mid, b_last]  # F last: B last computes it
+            branches = [idle, forward, backward]
             c = {k: jnp.asarray(v) for k, v in consts.items()}
             fwd_perm = [(k, (k + 1) % S) for k in range(S)]
             bwd_perm = [(k, (k - 1) % S) for k in range(S)]
@@ -139,21 +140,23 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
                 recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
                 xbuf = put(xbuf, c["x_in"][t, s], recv_f)
                 gbuf = put(gbuf, c["g_in"][t, s], recv_b)
-                branch, v, i = c["branch"][t, s], c["chunk"][t, s], c["mb"][t, s]
+                kind, v, i = c["branch"][t, s], c["chunk"][t, s], c["mb"][t, s]
                 group = jax.tree.map(lambda a: a[v], local)
                 tok_bT1 = tokens_MbT1[i]
                 x, dy = xbuf[c["x_read"][t, s]], gbuf[c["g_read"][t, s]]
-                y, dx, dg, dr, li = jax.lax.switch(branch, branches, group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:])
+                first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
+                operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
+                y, dx, dg, dr, li, took = jax.lax.switch(c["switch"][t, s], branches, *operands)
                 acc = jax.tree.map(lambda a, g: a.at[v].add(g), acc, dg)
                 racc = jax.tree.map(jnp.add, racc, dr)
-                counts = counts.at[branch].add(1)
+                counts = counts + took
                 recv_f = jax.lax.ppermute(y, AXIS, fwd_perm)
                 recv_b = jax.lax.ppermute(dx, AXIS, bwd_perm)
                 return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss + li, counts), None
 
             buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)  # noqa: E731
             init = (zx, zx, buf(bufs.x_size), buf(bufs.g_size), zeros(local), zr, jnp.zeros((), jnp.float32))
-            init = (*init, jnp.zeros(len(BRANCHES), jnp.int32))
+            init = (*init, jnp.zeros(3, jnp.int32))
             carry, _ = jax.lax.scan(body, init, jnp.arange(table.slots))
             _, _, _, _, acc, racc, loss, counts = carry
             acc = jax.tree.map(lambda a: a.reshape(1, V * G, *a.shape[2:]), acc)
@@ -189,6 +192,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
         count = jnp.asarray(tokens_BT1[:, 1:].size, jnp.float32)
         return loss, (loss, count, {})
 
-    objective_sums.executed = lambda params, tokens_BT1: run(params, tokens_BT1)[2]  # (P, branches) counts
+    # (P, 3): per stage, the slots its lax.switch ran idle / forward / backward (the program's own count)
+    objective_sums.executed = lambda params, tokens_BT1: run(params, tokens_BT1)[2]
     objective_sums.table = table
     return objective_sums

@@ -1,0 +1,98 @@
+"""Static schedule tables (parallel/schedules.py) and what the table-driven pipeline (parallel/pipeline_1f1b.py)
+costs in memory. Equivalence with the single-device run is in test_pipeline.py."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import compiled_gradients
+
+from jaxdist import step
+from jaxdist import mesh as mesh_mod
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import schedules
+
+GRID = [(name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in (("1f1b", 1), ("interleaved_1f1b", 2))]
+
+
+@pytest.mark.parametrize("name, P, M, V", GRID + [("gpipe", 4, 8, 1), ("1f1b", 4, 2, 1), ("1f1b", 3, 5, 1)])
+def test_table_invariants(name, P, M, V):
+    """Every F and B of every (stage, chunk, micro-batch) exactly once, in dependency order (check());
+    the bubble and the inputs each stage keeps: 1F1B (P-1)/(M+P-1) idle with at most P - s micro-batches
+    in flight at stage s; interleaved (P-1)/(V M+P-1); GPipe keeps all M."""
+    t = schedules.build(name, P, M, V)
+    schedules.check(t)
+    flight = schedules.in_flight(t)
+    if name == "1f1b":
+        assert t.slots == 2 * (M + P - 1)
+        assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
+        np.testing.assert_array_equal(flight, [min(P - s, M) for s in range(P)])
+        assert schedules.buffers(t).x_size <= P  # stage inputs kept, whatever M is
+    if name == "interleaved_1f1b":
+        assert t.bubble_fraction == pytest.approx((P - 1) / (V * M + P - 1))
+        assert flight[0] == min((V - 1) * P + 2 * (P - 1) + 1, V * M)  # Megatron's warm-up + 1
+    if name == "gpipe":
+        np.testing.assert_array_equal(flight, M)
+
+
+def test_check_catches_a_broken_table():
+    """check() fails on a table with a backward before its gradient arrived and on a missing action."""
+    t = schedules.build("1f1b", 2, 2)
+    kind = t.kind.copy()
+    t_b0 = int(np.flatnonzero(kind[:, 0] == schedules.BWD)[0])
+    swapped = schedules.Table(2, 2, 1, np.roll(kind, -1, axis=0), t.chunk, np.roll(t.mb, -1, axis=0))
+    with pytest.raises(AssertionError):
+        schedules.check(swapped)
+    kind[t_b0, 0] = schedules.IDLE
+    with pytest.raises(AssertionError, match="missing"):
+        schedules.check(schedules.Table(2, 2, 1, kind, t.chunk, t.mb))
+
+
+def test_render():
+    assert schedules.build("1f1b", 2, 2).render().splitlines() == [
+        "s0  F0  F1   .  B0   .  B1",
+        "s1   .  F0  B0  F1  B1   .",
+    ]
+
+
+MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def temp_bytes(tiny_cfg):
+    """Compiled temp bytes per device of the gradient program, pp=2, one sequence per micro-batch
+    (the global batch grows with M): schedule -> {M: bytes}."""
+    out = {}
+    for name in ("gpipe", "1f1b"):
+        for M in (2, 8):
+            cfg = tiny_cfg.replace(model=MODEL, train=dict(global_batch=M), pipeline=dict(schedule=name, microbatches=M))
+            prog = step.build_program(cfg, mesh_mod.mesh_from_string("pp=2", jax.devices()[:2]))
+            out.setdefault(name, {})[M] = compiled_gradients(prog).memory_analysis().temp_size_in_bytes
+    return out
+
+
+def test_1f1b_activation_memory_is_flat_in_microbatches(temp_bytes):
+    """From M=2 to M=8 micro-batches of one sequence: 1F1B's temp bytes grow by less than one
+    micro-batch's activation (b T D float32 = 8 KiB; only the tokens' int32 copy grows), GPipe's by at
+    least one stage input per extra micro-batch (6 x 8 KiB)."""
+    act = 1 * MODEL["seq_len"] * MODEL["d_model"] * 4
+    one = temp_bytes["1f1b"][8] - temp_bytes["1f1b"][2]
+    gpipe = temp_bytes["gpipe"][8] - temp_bytes["gpipe"][2]
+    assert 0 <= one < act / 4, temp_bytes
+    assert gpipe >= 6 * act, temp_bytes
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(pipeline=dict(schedule="1f1b", repeats=2)), "needs pipeline.schedule=circular or interleaved_1f1b"),
+        (
+            dict(model=dict(num_layers=4), pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=3)),
+            "microbatches a multiple of pp=2",
+        ),
+        (dict(model=dict(moe_experts=4), pipeline=dict(schedule="1f1b")), "pipeline.schedule=1f1b with MoE layers"),
+    ],
+)
+def test_errors_name_the_combination(tiny_cfg, overrides, message):
+    cfg = tiny_cfg.replace(model=MODEL, train=dict(global_batch=24)).replace(**overrides)
+    with pytest.raises(JaxdistError, match=message):
+        step.build_program(cfg, mesh_mod.mesh_from_string("pp=2,fsdp=4"))
