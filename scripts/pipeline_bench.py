@@ -12,6 +12,16 @@ pipeline keeps for backward: (V M + P - 1) micro-batches of (b, T, D) float32 pe
 
 On CPU the "devices" share the host's cores, so a bubble iteration — which in this SPMD pipeline
 still computes (on padding) — costs real time, and the slowdown shows the bubble's compute directly.
+
+    python scripts/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, interleaved_1f1b
+
+--schedules: each schedule on pp=4,fsdp=2 at M in {4, 8, 16, 32} micro-batches of one sequence per
+batch shard (the global batch grows with M, so activation memory that grows with M is the schedule's),
+8 layers (V=2 for circular and interleaved_1f1b). Per configuration: compiled temp bytes per device
+of the train step, the bubble the schedule predicts (GPipe/circular: (P-1)/(V M+P-1) of their loop
+iterations; the table schedules: idle slots / slots of the table) and, for the table schedules, the
+same read off the compiled program (the lax.switch branches each stage ran, counted inside them), and
+tokens/s as a ratio to GPipe at the same M (timed in interleaved rounds in one process).
 """
 
 from __future__ import annotations
@@ -30,8 +40,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (each times every configuration)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration per round")
     p.add_argument("--json", default="", help="also write the records here, one JSON object a line")
+    p.add_argument("--schedules", action="store_true", help="compare the pipeline schedules (see above)")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = p.parse_args(argv)
+    if args.schedules:
+        return schedules_study(args)
 
     import jax
 
@@ -127,6 +140,106 @@ def main(argv=None) -> int:
             f"{c['name']:28s} {rec['tokens_per_sec']:8.0f} {rec['slowdown_vs_fsdp8']:8.2f} "
             f"{d['bubble_fraction']:7.3f} {predicted:6.2f} {c['permute_bytes'] / 1e6:15.2f} "
             f"{c['temp_bytes'] / 1e6:8.2f} {c['stage_input_bytes'] / 1e6:11.2f} {c['arg_bytes'] / 1e6:8.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+SCHEDULE_RUNS = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SMALL = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
+
+
+def time_rounds(configs, rounds: int, steps: int) -> None:
+    """Best-of timing, every configuration once per round (load on a shared machine hits all alike)."""
+    import jax
+
+    for r in range(rounds):
+        for c in configs:
+            for _ in range(steps):
+                t = time.perf_counter()
+                c["state"], metrics = c["compiled"](c["state"], c["tokens"])
+                jax.block_until_ready(metrics)
+                c["times"].append(time.perf_counter() - t)
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+
+
+def schedules_study(args) -> int:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+
+    from jaxdist import config, step
+    from jaxdist import mesh as mesh_mod
+    from jaxdist.parallel import schedules
+
+    base = config.load(None, [*SMALL, "train.eval_every=0", *args.overrides])
+    mesh_text, shards = "pp=4,fsdp=2", 2
+    T, D = base.model.seq_len, base.model.d_model
+    configs = []
+    for M in (4, 8, 16, 32):
+        for name, V in SCHEDULE_RUNS:
+            cfg = base.replace(
+                train=dict(global_batch=M * shards), pipeline=dict(schedule=name, microbatches=M, repeats=V)
+            )
+            prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text))
+            B = cfg.train.global_batch
+            tokens_np = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+            tokens = jax.device_put(tokens_np, prog.batch_sharding)
+            t0 = time.perf_counter()
+            state = prog.init_state(0)
+            compiled = prog.train_step.lower(state, tokens).compile()
+            pl = prog.pipeline
+            measured = None
+            if name in schedules.SCHEDULES:  # the branches each stage's lax.switch ran, from the program
+                with prog.activate():
+                    counts = np.asarray(jax.jit(prog.apply_fn.objective_sums.executed)(state.params, tokens))
+                measured = float(counts[:-1, 0].max() / pl.iterations)  # the last stage also idles in F slots
+            state, _ = compiled(state, tokens)  # warm-up
+            jax.block_until_ready(state)
+            configs.append(
+                dict(
+                    schedule=name,
+                    M=M,
+                    V=pl.repeats,
+                    compiled=compiled,
+                    state=state,
+                    tokens=tokens,
+                    times=[],
+                    tokens_per_step=B * T,
+                    temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                    bubble=pl.bubble_fraction,
+                    bubble_measured=measured,
+                    slots=pl.iterations,
+                    compile_s=time.perf_counter() - t0,
+                )
+            )
+            print(f"compiled {name} M={M} in {configs[-1]['compile_s']:.1f}s", file=sys.stderr, flush=True)
+    time_rounds(configs, args.rounds, args.steps)
+
+    micro_bytes = T * D * 4  # one sequence of (T, D) float32 activations per device
+    print(
+        f"{base.model.num_layers} layers, d_model {D}, seq {T}, {mesh_text}, one sequence per micro-batch per "
+        f"batch shard; best of {args.rounds * args.steps} steps; activation of one micro-batch {micro_bytes / 1e3:.1f} kB"
+    )
+    print(
+        f"{'schedule':18s} {'M':>3s} {'temp MB':>8s} {'slots':>5s} {'bubble':>7s} {'measured':>8s} {'tok/s':>8s} {'vs gpipe':>8s}"
+    )
+    gpipe = {c["M"]: min(c["times"]) for c in configs if c["schedule"] == "gpipe"}
+    records = []
+    for c in configs:
+        best = min(c["times"])
+        rec = {k: c[k] for k in ("schedule", "M", "V", "temp_bytes", "slots", "bubble", "bubble_measured", "compile_s")}
+        rec.update(tokens_per_sec=c["tokens_per_step"] / best, step_time_s=best, speed_vs_gpipe=gpipe[c["M"]] / best)
+        records.append(rec)
+        meas = "-" if rec["bubble_measured"] is None else f"{rec['bubble_measured']:.3f}"
+        label = c["schedule"] + (f" V={c['V']}" if c["V"] > 1 else "")
+        print(
+            f"{label:18s} {c['M']:3d} {c['temp_bytes'] / 1e6:8.2f} "
+            f"{c['slots']:5d} {c['bubble']:7.3f} {meas:>8s} {rec['tokens_per_sec']:8.0f} {rec['speed_vs_gpipe']:8.2f}"
         )
     if args.json:
         with open(args.json, "w") as f:

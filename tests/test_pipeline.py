@@ -44,7 +44,12 @@ CASES = {
         8,
         dict(pipeline=dict(schedule="1f1b", microbatches=2), train=dict(grad_accum_steps=2)),
     ),
-    "1f1b pp=2,tp=2,fsdp=2": ("pp=2,fsdp=2,tp=2", 8, dict(pipeline=dict(schedule="1f1b", microbatches=4))),
+    # remat inside the stage's recompute
+    "1f1b pp=2,tp=2,fsdp=2 remat": (
+        "pp=2,fsdp=2,tp=2",
+        8,
+        dict(model=dict(remat="full"), pipeline=dict(schedule="1f1b", microbatches=4)),
+    ),
     "1f1b pp=2,dp=2 reduce=dense": ("dp=2,pp=2", 4, dict(pipeline=dict(schedule="1f1b"), reduce=dict(method="dense"))),
     "interleaved V=2 pp=2,fsdp=2": (
         "pp=2,fsdp=2",

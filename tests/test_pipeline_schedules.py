@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 from conftest import compiled_gradients
 
-from jaxdist import step
+from jaxdist import checkpoint, step
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import schedules
+from jaxdist.parallel import pipeline, schedules
 
-GRID = [(name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in (("1f1b", 1), ("interleaved_1f1b", 2))]
+GRID = [
+    (name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in (("1f1b", 1), ("interleaved_1f1b", 2))
+]
 
 
 @pytest.mark.parametrize("name, P, M, V", GRID + [("gpipe", 4, 8, 1), ("1f1b", 4, 2, 1), ("1f1b", 3, 5, 1)])
@@ -64,7 +66,9 @@ def temp_bytes(tiny_cfg):
     out = {}
     for name in ("gpipe", "1f1b"):
         for M in (2, 8):
-            cfg = tiny_cfg.replace(model=MODEL, train=dict(global_batch=M), pipeline=dict(schedule=name, microbatches=M))
+            cfg = tiny_cfg.replace(
+                model=MODEL, train=dict(global_batch=M), pipeline=dict(schedule=name, microbatches=M)
+            )
             prog = step.build_program(cfg, mesh_mod.mesh_from_string("pp=2", jax.devices()[:2]))
             out.setdefault(name, {})[M] = compiled_gradients(prog).memory_analysis().temp_size_in_bytes
     return out
@@ -96,3 +100,15 @@ def test_errors_name_the_combination(tiny_cfg, overrides, message):
     cfg = tiny_cfg.replace(model=MODEL, train=dict(global_batch=24)).replace(**overrides)
     with pytest.raises(JaxdistError, match=message):
         step.build_program(cfg, mesh_mod.mesh_from_string("pp=2,fsdp=4"))
+
+
+def test_checkpoints_move_between_schedules(tiny_cfg):
+    """The staged layout is the same for gpipe and 1f1b, and for circular and interleaved_1f1b at the same
+    repeats, so a resume may change pipeline.schedule freely (the config-drift check lets it through)."""
+    stack = {"blocks": {"w": np.arange(8)}}
+    for a, b, V in (("gpipe", "1f1b", 1), ("circular", "interleaved_1f1b", 2)):
+        staged = [pipeline.to_stages(stack, pipeline.Plan(n, 2, 4, V, 8 // (2 * V))) for n in (a, b)]
+        np.testing.assert_array_equal(staged[0]["blocks"]["w"], staged[1]["blocks"]["w"])
+    saved = {"config": tiny_cfg.replace(pipeline=dict(schedule="gpipe")).to_dict()}
+    now = tiny_cfg.replace(pipeline=dict(schedule="1f1b"))
+    assert checkpoint.check_config_drift(saved, now, "ckpt") == {"pipeline.schedule": ("gpipe", "1f1b")}

@@ -36,6 +36,9 @@ FREE_KEYS = frozenset(
         "train.profile_steps",
         "train.grad_accum_steps",
         "pipeline.microbatches",
+        # The parameter layout depends on pp and pipeline.repeats only (parallel/pipeline.to_stages), so a
+        # run saved under gpipe resumes under 1f1b (circular under interleaved_1f1b) as it is.
+        "pipeline.schedule",
         "optim.schedule_steps",
         "checkpoint.every",
         "checkpoint.keep",
