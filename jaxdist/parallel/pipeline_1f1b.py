@@ -96,7 +96,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
             def head_loss(r, y, tgt_bT):
                 return cross_entropy(whole(r).head(y), tgt_bT).sum()
 
-            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
             tok0 = tokens_MbT1[0, :, :-1]
             x_like = jax.eval_shape(embed, rest, tok0)
             zx = jnp.zeros(x_like.shape, x_like.dtype)
@@ -105,7 +105,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
             # Three branches, so the chunk is compiled twice (forward; forward + backward) whatever the
             # stage: first / last are per-device flags, handled by small conds inside.
             # Each: (sent forward, sent backward, chunk grads, other grads, loss, which branch ran).
-            ran = lambda b: jnp.arange(3) == b  # noqa: E731  (counted, to read the bubble off the program)
+            ran = lambda b: jnp.arange(3) == b  # counted, to read the bubble off the program
 
             def idle(group, x, dy, tok, tgt, first, last):  # also F of the last virtual stage: B computes it
                 return zx, zx, zg, zr, jnp.zeros((), jnp.float32), ran(0)
@@ -119,7 +119,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
             def backward(group, x, dy, tok, tgt, first, last):
                 def scalar(g, r, x):  # the loss (last virtual stage), else <y, dy>: its VJP is the chunk's
                     y = chunk(g, stage_input(r, x, tok, first))
-                    dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))  # noqa: E731
+                    dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
                     return jax.lax.cond(last, lambda: head_loss(r, y, tgt).astype(jnp.float32), dot)
 
                 out, vjp = jax.vjp(scalar, group, rest, x)
@@ -154,7 +154,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
                 recv_b = jax.lax.ppermute(dx, AXIS, bwd_perm)
                 return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss + li, counts), None
 
-            buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)  # noqa: E731
+            buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)
             init = (zx, zx, buf(bufs.x_size), buf(bufs.g_size), zeros(local), zr, jnp.zeros((), jnp.float32))
             init = (*init, jnp.zeros(3, jnp.int32))
             carry, _ = jax.lax.scan(body, init, jnp.arange(table.slots))

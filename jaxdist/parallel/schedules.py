@@ -52,7 +52,7 @@ def orders(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> l
                     f"use pipeline.microbatches={P * max(1, M // P)}"
                 )
             # op k: micro-batch round k // (P V), chunk (k // P) % V (reversed for backwards)
-            mb = lambda k: (k // (P * V)) * P + k % P  # noqa: E731
+            mb = lambda k: (k // (P * V)) * P + k % P
             fwd = [(FWD, (k // P) % V, mb(k)) for k in range(M * V)]
             bwd = [(BWD, V - 1 - (k // P) % V, mb(k)) for k in range(M * V)]
             warm = min((V - 1) * P + 2 * (P - 1 - s), M * V)
