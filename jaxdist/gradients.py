@@ -113,3 +113,20 @@ def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> G
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
 
     return GradientStage(init=lambda params: (), apply=apply)
+
+
+def partial_gradients(apply_fn: Callable, microbatches: int, split: Callable, combine: Callable, order_T=None):
+    """The implicit stage over part of the parameters (LoRA: the adapters). `split(params) -> (trained,
+    frozen)`, `combine(trained, frozen) -> params`: gradients, and their accumulation buffers, exist for
+    `trained` only; the frozen part is a constant of the differentiated function (no gradient computed)."""
+
+    def apply(params, tokens, state, step):
+        trained, fixed = split(params)
+
+        def apply_trained(t, x, **kw):
+            return apply_fn(combine(t, fixed), x, **kw)
+
+        grads, loss, count, stats = accumulate_with_stats(apply_trained, trained, tokens, microbatches, order_T)
+        return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
+
+    return GradientStage(init=lambda params: (), apply=apply, name="implicit-partial")

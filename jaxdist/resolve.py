@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxdist import sharding
+from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config, ModelConfig
 from jaxdist.models.llama import Llama
 from jaxdist.parallel import pipeline
@@ -31,7 +32,8 @@ def compute_dtype(model: ModelConfig, backend: str | None = None):
 
 
 def make_model(cfg: Config, seed: int = 0) -> Llama:
-    return Llama(cfg.model, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model))
+    lora = cfg.lora if cfg.lora.rank else None  # adapters on the layer matrices (jaxdist.adapters)
+    return Llama(cfg.model, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model), lora=lora)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class ResolvedModel:
     graphdef: Any
     names: Any  # pytree of logical-name tuples, as the train state stores the parameters
     specs: Any  # pytree of PartitionSpecs
-    abstract: Any  # pytree of ShapeDtypeStructs
+    abstract: Any  # pytree of ShapeDtypeStructs, as the train state stores them (LoRA: base cast / quantised)
     pipeline: pipeline.Plan | None  # pp > 1: the layer stack is stored (stage, layers, ...)
     rules: dict  # the logical rules the specs came from; trace the model under `sharding.activate(mesh, rules)`
 
@@ -63,6 +65,8 @@ def resolve(cfg: Config, mesh: Mesh, rules) -> ResolvedModel:
     names = nnx.to_pure_dict(sharding.logical_names(abstract_params))
     specs = nnx.to_pure_dict(sharding.state_specs(abstract_params, rules, mesh))
     abstract = nnx.to_pure_dict(abstract_params)
+    if cfg.lora.rank:  # the frozen base as stored: bfloat16, or int8 / NF4 codes beside their scales
+        abstract = jax.eval_shape(lambda p: adapters.store_base(p, cfg.lora), abstract)
     plan = pipeline.plan(cfg, mesh, rules)
     if plan:
         names = pipeline.stage_names(names)

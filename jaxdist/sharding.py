@@ -40,6 +40,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "stage": ("pp",),
     "expert": ("ep",),
+    "lora_rank": (),  # LoRA adapters' rank dim (jaxdist.adapters): small, replicated
 }
 
 

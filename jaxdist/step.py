@@ -21,9 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import sharding
+from jaxdist.adapters import checks as lora_checks
+from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import GradientStage, implicit_gradients, token_loss_sums, without_aux
+from jaxdist.gradients import GradientStage, implicit_gradients, partial_gradients, token_loss_sums, without_aux
 from jaxdist.mesh import axis_size
 from jaxdist.models.attention import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
@@ -62,6 +64,7 @@ class Program:
     lr_schedule: optax.Schedule
     gradients: GradientStage
     init_state: Callable  # (seed) -> TrainState, created directly in its shards
+    state_from_params: Callable  # float params (LoRA: may lack adapters, e.g. an imported base) -> step-0 TrainState
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count)
     abstract_state: TrainState
@@ -104,10 +107,19 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
     tx, lr_schedule = optimizer(cfg, mesh, model, stage)
 
-    def init_state(seed):
-        params = model.init_params(cfg, seed)
+    def state_from_params(params):
+        """Float32 parameters -> the step-0 state. LoRA: entries `params` lacks (adapters, scales: an
+        imported base) are initialised, the base is stored in lora.base_dtype, and the optimizer and
+        gradient stage see the adapters only."""
+        if cfg.lora.rank:
+            params = adapters.fill_missing(params, model.init_params(cfg, cfg.train.seed))
+            params = adapters.store_base(params, cfg.lora)
+        trained = trained_part(cfg, params)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, tx.init(params), stage.init(params), zero)
+        return TrainState(zero, params, tx.init(trained), stage.init(trained), zero)
+
+    def init_state(seed):
+        return state_from_params(model.init_params(cfg, seed))
 
     abstract_state = jax.eval_shape(lambda: init_state(0))
     shardings, opt_on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
@@ -118,6 +130,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
 
     jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
+    jit_from_params = jax.jit(state_from_params, out_shardings=shardings)
     jit_train = jax.jit(
         train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
     )
@@ -135,6 +148,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         lr_schedule=lr_schedule,
         gradients=stage,
         init_state=_in_mesh(mesh, rules, jit_init),
+        state_from_params=_in_mesh(mesh, rules, jit_from_params),
         train_step=_in_mesh(mesh, rules, jit_train),
         eval_step=_in_mesh(mesh, rules, jit_eval),
         abstract_state=abstract_state,
@@ -148,6 +162,12 @@ def check(cfg: Config, mesh: Mesh, rules) -> None:
     check_batch(cfg, mesh, rules)
     moe_parallel.check(cfg, mesh, rules)
     context.check(cfg, mesh, rules)
+    lora_checks.check(cfg, mesh, rules)
+
+
+def trained_part(cfg: Config, tree):
+    """The part of a params-shaped tree that trains: the LoRA adapters, or everything."""
+    return adapters.trainable(tree) if cfg.lora.rank else tree
 
 
 def model_apply(cfg: Config, model: ResolvedModel, order_T) -> Callable:
@@ -169,7 +189,7 @@ def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStag
         cfg.optim,
         cfg.optim.schedule_steps or cfg.train.steps,
         cfg.train.global_batch,
-        decay_mask(model.names),
+        decay_mask(trained_part(cfg, model.names)),
         reduce.variance_freeze_step(cfg, mesh),
         cfg.reduce.variance_floor,
     )
@@ -186,10 +206,11 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
     sharded like its parameters; with optim.offload=host it lives in pinned host memory between steps."""
     is_spec = lambda x: isinstance(x, P)
+    trained = trained_part(cfg, model.specs)  # LoRA: optimizer and reducer state cover the adapters only
     opt_specs = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_state.opt_state, model.specs, transform_non_params=lambda _: P(), is_leaf=is_spec
+        tx, lambda _, s: s, abstract_state.opt_state, trained, transform_non_params=lambda _: P(), is_leaf=is_spec
     )
-    specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(model.specs), P())
+    specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(trained), P())
     shardings = sharding.named(mesh, specs)
     opt_on_device = shardings.opt_state
     if cfg.optim.offload == "host":
@@ -207,8 +228,11 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, opt_on_d
         if cfg.optim.offload == "host":  # stream it in for the update only; out_shardings send it back
             state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, opt_on_device))
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trained = trained_part(cfg, state.params)  # LoRA: the adapters; the frozen base passes through
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        params = optax.apply_updates(trained, updates)
+        if cfg.lora.rank:
+            params = adapters.combine(params, adapters.frozen(state.params))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new = TrainState(state.step + 1, params, opt_state, reducer_state, jnp.zeros((), jnp.int32))
         old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
@@ -263,6 +287,14 @@ STAGES["dgc"] = _dgc  # reduce.method=topk with reduce.dgc on (its default)
 def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce), DiLoCo, DeMo,
     or the explicit once-per-step (optionally compressed) reduction."""
+    if cfg.lora.rank:  # gradients of the adapters only (lora_checks: implicit reduction)
+        return partial_gradients(
+            apply_fn,
+            cfg.train.grad_accum_steps,
+            lambda p: (adapters.trainable(p), adapters.frozen(p)),
+            adapters.combine,
+            context.sequence_order(cfg, mesh),
+        )
     name = "dgc" if dgc.enabled(cfg) else cfg.reduce.method
     return STAGES.get(name, reduce.explicit_gradients)(apply_fn, cfg, mesh, model)
 

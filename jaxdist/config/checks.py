@@ -61,6 +61,21 @@ def validate(cfg) -> None:
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
     validate_moe(m)
+    validate_lora(cfg.lora)
+
+
+def validate_lora(lo) -> None:
+    from jaxdist.config.schema import LORA_TARGETS
+
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    if unknown or len(set(lo.targets)) != len(lo.targets):
+        raise JaxdistError(f"lora.targets={lo.targets} must name distinct projections among {', '.join(LORA_TARGETS)}")
+    if lo.rank and not lo.targets:
+        raise JaxdistError("lora.targets is empty with lora.rank > 0: name the projections to adapt, e.g. [q, v]")
+    if lo.dropout > 0:
+        raise JaxdistError(
+            f"lora.dropout={lo.dropout} is not supported yet (the model has no dropout randomness); use lora.dropout=0"
+        )
 
 
 def validate_moe(m) -> None:

@@ -190,6 +190,27 @@ class CheckpointConfig:
     async_save: bool = True  # write in the background while training goes on
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: NonNegative = (
+        0  # LoRA adapter rank; 0 = off (every parameter trained). On: only adapters train (jaxdist/adapters)
+    )
+    alpha: PositiveFloat = 16.0  # the adapted weight is W + (alpha / rank) A B
+    dropout: Annotated[float, Range(0, 1, hi_open=True)] = (
+        0.0  # dropout on the adapters' input (only 0 is supported yet)
+    )
+    targets: list[str] = dataclasses.field(
+        default_factory=lambda: list(LORA_TARGETS)
+    )  # projections that get adapters, among q, k, v, o, gate, up, down
+    base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] = (
+        "float32"  # how the frozen base is stored: int8 / nf4 (QLoRA) layer matrices with per-block scales
+    )
+    block_size: Positive = 64  # int8 / nf4: entries per scale, along each matrix's last input dimension
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -200,6 +221,7 @@ class Config:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     reduce: ReduceConfig = dataclasses.field(default_factory=ReduceConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist import loss
+from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
-from jaxdist.mixed import WEIGHT_MATMUL, cast_sharded, weight_matmul
+from jaxdist.mixed import WEIGHT_MATMUL, cast_sharded
 from jaxdist.models import moe
 from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary
 from jaxdist.parallel import context, embedding
@@ -54,9 +55,9 @@ class Attention(nnx.Module):
         self.context_impl = cfg.context_impl
 
     def qkv(self, x_BTD, positions_T):
-        q_BTNH = weight_matmul(x_BTD, self.wq_DNH[...], ("embed", "heads", "head_dim"))
-        k_BTKH = weight_matmul(x_BTD, self.wk_DKH[...], ("embed", "kv_heads", "head_dim"))
-        v_BTKH = weight_matmul(x_BTD, self.wv_DKH[...], ("embed", "kv_heads", "head_dim"))
+        q_BTNH = lora_mod.project(self, "wq_DNH", x_BTD, ("embed", "heads", "head_dim"))
+        k_BTKH = lora_mod.project(self, "wk_DKH", x_BTD, ("embed", "kv_heads", "head_dim"))
+        v_BTKH = lora_mod.project(self, "wv_DKH", x_BTD, ("embed", "kv_heads", "head_dim"))
         q_BTNH = rotary(q_BTNH, positions_T, self.theta, self.scaling)
         k_BTKH = rotary(k_BTKH, positions_T, self.theta, self.scaling)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None))
@@ -66,7 +67,7 @@ class Attention(nnx.Module):
     def out(self, o_BTNH):
         B, T, N, H = o_BTNH.shape
         names = ("heads", "head_dim", "embed")
-        return weight_matmul(o_BTNH.reshape(B, T, N * H), self.wo_NHD[...], names, in_dims=2)
+        return lora_mod.project(self, "wo_NHD", o_BTNH.reshape(B, T, N * H), names, in_dims=2)
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_T)
@@ -95,10 +96,10 @@ class MLP(nnx.Module):
         self.w_down_FD = param(rngs, out_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
 
     def __call__(self, x_BTD):
-        gate_BTF = weight_matmul(x_BTD, self.w_gate_DF[...], ("embed", "mlp"))
-        up_BTF = weight_matmul(x_BTD, self.w_up_DF[...], ("embed", "mlp"))
+        gate_BTF = lora_mod.project(self, "w_gate_DF", x_BTD, ("embed", "mlp"))
+        up_BTF = lora_mod.project(self, "w_up_DF", x_BTD, ("embed", "mlp"))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return weight_matmul(h_BTF, self.w_down_FD[...], ("mlp", "embed"))
+        return lora_mod.project(self, "w_down_FD", h_BTF, ("mlp", "embed"))
 
 
 class Block(nnx.Module):
@@ -149,7 +150,8 @@ def scanned_unit(cfg: ModelConfig):
 class Llama(nnx.Module):
     """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32, lora=None):
+        """`lora`: a LoraConfig with rank > 0 gives the layer matrices adapters (jaxdist.adapters)."""
         self.cfg, self.compute_dtype = cfg, compute_dtype
         init = nnx.initializers.normal(cfg.init_std)
         # Every layer reads its input through RMSNorm, so a small table (0.02) lets the first layers'
@@ -161,7 +163,10 @@ class Llama(nnx.Module):
 
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(key):
-            return unit(cfg, nnx.Rngs(params=key))
+            block = unit(cfg, nnx.Rngs(params=key))
+            if lora is not None:
+                lora_mod.attach(block, lora, nnx.Rngs(params=jax.random.fold_in(key, 1)))
+            return block
 
         self.blocks = make_blocks(jax.random.split(rngs.params(), stacked))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
@@ -170,7 +175,11 @@ class Llama(nnx.Module):
 
     def embed(self, tokens_BT):
         # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
-        x_BTD = embedding.lookup(self.embed_VD[...], tokens_BT, self.compute_dtype)
+        # A LoRA base stored in bfloat16 is cast to the compute dtype first (on its shard): XLA:CPU aborts
+        # ("Invalid binary instruction opcode copy") on the bfloat16 lookup under tp with float32 compute.
+        table_VD = self.embed_VD[...]
+        table_VD = table_VD if table_VD.dtype == jnp.float32 else table_VD.astype(self.compute_dtype)
+        x_BTD = embedding.lookup(table_VD, tokens_BT, self.compute_dtype)
         # model.embed_scale: a large residual stream from a small table, which Adam moves at its own pace.
         return x_BTD if self.cfg.embed_scale == 1.0 else x_BTD * self.cfg.embed_scale
 
@@ -202,7 +211,7 @@ class Llama(nnx.Module):
             layer_state = jax.tree_util.tree_map_with_path(
                 lambda p, n, v: (
                     v.replace(cast_sharded(v[...], n, x.dtype))
-                    if len(n) > 1 and str(getattr(p[-1], "key", "")) not in WEIGHT_MATMUL
+                    if len(n) > 1 and str(getattr(p[-1], "key", "")) not in WEIGHT_MATMUL | lora_mod.KEEP_DTYPE
                     else v
                 ),
                 names,

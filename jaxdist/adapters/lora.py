@@ -1,0 +1,95 @@
+"""LoRA inside the model: adapters attached to the layer matrices, and the matmul that runs a frozen
+(possibly quantised) base weight plus its adapter, W x + (alpha / r) B (A x).
+
+Adapters carry logical axis names built from their weight's: A takes the weight's input names and
+`lora_rank`, B `lora_rank` and its output names (e.g. wq_DNH (embed, heads, head_dim) -> A (embed,
+lora_rank), B (lora_rank, heads, head_dim)), so the sharding rules place them as they place the weight.
+A is initialised as PEFT does (uniform +-1/sqrt(fan_in)), B to zero: the adapted model starts equal to
+the base. The base is frozen: its matmul has no weight gradient, and only adapters reach the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.adapters import quant
+from jaxdist.mixed import token_matmul, weight_matmul
+from jaxdist.sharding import constrain
+
+# lora.targets name -> (submodule of a Block, weight attribute, leading input dims of the weight)
+TARGETS = {
+    "q": ("attn", "wq_DNH", 1),
+    "k": ("attn", "wk_DKH", 1),
+    "v": ("attn", "wv_DKH", 1),
+    "o": ("attn", "wo_NHD", 2),
+    "gate": ("mlp", "w_gate_DF", 1),
+    "up": ("mlp", "w_up_DF", 1),
+    "down": ("mlp", "w_down_FD", 1),
+}
+IN_DIMS = {w: n for _, w, n in TARGETS.values()}
+A, B, SCALE = "_lora_a", "_lora_b", "_scale"
+RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
+
+
+def block_axis(weight: str) -> int:
+    """The axis (from the end of the per-layer shape) that int8 / NF4 blocks run along: the weight's
+    last input dim (D for wq/wk/wv/gate/up, H for wo, F for down)."""
+    per_layer = {"wq_DNH": 3, "wk_DKH": 3, "wv_DKH": 3, "wo_NHD": 3}.get(weight, 2)
+    return IN_DIMS[weight] - 1 - per_layer
+
+
+def attach(block, lora, rngs: nnx.Rngs) -> None:
+    """Give a (dense) Block's targeted matrices adapters, and every layer matrix a scale slot when the
+    base is quantised (the scales are computed when the base is stored: jaxdist.adapters.tree)."""
+    for part, weight, _ in TARGETS.values():
+        module = getattr(block, part)
+        module.lora_scale = lora.alpha / lora.rank  # static: marks the module as frozen-base LoRA
+        w = getattr(module, weight)
+        names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape
+        if lora.base_dtype in quant.KINDS:
+            axis = block_axis(weight) % len(shape)
+            sshape = shape[:axis] + (shape[axis] // lora.block_size,) + shape[axis + 1 :]
+            setattr(module, weight + SCALE, _param(jnp.ones(sshape, jnp.float32), names))
+    for target in lora.targets:
+        part, weight, n_in = TARGETS[target]
+        module = getattr(block, part)
+        w = getattr(module, weight)
+        names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape
+        fan_in = math.prod(shape[:n_in])
+        bound = 1 / math.sqrt(fan_in)
+        a = jax.random.uniform(rngs.params(), (*shape[:n_in], lora.rank), jnp.float32, -bound, bound)
+        setattr(module, weight + A, _param(a, (*names[:n_in], RANK)))
+        setattr(module, weight + B, _param(jnp.zeros((lora.rank, *shape[n_in:]), jnp.float32), (RANK, *names[n_in:])))
+
+
+def _param(value, names) -> nnx.Param:
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def project(module, weight: str, x, names: tuple[str, ...], in_dims: int = 1):
+    """x @ module.<weight> (its first `in_dims` dims contracted). Without LoRA: `weight_matmul`
+    (trained, float32 master). With LoRA: the frozen base (de-quantised here when stored as int8 / NF4,
+    one layer at a time inside the scan) with no weight gradient, plus the adapter if it has one."""
+    scaling = getattr(module, "lora_scale", None)
+    w = getattr(module, weight)[...]
+    if scaling is None:
+        return weight_matmul(x, w, names, in_dims)
+    scale = getattr(module, weight + SCALE, None)
+    if scale is not None:
+        w = quant.dequantize(w, scale[...], block_axis(weight), x.dtype)
+    w = constrain(jax.lax.stop_gradient(w).astype(x.dtype), names)
+    y = token_matmul(x, w.reshape(x.shape[-1], *w.shape[in_dims:]))
+    a = getattr(module, weight + A, None)
+    if a is None:
+        return y
+    a, b = a[...].astype(x.dtype), getattr(module, weight + B)[...].astype(x.dtype)
+    h = token_matmul(x, a.reshape(x.shape[-1], a.shape[-1]))
+    return y + scaling * token_matmul(h, b)
+
+
+# Stacked tensors the layer scan must not cast to the compute dtype: the float32 de-quantisation scales.
+KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
