@@ -1,0 +1,213 @@
+"""LoRA / QLoRA (jaxdist.adapters): equivalence with the single-device run on fsdp, tp and pp meshes,
+a zero B is the base model, the merged export is the adapted model, only adapters get gradients and
+optimizer state, resume. Tolerances as test_step: fp32 on CPU, only the reduction order differs, so
+each gradient tensor matches to 1e-5 of its largest entry and losses to a relative 1e-5.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import learnable_batches, tokens_spec
+
+from jaxdist import config, hlo, step
+from jaxdist import mesh as mesh_mod
+from jaxdist.adapters import quant
+from jaxdist.adapters import tree as adapters
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import pipeline
+
+LORA = dict(rank=4, alpha=8.0, block_size=8)
+MESHES = ["fsdp=8", "fsdp=4,tp=2", "pp=2,fsdp=2,tp=2"]
+
+
+@pytest.fixture(scope="module")
+def cfg(small_cfg):
+    return small_cfg.replace(lora=LORA, train=dict(steps=3))
+
+
+@pytest.fixture(scope="module")
+def batches(cfg):
+    return learnable_batches(cfg, 3)
+
+
+def nbytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def unstaged(prog, tree):
+    """A params-shaped tree (host) in the plain layer order, whatever the program's pipeline layout."""
+    tree = jax.device_get(tree)
+    return jax.tree.map(np.asarray, pipeline.from_stages(tree, prog.pipeline)) if prog.pipeline else tree
+
+
+def with_random_b(prog, state, seed=1):
+    """`state` with every adapter B set to seeded random values (B = 0 at init makes A's gradient 0),
+    the same values in layer order on every mesh."""
+    plain = unstaged(prog, state.params)
+    rng = np.random.default_rng(seed)
+
+    def fill(path, a):
+        key = str(getattr(path[-1], "key", ""))
+        return (rng.normal(0, 0.05, a.shape).astype(a.dtype)) if key.endswith("_lora_b") else a
+
+    plain = jax.tree_util.tree_map_with_path(fill, plain)
+    params = pipeline.to_stages(plain, prog.pipeline) if prog.pipeline else plain
+    return jax.device_put(dataclasses.replace(state, params=params), prog.state_shardings)
+
+
+def loss_and_grads(prog, state, tokens):
+    fn = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2])
+    with prog.activate():
+        grads, loss = fn(state.params, jax.device_put(tokens, prog.batch_sharding))
+    return float(loss), unstaged(prog, grads)
+
+
+@pytest.fixture(scope="module")
+def reference(cfg, batches):
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
+    state = with_random_b(prog, prog.init_state(0))
+    return loss_and_grads(prog, state, batches[0])
+
+
+@pytest.mark.parametrize("mesh_text", MESHES)
+def test_lora_matches_single_device(cfg, batches, reference, mesh_text):
+    """Loss and adapter gradients on fsdp / tp / pp meshes equal the single-device run's; the
+    gradient tree holds the adapters and nothing else."""
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string(mesh_text))
+    state = with_random_b(prog, prog.init_state(0))
+    loss, grads = loss_and_grads(prog, state, batches[0])
+    ref_loss, ref_grads = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters.trainable(unstaged(prog, state.params)))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert np.abs(r).max() > 0
+        np.testing.assert_allclose(g, r, atol=1e-5 * np.abs(r).max(), rtol=0)
+
+
+def test_accumulation_matches_full_batch(cfg, batches, reference):
+    prog = step.build_program(cfg.replace(train=dict(grad_accum_steps=2)), mesh_mod.mesh_from_string("fsdp=4,tp=2"))
+    state = with_random_b(prog, prog.init_state(0))
+    loss, grads = loss_and_grads(prog, state, batches[0])
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1])):
+        np.testing.assert_allclose(g, r, atol=1e-5 * np.abs(r).max(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fsdp8():
+    return mesh_mod.mesh_from_string("fsdp=8")
+
+
+def logits_fn(prog):
+    fn = jax.jit(lambda p, t: prog.apply_fn(p, t))
+
+    def call(params, tokens):
+        with prog.activate():
+            return np.asarray(fn(params, tokens))
+
+    return call
+
+
+def test_zero_b_is_the_base_model(cfg, batches, fsdp8):
+    """Adapters start with B = 0: the LoRA model's logits are exactly the base model's."""
+    base = step.build_program(cfg.replace(lora=dict(rank=0)), fsdp8)
+    lora = step.build_program(cfg, fsdp8)
+    base_params = base.init_state(0).params
+    state = lora.state_from_params(base_params)  # an imported base: adapters filled in
+    tokens = batches[0][:, :-1]
+    np.testing.assert_array_equal(logits_fn(lora)(state.params, tokens), logits_fn(base)(base_params, tokens))
+    b = [a for p, a in jax.tree_util.tree_leaves_with_path(state.params) if "lora_b" in jax.tree_util.keystr(p)]
+    assert b and all(not np.asarray(x).any() for x in b)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "nf4"])
+def test_merged_equals_adapted(cfg, batches, fsdp8, base_dtype):
+    """The merged parameters (base de-quantised + (alpha / r) A B), run by the plain model, give the
+    adapted model's logits."""
+    lora = step.build_program(cfg.replace(lora=dict(base_dtype=base_dtype)), fsdp8)
+    base = step.build_program(cfg.replace(lora=dict(rank=0)), fsdp8)
+    state = with_random_b(lora, lora.init_state(0))
+    merged = jax.jit(lambda p: adapters.merge(p, cfg.lora))(state.params)
+    tokens = batches[0][:, :-1]
+    adapted = logits_fn(lora)(state.params, tokens)
+    plain = logits_fn(base)(merged, tokens)
+    np.testing.assert_allclose(plain, adapted, atol=1e-5 * np.abs(adapted).max(), rtol=0)
+    assert np.abs(adapted - logits_fn(base)(base.init_state(0).params, tokens)).max() > 1e-3  # B != 0 matters
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_quantisation_error_is_within_half_a_level(kind):
+    """Block quantisation round trip: each entry lies within half a level gap of its block's scale of
+    the original (int8: 1/254 of the absmax; NF4: half the widest gap, 0.16), and the levels themselves
+    come back exactly."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 1, (16, 3, 8)).astype(np.float32)
+    codes, scale = quant.quantize(jnp.asarray(w), kind, 0, 8)
+    assert codes.dtype == quant.CODE_DTYPE[kind] and scale.shape == (2, 3, 8)
+    assert codes.shape == ((8, 3, 8) if kind == "nf4" else w.shape)
+    back = np.asarray(quant.dequantize(codes, scale, 0, jnp.float32))
+    absmax = np.abs(w.reshape(2, 8, 3, 8)).max(axis=1, keepdims=True)
+    err = np.abs(back - w).reshape(2, 8, 3, 8) / absmax
+    gap = 1 / 127 if kind == "int8" else np.diff(quant.NF4_LEVELS).max()
+    assert err.max() <= gap / 2 + 1e-6
+    assert err.max() > gap / 8  # not trivially exact: the bound is near what the round trip loses
+    again = np.asarray(quant.dequantize(*quant.quantize(jnp.asarray(back), kind, 0, 8), 0, jnp.float32))
+    np.testing.assert_allclose(again, back, rtol=1e-6, atol=1e-7)
+
+
+def test_only_adapters_train(cfg, batches, fsdp8):
+    """From the compiled step: the optimizer state is the adapters' AdamW moments (two-sided: 2 x the
+    adapters' bytes plus the int32 step counters), argument bytes are exactly the state's shards, and
+    the only gradients reduced across devices are the adapters' (plus the loss scalars): the frozen
+    base has none. The step trains: the loss falls over 3 steps and the base stays bit-identical."""
+    prog = step.build_program(cfg.replace(lora=dict(base_dtype="nf4")), fsdp8)
+    state = prog.abstract_state
+    adapter_bytes = nbytes(adapters.trainable(state.params))
+    assert adapter_bytes > 0
+    assert nbytes(state.opt_state) - 2 * adapter_bytes == 8  # adam's count + the schedule's, int32 each
+    compiled = prog.train_step.lower(state, tokens_spec(prog)).compile()
+    per_device = sum(
+        int(np.prod(s.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize
+        for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(prog.state_shardings))
+    )
+    tokens = int(np.prod(prog.batch_sharding.shard_shape(tokens_spec(prog).shape))) * 4
+    assert compiled.memory_analysis().argument_size_in_bytes == per_device + tokens
+    reduced = sum(
+        c.full_bytes * c.count
+        for c in hlo.collectives(compiled.as_text())
+        if c.kind in ("all-reduce", "reduce-scatter")
+    )
+    assert adapter_bytes <= reduced <= adapter_bytes + 256
+    live = prog.init_state(0)
+    base_before = jax.device_get(adapters.frozen(live.params))
+    losses = []
+    for b in batches:
+        live, m = compiled(live, jax.device_put(b, prog.batch_sharding))
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0]
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(jax.device_get(adapters.frozen(live.params)))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(model=dict(moe_experts=4)), "mixture-of-experts"),
+        (dict(reduce=dict(method="int8")), "reduce.method=implicit"),
+        (dict(lora=dict(base_dtype="int8", block_size=64)), "lora.block_size=64"),
+    ],
+)
+def test_unsupported_combinations_are_one_line_errors(cfg, fsdp8, change, words):
+    with pytest.raises(JaxdistError, match=words.replace(".", r"\.")) as e:
+        step.build_program(cfg.replace(**change), fsdp8)
+    assert "\n" not in str(e.value)
+
+
+def test_config_refuses_dropout_and_unknown_targets():
+    with pytest.raises(JaxdistError, match="lora.dropout"):
+        config.load(None, ["lora.rank=4", "lora.dropout=0.1"])
+    with pytest.raises(JaxdistError, match="lora.targets"):
+        config.load(None, ["lora.rank=4", "lora.targets=[q,qkv]"])
