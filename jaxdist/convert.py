@@ -1,7 +1,7 @@
 """`python -m jaxdist.convert`: Hugging Face Llama checkpoints in and out.
 
     python -m jaxdist.convert from-hf HF_DIR OUT_RUN_DIR [--mesh fsdp=8] [section.key=value ...]
-    python -m jaxdist.convert to-hf RUN_DIR_OR_CHECKPOINT HF_DIR [--dtype bfloat16|float32]
+    python -m jaxdist.convert to-hf RUN_DIR_OR_CHECKPOINT HF_DIR [--dtype bfloat16|float32] [--peft]
 
 from-hf writes a run dir (config.yaml + checkpoints/0 with parameters only) that
 `python -m jaxdist.train --config OUT_RUN_DIR/config.yaml --restore OUT_RUN_DIR checkpoint.params_only=true`
@@ -129,17 +129,40 @@ def load_run_params(path: Path, mesh, rules=None):
     return cfg, params, model
 
 
-def to_hf(path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print) -> list[Path]:
+def to_hf(
+    path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print, peft: bool = False
+) -> list[Path]:
+    """Export a run's parameters as an HF model; a LoRA run's adapters merged into the weights, or
+    (`peft`) alone as a PEFT adapter for the original HF model."""
+    import jax
+
     from jaxdist import checkpoint, hf_export, hf_io
     from jaxdist import mesh as mesh_mod
+    from jaxdist.adapters import tree as adapters
 
-    if not checkpoint.all_agree(not ((out / "config.json").exists() or list(out.glob("*.safetensors")))):
+    held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
+    if not checkpoint.all_agree(not held):
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
     step_dir = latest_step_dir(path)
     cfg, params, _ = load_run_params(step_dir, mesh)
     run_dir = step_dir.parent.parent
     source = run_dir / hf_io.SOURCE
+    if peft:
+        from jaxdist.adapters import peft as peft_format
+
+        if not cfg.lora.rank:
+            raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
+        blocks = jax.device_get(adapters.trainable(params))["blocks"]
+        base = hf_export._source_config(source if source.is_dir() else None).get("_name_or_path", "")
+        if jax.process_index() != 0:
+            return []
+        files = peft_format.write(out, blocks, cfg.lora, base, hf_export.EXPORT_DTYPES[dtype])
+        log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
+        return files
+    if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers
+        params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
+        log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
     return hf_export.export(
         params,
         cfg.model,
@@ -175,6 +198,11 @@ def parse_args(argv):
         p.add_argument("hf_dir")
         p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
+        p.add_argument(
+            "--peft",
+            action="store_true",
+            help="LoRA runs: write the adapter alone in PEFT's format (default: adapters merged into the weights)",
+        )
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
     multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
@@ -200,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)
         from_hf(hf_dir, Path(args.out_run_dir), cfg)
     else:
-        files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9))
+        files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9), peft=args.peft)
         print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")
     return 0
 

@@ -218,25 +218,12 @@ def import_params(hf_dir: Path, cfg, mesh, rules=None):
 
 
 def restore_for_training(hf_dir: str, prog, cfg):
-    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights."""
-    import jax
-    import jax.numpy as jnp
-
+    """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights. With
+    lora.rank > 0 they are the frozen base: adapters are initialised and the base stored in its dtype."""
     from jaxdist.checkpoint import Restored
-    from jaxdist.step import TrainState
 
     start = time.perf_counter()
-    params, _ = import_params(Path(hf_dir), cfg, prog.mesh, prog.rules)
-
-    def state(p):
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=p,
-            opt_state=prog.tx.init(p),
-            reducer_state=prog.gradients.init(p),
-            skipped=jnp.zeros((), jnp.int32),
-        )
-
-    with jax.set_mesh(prog.mesh):
-        st = jax.jit(state, out_shardings=prog.state_shardings)(params)
+    plain = cfg.replace(lora=dict(rank=0, base_dtype="float32")) if cfg.lora.rank else cfg
+    params, _ = import_params(Path(hf_dir), plain, prog.mesh, prog.rules)
+    st = prog.state_from_params(params)
     return Restored(st, 0, Path(hf_dir), time.perf_counter() - start)

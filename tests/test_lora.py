@@ -5,6 +5,7 @@ each gradient tensor matches to 1e-5 of its largest entry and losses to a relati
 """
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from jaxdist.adapters import tree as adapters
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline
 
+REPO = Path(__file__).resolve().parent.parent
+BASE = REPO / "tests" / "fixtures" / "hf_llama"
+PEFT_FIXTURE = REPO / "tests" / "fixtures" / "lora_peft"  # scripts/make_lora_peft_fixture.py (peft 0.21.2)
 LORA = dict(rank=4, alpha=8.0, block_size=8)
 MESHES = ["fsdp=8", "fsdp=4,tp=2", "pp=2,fsdp=2,tp=2"]
 
@@ -211,3 +215,42 @@ def test_config_refuses_dropout_and_unknown_targets():
         config.load(None, ["lora.rank=4", "lora.dropout=0.1"])
     with pytest.raises(JaxdistError, match="lora.targets"):
         config.load(None, ["lora.rank=4", "lora.targets=[q,qkv]"])
+
+
+def peft_run(adapter_dir, mesh_text):
+    """The HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
+    fn, merged params, cfg). scripts/make_lora_peft_fixture.py runs this same path."""
+    from jaxdist import convert
+    from jaxdist.adapters import peft
+
+    plain_cfg = convert.hf_config(None, [], BASE, mesh_text)
+    lora, blocks = peft.read(adapter_dir, plain_cfg.model)
+    cfg = plain_cfg.replace(lora=lora)
+    mesh = mesh_mod.mesh_from_string(mesh_text)
+    prog, plain = step.build_program(cfg, mesh), step.build_program(plain_cfg, mesh)
+    base, _ = convert.import_params(BASE, plain_cfg, mesh)
+    state = prog.state_from_params(base)
+    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
+    params = adapters.combine(read, adapters.frozen(state.params))
+    merged = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
+    return logits_fn(prog), params, logits_fn(plain), merged, cfg
+
+
+def test_peft_adapters_match_peft_and_transformers():
+    """A LoRA adapter written by peft (random A and B on the HF fixture model) read by jaxdist: its
+    logits equal peft's (transformers + peft, committed) to 1e-4, and so do the merged parameters run
+    by the plain model; jaxdist's PEFT export of those adapters is peft's file, key for key."""
+    from safetensors.numpy import load_file
+
+    from jaxdist.adapters import peft
+
+    ref = np.load(PEFT_FIXTURE / "reference.npz")
+    lora_logits, params, plain_logits, merged, cfg = peft_run(PEFT_FIXTURE, "fsdp=4,tp=2")
+    ours = lora_logits(params, ref["sequences"])
+    np.testing.assert_allclose(ours, ref["logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(plain_logits(merged, ref["sequences"]), ref["logits"], atol=1e-4, rtol=0)
+    written = peft.adapter_tensors(jax.device_get(adapters.trainable(params))["blocks"], cfg.lora)
+    original = load_file(str(PEFT_FIXTURE / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(written[k], v)
