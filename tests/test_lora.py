@@ -254,3 +254,54 @@ def test_peft_adapters_match_peft_and_transformers():
     assert sorted(written) == sorted(original)
     for k, v in original.items():
         np.testing.assert_array_equal(written[k], v)
+
+
+def test_hf_recipe_resumes_generates_and_exports(tmp_path):
+    """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
+    bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
+    merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
+    from jaxdist import convert, generate, hf, train
+    from jaxdist.adapters import peft
+
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 128, 50_000).astype(np.uint16).tofile(tokens)
+    overrides = [
+        "model.seq_len=32",
+        "train.steps=2",
+        "optim.schedule_steps=3",
+        "train.eval_every=0",
+        "checkpoint.every=1",
+        "checkpoint.async_save=false",
+        "data.source=tokens",
+        f"data.path={tokens}",
+        "lora.rank=4",
+        "lora.base_dtype=nf4",
+        "lora.block_size=8",
+        "train.trackers=[]",
+    ]
+    cfg = hf.apply(config.load(None, overrides), BASE)
+    quiet = dict(log=lambda *a: None, restore=f"hf:{BASE}")
+    train.run(cfg, tmp_path / "a", **quiet)
+    longer = cfg.replace(train=dict(steps=3))
+    resumed = train.run(longer, tmp_path / "a", **quiet)
+    straight = train.run(longer, tmp_path / "b", **quiet)
+    assert resumed.steps == straight.steps == 3 and resumed.final_loss == straight.final_loss
+    mesh = mesh_mod.mesh_from_string("fsdp=8")
+    run_cfg, params, _ = convert.load_run_params(tmp_path / "a", mesh)
+    _, params_b, _ = convert.load_run_params(tmp_path / "b", mesh)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params_b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert run_cfg.lora.base_dtype == "nf4" and params["blocks"]["attn"]["wq_DNH"].dtype == jnp.uint8
+
+    convert.to_hf(tmp_path / "a", tmp_path / "merged", "float32", 5 * 10**9, log=lambda *a: None)
+    convert.to_hf(tmp_path / "a", tmp_path / "peft", "float32", 5 * 10**9, log=lambda *a: None, peft=True)
+    lora, blocks = peft.read(tmp_path / "peft", run_cfg.model)
+    assert lora == {"rank": 4, "alpha": 16.0, "targets": list(run_cfg.lora.targets)}
+    for x, y in zip(jax.tree.leaves(blocks), jax.tree.leaves(adapters.trainable(params)["blocks"])):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+    prompts = [[5, 17, 42, 8, 99], [3, 1, 4]]
+    got = generate.generate(*generate.load(str(tmp_path / "a"), None, "fsdp=4,tp=2")[:4], prompts, 6)
+    want = generate.generate(*generate.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4], prompts, 6)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4)
