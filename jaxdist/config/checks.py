@@ -64,9 +64,10 @@ def validate(cfg) -> None:
     validate_lora(cfg.lora)
 
 
-def validate_lora(lo) -> None:
-    from jaxdist.config.schema import LORA_TARGETS
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections lora.targets names
 
+
+def validate_lora(lo) -> None:
     unknown = [t for t in lo.targets if t not in LORA_TARGETS]
     if unknown or len(set(lo.targets)) != len(lo.targets):
         raise JaxdistError(f"lora.targets={lo.targets} must name distinct projections among {', '.join(LORA_TARGETS)}")

@@ -8,7 +8,7 @@ import difflib
 import typing
 from typing import Annotated, Any, Literal
 
-from jaxdist.config.checks import validate
+from jaxdist.config.checks import LORA_TARGETS, validate
 from jaxdist.config.types import (
     Fraction,
     NonNegative,
@@ -188,9 +188,6 @@ class CheckpointConfig:
     keep: Positive = 3  # newest checkpoints kept
     params_only: bool = False  # with --restore: load parameters alone (fine-tuning)
     async_save: bool = True  # write in the background while training goes on
-
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
