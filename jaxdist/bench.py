@@ -119,7 +119,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
 
     step_time = statistics.median(times)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    flops_tok = metrics.flops_per_token(cfg.model)
+    flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
     peak = metrics.peak_flops_total(devices, str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)
     tps = tokens_per_step / step_time
     record = {

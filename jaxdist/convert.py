@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         from_hf(hf_dir, Path(args.out_run_dir), cfg)
     else:
         files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9), peft=args.peft)
-        print(f"exported {len(files)} safetensors file(s) to {args.hf_dir}")
+        print(f"exported {len(files)} file(s) to {args.hf_dir}")
     return 0
 
 

@@ -96,7 +96,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
     if no_eval:  # decided now, not at the first evaluation
         log(f"warning: {no_eval}; evaluation is off")
         cfg = cfg.replace(train=dict(eval_every=0))
-    flops_tok = metrics.flops_per_token(cfg.model)
+    flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak, peak_source, mfu_approx = metrics.peak_flops(
         list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops

@@ -190,6 +190,15 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.grad_accum_steps} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
     ]
+    if cfg.lora.rank:
+        from jaxdist.adapters.lora import count_adapter_params
+
+        lo, trained = cfg.lora, count_adapter_params(cfg.model, cfg.lora)
+        lines.append(
+            f"LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(lo.targets)}: {trained / 1e6:.2f}M trained "
+            f"params ({100 * trained / n:.2f}% of the model); the base is frozen, stored as {lo.base_dtype}"
+            + (f" in blocks of {lo.block_size}" if lo.base_dtype in ("int8", "nf4") else "")
+        )
     cp = int(prog.mesh.shape.get("cp", 1))
     if cp > 1:
         lines.append(

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from conftest import learnable_batches, tokens_spec
 
-from jaxdist import config, hlo, step
+from jaxdist import config, hlo, metrics, step
 from jaxdist import mesh as mesh_mod
 from jaxdist.adapters import quant
 from jaxdist.adapters import tree as adapters
+from jaxdist.adapters.lora import count_adapter_params
 from jaxdist.errors import JaxdistError
+from jaxdist.models.llama import count_params
 from jaxdist.parallel import pipeline
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,7 +172,11 @@ def test_only_adapters_train(cfg, batches, fsdp8):
     prog = step.build_program(cfg.replace(lora=dict(base_dtype="nf4")), fsdp8)
     state = prog.abstract_state
     adapter_bytes = nbytes(adapters.trainable(state.params))
-    assert adapter_bytes > 0
+    adapter_count = sum(a.size for a in jax.tree.leaves(adapters.trainable(state.params)))
+    assert adapter_bytes == 4 * adapter_count == 4 * count_adapter_params(prog.cfg.model, prog.cfg.lora) > 0
+    full, lora = metrics.flops_per_token(prog.cfg.model), metrics.flops_per_token(prog.cfg.model, prog.cfg.lora)
+    matmul = count_params(prog.cfg.model)["total"] - count_params(prog.cfg.model)["embed"]  # untied: head counts
+    assert lora == full - 2 * matmul + 6 * adapter_count  # no weight gradients for the base
     assert nbytes(state.opt_state) - 2 * adapter_bytes == 8  # adam's count + the schedule's, int32 each
     compiled = prog.train_step.lower(state, tokens_spec(prog)).compile()
     per_device = sum(

@@ -93,3 +93,16 @@ def project(module, weight: str, x, names: tuple[str, ...], in_dims: int = 1):
 
 # Stacked tensors the layer scan must not cast to the compute dtype: the float32 de-quantisation scales.
 KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
+
+
+def count_adapter_params(m, lora) -> int:
+    """Adapter parameters of a dense model: rank x (fan-in + fan-out) per targeted matrix and layer."""
+    from jaxdist.adapters.checks import per_layer_shapes
+
+    shapes = per_layer_shapes(m)
+    total = 0
+    for target in lora.targets:
+        _, weight, n_in = TARGETS[target]
+        shape = shapes[weight]
+        total += lora.rank * (math.prod(shape[:n_in]) + math.prod(shape[n_in:]))
+    return total * m.num_layers
