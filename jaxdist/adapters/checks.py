@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxdist.adapters import quant
-from jaxdist.adapters.lora import TARGETS, block_axis
+from jaxdist.adapters.lora import TARGETS, block_axis, per_layer_shapes
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
 from jaxdist.sharding import logical_to_spec
@@ -55,16 +55,3 @@ def check(cfg, mesh, rules) -> None:
                 f"lora.block_size={lo.block_size} does not fit {weight}'s dimension {n} split over {shards} "
                 f"device(s) ({n} / block_size blocks must divide by {shards}); choose a block size that does"
             )
-
-
-def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
-    D, N, K, H, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
-    return {
-        "wq_DNH": (D, N, H),
-        "wk_DKH": (D, K, H),
-        "wv_DKH": (D, K, H),
-        "wo_NHD": (N, H, D),
-        "w_gate_DF": (D, F),
-        "w_up_DF": (D, F),
-        "w_down_FD": (F, D),
-    }

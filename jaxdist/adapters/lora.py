@@ -97,8 +97,6 @@ KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
 
 def count_adapter_params(m, lora) -> int:
     """Adapter parameters of a dense model: rank x (fan-in + fan-out) per targeted matrix and layer."""
-    from jaxdist.adapters.checks import per_layer_shapes
-
     shapes = per_layer_shapes(m)
     total = 0
     for target in lora.targets:
@@ -106,3 +104,16 @@ def count_adapter_params(m, lora) -> int:
         shape = shapes[weight]
         total += lora.rank * (math.prod(shape[:n_in]) + math.prod(shape[n_in:]))
     return total * m.num_layers
+
+
+def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
+    D, N, K, H, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    return {
+        "wq_DNH": (D, N, H),
+        "wk_DKH": (D, K, H),
+        "wv_DKH": (D, K, H),
+        "wo_NHD": (N, H, D),
+        "w_gate_DF": (D, F),
+        "w_up_DF": (D, F),
+        "w_down_FD": (F, D),
+    }

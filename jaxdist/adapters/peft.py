@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.adapters.lora import TARGETS, A, B
+from jaxdist.adapters.lora import TARGETS, A, B, per_layer_shapes
 
 MODULES = {
     "q": "self_attn.q_proj",
@@ -74,7 +74,6 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     jaxdist's stacked layout, numpy float32), the inverse of `adapter_tensors`."""
     from safetensors.numpy import load_file
 
-    from jaxdist.adapters.checks import per_layer_shapes
     from jaxdist.errors import JaxdistError
 
     adapter_dir = Path(adapter_dir)
