@@ -133,6 +133,16 @@ def run_reducer(reducer, mesh, grads, state):
     return jax.jit(fn)(grads, state)
 
 
+def numpy_int8(x_RS, block):
+    """Each replica's row, zero-padded to 8 chunks of whole blocks, quantised per block of `block` entries
+    (scale max|x|/127, round half to even) and dequantised: what int8 delivers for it, in numpy."""
+    pad = -x_RS.shape[1] % (8 * block)
+    blocks = np.pad(x_RS, ((0, 0), (0, pad))).reshape(x_RS.shape[0], -1, block).astype(np.float32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1))
+    return (np.round(blocks / scale) * scale).reshape(x_RS.shape[0], -1)[:, : x_RS.shape[1]]
+
+
 def make(codec, mesh, error_feedback=True):
     abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
     return reduce.compressed(codec, "dp", mesh.shape["dp"], abstract, BATCH_DIMS, error_feedback)
@@ -156,6 +166,11 @@ def test_error_feedback_is_exact(dp8, codec):
             np.testing.assert_allclose(total[name], sent[name].sum(0), atol=atol, rtol=0)
         else:
             np.testing.assert_allclose(total[name], sent[name].sum(0), rtol=1e-5, atol=1e-5)
+    if codec.name == "int8":  # the sender keeps exactly what its own quantisation lost: x - dequant(quant(x))
+        x = np.asarray(grads["w"] + old["w"]).reshape(8, -1)
+        np.testing.assert_allclose(np.asarray(state.residual["w"]).reshape(8, -1), x - numpy_int8(x, 16), atol=1e-5)
+        assert np.abs(state.residual["w"]).max() > 1e-3  # rounding lost something, and it was kept
+        np.testing.assert_array_equal(state.residual["b"], 0)  # 40 entries: sent dense, nothing left behind
     if codec.name == "powersgd":  # a vector is not compressed: sent dense, nothing left behind
         np.testing.assert_array_equal(state.residual["b"], 0)
     if codec.name == "topk":  # exactly k entries of each replica's tensor were sent, the largest ones
