@@ -217,19 +217,28 @@ def test_hlo_allgather_gathers_k_and_v_once_per_layer(build):
     assert not [c for c in colls if c.kind == "collective-permute"]
 
 
+# Per-device temp bytes of one device's gradient program / cp's, at this module's shape (2 layers, d 32,
+# seq 512, batch 4), measured with jax 0.10.2 on CPU. The docs' table (tiny, seq 8192, the train step:
+# `python scripts/cp_memory.py`) has allgather cp=8 at 1/7.8 and ring at 1/57; at seq 512 the ring's
+# saving is smaller (the T x T scores it never forms are a smaller part of the rest).
+TEMP_RATIOS = {
+    "cp=2 allgather": 2.02,
+    "cp=4 allgather": 3.99,
+    "cp=8 allgather": 7.78,
+    "cp=2 ring": 6.76,
+    "cp=4 ring": 19.6,
+    "cp=8 ring": 45.0,
+}
+
+
 def test_temp_bytes_fall_with_cp(build, reference):
     """Per-device temporaries of the gradient program (memory_analysis) fall as cp grows, for both
-    implementations; the ring, which never holds a whole T x T score block, lowest."""
+    implementations: allgather about C-fold (the scores are (T/C) x T), the ring, which never holds a
+    whole T x T score block, far more. Each ratio within 10% of the value measured at this shape."""
     ref = reference[4].memory_analysis().temp_size_in_bytes
-    temp = {
-        cid: build(cid)[1].memory_analysis().temp_size_in_bytes
-        for cid in ("cp=2 allgather", "cp=4 allgather", "cp=8 allgather", "cp=2 ring", "cp=4 ring", "cp=8 ring")
-    }
-    for impl in ("allgather", "ring"):
-        seq = [ref] + [temp[f"cp={n} {impl}"] for n in (2, 4, 8)]
-        assert all(a > b for a, b in zip(seq, seq[1:])), (impl, seq)
-    assert 1 / 10 < temp["cp=8 allgather"] / ref < 1 / 3  # ideal 1/8; non-attention temporaries shrink too
-    assert temp["cp=8 ring"] < temp["cp=8 allgather"]
+    ratio = {cid: ref / build(cid)[1].memory_analysis().temp_size_in_bytes for cid in TEMP_RATIOS}
+    for cid, want in TEMP_RATIOS.items():
+        assert want / 1.1 < ratio[cid] < want * 1.1, (cid, ratio)
 
 
 def test_weights_sharded_over_cp(build, reference):
