@@ -464,7 +464,7 @@ def test_dgc_train_step_bytes_and_grad_norm(dgc_run, dp8):
     [("diloco_run", "params"), ("demo_run", "delta"), ("dgc_run", "accum")],
     ids=["diloco", "demo", "dgc"],
 )
-def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path, run, field):
+def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path, monkeypatch, run, field):
     """DiLoCo's replicas and DeMo's momenta, after real steps (they differ between replicas), are
     saved with the train state (sharded like the params under a leading dp axis); they restore
     bitwise; restoring them onto dp=4 is a one-line error naming the method and the fix."""
@@ -486,13 +486,34 @@ def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path
         assert x.sharding == y.sharding and np.asarray(x).tobytes() == np.asarray(y).tobytes()
     other = step.build_program(cfg, mesh_from_string("dp=4,fsdp=2"))
     method = cfg.reduce.method
-    with pytest.raises(JaxdistError, match=rf"reduce.method={method} state for dp=8, but this mesh has dp=4"):
+    restores = spy_on_orbax_restore(monkeypatch)
+    with pytest.raises(JaxdistError, match=rf"reduce.method={method} state for dp=8, but this mesh has dp=4") as err:
         checkpoint.restore(tmp_path, other, data.Loader(cfg, other.batch_sharding), cfg)
+    assert "\n" not in str(err.value)  # one line
     # Resuming under another method (allowed by name) is refused before orbax's tree mismatch, which
-    # read as an unreadable checkpoint and sent restore through every older one.
+    # read as an unreadable checkpoint and sent restore through every older one. Both refusals come
+    # before orbax restores any array: it has read only the run's metadata (the JSON item).
     int8 = cfg.replace(reduce=dict(method="int8"))
-    with pytest.raises(JaxdistError, match=rf"holds reduce.method={method} state, which reduce.method=int8 cannot"):
+    with pytest.raises(
+        JaxdistError, match=rf"holds reduce.method={method} state, which reduce.method=int8 cannot"
+    ) as err:
         checkpoint.restore(tmp_path, step.build_program(int8, dp8), loader, int8, allowed=frozenset({"reduce.method"}))
+    assert "\n" not in str(err.value)
+    assert restores == [["meta"], ["meta"]], restores
+
+
+def spy_on_orbax_restore(monkeypatch) -> list:
+    """-> the item names of every CheckpointManager.restore call from now on (the calls still run)."""
+    import orbax.checkpoint as ocp
+
+    calls, real = [], ocp.CheckpointManager.restore
+
+    def restore(self, step, *a, args=None, **kw):
+        calls.append(sorted(args.keys()) if args is not None else None)
+        return real(self, step, *a, args=args, **kw)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+    return calls
 
 
 def test_diloco_on_one_replica_warns_and_trains_as_usual(mini_cfg):
