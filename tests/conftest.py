@@ -1,5 +1,6 @@
 """Eight simulated CPU devices for every test; must run before any JAX work."""
 
+import contextlib
 import os
 import tempfile
 
@@ -77,3 +78,35 @@ def compiled_gradients(prog):
     )
     with prog.activate():
         return fn.lower(prog.abstract_state.params, tokens_spec(prog)).compile()
+
+
+@contextlib.contextmanager
+def unwritable_dir(path):
+    """A new folder at `path` that this process cannot write into, even as root (CI runs as root, and
+    root ignores permission bits): chmod 555 for other users; as root, `chattr +i` (immutable), else a
+    read-only bind mount. Undone on exit so the folder can be cleaned up."""
+    import subprocess
+    from pathlib import Path
+
+    path = Path(path)
+    path.mkdir()
+    ok = lambda *cmd: subprocess.run(cmd, capture_output=True).returncode == 0  # noqa: E731
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        undo = lambda: path.chmod(0o755)  # noqa: E731
+    elif ok("chattr", "+i", str(path)):
+        undo = lambda: ok("chattr", "-i", str(path))  # noqa: E731
+    elif ok("mount", "--bind", str(path), str(path)):
+        undo = lambda: ok("umount", str(path))  # noqa: E731
+        ok("mount", "-o", "remount,ro,bind", str(path))
+    else:
+        undo = lambda: None  # noqa: E731
+    try:
+        if os.access(path, os.W_OK):
+            pytest.skip(
+                "root here can neither chattr +i nor mount (no CAP_LINUX_IMMUTABLE / CAP_SYS_ADMIN): no folder "
+                "is unwritable to it; this runs as any other user, or as root where either is allowed (CI)"
+            )
+        yield path
+    finally:
+        undo()

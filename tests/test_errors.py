@@ -8,13 +8,13 @@ runs on a fresh run dir that must not appear.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_ARGS
+from conftest import SMALL_ARGS, unwritable_dir
 
 from jaxdist import checkpoint, config, data, step
 from jaxdist.mesh import mesh_from_string
@@ -31,6 +31,7 @@ SMALL = [
 class Paths:
     tmp: Path  # fresh per row
     saved: Path  # a run dir holding one checkpoint of the SMALL model (shared, must stay untouched)
+    cleanup: contextlib.ExitStack  # undone after the row
 
     @property
     def run(self) -> Path:
@@ -51,15 +52,7 @@ class Paths:
         return copy
 
     def locked_dir(self) -> Path:
-        locked = self.tmp / "locked"
-        locked.mkdir()
-        locked.chmod(0o555)
-        return locked
-
-
-def _root_skip():
-    if os.geteuid() == 0:
-        pytest.skip("root ignores directory permissions")
+        return self.cleanup.enter_context(unwritable_dir(self.tmp / "locked"))
 
 
 ROWS = [  # (id, paths -> (options, overrides), expected message)
@@ -112,7 +105,7 @@ ROWS = [  # (id, paths -> (options, overrides), expected message)
     ("run dir inside a file", lambda p: (["--run-dir", str(p.file("afile") / "sub")], []), r"is not writable"),
     (
         "unwritable run dir",
-        lambda p: (_root_skip(), (["--run-dir", str(p.locked_dir() / "sub")], []))[1],
+        lambda p: (["--run-dir", str(p.locked_dir() / "sub")], []),
         r"is not writable",
     ),
 ]
@@ -146,9 +139,15 @@ def snapshot(*roots: Path) -> dict:
 
 @pytest.mark.parametrize("build, message", [pytest.param(a, m, id=i) for i, a, m in ROWS])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(build, message, saved_run, tmp_path, capsys):
+
+    with contextlib.ExitStack() as cleanup:
+        run_row(Paths(tmp_path, saved_run, cleanup), build, message, capsys)
+
+
+def run_row(paths, build, message, capsys):
     import re
 
-    paths = Paths(tmp_path, saved_run)
+    tmp_path, saved_run = paths.tmp, paths.saved
     options, overrides = build(paths)
     if "--run-dir" not in options:
         options = ["--run-dir", str(paths.run), *options]
