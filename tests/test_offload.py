@@ -1,10 +1,12 @@
 """optim.offload=host: the optimizer state lives in pinned host memory between steps, is streamed to
 the device for the update, and training computes exactly what it computes without offload.
 
-CPU has a `pinned_host` memory kind, so placement is checked in the compiled program (shardings and
-the HLO entry layout's host memory space S(5)); on GPU the memory analysis also shows the state's
-bytes moved from device to host arguments (scripts/gpu_check.sh runs this file there, on one GPU).
+CPU has a `pinned_host` memory kind, so placement is checked in the compiled program (shardings, and
+the HLO entry layout's host memory space S(5): the state's bytes move from device to host arguments);
+on GPU the memory analysis also shows it (scripts/gpu_check.sh runs this file there, on one GPU).
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
+from jaxdist import hlo, step
 from jaxdist import mesh as mesh_mod
-from jaxdist import step
 
 SMALL = dict(SMALL_MODEL, seq_len=16)
 STEPS = 3
@@ -106,13 +108,29 @@ def test_offload_trains_identically(runs):
         np.testing.assert_array_equal(a, b)
 
 
+def entry_argument_bytes(compiled) -> dict[str, int]:
+    """Per-device bytes of the entry computation's arguments by memory space, read from the compiled
+    program's layout: 'host' = S(5), 'device' = the default space."""
+    inputs = entry_layout(compiled).split("entry_computation_layout={(", 1)[1].split(")->", 1)[0]
+    out = {"host": 0, "device": 0}
+    for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?", inputs):
+        space = "host" if layout.endswith(":S(5)") else "device"
+        out[space] += hlo.shape_bytes(f"{dtype}[{dims}]")[0]
+    return out
+
+
 def test_device_memory_holds_no_optimizer_state(runs):
-    """On GPU the memory analysis separates host arguments; CPU counts both memories together."""
+    """The compiled step's device-memory arguments are the plain step's minus exactly the optimizer
+    state's bytes, which are host (S(5)) arguments instead: read from the program's entry layout
+    (every platform). On GPU the memory analysis also splits host from device arguments (CPU's counts
+    both memories together), and says the same."""
     _, compiled, state, _ = runs["host"]
     _, plain, _, _ = runs["none"]
-    if jax.devices()[0].platform == "cpu":
-        pytest.skip("CPU's memory analysis does not split host from device bytes (checked on GPU by gpu_check.sh)")
     opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state))
-    host, dev = compiled.memory_analysis(), plain.memory_analysis()
-    assert host.host_argument_size_in_bytes == opt_bytes
-    assert dev.argument_size_in_bytes - host.argument_size_in_bytes == opt_bytes
+    host_args, plain_args = entry_argument_bytes(compiled), entry_argument_bytes(plain)
+    assert plain_args == {"host": 0, "device": plain.memory_analysis().argument_size_in_bytes}
+    assert host_args == {"host": opt_bytes, "device": plain_args["device"] - opt_bytes}
+    if jax.devices()[0].platform != "cpu":
+        host, dev = compiled.memory_analysis(), plain.memory_analysis()
+        assert host.host_argument_size_in_bytes == opt_bytes
+        assert dev.argument_size_in_bytes - host.argument_size_in_bytes == opt_bytes
