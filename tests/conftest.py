@@ -90,17 +90,17 @@ def unwritable_dir(path):
 
     path = Path(path)
     path.mkdir()
-    ok = lambda *cmd: subprocess.run(cmd, capture_output=True).returncode == 0  # noqa: E731
+    ok = lambda *cmd: subprocess.run(cmd, capture_output=True).returncode == 0
     if os.geteuid() != 0:
         path.chmod(0o555)
-        undo = lambda: path.chmod(0o755)  # noqa: E731
+        undo = lambda: path.chmod(0o755)
     elif ok("chattr", "+i", str(path)):
-        undo = lambda: ok("chattr", "-i", str(path))  # noqa: E731
+        undo = lambda: ok("chattr", "-i", str(path))
     elif ok("mount", "--bind", str(path), str(path)):
-        undo = lambda: ok("umount", str(path))  # noqa: E731
+        undo = lambda: ok("umount", str(path))
         ok("mount", "-o", "remount,ro,bind", str(path))
     else:
-        undo = lambda: None  # noqa: E731
+        undo = lambda: None
     try:
         if os.access(path, os.W_OK):
             pytest.skip(
@@ -110,3 +110,12 @@ def unwritable_dir(path):
         yield path
     finally:
         undo()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """The skip count, after -rs's list of skips with their reasons and just above pytest's closing
+    line: a skip that CI always takes must say in its reason on which machine the test does run."""
+    result = yield  # the outermost wrapper: the short test summary has been written
+    terminalreporter.write_line(f"skipped tests: {len(terminalreporter.stats.get('skipped', []))}")
+    return result

@@ -344,7 +344,9 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
 
 
 def test_jsonl_and_parquet_inputs(prepared, tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
+    pq = pytest.importorskip(
+        "pyarrow.parquet", reason="pyarrow not installed: pip install -e '.[parquet]' (CI installs .[ci])"
+    )
     import pyarrow as pa
 
     a, _ = prepared
