@@ -63,7 +63,7 @@ def variant(arch: str, fields: dict) -> dict:
         tensors = {}
         for file in sorted(Path(tmp).glob("*.safetensors")):
             with safe_open(str(file), "np") as f:
-                tensors.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+                tensors.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
         _, info = cls.from_pretrained(tmp, output_loading_info=True)
     problems = {k: sorted(v) for k, v in info.items() if v}
     if problems:

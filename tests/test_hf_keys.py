@@ -30,7 +30,7 @@ def exported_tensors(out: Path) -> dict:
     tensors = {}
     for file in sorted(out.glob("*.safetensors")):
         with safe_open(str(file), "np") as f:
-            tensors.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+            tensors.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
     return tensors
 
 
