@@ -1,4 +1,5 @@
-"""Hugging Face Llama <-> jaxdist: the config mapping and the tensor name/layout table.
+"""Hugging Face decoders <-> jaxdist: the config mapping and the tensor name/layout table (the
+families' differences are `hf_families.py`'s registry).
 
 HF stores every linear layer as (out, in); jaxdist stores (in..., out...) with heads split out, e.g.
 `q_proj.weight` (N*H, D) is `wq_DNH` (D, N, H) = W.T reshaped. HF's RoPE is rotate-half, as ours, so no
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxdist import hf_families
 from jaxdist.config import Config, ModelConfig
 from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
@@ -30,11 +32,10 @@ HF_DEFAULTS = {
     "max_position_embeddings": 2048,
     "initializer_range": 0.02,
 }
-# Fields that must hold these values (anything else would be a different model than ours).
+# Fields that must hold these values (anything else would be a different model than ours); each
+# family adds its own (hf_families.py).
 REQUIRED = {
     "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
     "attention_dropout": 0.0,
     "partial_rotary_factor": 1.0,
 }
@@ -87,6 +88,7 @@ SHAPE_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_len",
+    *hf_families.fields_of(ModelConfig()),
 )  # fields config.json decides
 
 
@@ -140,27 +142,24 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
     """config.json -> ModelConfig fields, or a one-line error naming the first unsupported field."""
     where = Path(hf_dir) / "config.json"
     hf = read_json(where, "config.json")
-    if hf.get("model_type") != "llama":
-        raise JaxdistError(
-            f"{where}: model_type {hf.get('model_type')!r} is not supported; jaxdist imports "
-            "Llama checkpoints (model_type 'llama')"
-        )
-    arch = hf.get("architectures") or ["LlamaForCausalLM"]
-    if arch != ["LlamaForCausalLM"]:
-        raise JaxdistError(f"{where}: architecture {arch} is not supported; jaxdist imports LlamaForCausalLM")
+    family = hf_families.of(hf, where)
+    required = {**REQUIRED, **family.required}
     for key, value in hf.items():
-        if key in REQUIRED:
-            if value != REQUIRED[key] and value is not None:
+        if key in required:
+            if value != required[key] and value is not None:
                 raise JaxdistError(
-                    f"{where}: {key}={value!r} is not supported (jaxdist's Llama has "
-                    f"{key}={REQUIRED[key]!r}); convert another model"
+                    f"{where}: {key}={value!r} is not supported (jaxdist's {family.architecture} has "
+                    f"{key}={required[key]!r}); convert another model"
                 )
-        elif key not in MAPPED | IGNORED:
+        elif key not in MAPPED | IGNORED | family.mapped | family.ignored:
             raise JaxdistError(
-                f"{where}: field {key!r} is not supported by jaxdist's Llama; a model that "
-                "needs it would compute differently — remove it only if it has no effect"
+                f"{where}: field {key!r} is not supported by jaxdist's {family.architecture}; a model "
+                "that needs it would compute differently — remove it only if it has no effect"
             )
-    get = lambda k: hf.get(k) if hf.get(k) is not None else HF_DEFAULTS[k]
+    defaults = {**HF_DEFAULTS, **family.defaults}
+    # Absent: transformers' default. Null: the default for the shape fields, else null (Mistral's
+    # sliding_window: null is no window, absent is 4096).
+    get = lambda k: hf[k] if k in hf and (hf[k] is not None or k not in HF_DEFAULTS) else defaults.get(k)  # noqa: E731
     heads, d_model = int(get("num_attention_heads")), int(get("hidden_size"))
     head_dim = hf.get("head_dim") or d_model // heads
     fields = {
@@ -174,7 +173,9 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "norm_eps": float(get("rms_norm_eps")),
         "init_std": float(get("initializer_range")),
-        **_rope(hf, where),
+        **_rope({**hf, "rope_theta": get("rope_theta")}, where),
+        "family": family.name,
+        **family.read(get, where),
     }
     return fields
 
@@ -216,6 +217,7 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
     """ModelConfig -> config.json (Hub spelling: rope_theta + rope_scaling, which transformers 5 reads too).
     Token ids and the context length come from the imported model's config when there was one."""
     source = source or {}
+    family = hf_families.exportable(m)
     rope = None
     if m.rope_scaling == "llama3":
         rope = {
@@ -225,9 +227,9 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
             "high_freq_factor": m.rope_high_freq_factor,
             "original_max_position_embeddings": m.rope_original_max_len,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    common = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_size": m.d_model,
         "intermediate_size": m.mlp_dim,
         "num_hidden_layers": m.num_layers,
@@ -240,8 +242,6 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
         "rope_scaling": rope,
         "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": m.init_std,
         "max_position_embeddings": source.get("max_position_embeddings", m.seq_len),
@@ -251,6 +251,7 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    return {**common, **family.write(m, source)}
 
 
 # ------------------------------------------------------------------------------------ tensor layout
@@ -259,12 +260,16 @@ def to_hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One jaxdist parameter and its HF counterpart. `n_in` > 0: HF stores (out, in) = the transpose of
-    ours with our first `n_in` dims flattened as `in` and the rest as `out`; 0: the same layout."""
+    ours with our first `n_in` dims flattened as `in` and the rest as `out`; 0: the same layout; -1:
+    HF stores ours flattened (a bias (N*H,) is our (N, H))."""
 
-    path: tuple[str, ...]  # in the params dict
-    hf: str  # HF name; '{i}' is the layer index for stacked tensors
+    path: tuple  # in the params dict
+    hf: str  # HF name; '{i}' is the layer index for stacked tensors, '{e}' the expert's
     n_in: int
     stacked: bool
+    experts: bool = False  # one HF tensor per expert: our leading (per-layer) dim is the expert
+    every: int = 1  # stacked entry g is HF layer g * every + offset (model.moe_every > 1 groups)
+    offset: int = 0
 
 
 LAYER_TENSORS = [
@@ -280,10 +285,46 @@ LAYER_TENSORS = [
 ]
 
 
+BIAS_TENSORS = [
+    (("attn", "bq_NH"), "model.layers.{i}.self_attn.q_proj.bias", -1),
+    (("attn", "bk_KH"), "model.layers.{i}.self_attn.k_proj.bias", -1),
+    (("attn", "bv_KH"), "model.layers.{i}.self_attn.v_proj.bias", -1),
+]
+QK_NORM_TENSORS = [
+    (("attn", "q_norm", "scale"), "model.layers.{i}.self_attn.q_norm.weight", 0),
+    (("attn", "k_norm", "scale"), "model.layers.{i}.self_attn.k_norm.weight", 0),
+]
+
+
+def _layer(m: ModelConfig, sparse: bool) -> list[tuple]:
+    """(path, hf name, n_in, per expert) of one decoder layer, dense or sparse."""
+    out = [(*t, False) for t in LAYER_TENSORS[:5]]
+    out += [(*t, False) for t in BIAS_TENSORS] if m.qkv_bias else []
+    out += [(*t, False) for t in QK_NORM_TENSORS] if m.qk_norm else []
+    out.append((*LAYER_TENSORS[5], False))
+    if not sparse:
+        return out + [(*t, False) for t in LAYER_TENSORS[6:]]
+    experts = hf_families.BY_NAME[m.family].experts
+    if not experts:
+        hf_families.exportable(m)  # a dense family: the one-line error naming model.moe_experts
+    router, expert, (gate, up, down) = experts
+    prefix = "model.layers.{i}."
+    return out + [
+        (("mlp", "router_DE"), f"{prefix}{router}.weight", 1, False),
+        (("mlp", "w_gate_EDF"), f"{prefix}{expert}.{gate}.weight", 1, True),
+        (("mlp", "w_up_EDF"), f"{prefix}{expert}.{up}.weight", 1, True),
+        (("mlp", "w_down_EFD"), f"{prefix}{expert}.{down}.weight", 1, True),
+    ]
+
+
 def tensors(m: ModelConfig) -> list[Tensor]:
     """Every parameter of the model, in HF's file order."""
     out = [Tensor(("embed_VD",), "model.embed_tokens.weight", 0, False)]
-    out += [Tensor(("blocks", *p), hf, n_in, True) for p, hf, n_in in LAYER_TENSORS]
+    n = m.moe_every if m.moe_experts else 1
+    for j in range(n):  # n > 1: the scanned unit holds n layers (models/llama.py SparseGroup)
+        where = ("blocks",) if n == 1 else ("blocks", "layers", j)
+        for p, name, n_in, per_expert in _layer(m, sparse=bool(m.moe_experts) and j == n - 1):
+            out.append(Tensor((*where, *p), name, n_in, True, per_expert, n, j))
     out.append(Tensor(("final_norm", "scale"), "model.norm.weight", 0, False))
     if not m.tie_embeddings:
         out.append(Tensor(("head_DV",), "lm_head.weight", 1, False))
@@ -299,11 +340,15 @@ def _prod(shape) -> int:
 
 def hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
     """One layer's jaxdist shape -> its HF shape."""
+    if n_in == -1:
+        return (_prod(shape),)
     return tuple(shape) if n_in == 0 else (_prod(shape[n_in:]), _prod(shape[:n_in]))
 
 
 def to_hf(a, n_in: int):
     """One layer's jaxdist array -> HF layout (numpy)."""
+    if n_in == -1:
+        return a.reshape(-1)
     return a if n_in == 0 else a.reshape(_prod(a.shape[:n_in]), -1).T
 
 

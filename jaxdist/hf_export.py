@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from jaxdist import hf
+from jaxdist import hf, hf_families
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.hf_io import SIDE_FILES, SOURCE, TOKENIZER_FILES, layer_shape, names
@@ -32,18 +32,10 @@ def _host(x) -> np.ndarray:
 
 
 def check_exportable(m: ModelConfig) -> None:
-    """LlamaForCausalLM has no experts and no embedding multiplier: such a model would load without error
-    in transformers and compute something else, so it is refused before anything is written."""
-    if m.moe_experts:
-        raise JaxdistError(
-            f"model.moe_experts={m.moe_experts}: a mixture of experts has no LlamaForCausalLM form; "
-            "export a dense model (model.moe_experts=0)"
-        )
-    if m.embed_scale != 1.0:
-        raise JaxdistError(
-            f"model.embed_scale={m.embed_scale}: LlamaForCausalLM does not scale its embeddings, so the "
-            "exported model would compute something else; export a model trained with model.embed_scale=1"
-        )
+    """A model `model.family`'s architecture cannot hold (experts in a dense family, an embedding
+    multiplier, ...) would load without error in transformers and compute something else, so it is
+    refused before anything is written (hf_families.exportable)."""
+    hf_families.exportable(m)
 
 
 def export(
@@ -59,10 +51,14 @@ def export(
     """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes."""
     check_exportable(m)
     np_dtype = EXPORT_DTYPES[dtype]
-    entries = []  # (hf name, tensor, layer or None, bytes)
+    entries = []  # (hf name, tensor, index into the stack or None, bytes)
     for t in hf.tensors(m):
         size = hf._prod(layer_shape(t, m)) * np.dtype(np_dtype).itemsize
-        entries += [(name, t, i if t.stacked else None, size) for i, name in enumerate(names(t, m))]
+        per = m.moe_experts if t.experts else 1  # per-expert tensors: (layer, expert)
+        entries += [
+            (name, t, divmod(i, per) if t.experts else (i if t.stacked else None), size)
+            for i, name in enumerate(names(t, m))
+        ]
     shards: list[list] = [[]]
     for e in entries:
         if shards[-1] and sum(x[3] for x in shards[-1]) + e[3] > max_shard_bytes:
@@ -73,7 +69,7 @@ def export(
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
     files, weight_map = [], {}
-    take = jax.jit(lambda a, i: a[i])  # one layer of a stack, still sharded; gathered after
+    take = jax.jit(lambda a, i: a[i])  # one layer (or (layer, expert)) of a stack, still sharded; gathered after
     for k, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}

@@ -80,7 +80,7 @@ class Weights:
         extra = sorted(k for k in set(self.map) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
         if extra:
             raise JaxdistError(
-                f"{self.dir}: unexpected tensor {extra[0]} (not part of a Llama with this "
+                f"{self.dir}: unexpected tensor {extra[0]} (not part of a {m.family} model with this "
                 "config.json); is config.json from the same model?"
             )
         by_file: dict[str, list[str]] = {}
@@ -114,9 +114,19 @@ class Weights:
 
 
 def layer_shape(t: hf.Tensor, m: ModelConfig) -> tuple[int, ...]:
-    """The jaxdist shape of one layer of `t` (no stacking dims)."""
+    """The jaxdist shape of one layer of `t` (no stacking dims; one expert's for per-expert tensors)."""
     D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
+    if t.path[-2:] in (("q_norm", "scale"), ("k_norm", "scale")):
+        return (H,)
+    Fe = m.moe_mlp_dim or F
     return {
+        "bq_NH": (N, H),
+        "bk_KH": (K, H),
+        "bv_KH": (K, H),
+        "router_DE": (D, m.moe_experts),
+        "w_gate_EDF": (D, Fe),
+        "w_up_EDF": (D, Fe),
+        "w_down_EFD": (Fe, D),
         "embed_VD": (V, D),
         "scale": (D,),
         "wq_DNH": (D, N, H),
@@ -131,7 +141,11 @@ def layer_shape(t: hf.Tensor, m: ModelConfig) -> tuple[int, ...]:
 
 
 def names(t: hf.Tensor, m: ModelConfig) -> list[str]:
-    return [t.hf.format(i=i) for i in range(m.num_layers)] if t.stacked else [t.hf]
+    """HF names of `t`, stacked entry-major then expert (entry g, expert e at g * E + e)."""
+    if not t.stacked:
+        return [t.hf]
+    experts = range(m.moe_experts) if t.experts else [0]
+    return [t.hf.format(i=g * t.every + t.offset, e=e) for g in range(m.stack_depth) for e in experts]
 
 
 def read_block(sl, idx: tuple[slice, ...], shape: tuple[int, ...], n_in: int) -> np.ndarray:
@@ -139,6 +153,10 @@ def read_block(sl, idx: tuple[slice, ...], shape: tuple[int, ...], n_in: int) ->
     A split head dim reads its whole heads' rows, then selects (heads split elsewhere stay exact)."""
     if n_in == 0:
         return sl[idx]
+    if n_in == -1:  # flattened in the file: read whole rows of the first dim, then select the rest
+        inner = hf._prod(shape[1:])
+        raw = sl[idx[0].start * inner : idx[0].stop * inner].reshape(idx[0].stop - idx[0].start, *shape[1:])
+        return raw[(slice(None), *idx[1:])]
     ins, outs = shape[:n_in], shape[n_in:]
     i_idx, o_idx = idx[:n_in], idx[n_in:]
     r_inner, c_inner = hf._prod(outs[1:]), hf._prod(ins[1:])
@@ -162,15 +180,19 @@ def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: 
         def callback(index, t=t, shape=shape, lead=lead, file_names=file_names, target=target):
             idx = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, target.shape))
             per_layer, stack = idx[lead:], [range(s.start, s.stop) for s in idx[:lead]]
-            layers = [[0]] if lead == 0 else _layer_ids(stack, len(file_names), stages, repeats)
-            out = []
+            # Per-expert tensors: the last stacking dim is the expert; a device reads only its experts.
+            experts = stack.pop() if t.experts else range(1)
+            layers = [[0]] if not stack else _layer_ids(stack, m.stack_depth, stages, repeats)
+            per, out = (m.moe_experts if t.experts else 1), []
             for group in layers:
                 for i in group:
-                    name = file_names[i]
-                    with weights.open(weights.map[name]) as f:
-                        out.append(np.asarray(read_block(f.get_slice(name), per_layer, shape, t.n_in), np.float32))
+                    for e in experts:
+                        name = file_names[i * per + e]
+                        with weights.open(weights.map[name]) as f:
+                            sl = f.get_slice(name)
+                            out.append(np.asarray(read_block(sl, per_layer, shape, t.n_in), np.float32))
             block = np.stack(out) if lead else out[0]
-            return block.reshape(tuple(len(r) for r in stack) + block.shape[1 if lead else 0 :])
+            return block.reshape(tuple(s.stop - s.start for s in idx[:lead]) + block.shape[1 if lead else 0 :])
 
         node = params
         for k in t.path[:-1]:

@@ -1,8 +1,14 @@
 """Make the Hugging Face fixtures the tests compare against, with the real reference (transformers).
 
     pip install torch==2.13.0+cpu transformers     # not needed by the test suite
-    python scripts/make_hf_fixture.py              # writes tests/fixtures/hf_llama{,_tied}/
+    python scripts/make_hf_fixture.py              # writes tests/fixtures/hf_{llama,llama_tied,qwen2,...}/
     python scripts/make_hf_fixture.py --check-export   # also: jaxdist's own export read by transformers
+    python scripts/make_hf_fixture.py --only qwen3 --check-export   # one family
+
+The other families (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE; docs/model-families.md) are tiny random
+models of the same kind: biases and every norm weight random, so a wrong mapping shows; Mistral's
+window (5) shorter than the sequences; the MoE fixtures also keep each MoE layer's router logits for
+the sequences (`router_logits`, (layers, B*T, E)), from which the test takes transformers' expert choices.
 
 Fixture: a tiny random LlamaForCausalLM (GQA, untied head, rope_theta 50000, rope_scaling llama3 whose
 three frequency bands all occur at head_dim 16, init std 0.15 so next-token logits are well
@@ -26,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -74,24 +81,45 @@ TIED = {
 }
 
 
-def build(fields: dict, seed: int) -> LlamaForCausalLM:
+SMALL = {k: v for k, v in MAIN.items() if k != "rope_scaling"}
+MOE_SMALL = {**SMALL, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}
+FAMILIES = {  # fixture name -> (architecture, config fields)
+    "hf_qwen2": ("Qwen2", {**SMALL, "rope_theta": 1e6}),
+    "hf_qwen3": ("Qwen3", {**SMALL, "rope_theta": 1e6, "tie_word_embeddings": True}),
+    "hf_mistral": ("Mistral", {**SMALL, "sliding_window": 5}),
+    "hf_mixtral": ("Mixtral", {**MOE_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "hf_qwen3_moe": (
+        "Qwen3Moe",
+        {**MOE_SMALL, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "decoder_sparse_step": 2, "norm_topk_prob": False},
+    ),
+}  # fmt: skip
+
+
+def build(fields: dict, seed: int, arch: str = "Llama"):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**fields)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms at ones are a special case: make them random too
+    cfg = getattr(transformers, f"{arch}Config")(**fields)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # norms at ones and zero biases are special cases: make them random too
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     return model
 
 
 def reference(model: LlamaForCausalLM) -> dict:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(SEQUENCES_SEED)
-    seqs = rng.integers(0, vocab, size=(3, 16))
+    seqs = rng.integers(0, vocab, size=(4 if getattr(model.config, "num_experts_per_tok", None) else 3, 16))
     with torch.no_grad():
         logits = model(torch.tensor(seqs)).logits.numpy()
     out = {"sequences": seqs.astype(np.int32), "logits": logits.astype(np.float32)}
+    if getattr(model.config, "num_experts_per_tok", None):
+        with torch.no_grad():
+            router = model(torch.tensor(seqs), output_router_logits=True).router_logits
+        out["router_logits"] = torch.stack([r.float() for r in router]).numpy()
     margins = []
     for k, prompt in enumerate(PROMPTS):
         prompt = [t % vocab for t in prompt]
@@ -117,8 +145,8 @@ def reference(model: LlamaForCausalLM) -> dict:
     return out
 
 
-def make(name: str, fields: dict, seed: int) -> Path:
-    model = build(fields, seed)
+def make(name: str, fields: dict, seed: int, arch: str = "Llama") -> Path:
+    model = build(fields, seed, arch)
     path = FIXTURES / name
     model.save_pretrained(path, safe_serialization=True)
     np.savez(path / "reference.npz", **reference(model))
@@ -136,8 +164,10 @@ def jaxdist(*args: str) -> None:
     python("-m", *args)
 
 
-def compare(exported: Path, reference_logits: np.ndarray, seqs: np.ndarray, what: str) -> float:
-    model, info = LlamaForCausalLM.from_pretrained(exported, output_loading_info=True, attn_implementation="eager")
+def compare(exported: Path, reference_logits: np.ndarray, seqs: np.ndarray, what: str, arch: str = "Llama") -> float:
+    model, info = getattr(transformers, f"{arch}ForCausalLM").from_pretrained(
+        exported, output_loading_info=True, attn_implementation="eager"
+    )
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:
         raise SystemExit(f"{what}: transformers reports {bad}")
@@ -181,15 +211,34 @@ def check_export(fixture: Path) -> None:
         compare(tmp / "tiny_hf", np.load(tmp / "tiny_logits.npy"), seqs, "jaxdist-trained tiny -> HF (fp32)")
 
 
+def check_family_export(fixture: Path, arch: str, mesh: str) -> None:
+    """from-hf onto `mesh`, to-hf, transformers loads the export (no missing/unexpected keys) and gives
+    the fixture's logits; the window switch is not vacuous (Mistral: transformers without it differs)."""
+    ref = np.load(fixture / "reference.npz")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        jaxdist("jaxdist.convert", "from-hf", str(fixture), str(tmp / "run"), "--mesh", mesh)
+        jaxdist("jaxdist.convert", "to-hf", str(tmp / "run"), str(tmp / "hf"))
+        compare(tmp / "hf", ref["logits"], ref["sequences"], f"{fixture.name} -> jaxdist ({mesh}) -> HF (fp32)", arch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check-export", action="store_true", help="also load jaxdist's exports with transformers")
+    p.add_argument("--only", default="", help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe)")
     args = p.parse_args()
     torch.set_default_dtype(torch.float32)
-    main_dir = make("hf_llama", MAIN, seed=0)
-    make("hf_llama_tied", TIED, seed=1)
-    if args.check_export:
-        check_export(main_dir)
+    if args.only in ("", "llama"):
+        main_dir = make("hf_llama", MAIN, seed=0)
+        make("hf_llama_tied", TIED, seed=1)
+        if args.check_export:
+            check_export(main_dir)
+    for seed, (name, (arch, fields)) in enumerate(FAMILIES.items(), start=2):
+        if args.only not in ("", name[3:]):
+            continue
+        path = make(name, fields, seed, arch)
+        if args.check_export:
+            check_family_export(path, arch, "fsdp=2,ep=2,tp=2" if "experts_per_tok" in str(fields) else "fsdp=4,tp=2")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,12 @@ class ModelConfig:
     rope_high_freq_factor: PositiveFloat = 4.0  # llama3: high_freq_factor
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = (
+        "llama"  # Hugging Face architecture of import/export (hf_families.py); the switches set the math
+    )
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
+    sliding_window: NonNegative = 0  # each token attends to its last W positions, itself included (Mistral); 0 = all
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: Literal["none", "full", "dots_saveable"] = "none"  # activation recomputation per block
@@ -49,7 +55,8 @@ class ModelConfig:
     moe_every: Positive = 1  # every n-th layer's MLP is sparse (n divides num_layers)
     moe_shared_experts: NonNegative = 0  # always-on experts (DeepSeek), each of inner dim moe_mlp_dim
     moe_mlp_dim: NonNegative = 0  # expert SwiGLU inner dim; 0 = mlp_dim
-    moe_router: Literal["softmax", "sigmoid"] = "softmax"  # gate scores before top-k; kept weights renormalised
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"  # gate scores before top-k
+    moe_norm_topk: bool = True  # kept top-k scores renormalised to sum to 1 (false: Qwen3-MoE norm_topk_prob=false)
     moe_dispatch: Literal["dropless", "capacity"] = "dropless"  # capacity: overflow tokens dropped (counted)
     moe_capacity_factor: PositiveFloat = 1.25  # capacity dispatch: slots per expert / (tokens x topk / experts)
     moe_aux_weight: NonNegativeFloat = 0.01  # Switch/GShard load-balancing loss weight

@@ -49,19 +49,27 @@ def rotary(x_BTNH, positions_T, theta: float, scaling: tuple = ()):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
 
 
-def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None):
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, window: int = 0):
     """Grouped-query causal attention: cuDNN's fused flash attention on GPU in bf16/fp16 (JAX's
     default is XLA's, which materialises the T x T scores), else XLA's. With `segment_ids_BT`, a token
-    attends only within its own segment (packed documents)."""
+    attends only within its own segment (packed documents). `window` > 0: query i sees keys
+    i-window+1..i (transformers' sliding window: i - j < window)."""
     mask = document_mask(segment_ids_BT)
+    local = (window - 1, 0) if window else None
     if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation="cudnn"
+                q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=local, implementation="cudnn"
             )
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
             warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=local)
+
+
+def window_mask(q_slots_T, slots_S, window: int):
+    """(T, S) True where a cached key slot is within the query's window (slot distance = position
+    distance, padding shifting both alike)."""
+    return (q_slots_T[:, None] - slots_S[None, :]) < window
 
 
 def document_segments(tokens_BT, eos_id: int):

@@ -15,7 +15,7 @@ from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.mixed import WEIGHT_MATMUL, cast_sharded
 from jaxdist.models import moe
-from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary
+from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary, window_mask
 from jaxdist.parallel import context, embedding
 from jaxdist.sharding import constrain, logical_names
 
@@ -31,8 +31,8 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ("embed",)):
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), names)
         self.eps = eps
 
     def __call__(self, x_BTD):
@@ -50,6 +50,16 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
+        # Family switches (config/schema.py); their defaults create nothing, so Llama is unchanged.
+        self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
+        if cfg.qkv_bias:  # Qwen2
+            zeros = nnx.initializers.zeros
+            self.bq_NH = param(rngs, zeros, (N, H), ("heads", "head_dim"))
+            self.bk_KH = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"))
+            self.bv_KH = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"))
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's H features, before rotary
+            self.q_norm = RMSNorm(H, cfg.norm_eps, rngs, ("head_dim",))
+            self.k_norm = RMSNorm(H, cfg.norm_eps, rngs, ("head_dim",))
         self.theta = cfg.rope_theta
         self.scaling = rope_scaling(cfg)
         self.context_impl = cfg.context_impl
@@ -58,6 +68,12 @@ class Attention(nnx.Module):
         q_BTNH = lora_mod.project(self, "wq_DNH", x_BTD, ("embed", "heads", "head_dim"))
         k_BTKH = lora_mod.project(self, "wk_DKH", x_BTD, ("embed", "kv_heads", "head_dim"))
         v_BTKH = lora_mod.project(self, "wv_DKH", x_BTD, ("embed", "kv_heads", "head_dim"))
+        if self.qkv_bias:
+            q_BTNH = q_BTNH + self.bq_NH[...].astype(q_BTNH.dtype)
+            k_BTKH = k_BTKH + self.bk_KH[...].astype(k_BTKH.dtype)
+            v_BTKH = v_BTKH + self.bv_KH[...].astype(v_BTKH.dtype)
+        if self.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH = rotary(q_BTNH, positions_T, self.theta, self.scaling)
         k_BTKH = rotary(k_BTKH, positions_T, self.theta, self.scaling)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", None))
@@ -73,7 +89,7 @@ class Attention(nnx.Module):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_T)
         if context.active():  # cp > 1: the sequence is split over devices
             return self.out(context.attention(q_BTNH, k_BTKH, v_BTKH, self.context_impl))
-        return self.out(causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT))
+        return self.out(causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.window))
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS):
         """Decoding: write this chunk's keys/values at cache slot `index`, attend to the cache under
@@ -81,6 +97,9 @@ class Attention(nnx.Module):
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_BT)
         k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
         v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
+        if self.window:
+            T, S = x_BTD.shape[1], k_BSKH.shape[1]
+            mask_BTS = mask_BTS & window_mask(index + jnp.arange(T), jnp.arange(S), self.window)[None]
         o_BTNH = jax.nn.dot_product_attention(
             q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask=mask_BTS[:, None]
         )
@@ -136,6 +155,15 @@ class SparseGroup(nnx.Module):
         for block in self.layers[:-1]:
             x_BTD = block(x_BTD, positions_T, segment_ids_BT)
         return self.layers[-1](x_BTD, positions_T, segment_ids_BT)
+
+    def cached(self, x_BTD, positions_BT, k_nBSKH, v_nBSKH, index, mask_BTS):
+        """Decoding: the group's n layers in turn, each with its slice of the (n, ...) caches."""
+        ks, vs = [], []
+        for i, block in enumerate(self.layers):
+            x_BTD, k, v = block.cached(x_BTD, positions_BT, k_nBSKH[i], v_nBSKH[i], index, mask_BTS)
+            ks.append(k)
+            vs.append(v)
+        return x_BTD, jnp.stack(ks), jnp.stack(vs)
 
 
 def scanned_unit(cfg: ModelConfig):
@@ -255,8 +283,12 @@ class Llama(nnx.Module):
             x, k, v = nnx.merge(graphdef, state).cached(x, positions_BT, k, v, index, mask_BTS)
             return x, (k, v)
 
-        x_BTD, (cache_k, cache_v) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, cache_k_LBSKH, cache_v_LBSKH))
-        return self.logits(x_BTD), cache_k, cache_v
+        L, group = cache_k_LBSKH.shape[0], self.cfg.num_layers // self.cfg.stack_depth  # SparseGroup: n layers
+        ck, cv = (
+            c.reshape(L // group, group, *c.shape[1:]) if group > 1 else c for c in (cache_k_LBSKH, cache_v_LBSKH)
+        )
+        x_BTD, (ck, cv) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, ck, cv))
+        return self.logits(x_BTD), ck.reshape(cache_k_LBSKH.shape), cv.reshape(cache_v_LBSKH.shape)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -271,6 +303,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         cfg.num_layers,
     )
     per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
+    per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm
     embed = V * D
     head = 0 if cfg.tie_embeddings else D * V
     sparse = L // cfg.moe_every if cfg.moe_experts else 0  # MoE layers replace their MLP

@@ -60,10 +60,11 @@ def scores(logits_BTE, router: str):
     return jax.nn.softmax(logits_BTE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_BTE)
 
 
-def route(logits_BTE, topk: int, router: str):
-    """-> (expert ids (B,T,K), gates (B,T,K)): the K best scores, renormalised to sum to 1."""
+def route(logits_BTE, topk: int, router: str, norm: bool = True):
+    """-> (expert ids (B,T,K), gates (B,T,K)): the K best scores, renormalised to sum to 1 (`norm`;
+    Qwen3-MoE's norm_topk_prob=false keeps the softmax probabilities as they are)."""
     top_BTK, idx_BTK = jax.lax.top_k(scores(logits_BTE, router), topk)
-    return idx_BTK, top_BTK / jnp.sum(top_BTK, axis=-1, keepdims=True)
+    return idx_BTK, top_BTK / jnp.sum(top_BTK, axis=-1, keepdims=True) if norm else top_BTK
 
 
 def balance_loss_sum(counts_BE, logits_BTE, topk: int, router: str):
@@ -90,13 +91,14 @@ class MoE(nnx.Module):
             self.shared_up_DS = _param(rngs, init, (D, S), ("embed", "mlp"))
             self.shared_down_SD = _param(rngs, out_init, (S, D), ("mlp", "embed"))
         self.topk, self.router, self.shared = cfg.moe_topk, cfg.moe_router, cfg.moe_shared_experts
+        self.norm_topk = cfg.moe_norm_topk
         self.factor = None if cfg.moe_dispatch == "dropless" else cfg.moe_capacity_factor
         self.weights = (cfg.moe_aux_weight, cfg.moe_z_weight)
 
     def __call__(self, x_BTD):
         """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
-        route_fn = functools.partial(route, topk=self.topk, router=self.router)
+        route_fn = functools.partial(route, topk=self.topk, router=self.router, norm=self.norm_topk)
         y_BTD, dropped_B, counts_BE = expert_ffn(
             x_BTD,
             logits_BTE,

@@ -76,6 +76,11 @@ def check(cfg, mesh, rules) -> None:
                 f"mesh.rules.{name} uses 'cp', which shards the sequence of activations; "
                 "only parameter axes (e.g. mesh.rules.embed=[fsdp, cp]) may add cp"
             )
+    if m.sliding_window:
+        raise JaxdistError(
+            f"model.sliding_window={m.sliding_window} with cp={cp} is not supported (the ring/all-gather "
+            "attention has no banded mask); use cp=1 (dp/fsdp/tp/pp/ep all work with a window)"
+        )
     if cfg.data.document_mask:
         raise JaxdistError(
             f"data.document_mask=true with cp={cp} is not supported (segment masks are not split "

@@ -1,0 +1,224 @@
+"""The Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) against
+transformers: `tests/fixtures/hf_<family>/` were made by transformers (scripts/make_hf_fixture.py)
+with its logits, greedy continuations and (MoE) router logits; torch is not needed here.
+
+Per family, one import per mesh, shared by the tests (module fixture):
+- imported logits equal transformers' to 1e-4 (fp32) on one device and on a mesh with tp (and ep);
+- greedy generation gives transformers' tokens exactly (batched, left-padded, sharded);
+- export -> the fixture's files bit for bit, and the same config fields back;
+- MoE: the experts each token is routed to are transformers' (dropless: nothing dropped);
+- the switches are not vacuous: Mistral without its window, Qwen3-MoE with renormalised top-k are far off;
+- config.json fields that would compute differently, and exports an architecture cannot hold: one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxdist import config, convert, generate, hf, hf_export, sharding
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import mesh_from_string
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FAMILIES = {  # fixture -> (model.family, the sharded mesh it is checked on)
+    "hf_qwen2": ("qwen2", "fsdp=4,tp=2"),
+    "hf_qwen3": ("qwen3", "fsdp=4,tp=2"),
+    "hf_mistral": ("mistral", "fsdp=4,tp=2"),
+    "hf_mixtral": ("mixtral", "fsdp=2,ep=2,tp=2"),
+    "hf_qwen3_moe": ("qwen3_moe", "fsdp=2,ep=2,tp=2"),
+}
+MOE = ("hf_mixtral", "hf_qwen3_moe")
+
+
+def flat(params) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def forward(model, params, mesh, tokens):
+    with sharding.activate(mesh, model.rules):
+        out = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t))(params, tokens)
+    return np.asarray(out[0] if isinstance(out, tuple) else out)
+
+
+def imported(name: str, mesh_text: str, overrides=(), devices=None):
+    d = FIXTURES / name
+    cfg = convert.hf_config(None, list(overrides), d, mesh_text)
+    mesh = mesh_from_string(mesh_text, devices)
+    params, model = convert.import_params(d, cfg, mesh)
+    return cfg, mesh, params, model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    """(fixture name, its reference, the import onto its sharded mesh)."""
+    name = request.param
+    return name, np.load(FIXTURES / name / "reference.npz"), imported(name, FAMILIES[name][1])
+
+
+def test_logits_match_transformers_one_device_and_sharded(family):
+    name, ref, (cfg, mesh, params, model) = family
+    assert cfg.model.family == FAMILIES[name][0] and cfg.model.moe_dispatch == "dropless"
+    sharded = np.abs(forward(model, params, mesh, ref["sequences"]) - ref["logits"]).max()
+    cfg1, mesh1, params1, model1 = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    one = np.abs(forward(model1, params1, mesh1, ref["sequences"]) - ref["logits"]).max()
+    print(f"{name}: max |logit diff| one device {one:.3g}, {FAMILIES[name][1]} {sharded:.3g}")
+    assert one <= 1e-4 and sharded <= 1e-4
+    if name in MOE:  # each device holds its experts only (read straight from the per-expert tensors)
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        w = [a for p, a in leaves if "w_gate_EDF" in jax.tree_util.keystr(p)]
+        assert w and all(a.sharding.spec[-3] == "ep" for a in w)
+
+
+def test_greedy_generation_matches_transformers(family):
+    name, ref, (cfg, mesh, params, model) = family
+    prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
+    new, logp, _, _ = generate.generate(cfg, params, model.graphdef, mesh, prompts, len(ref["greedy0"]))
+    for k in (0, 1):
+        assert new[k].tolist() == ref[f"greedy{k}"].tolist()
+        assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
+
+
+def test_export_is_the_fixture_bit_for_bit(family, tmp_path):
+    name, _, (cfg, mesh, params, _) = family
+    hf_export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
+    original, exported = (
+        load_file(str(FIXTURES / name / "model.safetensors")),
+        load_file(str(tmp_path / "model.safetensors")),
+    )
+    assert sorted(original) == sorted(exported)
+    assert all(np.array_equal(original[k], exported[k]) for k in original)
+    assert hf.model_fields(tmp_path) == hf.model_fields(FIXTURES / name)
+    written = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((FIXTURES / name / "config.json").read_text())
+    assert written["architectures"] == source["architectures"] and written["model_type"] == source["model_type"]
+    again, _ = convert.import_params(tmp_path, cfg, mesh)
+    a, b = flat(params), flat(again)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@jax.jit(static_argnums=0)
+def _router_logits(graphdef, params, tokens):
+    m = nnx.merge(graphdef, params)
+    graphdef, stacked = nnx.split(m.blocks)
+    x, positions = m.embed(tokens), jnp.arange(tokens.shape[1])
+    out = []
+    for g in range(m.cfg.stack_depth):
+        unit = nnx.merge(graphdef, jax.tree.map(lambda a, g=g: a[g], stacked))
+        for block in getattr(unit, "layers", [unit]):
+            if block.sparse:
+                h = x + block.attn(block.attn_norm(x), positions)
+                out.append((block.mlp_norm(h) @ block.mlp.router_DE[...]).reshape(-1, m.cfg.moe_experts))
+            x = block(x, positions)
+            x = x[0] if isinstance(x, tuple) else x
+    return jnp.stack(out)
+
+
+def router_logits(model, params, tokens):
+    """Each MoE layer's router logits (layers, B*T, E), layer by layer on one device (no mesh)."""
+    return np.asarray(_router_logits(model.graphdef, params, jnp.asarray(tokens)))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_router_choices_are_transformers(name):
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg, _, params, model = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    ours, theirs = router_logits(model, params, ref["sequences"]), ref["router_logits"]
+    assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 1e-4
+    k = cfg.model.moe_topk
+    pick = lambda r: np.sort(np.argsort(-r, axis=-1)[..., :k], axis=-1)  # noqa: E731
+    assert np.array_equal(pick(ours), pick(theirs))  # the same experts for every token and layer
+    top = -np.sort(-theirs, axis=-1)  # no choice is within twice the tolerance of a tie
+    assert (top[..., k - 1] - top[..., k]).min() > 2e-4
+
+
+@pytest.mark.parametrize(
+    "name, override",
+    [("hf_mistral", "model.sliding_window=0"), ("hf_qwen3_moe", "model.moe_norm_topk=true")],
+)
+def test_switches_are_not_vacuous(name, override):
+    """The fixture needs its switch: with it flipped the logits are far from transformers'."""
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg, mesh, params, model = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    key, value = override.split("=")
+    cfg = cfg.replace(model={key.split(".")[1]: config.parse_override(override)[2]})
+    params, model = convert.import_params(FIXTURES / name, cfg, mesh)
+    assert np.abs(forward(model, params, mesh, ref["sequences"]) - ref["logits"]).max() > 1e-2
+
+
+def write_config(tmp_path, name, **edit):
+    raw = {**json.loads((FIXTURES / name / "config.json").read_text()), **edit}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name, edit, named",
+    [
+        ("hf_qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("hf_qwen2", {"use_mrope": True}, "use_mrope"),
+        ("hf_qwen3", {"attention_bias": True}, "attention_bias"),
+        ("hf_qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ("hf_mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("hf_qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ("hf_mistral", {"model_type": "llama"}, "does not match"),
+        ("hf_mistral", {"sliding_window": 0}, "sliding_window"),
+        ("hf_mistral", {"architectures": ["GemmaForCausalLM"]}, "not supported"),
+    ],
+)
+def test_unsupported_fields_are_named(tmp_path, name, edit, named):
+    with pytest.raises(JaxdistError, match=named) as e:
+        hf.model_fields(write_config(tmp_path, name, **edit))
+    assert "\n" not in str(e.value)
+
+
+def test_family_defaults_and_spellings(tmp_path):
+    """A field absent from config.json takes transformers' default for that family; the Hub's
+    num_experts and transformers 5's num_local_experts read alike."""
+    raw = json.loads((FIXTURES / "hf_mistral" / "config.json").read_text())
+    del raw["sliding_window"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert hf.model_fields(tmp_path)["sliding_window"] == 4096  # MistralConfig's default
+    raw["sliding_window"] = None  # Mistral v0.2+: no window
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert hf.model_fields(tmp_path)["sliding_window"] == 0
+    raw = json.loads((FIXTURES / "hf_qwen3_moe" / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert hf.model_fields(tmp_path) == hf.model_fields(FIXTURES / "hf_qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["model.qk_norm=true"], "family=qwen3"),
+        (["model.qkv_bias=true"], "family=qwen2"),
+        (["model.sliding_window=8"], "family=mistral"),
+        (["model.family=qwen2"], "qkv_bias"),
+        (["model.family=mixtral", "model.moe_experts=4", "model.moe_norm_topk=false"], "moe_norm_topk"),
+        (["model.family=qwen3_moe", "model.qk_norm=true"], "moe_experts"),
+        (["model.family=mixtral", "model.moe_experts=4", "model.moe_shared_experts=1"], "moe_shared_experts"),
+    ],
+)
+def test_export_refuses_what_the_architecture_cannot_hold(tmp_path, overrides, named):
+    m = config.load(None, overrides).model
+    with pytest.raises(JaxdistError, match=named) as e:
+        hf_export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_sliding_window_under_context_parallelism_is_one_line():
+    from jaxdist.parallel import context
+
+    cfg = config.load(None, ["model.sliding_window=8", "mesh.shape=fsdp=4,cp=2"])
+    mesh = mesh_from_string("fsdp=4,cp=2")
+    with pytest.raises(JaxdistError, match="sliding_window=8 with cp=2") as e:
+        context.check(cfg, mesh, sharding.make_rules())
+    assert "\n" not in str(e.value)
