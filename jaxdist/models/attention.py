@@ -55,15 +55,24 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, window: int = 
     attends only within its own segment (packed documents). `window` > 0: query i sees keys
     i-window+1..i (transformers' sliding window: i - j < window)."""
     mask = document_mask(segment_ids_BT)
-    local = (window - 1, 0) if window else None
-    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
+    T = q_BTNH.shape[1]
+    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16) and isinstance(T, int):
         try:
             return jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=local, implementation="cudnn"
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                mask=mask,
+                is_causal=True,
+                local_window_size=(window - 1, 0) if window else None,
+                implementation="cudnn",
             )
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shape or cuDNN version unsupported
             warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention")
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=local)
+    if window:  # a band mask built from iotas (JAX's local_window_size needs a concrete T; the planner's isn't)
+        band = window_mask(jax.lax.iota(jnp.int32, T), jax.lax.iota(jnp.int32, T), window)[None, None]
+        mask = band if mask is None else mask & band
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
 
 
 def window_mask(q_slots_T, slots_S, window: int):
