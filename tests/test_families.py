@@ -251,3 +251,37 @@ def test_fine_tuning_each_import_lowers_the_loss(name, tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     print(f"{name}: fine-tuning losses {[round(x, 3) for x in losses]}")
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_shipped_configs_have_the_published_parameter_counts():
+    """configs/{qwen3-8b,mistral-7b,qwen3-30b-a3b}.yaml: Mistral 7B's 7,241,732,096 and Qwen3 8B's
+    8,190,735,360 (their safetensors), Qwen3-30B-A3B's 30.5B total / 3.3B active (its model card)."""
+    from jaxdist.models.llama import count_params
+
+    count = lambda name: count_params(config.load(f"configs/{name}.yaml").model)  # noqa: E731
+    assert count("mistral-7b")["total"] == 7_241_732_096
+    assert count("qwen3-8b")["total"] == 8_190_735_360
+    moe = count("qwen3-30b-a3b")
+    assert round(moe["total"] / 1e9, 1) == 30.5 and round(moe["active"] / 1e9, 1) == 3.4  # card: "3.3B"
+
+
+def test_plan_sizes_qwen3_30b_a3b(capsys):
+    """`python -m jaxdist.plan` on the shipped config: parameter bytes per device on fsdp=8,ep=8 are
+    the experts split 64 ways, the rest 8 ways (fsdp) and the q/k norms replicated, exactly."""
+    from jaxdist import plan
+
+    argv = ["--config", "configs/qwen3-30b-a3b.yaml", "--devices", "64", "--mesh", "fsdp=8,ep=8", "--no-scaling"]
+    assert plan.main([*argv, "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)["candidates"][0]
+    L, E, D, F, H = 48, 128, 2048, 768, 128
+    experts, norms = L * E * 3 * D * F, L * 2 * H
+    rest = 30_532_122_624 - experts - norms
+    assert given["memory"]["params"] == 4 * (experts / 64 + rest / 8 + norms)
+    assert given["memory"]["fits"]
+    # Mistral's window: the planner offers no context-parallel mesh (parallel/context.py refuses it).
+    from jaxdist.planner.estimate import candidates
+    from jaxdist.planner.hardware import HARDWARE
+
+    long = config.load("configs/mistral-7b.yaml", ["model.seq_len=131072", "train.global_batch=8"])
+    meshes = [e.layout.mesh for e in candidates(long, 64, HARDWARE["h100-80gb"])]
+    assert meshes and all(m["cp"] == 1 for m in meshes)

@@ -153,7 +153,7 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     out += [
         ("CPxFSDP", dict(cp=c, fsdp=devices // c))
         for c in _powers_of_two(node, 2)
-        if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0
+        if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0 and not cfg.model.sliding_window
     ]
     if cfg.model.moe_experts:  # expert parallelism: experts over ep (inside a node), fsdp or tp beside it
         eps = [

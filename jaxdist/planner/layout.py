@@ -171,6 +171,8 @@ class Layout:
             )
         if self.cp > 1 and (cfg.model.seq_len % (2 * self.cp) or m["pp"] > 1):
             raise JaxdistError(f"cp={self.cp} needs model.seq_len divisible by {2 * self.cp} and pp=1")
+        if self.cp > 1 and cfg.model.sliding_window:  # as parallel/context.py refuses it
+            raise JaxdistError(f"cp={self.cp} with model.sliding_window={cfg.model.sliding_window} is not supported")
         if cfg.model.num_layers % (m["pp"] * self.repeats):
             raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
         for g in param_table(cfg.model):
