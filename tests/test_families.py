@@ -285,3 +285,16 @@ def test_plan_sizes_qwen3_30b_a3b(capsys):
     long = config.load("configs/mistral-7b.yaml", ["model.seq_len=131072", "train.global_batch=8"])
     meshes = [e.layout.mesh for e in candidates(long, 64, HARDWARE["h100-80gb"])]
     assert meshes and all(m["cp"] == 1 for m in meshes)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_import_onto_a_pipeline_layout(name):
+    """pp=2: biases (flattened in the file), q/k norms and per-expert tensors (stage, layers, expert)
+    fill the pipeline's stack directly."""
+    from jaxdist.parallel import pipeline
+
+    mesh = "pp=2,ep=2,fsdp=2" if name in MOE else "pp=2,fsdp=4"
+    _, _, params, _ = imported(name, "fsdp=8")
+    _, _, staged, model = imported(name, mesh)
+    a, b = flat(params), flat(pipeline.from_stages(jax.device_get(staged), model.pipeline))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
