@@ -159,7 +159,7 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
     defaults = {**HF_DEFAULTS, **family.defaults}
     # Absent: transformers' default. Null: the default for the shape fields, else null (Mistral's
     # sliding_window: null is no window, absent is 4096).
-    get = lambda k: hf[k] if k in hf and (hf[k] is not None or k not in HF_DEFAULTS) else defaults.get(k)  # noqa: E731
+    get = lambda k: hf[k] if k in hf and (hf[k] is not None or k not in HF_DEFAULTS) else defaults.get(k)
     heads, d_model = int(get("num_attention_heads")), int(get("hidden_size"))
     head_dim = hf.get("head_dim") or d_model // heads
     fields = {

@@ -133,7 +133,7 @@ def test_router_choices_are_transformers(name):
     ours, theirs = router_logits(model, params, ref["sequences"]), ref["router_logits"]
     assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 1e-4
     k = cfg.model.moe_topk
-    pick = lambda r: np.sort(np.argsort(-r, axis=-1)[..., :k], axis=-1)  # noqa: E731
+    pick = lambda r: np.sort(np.argsort(-r, axis=-1)[..., :k], axis=-1)
     assert np.array_equal(pick(ours), pick(theirs))  # the same experts for every token and layer
     top = -np.sort(-theirs, axis=-1)  # no choice is within twice the tolerance of a tie
     assert (top[..., k - 1] - top[..., k]).min() > 2e-4
@@ -258,7 +258,7 @@ def test_shipped_configs_have_the_published_parameter_counts():
     8,190,735,360 (their safetensors), Qwen3-30B-A3B's 30.5B total / 3.3B active (its model card)."""
     from jaxdist.models.llama import count_params
 
-    count = lambda name: count_params(config.load(f"configs/{name}.yaml").model)  # noqa: E731
+    count = lambda name: count_params(config.load(f"configs/{name}.yaml").model)
     assert count("mistral-7b")["total"] == 7_241_732_096
     assert count("qwen3-8b")["total"] == 8_190_735_360
     moe = count("qwen3-30b-a3b")
