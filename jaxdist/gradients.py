@@ -12,21 +12,26 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxdist import loss_mask
 from jaxdist.loss import cross_entropy
 from jaxdist.models.moe import metrics_from_sums
 
 
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
-    divide into exactly the full-batch mean). `apply_fn(params, tokens, features=True)` gives the
-    model's final hidden states and head (`jaxdist.loss.Head`), not logits: the loss applies the head.
+    divide into exactly the full-batch mean). Only the targets the loss mask keeps count, in both
+    (`jaxdist.loss_mask`; data without a mask: every target). `apply_fn(params, tokens, features=True)`
+    gives the model's final hidden states and head (`jaxdist.loss.Head`), not logits: the loss applies it.
     `order_T` (context parallelism): the positions in the order the model computes them — inputs and
     targets are reordered alike, so the sums are unchanged."""
-    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    ids_BT1, weights_BT1 = loss_mask.split(tokens_BT1)  # chat data: only the masked-in targets count
+    inputs_BT, targets_BT, weights_BT = ids_BT1[:, :-1], ids_BT1[:, 1:], weights_BT1[:, 1:]
     if order_T is not None:
-        inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
+        inputs_BT, targets_BT, weights_BT = (
+            jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT, weights_BT)
+        )
     losses_BT = cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
-    return losses_BT.sum(), jnp.asarray(targets_BT.size, jnp.float32)
+    return (losses_BT * weights_BT).sum(), weights_BT.sum()
 
 
 def model_outputs(out):
