@@ -159,7 +159,29 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
         files = [str(folder / f) for f in manifest["splits"][name]["files"]]
         arrays.append(read_tokens(files, manifest["dtype"]))
         check_vocab(files, arrays[-1], cfg.model.vocab_size)
+    if "chat" in manifest:  # conversations packed into windows, with a loss mask (jaxdist/chatprep.py)
+        arrays = chat_arrays(cfg, manifest, folder, arrays)
     return arrays[0], arrays[1]
+
+
+def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.ndarray]]) -> list[list]:
+    """Each split's token shards joined with their loss masks (`jaxdist.loss_mask.Masked`); the windows
+    must be the ones the conversations were packed into."""
+    from jaxdist.loss_mask import Masked
+
+    seq_len = manifest["chat"]["seq_len"]
+    if cfg.model.seq_len != seq_len:
+        raise JaxdistError(
+            f"{folder} packs conversations into windows of {seq_len} tokens but model.seq_len="
+            f"{cfg.model.seq_len}; set model.seq_len={seq_len} or re-run prepare --chat --seq-len {cfg.model.seq_len}"
+        )
+    out = []
+    for name, split in zip(("train", "val"), arrays):
+        masks = [np.memmap(folder / f, dtype=np.uint8, mode="r") for f in manifest["splits"][name]["mask_files"]]
+        if [len(m) for m in masks] != [len(a) for a in split]:
+            raise JaxdistError(f"{folder}/{name}: the .mask files do not match the token files; re-run prepare --chat")
+        out.append([Masked(a, m) for a, m in zip(split, masks)])
+    return out
 
 
 def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:

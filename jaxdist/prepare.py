@@ -5,7 +5,8 @@
 
 Output folder: `train/NNNNNN.bin`, `val/NNNNNN.bin` (uint16 when the vocabulary fits, else uint32),
 the tokenizer files, and `manifest.json` (dtype, vocab size, BOS/EOS ids, tokenizer sha256, token and
-document counts). `data.path=DIR` trains on `train/` and evaluates on `val/`.
+document counts). `data.path=DIR` trains on `train/` and evaluates on `val/`. `--chat`: conversations
+with a loss mask (jaxdist/chatprep.py).
 
 Documents: a plain-text file is one document; a JSONL line or a Parquet row is one (its `--field`).
 Each is encoded `[BOS] tokens EOS` by the tokenizer's rule (jaxdist/tokenizer.py). The held-out split
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist import chatprep
 from jaxdist import tokenizer as tokenizer_mod
 from jaxdist.documents import documents, input_files
 from jaxdist.errors import JaxdistError, command
@@ -83,6 +85,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     q.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    c = q.add_argument_group("chat data (jaxdist/chatprep.py, docs/chat-data.md)")
+    c.add_argument("--chat", action="store_true", help='JSONL conversations {"messages": [...]} with a loss mask')
+    c.add_argument("--seq-len", type=int, help="window length = the model.seq_len you will train with")
+    c.add_argument("--loss-on", choices=("assistant", "all"), help="tokens trained on (default assistant)")
+    c.add_argument("--on-error", choices=("skip", "stop"), help="a bad line: skip it and count (default), or stop")
+    c.add_argument("--chat-template", metavar="FILE", help="a Jinja template instead of the tokenizer's own")
     return q.parse_intermixed_args(argv[1:])
 
 
@@ -207,6 +215,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
         raise JaxdistError("--workers and --shard-tokens must be >= 1 and --val-fraction in [0, 1)")
     tok = tokenizer_mod.load(args.tokenizer) if args.tokenizer else None
     files = input_files(args.inputs)
+    chatprep.check_args(args, files)
     total_bytes = sum(os.path.getsize(f) for f in files)
     if total_bytes == 0:
         raise JaxdistError(f"the {len(files)} input file(s) are empty; give files that hold text")
@@ -228,7 +237,10 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             log(f"trained a byte-level BPE of {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
         else:
             tokenizer_mod.copy_files(tok, tmp)
-        manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
+        if args.chat:  # conversations -> windows of tokens + loss mask
+            manifest = chatprep.encode_chat(args, files, total_bytes, dtype, tmp, log, is_held_out)
+        else:
+            manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
         if manifest["splits"]["train"]["documents"] == 0:
             raise JaxdistError(
                 f"the input ({len(files)} file(s)) holds no training documents (all empty, "
