@@ -266,6 +266,15 @@ def encode(ct: ChatTokenizer, record, loss_on: str = "assistant") -> tuple[np.nd
     return ids, mask
 
 
+def prompt_ids(ct: ChatTokenizer, messages: list[dict], tools=None) -> list[int]:
+    """The ids of `messages` with the assistant's turn opened, for generation."""
+    try:
+        text, _ = render(ct, messages, tools, add_generation_prompt=True)
+    except BadConversation as e:
+        raise JaxdistError(f"cannot build a chat prompt: {e.reason}") from None
+    return ct.parser.encode(text, add_special_tokens=False).ids
+
+
 def boundary_id(ct: ChatTokenizer) -> int:
     """The id that ends each conversation in the packed stream (`data.document_mask` cuts attention there): the
     tokenizer's EOS, else the first usual end-of-text or pad token, that the template does not write itself

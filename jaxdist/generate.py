@@ -2,6 +2,7 @@
 
     python -m jaxdist.generate --run-dir runs/X --prompt "def main(" --max-new-tokens 64
     python -m jaxdist.generate --hf HF_DIR --prompt-tokens "1 450 4996" --max-new-tokens 16 --json
+    python -m jaxdist.generate --run-dir runs/X --chat "What is the capital of France?" --max-new-tokens 32
 
 Prompts are left-padded to one length; each row's positions start at its first real token and its
 padding is masked out, so a batched prompt decodes as it would alone (tested against transformers run on
@@ -120,6 +121,7 @@ class Text:
         if path.is_dir():
             path = path / "tokenizer.json"
         self.tokenizer = None
+        self.folder = path.parent if path.is_file() else None  # its chat template, for --chat
         if path.is_file():
             from tokenizers import Tokenizer
 
@@ -141,6 +143,19 @@ class Text:
         if self.tokenizer:
             return self.tokenizer.decode(ids)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def chat_prompts(text: Text, messages: list[str]) -> list[list[int]]:
+    """Each user message rendered with the tokenizer folder's chat template, ready for the answer
+    (as transformers' `apply_chat_template(..., add_generation_prompt=True)`)."""
+    if not messages:
+        return []
+    if text.folder is None:
+        raise JaxdistError("--chat needs the model's tokenizer folder (with its chat template); use --prompt")
+    from jaxdist import chat
+
+    ct = chat.load(str(text.folder))
+    return [chat.prompt_ids(ct, [{"role": "user", "content": m}]) for m in messages]
 
 
 def eos_ids(source: Path) -> set[int]:
@@ -205,6 +220,13 @@ def parse_args(argv):
     src.add_argument("--hf", help="a Hugging Face Llama: a directory or a Hub id ORG/NAME[@REV]")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-tokens", action="append", default=[], help='token ids "ID ID ..." (repeatable)')
+    p.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        metavar="MESSAGE",
+        help="a user message in the model's chat template, the assistant's turn opened (repeatable)",
+    )
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -214,8 +236,8 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, logprobs, text")
     p.add_argument("--cpu-devices", type=int, default=8)
     args = p.parse_args(argv)
-    if not args.prompt and not args.prompt_tokens:
-        raise JaxdistError('give at least one --prompt TEXT or --prompt-tokens "ID ID ..."')
+    if not args.prompt and not args.prompt_tokens and not args.chat:
+        raise JaxdistError('give at least one --prompt TEXT, --chat MESSAGE or --prompt-tokens "ID ID ..."')
     if args.max_new_tokens <= 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise JaxdistError("--max-new-tokens must be > 0, --temperature >= 0 and --top-p in (0, 1]")
     return args
@@ -235,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts.append([int(x) for x in ids.replace(",", " ").split()])
         except ValueError:
             raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
+    prompts += chat_prompts(text, args.chat)
     new, logp, compile_s, run_s = generate(
         cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
     )

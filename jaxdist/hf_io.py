@@ -30,6 +30,7 @@ SIDE_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
+    "chat_template.jinja",  # transformers 4.43+ keeps the chat template here (generate --chat reads it)
 )
 TOKENIZER_FILES = SIDE_FILES[2:]
 

@@ -14,8 +14,9 @@ Writes, all small:
   `{% generation %}` ... `{% endgeneration %}` (what `return_assistant_tokens_mask` reads).
 - `conversations.jsonl`: the conversations (multi-turn, tools, unicode, padded whitespace, literal
   special-token text, an empty answer).
-- `expected.json`: per template, per conversation, transformers' `apply_chat_template` ids and (for the
-  marked templates) `return_assistant_tokens_mask` masks.
+- `expected.json`: per template, per conversation, transformers' `apply_chat_template` ids, (for the
+  marked templates) `return_assistant_tokens_mask` masks, and the ids of the conversation before its last
+  answer with `add_generation_prompt=True`.
 - `qwen/` also holds a tiny random `LlamaForCausalLM` (vocab = the tokenizer's, 2 layers, d_model 32)
   for the CPU recipe in docs/chat-data.md.
 """
@@ -235,6 +236,10 @@ def reference(tok, template: str, generation: bool) -> list[dict]:
             return_assistant_tokens_mask=generation,
         )
         row = {"ids": list(enc["input_ids"])}
+        # the prompt `generate --chat` builds: the conversation before its last answer, the answer's turn opened
+        row["prompt"] = tok.apply_chat_template(
+            conv["messages"][:-1], tools=conv.get("tools"), chat_template=template, add_generation_prompt=True
+        )["input_ids"]
         if generation:
             row["mask"] = list(enc["assistant_masks"])
             assert sum(row["mask"]) > 0

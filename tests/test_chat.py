@@ -1,8 +1,6 @@
 """Chat data: templates and masks against transformers, `prepare --chat`, bad lines, the masked loss on a mesh."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -36,7 +34,8 @@ def chat_tokenizer(name: str) -> chat.ChatTokenizer:
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_ids_and_masks_equal_transformers(name):
-    """Ids equal `apply_chat_template`'s for every fixture conversation; masks equal
+    """Ids equal `apply_chat_template`'s for every fixture conversation (and with the generation prompt,
+    before the last answer); masks equal
     `return_assistant_tokens_mask` (marked templates), and the prefix rule on an unmarked template equals
     transformers' mask of its twin marked around exactly what an assistant turn adds."""
     ct = chat_tokenizer(name)
@@ -49,6 +48,7 @@ def test_ids_and_masks_equal_transformers(name):
         assert 0 < mask.sum() < len(mask)
         all_ids, all_mask = chat.encode(ct, conv, loss_on="all")
         assert all_ids.tolist() == want["ids"] and all_mask.all()
+        assert chat.prompt_ids(ct, conv["messages"][:-1], conv.get("tools")) == want["prompt"]  # generate --chat
 
 
 def test_masks_cover_the_answers_and_what_closes_them():
@@ -292,57 +292,3 @@ def test_masked_loss_is_token_weighted_over_the_global_batch(tiny_cfg):
     loss_sum, count = prog.eval_step(state.params, placed)
     assert float(count) == mask[:, 1:].sum()
     np.testing.assert_allclose(float(loss_sum) / float(count), float(want_loss), rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_cli_prepares_trains_and_generates(tmp_path):
-    """The recipe of docs/chat-data.md, shortened: prepare --chat, then fine-tune the tiny HF model on it."""
-    env_py = [sys.executable, "-m"]
-    out = subprocess.run(
-        [
-            *env_py,
-            "jaxdist.data",
-            "prepare",
-            "--chat",
-            "--tokenizer",
-            str(FIX / "qwen"),
-            "--seq-len",
-            "320",
-            "--val-fraction",
-            "0",
-            "--out",
-            str(tmp_path / "data"),
-            str(FIX / "conversations.jsonl"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    run = tmp_path / "run"
-    out = subprocess.run(
-        [
-            *env_py,
-            "jaxdist.train",
-            "--restore",
-            f"hf:{FIX / 'qwen'}",
-            "--steps",
-            "6",
-            "--run-dir",
-            str(run),
-            "data.source=tokens",
-            f"data.path={tmp_path / 'data'}",
-            "data.document_mask=true",
-            "model.seq_len=320",
-            "train.eval_every=0",
-            "train.log_every=2",
-            "optim.warmup_steps=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert 4.0 < losses[0] < 6.5 and losses[-1] < losses[0]  # from ~ln 320 = 5.77, on the assistant tokens
