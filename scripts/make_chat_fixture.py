@@ -156,7 +156,10 @@ CONVERSATIONS = [
         "tools": [WEATHER_TOOL],
         "messages": [
             {"role": "user", "content": "Weather in Oslo and Rome?"},
-            {"role": "assistant", "content": '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'},
+            {
+                "role": "assistant",
+                "content": '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            },
             {"role": "tool", "content": "Oslo: 3C, snow"},
             {"role": "tool", "content": "Rome: 14C, sun"},
             {"role": "assistant", "content": "Oslo is snowy at 3C; Rome is sunny at 14C."},
