@@ -223,7 +223,14 @@ def prefix_spans(ct: ChatTokenizer, messages: list[dict], tools, text: str) -> l
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(ct, messages[:i], tools, add_generation_prompt=True)[0] if i else ""
+        try:  # i = 0: what the template writes before a first message (a default system prompt, BOS)
+            before = render(ct, messages[:i], tools, add_generation_prompt=True)[0]
+        except BadConversation as e:
+            raise BadConversation(
+                "prefix_rule",
+                f"the template cannot render the conversation before assistant message {i} ({e.reason}), so the "
+                "prefix rule cannot find its tokens; mark the assistant part with {% generation %} in the template",
+            ) from None
         through = render(ct, messages[: i + 1], tools)[0]
         if not (text.startswith(through) and through.startswith(before)):
             raise BadConversation(

@@ -11,6 +11,7 @@ import pytest
 from jaxdist import chat, data, loss_mask, prepare, step
 from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
+from jaxdist.gradients import implicit_gradients
 
 FIX = Path(__file__).parent / "fixtures" / "chat"
 CONVERSATIONS = [json.loads(line) for line in (FIX / "conversations.jsonl").read_text().splitlines()]
@@ -84,6 +85,11 @@ def test_prefix_rule_refuses_a_template_that_rewrites_past_turns(tmp_path):
     assert ct.tok.decode(ids[mask == 1]) == "The capital of France is Paris.<|im_end|>\n"
     with pytest.raises(chat.BadConversation, match="generation") as e:
         chat.encode(ct, CONVERSATIONS[2])
+    assert e.value.kind == "prefix_rule"
+    # A conversation that opens with the assistant: the fixture templates cannot render what precedes it.
+    first = {"messages": [{"role": "assistant", "content": "Hi"}, *CONVERSATIONS[1]["messages"]]}
+    with pytest.raises(chat.BadConversation, match="before assistant message 0") as e:
+        chat.encode(chat_tokenizer("qwen"), first)
     assert e.value.kind == "prefix_rule"
 
 
@@ -258,7 +264,7 @@ def test_masked_loss_is_token_weighted_over_the_global_batch(tiny_cfg):
     tokens = loss_mask.encode(ids, mask)
     mesh = mesh_mod.mesh_from_string("dp=2,fsdp=4")
 
-    prog = step.build_program(cfg, mesh)
+    prog = step.build_program(cfg.replace(reduce=dict(method="dense")), mesh)  # explicit reduction over dp
     state = prog.init_state(0)
     host = jax.device_get(state.params)
 
@@ -266,28 +272,23 @@ def test_masked_loss_is_token_weighted_over_the_global_batch(tiny_cfg):
         logits = nnx.merge(prog.graphdef, params)(jnp.asarray(ids[:, :-1]))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(ids[:, 1:])[..., None], -1)[..., 0]
         w = jnp.asarray(mask[:, 1:], jnp.float32)
-        return (nll * w).sum() / w.sum()
+        return (nll * w).sum() / w.sum(), nll
 
     with jax.default_device(jax.devices()[0]):
-        want_loss, want_grads = jax.jit(jax.value_and_grad(by_hand))(host)
-        # what averaging per-row means would give instead (the test can tell them apart)
-        logits = nnx.merge(prog.graphdef, host)(jnp.asarray(ids[:, :-1]))
-    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), ids[:, 1:, None], -1)[..., 0]
+        (want_loss, nll), want_grads = jax.device_get(jax.jit(jax.value_and_grad(by_hand, has_aux=True))(host))
+    want_grads = jax.tree.leaves(want_grads)
+    # what averaging per-row means would give instead (the test can tell them apart)
     per_row = float(np.mean((nll * mask[:, 1:]).sum(1) / mask[:, 1:].sum(1)))
     assert abs(per_row - float(want_loss)) > 0.05
 
     placed = jax.device_put(tokens, prog.batch_sharding)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
-    for method in ("implicit", "dense"):
-        p = prog if method == "implicit" else step.build_program(cfg.replace(reduce=dict(method="dense")), mesh)
-        st = state if method == "implicit" else p.init_state(0)
-        with p.activate():
-            grads, loss, _, _ = jax.jit(p.gradients.apply)(st.params, placed, st.reducer_state, st.step)
+    scale = max(float(np.abs(g).max()) for g in want_grads)
+    stages = {"dense": (prog.gradients, state.reducer_state), "implicit": (implicit_gradients(prog.apply_fn, 2), ())}
+    for method, (stage, reducer_state) in stages.items():
+        with prog.activate():
+            grads, loss, _, _ = jax.device_get(jax.jit(stage.apply)(state.params, placed, reducer_state, state.step))
         np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, err_msg=method)
-        worst = max(
-            float(jnp.abs(jnp.asarray(a) - b).max())
-            for a, b in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(want_grads))
-        )
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads), want_grads, strict=True))
         assert worst < 1e-5 * scale, (method, worst, scale)
     loss_sum, count = prog.eval_step(state.params, placed)
     assert float(count) == mask[:, 1:].sum()
