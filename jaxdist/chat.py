@@ -181,8 +181,10 @@ def check_messages(record) -> tuple[list[dict], list | None]:
         role = m.get("role")
         if role not in ROLES:
             raise BadConversation("unknown_role", f"message {i} has unknown role {role!r} (known: {', '.join(ROLES)})")
-        if not isinstance(m.get("content"), str):
-            raise BadConversation("malformed", f"message {i} ({role}) has no string content")
+        content = m.get("content")
+        # text, content blocks (a list: the template reads them), or none beside tool calls (OpenAI style)
+        if not (isinstance(content, str | list) or (content is None and m.get("tool_calls"))):
+            raise BadConversation("malformed", f"message {i} ({role}) has no content (a string or a list of blocks)")
         m = {k: v for k, v in m.items() if v is not None}  # as transformers: None-valued keys are dropped
         reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:  # as transformers: the reasoning under each of its names
