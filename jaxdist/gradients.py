@@ -24,12 +24,13 @@ def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tup
     gives the model's final hidden states and head (`jaxdist.loss.Head`), not logits: the loss applies it.
     `order_T` (context parallelism): the positions in the order the model computes them — inputs and
     targets are reordered alike, so the sums are unchanged."""
-    ids_BT1, weights_BT1 = loss_mask.split(tokens_BT1)  # chat data: only the masked-in targets count
-    inputs_BT, targets_BT, weights_BT = ids_BT1[:, :-1], ids_BT1[:, 1:], weights_BT1[:, 1:]
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     if order_T is not None:
-        inputs_BT, targets_BT, weights_BT = (
-            jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT, weights_BT)
-        )
+        inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
+    # Chat data: only the masked-in targets count. Decoded after the reorder, elementwise (a float weight
+    # array reordered by `take` would be all-gathered over cp).
+    inputs_BT = loss_mask.split(inputs_BT)[0]
+    targets_BT, weights_BT = loss_mask.split(targets_BT)
     losses_BT = cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
     return (losses_BT * weights_BT).sum(), weights_BT.sum()
 
