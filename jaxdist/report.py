@@ -99,26 +99,12 @@ def predicted_bytes(cfg, mesh) -> float | None:
         return None
 
 
-def compiled_bytes(compiled) -> dict | None:
-    """Per-device bytes of the compiled step (XLA's memory_analysis): what it is given, returns, and
-    needs as scratch; `total` counts donated (aliased) buffers once."""
-    mem = compiled.memory_analysis()
-    if mem is None:
-        return None
-    out = {
-        "arguments": int(mem.argument_size_in_bytes),
-        "outputs": int(mem.output_size_in_bytes),
-        "temp": int(mem.temp_size_in_bytes),
-        "aliased": int(mem.alias_size_in_bytes),
-    }
-    out["total"] = out["arguments"] + out["outputs"] + out["temp"] - out["aliased"]
-    return out
-
-
 def memory_summary(compiled, predicted: float | None, device_memory: dict | None) -> dict:
     """Memory figures for metrics.jsonl's summary: the compiled step's, the device's, the planner's."""
+    from jaxdist import metrics
+
     out = {}
-    c = compiled_bytes(compiled)
+    c = metrics.compiled_memory(compiled)
     if c:
         out["memory_compiled"] = c["total"]
     if predicted:
@@ -144,13 +130,17 @@ def memory_line(figures: dict) -> str:
 
 
 def compiled_line(compiled) -> str:
-    c = compiled_bytes(compiled)
+    from jaxdist import metrics
+
+    c = metrics.compiled_memory(compiled)
     if not c:
         return "compiled step memory: not reported by this backend"
+    host = c["host_arguments"] + c["host_outputs"] + c["host_temp"]
     return (
         f"compiled step per device: arguments {c['arguments'] / MiB:.1f} MiB, outputs {c['outputs'] / MiB:.1f}"
         f" MiB, temporaries {c['temp'] / MiB:.1f} MiB, donated {c['aliased'] / MiB:.1f} MiB "
         f"-> {c['total'] / MiB:.1f} MiB"
+        + (f"; host memory: arguments {c['host_arguments'] / MiB:.1f} MiB (offloaded)" if host else "")
     )
 
 

@@ -74,6 +74,7 @@ def test_compile_only_allocates_nothing_and_prints_no_timings(capsys, monkeypatc
     (r,) = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert not {"tokens_per_sec", "step_time_s", "mfu", "loss"} & set(r)
     assert r["devices"] == 8 and r["bytes_per_device"]["arguments"] > 0 and r["bytes_per_device"]["temp"] > 0
+    assert r["bytes_per_device"]["host_arguments"] == r["bytes_per_device"]["host_outputs"] == 0
     assert "all-gather" in r["collectives"] and r["pipeline"]["schedule"] == "none"
 
 

@@ -6,15 +6,13 @@ the HLO entry layout's host memory space S(5): the state's bytes move from devic
 on GPU the memory analysis also shows it (scripts/gpu_check.sh runs this file there, on one GPU).
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
-from jaxdist import hlo, step
+from jaxdist import hlo, metrics, step
 from jaxdist import mesh as mesh_mod
 
 SMALL = dict(SMALL_MODEL, seq_len=16)
@@ -108,17 +106,6 @@ def test_offload_trains_identically(runs):
         np.testing.assert_array_equal(a, b)
 
 
-def entry_argument_bytes(compiled) -> dict[str, int]:
-    """Per-device bytes of the entry computation's arguments by memory space, read from the compiled
-    program's layout: 'host' = S(5), 'device' = the default space."""
-    inputs = entry_layout(compiled).split("entry_computation_layout={(", 1)[1].split(")->", 1)[0]
-    out = {"host": 0, "device": 0}
-    for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?", inputs):
-        space = "host" if layout.endswith(":S(5)") else "device"
-        out[space] += hlo.shape_bytes(f"{dtype}[{dims}]")[0]
-    return out
-
-
 def test_device_memory_holds_no_optimizer_state(runs):
     """The compiled step's device-memory arguments are the plain step's minus exactly the optimizer
     state's bytes, which are host (S(5)) arguments instead: read from the program's entry layout
@@ -127,10 +114,27 @@ def test_device_memory_holds_no_optimizer_state(runs):
     _, compiled, state, _ = runs["host"]
     _, plain, _, _ = runs["none"]
     opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state))
-    host_args, plain_args = entry_argument_bytes(compiled), entry_argument_bytes(plain)
+    host_args, plain_args = (
+        hlo.entry_bytes(compiled.as_text())["arguments"],
+        hlo.entry_bytes(plain.as_text())["arguments"],
+    )
     assert plain_args == {"host": 0, "device": plain.memory_analysis().argument_size_in_bytes}
     assert host_args == {"host": opt_bytes, "device": plain_args["device"] - opt_bytes}
     if jax.devices()[0].platform != "cpu":
         host, dev = compiled.memory_analysis(), plain.memory_analysis()
         assert host.host_argument_size_in_bytes == opt_bytes
         assert dev.argument_size_in_bytes - host.argument_size_in_bytes == opt_bytes
+
+
+def test_compiled_memory_reports_the_state_as_host_bytes(runs):
+    """metrics.compiled_memory (bench's bytes_per_device): the optimizer state's bytes are host
+    arguments and outputs, and the device arguments drop by exactly those bytes, against the plain step."""
+    _, compiled, state, _ = runs["host"]
+    _, plain, _, _ = runs["none"]
+    opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state))
+    off, ref = metrics.compiled_memory(compiled), metrics.compiled_memory(plain)
+    assert off["host_arguments"] == off["host_outputs"] == opt_bytes > 0
+    assert ref["host_arguments"] == ref["host_outputs"] == 0
+    assert ref["arguments"] - off["arguments"] == opt_bytes
+    assert ref["outputs"] - off["outputs"] == opt_bytes
+    assert ref["total"] - off["total"] == opt_bytes, (ref, off)  # the donated state leaves too
