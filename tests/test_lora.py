@@ -311,3 +311,18 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     want = generate.generate(*generate.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4], prompts, 6)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-4)
+
+
+def test_planner_refuses_lora_and_the_run_does_not_print_its_prediction(cfg, fsdp8, capsys, monkeypatch):
+    """The planner's terms are full training's: it names the compiled-step alternative instead of
+    planning a frozen base as trained, and a LoRA run's start-up line carries no planner figure."""
+    from jaxdist import plan, report
+
+    assert plan.main(["lora.rank=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not model LoRA" in err and "bench --compile-only" in err
+    from jaxdist.planner import hardware
+
+    monkeypatch.setattr(report, "hardware_for", lambda device: hardware.get("h100-80gb"))  # as on a GPU
+    assert report.predicted_bytes(cfg.replace(lora=dict(rank=0)), fsdp8) > 0
+    assert report.predicted_bytes(cfg, fsdp8) is None
