@@ -129,11 +129,10 @@ def test_zero_b_is_the_base_model(cfg, batches, fsdp8):
     assert b and all(not np.asarray(x).any() for x in b)
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "nf4"])
-def test_merged_equals_adapted(cfg, batches, fsdp8, base_dtype):
+def test_merged_equals_adapted(cfg, batches, fsdp8):
     """The merged parameters (base de-quantised + (alpha / r) A B), run by the plain model, give the
-    adapted model's logits."""
-    lora = step.build_program(cfg.replace(lora=dict(base_dtype=base_dtype)), fsdp8)
+    adapted model's logits (NF4 base here; a float32 base in test_peft_adapters_match_peft_and_transformers)."""
+    lora = step.build_program(cfg.replace(lora=dict(base_dtype="nf4")), fsdp8)
     base = step.build_program(cfg.replace(lora=dict(rank=0)), fsdp8)
     state = with_random_b(lora, lora.init_state(0))
     merged = jax.jit(lambda p: adapters.merge(p, cfg.lora))(state.params)
