@@ -293,3 +293,16 @@ def test_masked_loss_is_token_weighted_over_the_global_batch(tiny_cfg):
     loss_sum, count = prog.eval_step(state.params, placed)
     assert float(count) == mask[:, 1:].sum()
     np.testing.assert_allclose(float(loss_sum) / float(count), float(want_loss), rtol=1e-5)
+
+
+def test_loss_on_all_trains_every_token_but_the_padding(tmp_path):
+    args = ["--tokenizer", FIX / "llama3", "--seq-len", 320, "--val-fraction", 0, "--loss-on", "all"]
+    assert run_prepare(*args, "--out", tmp_path / "o", FIX / "conversations.jsonl") == 0
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    split = manifest["splits"]["train"]
+    assert manifest["chat"]["rule"] == "all" and split["documents"] == len(CONVERSATIONS)
+    ids = np.fromfile(tmp_path / "o" / split["files"][0], np.uint16)
+    mask = np.fromfile(tmp_path / "o" / split["mask_files"][0], np.uint8)
+    # every conversation token and its boundary; not the padding nor the last window's extra token
+    assert split["trained_tokens"] == int(mask.sum()) == len(ids) - split["padding_tokens"] - 1
+    assert mask[ids != manifest["eos_id"]].all()
