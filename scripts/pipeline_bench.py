@@ -13,7 +13,7 @@ pipeline keeps for backward: (V M + P - 1) micro-batches of (b, T, D) float32 pe
 On CPU the "devices" share the host's cores, so a bubble iteration — which in this SPMD pipeline
 still computes (on padding) — costs real time, and the slowdown shows the bubble's compute directly.
 
-    python scripts/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, interleaved_1f1b
+    python scripts/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, 1f1b_paired, interleaved_1f1b
 
 --schedules: each schedule on pp=4,fsdp=2 at M in {4, 8, 16, 32} micro-batches of one sequence per
 batch shard (the global batch grows with M, so activation memory that grows with M is the schedule's),
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     return 0
 
 
-SCHEDULE_RUNS = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SCHEDULE_RUNS = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2)]
 SMALL = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
 
 
@@ -238,7 +238,7 @@ def schedules_study(args) -> int:
         meas = "-" if rec["bubble_measured"] is None else f"{rec['bubble_measured']:.3f}"
         label = c["schedule"] + (f" V={c['V']}" if c["V"] > 1 else "")
         print(
-            f"{label:18s} {c['M']:3d} {c['temp_bytes'] / 1e6:8.2f} "
+            f"{label:20s} {c['M']:3d} {c['temp_bytes'] / 1e6:8.2f} "
             f"{c['slots']:5d} {c['bubble']:7.3f} {meas:>8s} {rec['tokens_per_sec']:8.0f} {rec['speed_vs_gpipe']:8.2f}"
         )
     if args.json:

@@ -76,7 +76,7 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
-    if p.schedule in ("gpipe", "1f1b") and p.repeats != 1:
+    if p.schedule not in VIRTUAL and p.repeats != 1:
         raise JaxdistError(
             f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular or interleaved_1f1b; "
             f"set pipeline.repeats=1 for {p.schedule}"

@@ -45,9 +45,9 @@ SWITCH = np.array([0, 1, 1, 0, 2, 2, 2], np.int32)  # action kind -> lax.switch 
 
 
 def branch_table(table: schedules.Table) -> np.ndarray:
-    """(slots, P) branch index: the action's kind refined by first / last virtual stage."""
+    """(slots, P, lanes) action kind refined by first / last virtual stage."""
     P, V = table.stages, table.repeats
-    s = np.arange(P)[None, :]
+    s = np.arange(P)[None, :, None]
     first = (s == 0) & (table.chunk == 0)
     last = (s == P - 1) & (table.chunk == V - 1)
     fwd = np.where(first, F_FIRST, np.where(last, F_LAST, F_MID))
@@ -61,9 +61,13 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
     its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
     table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
     bufs = schedules.buffers(table)
+    kinds = branch_table(table)
+    # Per lane, only the branches its table uses are compiled (two lanes: idle/forward, idle/backward).
+    used = [sorted(set(SWITCH[kinds[..., lane]].ravel().tolist()) | {0}) for lane in range(table.lanes)]
+    remap = [np.searchsorted(u, SWITCH[kinds[..., lane]]).astype(np.int32) for lane, u in enumerate(used)]
     consts = {
-        "branch": branch_table(table),
-        "switch": SWITCH[branch_table(table)],
+        "branch": kinds,
+        "switch": np.stack(remap, axis=-1),
         "chunk": table.chunk,
         "mb": table.mb,
         "x_in": bufs.x_in,
@@ -126,7 +130,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
                 dg, dr, dx = vjp(jnp.ones((), jnp.float32))
                 return zx, dx, dg, dr, jnp.where(last, out, 0.0), ran(2)
 
-            branches = [idle, forward, backward]
+            every = [idle, forward, backward]
             c = {k: jnp.asarray(v) for k, v in consts.items()}
             fwd_perm = [(k, (k + 1) % S) for k in range(S)]
             bwd_perm = [(k, (k - 1) % S) for k in range(S)]
@@ -140,19 +144,22 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
                 recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
                 xbuf = put(xbuf, c["x_in"][t, s], recv_f)
                 gbuf = put(gbuf, c["g_in"][t, s], recv_b)
-                kind, v, i = c["branch"][t, s], c["chunk"][t, s], c["mb"][t, s]
-                group = jax.tree.map(lambda a: a[v], local)
-                tok_bT1 = tokens_MbT1[i]
-                x, dy = xbuf[c["x_read"][t, s]], gbuf[c["g_read"][t, s]]
-                first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
-                operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
-                y, dx, dg, dr, li, took = jax.lax.switch(c["switch"][t, s], branches, *operands)
-                acc = jax.tree.map(lambda a, g: a.at[v].add(g), acc, dg)
-                racc = jax.tree.map(jnp.add, racc, dr)
-                counts = counts + took
-                recv_f = jax.lax.ppermute(y, AXIS, fwd_perm)
-                recv_b = jax.lax.ppermute(dx, AXIS, bwd_perm)
-                return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss + li, counts), None
+                send_f, send_b = zx, zx
+                for lane in range(table.lanes):  # two lanes: a forward, then a backward
+                    kind, v, i = c["branch"][t, s, lane], c["chunk"][t, s, lane], c["mb"][t, s, lane]
+                    group = jax.tree.map(lambda a, v=v: a[v], local)
+                    tok_bT1 = tokens_MbT1[i]
+                    x, dy = xbuf[c["x_read"][t, s, lane]], gbuf[c["g_read"][t, s, lane]]
+                    first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
+                    operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
+                    branches = [every[b] for b in used[lane]]
+                    y, dx, dg, dr, li, took = jax.lax.switch(c["switch"][t, s, lane], branches, *operands)
+                    acc = jax.tree.map(lambda a, g, v=v: a.at[v].add(g), acc, dg)
+                    racc = jax.tree.map(jnp.add, racc, dr)
+                    send_f, send_b, loss, counts = send_f + y, send_b + dx, loss + li, counts + took
+                recv_f = jax.lax.ppermute(send_f, AXIS, fwd_perm)
+                recv_b = jax.lax.ppermute(send_b, AXIS, bwd_perm)
+                return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts), None
 
             buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)
             init = (zx, zx, buf(bufs.x_size), buf(bufs.g_size), zeros(local), zr, jnp.zeros((), jnp.float32))

@@ -14,10 +14,14 @@ virtual stage, B(v, i) needs its own F and B of the next virtual stage (the last
 - interleaved_1f1b (Narayanan et al. 2021, torch's ScheduleInterleaved1F1B with M a multiple of P):
   V chunks per stage; forwards visit chunks in rounds of P micro-batches; warm-up
   (V-1) P + 2 (P-1-s) forwards.
+- 1f1b_paired: 1F1B's orders on two lanes: in each slot a stage may run one forward (lane 0) and
+  one backward (lane 1), so the steady state runs F and B of different micro-batches in the same slot.
+  A backward may use its own stage's forward of the same slot (it recomputes from the saved input).
 - gpipe: all forwards, then all backwards (the reference the 1F1B family is compared with).
 
 A slot is the unit of the table. In one SPMD program all stages advance slot by slot together, so a
-slot costs the slowest action any stage runs in it (max(F, B) once forwards and backwards mix).
+slot costs the slowest thing any stage runs in it (`lockstep_time`): one lane, max(F, B) once forwards
+and backwards mix; two lanes, F + B.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import numpy as np
 from jaxdist.errors import JaxdistError
 
 IDLE, FWD, BWD = 0, 1, 2
-SCHEDULES = ("1f1b", "interleaved_1f1b")  # run by tables (the other names run by autodiff: pipeline.py)
+SCHEDULES = ("1f1b", "1f1b_paired", "interleaved_1f1b")
+PAIRED = (
+    "1f1b_paired",
+)  # schedules placed on two lanes (a forward and a backward per slot)  # run by tables (the other names run by autodiff: pipeline.py)
 
 
 def orders(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int, int]]]:
@@ -41,7 +48,7 @@ def orders(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> l
             fs = [(FWD, v, i) for v in range(V) for i in range(M)]
             out.append(fs + [(BWD, v, i) for v in reversed(range(V)) for i in range(M)])
             continue
-        if schedule == "1f1b":
+        if schedule in ("1f1b", "1f1b_paired"):
             fwd = [(FWD, 0, i) for i in range(M)]
             bwd = [(BWD, 0, i) for i in range(M)]
             warm = min(P - 1 - s, M)
@@ -67,7 +74,8 @@ def orders(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> l
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """A placed schedule: arrays (slots, P). kind: IDLE/FWD/BWD; chunk, mb: of the action (0 when idle)."""
+    """A placed schedule: arrays (slots, P, lanes). kind: IDLE/FWD/BWD; chunk, mb: of the action (0 when
+    idle). One lane, or two (lane 0 forwards, lane 1 backwards) for the paired schedules."""
 
     stages: int
     microbatches: int
@@ -81,21 +89,42 @@ class Table:
         return self.kind.shape[0]
 
     @property
+    def lanes(self) -> int:
+        return self.kind.shape[2]
+
+    @property
     def bubble_fraction(self) -> float:
-        """Idle slots / all slots, per stage (the same on every stage for these schedules: max over them)."""
-        return float((self.kind == IDLE).sum(axis=0).max() / self.slots)
+        """Idle share of a stage's time in lock-step with F and B of equal cost: 1 - 2 V M / time (one
+        lane: idle slots / slots)."""
+        return 1.0 - 2 * self.repeats * self.microbatches / lockstep_time(self, 1.0, 1.0)
 
     def render(self) -> str:
-        """One row per stage: F3 = forward of micro-batch 3, b = backward, '.' idle; chunk as a suffix."""
+        """One row per stage: F3 = forward of micro-batch 3, B = backward, '.' idle; chunk as a suffix;
+        two lanes print as forward+backward."""
         rows = []
         for s in range(self.stages):
             cells = []
             for t in range(self.slots):
-                k, v, i = self.kind[t, s], self.chunk[t, s], self.mb[t, s]
-                cell = "." if k == IDLE else ("F" if k == FWD else "B") + str(i) + (f"/{v}" if self.repeats > 1 else "")
-                cells.append(f"{cell:>{4 + 2 * (self.repeats > 1)}}")
+                parts = []
+                for lane in range(self.lanes):
+                    k, v, i = self.kind[t, s, lane], self.chunk[t, s, lane], self.mb[t, s, lane]
+                    if k != IDLE:
+                        parts.append(("F" if k == FWD else "B") + str(i) + (f"/{v}" if self.repeats > 1 else ""))
+                cell = "+".join(parts) or "."
+                cells.append(f"{cell:>{(4 + 2 * (self.repeats > 1)) * self.lanes}}")
             rows.append(f"s{s}" + "".join(cells))
         return "\n".join(rows)
+
+
+def lockstep_time(table: Table, f: float, b: float) -> float:
+    """Step time when every stage waits for the slowest at each slot's exchange: a slot costs f if any
+    stage runs a forward there, b if any runs a backward (both on one lane: the larger; on two lanes,
+    one after the other: the sum)."""
+    anyf = (table.kind == FWD).any(axis=1)  # (slots, lanes)
+    anyb = (table.kind == BWD).any(axis=1)
+    if table.lanes == 1:
+        return float(np.maximum(anyf[:, 0] * f, anyb[:, 0] * b).sum())
+    return float((anyf.any(axis=1) * f).sum() + (anyb.any(axis=1) * b).sum())
 
 
 def prev_virtual(s: int, v: int, P: int):
@@ -112,40 +141,59 @@ def next_virtual(s: int, v: int, P: int, V: int):
     return (0, v + 1) if v < V - 1 else None
 
 
-def simulate(order: list[list[tuple[int, int, int]]], stages: int, microbatches: int, repeats: int = 1) -> Table:
-    """Place per-stage orders on lock-step slots (each stage in order; an action waits for its inputs)."""
+def _deps(k: int, s: int, v: int, i: int, P: int, V: int) -> list[tuple]:
+    """(kind, stage, chunk, micro-batch) of what an action needs. F: the previous virtual stage's F.
+    B: its own F (listed first) and the next virtual stage's B (none after the last: the loss)."""
+    if k == FWD:
+        src = prev_virtual(s, v, P)
+        return [] if src is None else [(FWD, src[0], src[1], i)]
+    dst = next_virtual(s, v, P, V)
+    return [(FWD, s, v, i)] + ([] if dst is None else [(BWD, dst[0], dst[1], i)])
+
+
+def simulate(
+    order: list[list[tuple[int, int, int]]], stages: int, microbatches: int, repeats: int = 1, lanes: int = 1
+) -> Table:
+    """Place per-stage orders on lock-step slots: each stage runs its actions in order, an action waiting
+    until its inputs were produced in an earlier slot. lanes=2: forwards and backwards are two streams
+    (each in order), at most one of each per slot, and a backward may follow its own stage's forward of
+    the same slot (lane 0 runs first)."""
     P, V = stages, repeats
+    streams = [[order[s]] if lanes == 1 else [[a for a in order[s] if a[0] == k] for k in (FWD, BWD)] for s in range(P)]
     done: dict[tuple, int] = {}  # (kind, s, v, i) -> slot
-    ptr = [0] * P
+    ptr = [[0] * lanes for _ in range(P)]
     rows = []
-    while any(ptr[s] < len(order[s]) for s in range(P)):
+    while any(ptr[s][lane] < len(streams[s][lane]) for s in range(P) for lane in range(lanes)):
         t = len(rows)
-        row = [(IDLE, 0, 0)] * P
-        for s in range(P):
-            if ptr[s] == len(order[s]):
-                continue
-            k, v, i = order[s][ptr[s]]
-            if k == FWD:
-                src = prev_virtual(s, v, P)
-                deps = [] if src is None else [(FWD, src[0], src[1], i)]
-            else:
-                dst = next_virtual(s, v, P, V)
-                deps = [(FWD, s, v, i)] + ([] if dst is None else [(BWD, dst[0], dst[1], i)])
-            if all(done.get(d, t) < t for d in deps):
-                row[s] = (k, v, i)
-        for s in range(P):
-            if row[s][0] != IDLE:
-                done[(row[s][0], s, row[s][1], row[s][2])] = t
-                ptr[s] += 1
-        if all(r[0] == IDLE for r in row):
+        row = [[(IDLE, 0, 0)] * lanes for _ in range(P)]
+        ran = []
+        for lane in range(lanes):
+            for s in range(P):
+                if ptr[s][lane] == len(streams[s][lane]):
+                    continue
+                k, v, i = streams[s][lane][ptr[s][lane]]
+                deps = _deps(k, s, v, i, P, V)
+                same_slot_ok = lanes == 2 and k == BWD  # its own forward, run on lane 0 of this slot
+                if all(
+                    done.get(d, t + 1) < t or (same_slot_ok and j == 0 and done.get(d) == t) for j, d in enumerate(deps)
+                ):
+                    row[s][lane] = (k, v, i)
+                    ran.append((k, s, v, i, lane))
+            for k, s, v, i, ln in ran:  # lane 0's forwards are visible to lane 1 of the same slot
+                if ln == lane:
+                    done[(k, s, v, i)] = t
+        if not ran:
             raise JaxdistError(f"pipeline schedule deadlocks at slot {t} (stage orders {order})")
+        for *_, s, _v, _i, lane in ran:
+            ptr[s][lane] += 1
         rows.append(row)
-    a = np.array(rows, dtype=np.int32)  # (slots, P, 3)
+    a = np.array(rows, dtype=np.int32)  # (slots, P, lanes, 3)
     return Table(P, microbatches, V, a[..., 0], a[..., 1], a[..., 2])
 
 
 def build(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
-    return simulate(orders(schedule, stages, microbatches, repeats), stages, microbatches, repeats)
+    lanes = 2 if schedule in PAIRED else 1
+    return simulate(orders(schedule, stages, microbatches, repeats), stages, microbatches, repeats, lanes)
 
 
 # ---- what the executor needs: where each stage's inputs and gradients wait ----------------------------
@@ -154,8 +202,8 @@ def build(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Ta
 @dataclasses.dataclass(frozen=True)
 class Buffers:
     """Per (slot, stage): the buffer slot an arriving activation (x_in) / gradient (g_in) is written
-    to (-1: nothing arrives), and the slots the stage's action reads (x_read, g_read). Sizes: the most
-    activations / gradients any stage holds at once."""
+    to (-1: nothing arrives); per (slot, stage, lane): the slots the lane's action reads (x_read,
+    g_read). Sizes: the most activations / gradients any stage holds at once."""
 
     x_in: np.ndarray
     g_in: np.ndarray
@@ -165,12 +213,12 @@ class Buffers:
     g_size: int
 
 
-def _where(table: Table) -> dict[tuple, int]:
+def _where(table: Table) -> dict[tuple, tuple[int, int]]:
+    """(kind, stage, chunk, micro-batch) -> (slot, lane)."""
     out = {}
-    for t in range(table.slots):
-        for s in range(table.stages):
-            if table.kind[t, s] != IDLE:
-                out[(int(table.kind[t, s]), s, int(table.chunk[t, s]), int(table.mb[t, s]))] = t
+    for t, s, lane in zip(*np.nonzero(table.kind != IDLE)):
+        key = (int(table.kind[t, s, lane]), int(s), int(table.chunk[t, s, lane]), int(table.mb[t, s, lane]))
+        out[key] = (int(t), int(lane))
     return out
 
 
@@ -180,14 +228,14 @@ def buffers(table: Table) -> Buffers:
     at t + 1 and is kept until the receiver's B. A buffer slot read in slot t is free from t + 1."""
     P, V = table.stages, table.repeats
     at = _where(table)
-    shape = table.kind.shape
-    x_in, g_in, x_read, g_read = (np.full(shape, -1, np.int32) for _ in range(4))
+    x_in, g_in = (np.full(table.kind.shape[:2], -1, np.int32) for _ in range(2))
+    x_read, g_read = (np.full(table.kind.shape, -1, np.int32) for _ in range(2))
     intervals = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}  # (arrive, last use, key)
-    for (k, s, v, i), t in at.items():
+    for (k, s, v, i), (t, _) in at.items():
         if k == FWD and (dst := next_virtual(s, v, P, V)) is not None:
-            intervals["x"][dst[0]].append((t + 1, at[(BWD, dst[0], dst[1], i)], (dst[1], i)))
+            intervals["x"][dst[0]].append((t + 1, at[(BWD, dst[0], dst[1], i)][0], (dst[1], i)))
         if k == BWD and (src := prev_virtual(s, v, P)) is not None:
-            intervals["g"][src[0]].append((t + 1, at[(BWD, src[0], src[1], i)], (src[1], i)))
+            intervals["g"][src[0]].append((t + 1, at[(BWD, src[0], src[1], i)][0], (src[1], i)))
     sizes = {}
     for name, arrive, read in (("x", x_in, x_read), ("g", g_in, g_read)):
         size = 0
@@ -198,11 +246,11 @@ def buffers(table: Table) -> Buffers:
                 if slot == len(free_from):
                     free_from.append(0)
                 free_from[slot] = end + 1
+                assert arrive[start, s] == -1, "two arrivals in one slot"
                 arrive[start, s] = slot
-                # every action of (s, v, i) that reads this buffer: F reads x, B reads x and g
-                for (k2, s2, v2, i2), t2 in at.items():
-                    if (s2, v2, i2) == (s, v, i) and (name == "x" or k2 == BWD):
-                        read[t2, s] = slot
+                for k in (FWD, BWD) if name == "x" else (BWD,):  # F reads x; B reads x and g
+                    t2, lane = at[(k, s, v, i)]
+                    read[t2, s, lane] = slot
             size = max(size, len(free_from))
         sizes[name] = max(size, 1)
     return Buffers(x_in, g_in, x_read, g_read, sizes["x"], sizes["g"])
@@ -214,31 +262,30 @@ def in_flight(table: Table) -> np.ndarray:
     for s in range(table.stages):
         live = 0
         for t in range(table.slots):
-            k = table.kind[t, s]
-            live += int(k == FWD)
+            live += int((table.kind[t, s] == FWD).sum())
             out[s] = max(out[s], live)
-            live -= int(k == BWD)
+            live -= int((table.kind[t, s] == BWD).sum())
     return out
 
 
 def check(table: Table) -> None:
     """The invariants every executed table must hold (raises AssertionError): each F and B of every
-    (stage, chunk, micro-batch) exactly once; F after the previous virtual stage's F, B after its own
-    F and the next virtual stage's B, each in a strictly earlier slot."""
+    (stage, chunk, micro-batch) exactly once; F after the previous virtual stage's F, B after the next
+    virtual stage's B, each in a strictly earlier slot (the data crosses devices between slots); B after
+    its own F (in the same slot only on two lanes, where the forward lane runs first)."""
     P, M, V = table.stages, table.microbatches, table.repeats
-    seen: dict[tuple, int] = {}
-    for t in range(table.slots):
-        for s in range(P):
-            if table.kind[t, s] != IDLE:
-                key = (int(table.kind[t, s]), s, int(table.chunk[t, s]), int(table.mb[t, s]))
-                assert key not in seen, f"{key} runs twice"
-                seen[key] = t
+    seen: dict[tuple, tuple[int, int]] = {}
+    for t, s, lane in zip(*np.nonzero(table.kind != IDLE)):
+        key = (int(table.kind[t, s, lane]), int(s), int(table.chunk[t, s, lane]), int(table.mb[t, s, lane]))
+        assert key not in seen, f"{key} runs twice"
+        seen[key] = (int(t), int(lane))
     want = {(k, s, v, i) for k in (FWD, BWD) for s in range(P) for v in range(V) for i in range(M)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:4]}, extra {sorted(set(seen) - want)[:4]}"
-    for (k, s, v, i), t in seen.items():
+    for (k, s, v, i), (t, lane) in seen.items():
         if k == FWD and (src := prev_virtual(s, v, P)) is not None:
-            assert seen[(FWD, *src, i)] < t, f"F{i} at stage {s} chunk {v} before its input"
+            assert seen[(FWD, *src, i)][0] < t, f"F{i} at stage {s} chunk {v} before its input"
         if k == BWD:
-            assert seen[(FWD, s, v, i)] < t, f"B{i} at stage {s} chunk {v} before its forward"
+            tf, lf = seen[(FWD, s, v, i)]
+            assert tf < t or (tf == t and lf < lane), f"B{i} at stage {s} chunk {v} before its forward"
             if (dst := next_virtual(s, v, P, V)) is not None:
-                assert seen[(BWD, *dst, i)] < t, f"B{i} at stage {s} chunk {v} before its gradient"
+                assert seen[(BWD, *dst, i)][0] < t, f"B{i} at stage {s} chunk {v} before its gradient"
