@@ -38,6 +38,7 @@ CASES = {
     "pp=2,dp=2 reduce=dense": ("dp=2,pp=2", 4, dict(reduce=dict(method="dense"))),
     # table-driven schedules (parallel/pipeline_1f1b.py): gradients from per-micro-batch VJPs
     "1f1b pp=4,fsdp=2 M=8": ("pp=4,fsdp=2", 8, dict(pipeline=dict(schedule="1f1b", microbatches=8))),
+    "1f1b_paired pp=4,fsdp=2 M=8": ("pp=4,fsdp=2", 8, dict(pipeline=dict(schedule="1f1b_paired", microbatches=8))),
     "1f1b accum pp=2,fsdp=2,dp=2": (
         "dp=2,pp=2,fsdp=2",
         8,

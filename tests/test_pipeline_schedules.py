@@ -11,9 +11,8 @@ from jaxdist import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedules
 
-GRID = [
-    (name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in (("1f1b", 1), ("interleaved_1f1b", 2))
-]
+NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2))
+GRID = [(name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in NAMES]
 
 
 @pytest.mark.parametrize("name, P, M, V", GRID + [("gpipe", 4, 8, 1), ("1f1b", 4, 2, 1), ("1f1b", 3, 5, 1)])
@@ -29,6 +28,11 @@ def test_table_invariants(name, P, M, V):
         assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
         np.testing.assert_array_equal(flight, [min(P - s, M) for s in range(P)])
         assert schedules.buffers(t).x_size <= P  # stage inputs kept, whatever M is
+    if name == "1f1b_paired":  # one forward and one backward per slot
+        assert t.slots == M + 2 * P - 2
+        assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
+        np.testing.assert_array_equal(flight, [min(2 * (P - s) - 1, M) for s in range(P)])
+        assert schedules.buffers(t).x_size <= max(2 * P - 3, 1)
     if name == "interleaved_1f1b":
         assert t.bubble_fraction == pytest.approx((P - 1) / (V * M + P - 1))
         assert flight[0] == min((V - 1) * P + 2 * (P - 1) + 1, V * M)  # Megatron's warm-up + 1
@@ -36,15 +40,26 @@ def test_table_invariants(name, P, M, V):
         np.testing.assert_array_equal(flight, M)
 
 
+def test_lockstep_time():
+    """Step time when all stages wait for the slowest at every slot, F = 1 and B = 3 (the backward
+    recomputes the stage): 1F1B on one lane pays B in almost every slot, 2(M+P-1)·3 minus its few
+    forward-only slots; paired slots cost F + B and match GPipe's (M+P-1)(F+B)."""
+    P, M = 4, 8
+    one, paired, gpipe = (schedules.build(n, P, M) for n in ("1f1b", "1f1b_paired", "gpipe"))
+    assert schedules.lockstep_time(gpipe, 1, 3) == (M + P - 1) * 4 == 44
+    assert schedules.lockstep_time(paired, 1, 3) == 44
+    assert schedules.lockstep_time(one, 1, 3) == 58  # 2(M+P-1) slots, 4 of them forward-only: 18·3 + 4
+
+
 def test_check_catches_a_broken_table():
     """check() fails on a table with a backward before its gradient arrived and on a missing action."""
     t = schedules.build("1f1b", 2, 2)
     kind = t.kind.copy()
-    t_b0 = int(np.flatnonzero(kind[:, 0] == schedules.BWD)[0])
+    t_b0 = int(np.flatnonzero(kind[:, 0, 0] == schedules.BWD)[0])
     swapped = schedules.Table(2, 2, 1, np.roll(kind, -1, axis=0), t.chunk, np.roll(t.mb, -1, axis=0))
     with pytest.raises(AssertionError):
         schedules.check(swapped)
-    kind[t_b0, 0] = schedules.IDLE
+    kind[t_b0, 0, 0] = schedules.IDLE
     with pytest.raises(AssertionError, match="missing"):
         schedules.check(schedules.Table(2, 2, 1, kind, t.chunk, t.mb))
 
@@ -53,6 +68,10 @@ def test_render():
     assert schedules.build("1f1b", 2, 2).render().splitlines() == [
         "s0  F0  F1   .  B0   .  B1",
         "s1   .  F0  B0  F1  B1   .",
+    ]
+    assert schedules.build("1f1b_paired", 2, 2).render().splitlines() == [
+        "s0      F0      F1      B0      B1",
+        "s1       .   F0+B0   F1+B1       .",
     ]
 
 
@@ -64,7 +83,7 @@ def temp_bytes(tiny_cfg):
     """Compiled temp bytes per device of the gradient program, pp=2, one sequence per micro-batch
     (the global batch grows with M): schedule -> {M: bytes}."""
     out = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "1f1b_paired"):
         for M in (2, 8):
             cfg = tiny_cfg.replace(
                 model=MODEL, train=dict(global_batch=M), pipeline=dict(schedule=name, microbatches=M)
@@ -75,14 +94,14 @@ def temp_bytes(tiny_cfg):
 
 
 def test_1f1b_activation_memory_is_flat_in_microbatches(temp_bytes):
-    """From M=2 to M=8 micro-batches of one sequence: 1F1B's temp bytes grow by less than one
+    """From M=2 to M=8 micro-batches of one sequence: 1F1B's (and paired 1F1B's) temp bytes grow by less than one
     micro-batch's activation (b T D float32 = 8 KiB; only the tokens' int32 copy grows), GPipe's by at
     least one stage input per extra micro-batch (6 x 8 KiB)."""
     act = 1 * MODEL["seq_len"] * MODEL["d_model"] * 4
-    one = temp_bytes["1f1b"][8] - temp_bytes["1f1b"][2]
-    gpipe = temp_bytes["gpipe"][8] - temp_bytes["gpipe"][2]
-    assert 0 <= one < act / 4, temp_bytes
-    assert gpipe >= 6 * act, temp_bytes
+    growth = {name: by_m[8] - by_m[2] for name, by_m in temp_bytes.items()}
+    assert 0 <= growth["1f1b"] < act / 4, temp_bytes
+    assert 0 <= growth["1f1b_paired"] < act / 4, temp_bytes
+    assert growth["gpipe"] >= 6 * act, temp_bytes
 
 
 @pytest.mark.parametrize(
