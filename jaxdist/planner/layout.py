@@ -107,7 +107,10 @@ class Layout:
 
     @property
     def repeats(self) -> int:
-        return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and self.cfg.pipeline.schedule == "circular" else 1
+        # The table schedules (1f1b, interleaved_1f1b) are modelled as GPipe / circular: the same bubble
+        # fraction, and an upper bound on their stage inputs (they keep at most P, or 2P-3 paired).
+        virtual = self.cfg.pipeline.schedule in ("circular", "interleaved_1f1b")
+        return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and virtual else 1
 
     @property
     def micro_batch(self) -> int:
