@@ -11,6 +11,7 @@ fine-tunes; `--restore hf:HF_DIR` on the train command does the same without the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +50,13 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     manager = checkpoint.open_manager(
         directory, keep=1, before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}")
     )
-    meta = {"step": 0, "seed": cfg.train.seed, "config": cfg.to_dict(), "source": f"hf:{Path(hf_dir).resolve()}"}
+    meta = {
+        "step": 0,
+        "seed": cfg.train.seed,
+        "config": cfg.to_dict(),
+        "source": f"hf:{Path(hf_dir).resolve()}",
+        integrity.META_FLAG: True,
+    }
     manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()
     manager.close()
@@ -58,11 +65,16 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
 
 
 def latest_step_dir(path: Path) -> Path:
+    """The newest step folder under `path` (not verified: reading goes through `read_run`)."""
     from jaxdist import checkpoint
 
     directory, step = checkpoint.checkpoint_dir(Path(path))
     if step is None:
-        steps = checkpoint.open_manager(directory, read_only=True).all_steps() if directory.is_dir() else []
+        steps = []
+        if directory.is_dir():
+            manager = checkpoint.open_manager(directory, read_only=True)
+            steps = manager.all_steps()
+            manager.close()
         if not steps:
             raise JaxdistError(f"{path} holds no checkpoint; pass a run dir or its checkpoints/<step>")
         step = max(steps)
@@ -70,36 +82,62 @@ def latest_step_dir(path: Path) -> Path:
 
 
 def run_config(step_dir: Path):
-    """The resolved config a checkpoint was saved with (its meta item)."""
-    import orbax.checkpoint as ocp
-
+    """The resolved config a checkpoint was saved with (its meta item; not verified)."""
     from jaxdist import checkpoint
     from jaxdist import config as config_mod
+    from jaxdist.checkpoint.restoring import _meta
 
     manager = checkpoint.open_manager(step_dir.parent, read_only=True)
-    meta = manager.restore(int(step_dir.name), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    return config_mod.from_dict(meta["config"])
+    try:
+        return config_mod.from_dict(_meta(manager, int(step_dir.name))["config"])
+    finally:
+        manager.close()
 
 
-def load_run_params(path: Path, mesh, rules=None):
-    """A jaxdist checkpoint's parameters on `mesh` as the plain (unstaged) layer stack -> (cfg, params, model).
-    A pipelined checkpoint is read in its (stage, layers) layout and restacked on the devices."""
+@dataclasses.dataclass
+class RunParams:
+    cfg: object  # the checkpoint's config, mesh set to the one read onto
+    params: dict
+    model: object  # resolve.Resolved: graphdef, abstract, specs
+    step_dir: Path  # the step read (checksums verified)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.step_dir.parent.parent
+
+
+def read_run(path: Path, mesh, rules_for: Callable | None = None, log: Callable = print) -> RunParams:
+    """A jaxdist checkpoint's parameters on `mesh` as the plain (unstaged) layer stack, read through the
+    same verified path as `train --restore` (checksums, fallback, one-line errors). A pipelined checkpoint
+    is read in its (stage, layers) layout and restacked on the devices. `rules_for(cfg)`: the sharding
+    rules to read with (default: the run's own)."""
+    from jaxdist.checkpoint.restoring import read_checkpoint
+
+    got = read_checkpoint(
+        Path(path), lambda manager, directory, step: _read_params(manager, directory, step, mesh, rules_for), log
+    )
+    cfg, params, model = got.value
+    return RunParams(cfg, params, model, got.path)
+
+
+def _read_params(manager, directory: Path, step: int, mesh, rules_for):
     import jax
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jaxdist import checkpoint, sharding
+    from jaxdist import config as config_mod
+    from jaxdist.checkpoint.restoring import _meta
     from jaxdist.parallel import pipeline
     from jaxdist.resolve import resolve
 
-    step_dir = latest_step_dir(path)
-    cfg = run_config(step_dir)
+    step_dir = directory / str(step)
+    cfg = config_mod.from_dict(_meta(manager, step)["config"])
     cfg = cfg.replace(mesh={"shape": ",".join(f"{a}={s}" for a, s in mesh.shape.items()), "dcn": ""})
-    rules = rules or sharding.make_rules(cfg.mesh.rules)
+    rules = rules_for(cfg) if rules_for else sharding.make_rules(cfg.mesh.rules)
     model = resolve(cfg, mesh, rules)
-    manager = checkpoint.open_manager(step_dir.parent, read_only=True)
-    saved = manager.item_metadata(int(step_dir.name))["params"]
+    saved = manager.item_metadata(step)["params"]
     layers = cfg.model.num_layers
     staged = any(
         len(s.shape) == len(a.shape) + 1
@@ -120,34 +158,46 @@ def load_run_params(path: Path, mesh, rules=None):
         )
         target = {**target, pipeline.STACK: stack}
     checkpoint.check_model(saved, target, step_dir)
-    params = manager.restore(int(step_dir.name), args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))[
-        "params"
-    ]
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     if staged:
         with jax.set_mesh(mesh):
             params = jax.jit(lambda p: pipeline.from_stages(p, plan), out_shardings=shardings)(params)
     return cfg, params, model
 
 
+def load_run_params(path: Path, mesh, rules=None, log: Callable = print):
+    """`read_run` as (cfg, params, model)."""
+    got = read_run(path, mesh, (lambda _: rules) if rules else None, log)
+    return got.cfg, got.params, got.model
+
+
 def to_hf(
     path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print, peft: bool = False
 ) -> list[Path]:
-    """Export a run's parameters as an HF model; a LoRA run's adapters merged into the weights, or
-    (`peft`) alone as a PEFT adapter for the original HF model."""
+    """Export a run's newest intact checkpoint as an HF model; a LoRA run's adapters merged into the
+    weights, or (`peft`) alone as a PEFT adapter for the original HF model. The model folder appears
+    whole or not at all: it is written as a hidden sibling and renamed into place."""
+    import os
+    import shutil
+
     import jax
 
-    from jaxdist import checkpoint, hf_export, hf_io
+    from jaxdist import checkpoint, hf_export, hf_io, run_tokenizer
     from jaxdist import mesh as mesh_mod
     from jaxdist.adapters import tree as adapters
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise JaxdistError(f"{out} is a file; choose a folder for the Hugging Face model")
     held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
     if not checkpoint.all_agree(not held):
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
+    directory, _ = checkpoint.checkpoint_dir(Path(path))
+    recorded = run_tokenizer.of_run(directory.parent)  # checked before any work
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
-    step_dir = latest_step_dir(path)
-    cfg, params, _ = load_run_params(step_dir, mesh)
-    run_dir = step_dir.parent.parent
-    source = run_dir / hf_io.SOURCE
+    got = read_run(path, mesh, log=log)
+    cfg, params = got.cfg, got.params
+    source = got.run_dir / hf_io.SOURCE
     if peft:
         from jaxdist.adapters import peft as peft_format
 
@@ -163,16 +213,45 @@ def to_hf(
     if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers
         params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
         log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
-    return hf_export.export(
-        params,
-        cfg.model,
-        out,
-        dtype,
-        source if source.is_dir() else None,
-        getattr(cfg.data, "tokenizer", ""),
-        max_shard_bytes,
-        log,
-    )
+    tokenizer = getattr(cfg.data, "tokenizer", "")
+    token_ids = {}
+    if recorded is not None and recorded.kind == "tokenizer":
+        tokenizer = str(got.run_dir / run_tokenizer.FOLDER)
+    elif tokenizer:
+        recorded = run_tokenizer._load(tokenizer, "data.tokenizer")  # a run from before recording: checked
+    if recorded is not None and recorded.eos_id is not None:
+        token_ids["eos_token_id"] = int(recorded.eos_id)
+        if recorded.bos_ids:
+            token_ids["bos_token_id"] = int(recorded.bos_ids[0])
+    hf_export.check_exportable(cfg.model)
+    writer = jax.process_index() == 0
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        files = hf_export.export(
+            params,
+            cfg.model,
+            tmp,
+            dtype,
+            source if source.is_dir() else None,
+            tokenizer,
+            max_shard_bytes,
+            lambda m: log(m.replace(str(tmp), str(out))),
+            token_ids,
+        )
+        if writer:
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            if out.exists():  # other files are kept: the model's files move in, config.json last
+                for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+                    os.replace(f, out / f.name)
+            else:
+                os.replace(tmp, out)
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [out / f.name for f in files]
 
 
 def parse_args(argv):

@@ -105,37 +105,54 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
         cfg = convert.hf_config(None, [], Path(hf_dir), mesh_text)
         params, model = convert.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
         return cfg, params, model.graphdef, mesh, Path(hf_dir)
-    step_dir = convert.latest_step_dir(Path(run_dir))
-    rules = generation_rules(convert.run_config(step_dir))
-    cfg, params, model = convert.load_run_params(step_dir, mesh, rules)
-    return cfg, params, model.graphdef, mesh, step_dir.parent.parent / "hf_source"
+    got = convert.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
+    return got.cfg, got.params, got.model.graphdef, mesh, got.run_dir / "hf_source"
 
 
 class Text:
-    """Prompt text <-> token ids: the run's tokenizer (data.tokenizer or the imported model's
-    tokenizer.json), else bytes (the byte-level model)."""
+    """Prompt text <-> token ids: the tokenizer the run recorded (`jaxdist.run_tokenizer`), else the
+    run's data.tokenizer or the imported model's tokenizer.json, else bytes (the byte-level model)."""
 
-    def __init__(self, cfg, source: Path):
+    def __init__(self, cfg, source: Path, recorded=None):
+        self.tokenizer, self.bos_ids = None, None  # bos_ids: the recorded training rule, when there is one
+        self.vocab, self.unknown = cfg.model.vocab_size, False
+        if recorded is not None and recorded.kind == "tokenizer":
+            self.tokenizer, self.bos_ids = recorded.tok.tokenizer, tuple(recorded.bos_ids)
+            self.folder = recorded.tok.file.parent  # its chat template, for --chat
+            self.usable = True
+            return
         path = getattr(cfg.data, "tokenizer", "") or ""
         path = Path(path) if path else source
         if path.is_dir():
             path = path / "tokenizer.json"
-        self.tokenizer = None
         self.folder = path.parent if path.is_file() else None  # its chat template, for --chat
         if path.is_file():
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(path))
-        self.usable = self.tokenizer is not None or cfg.model.vocab_size >= 256  # bytes need 256 ids
-        self.vocab = cfg.model.vocab_size
+            try:
+                self.tokenizer = Tokenizer.from_file(str(path))
+            except Exception as e:  # noqa: BLE001 (the Rust side raises plain Exceptions for bad JSON)
+                raise JaxdistError(
+                    f"{path} is not a tokenizers JSON file ({str(e).splitlines()[0][:120]}); restore the "
+                    "run's tokenizer.json"
+                ) from None
+        elif recorded is not None and recorded.kind == "unknown":
+            self.unknown = True  # raw token files: nothing says what the ids are
+        self.usable = self.tokenizer is not None or (cfg.model.vocab_size >= 256 and not self.unknown)
 
     def encode(self, text: str) -> list[int]:
         if not self.usable:
-            raise JaxdistError(
-                f"--prompt needs a tokenizer: the model has {self.vocab} tokens (fewer than "
-                "bytes) and no tokenizer.json was found; pass --prompt-tokens"
+            why = (
+                "the run trained on token files without a tokenizer (set data.tokenizer to train with one)"
+                if self.unknown
+                else f"the model has {self.vocab} tokens (fewer than bytes) and no tokenizer.json was found"
             )
-        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
+            raise JaxdistError(f"--prompt needs a tokenizer: {why}; pass --prompt-tokens")
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        if self.bos_ids is not None:  # the training rule: the recorded prefix, then the text's own tokens
+            return [*self.bos_ids, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+        return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str | None:
         if not self.usable:
@@ -158,14 +175,27 @@ def chat_prompts(text: Text, messages: list[str]) -> list[list[int]]:
     return [chat.prompt_ids(ct, [{"role": "user", "content": m}]) for m in messages]
 
 
-def eos_ids(source: Path) -> set[int]:
+def eos_ids(source: Path, recorded=None) -> set[int]:
     ids: set[int] = set()
+    if recorded is not None and recorded.eos_id is not None:
+        ids.add(int(recorded.eos_id))
     for name in ("generation_config.json", "config.json"):
         path = source / name
         if path.is_file():
             value = json.loads(path.read_text()).get("eos_token_id")
             ids |= set(value if isinstance(value, list) else [] if value is None else [value])
     return ids
+
+
+def recorded_tokenizer(run_dir: str | None):
+    """The tokenizer a run dir recorded (checked), None for --hf or a run dir from before recording."""
+    if not run_dir:
+        return None
+    from jaxdist import run_tokenizer
+    from jaxdist.checkpoint.storage import checkpoint_dir
+
+    directory, _ = checkpoint_dir(Path(run_dir))
+    return run_tokenizer.of_run(directory.parent)
 
 
 def cut_at_eos(tokens: list[int], logprobs: list[float], stop: set[int]):
@@ -249,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
+    recorded = recorded_tokenizer(args.run_dir)  # checked before the weights are read
     cfg, params, graphdef, mesh, source = load(args.run_dir, args.hf, args.mesh)
-    text = Text(cfg, source)
+    text = Text(cfg, source, recorded)
     prompts = [text.encode(t) for t in args.prompt]
     for ids in args.prompt_tokens:
         try:
@@ -261,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     new, logp, compile_s, run_s = generate(
         cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
     )
-    stop = set() if args.ignore_eos else eos_ids(source)
+    stop = set() if args.ignore_eos else eos_ids(source, recorded)
     for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
         toks, lps = cut_at_eos(toks, lps, stop)
         if args.json:

@@ -47,8 +47,10 @@ def export(
     tokenizer: str = "",
     max_shard_bytes: int = 5 * 10**9,
     log: Callable = print,
+    token_ids: dict | None = None,
 ) -> list[Path]:
-    """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes."""
+    """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes.
+    `token_ids`: bos/eos ids of the run's recorded tokenizer, for what the imported config leaves null."""
     check_exportable(m)
     np_dtype = EXPORT_DTYPES[dtype]
     entries = []  # (hf name, tensor, index into the stack or None, bytes)
@@ -91,6 +93,7 @@ def export(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
     source = _source_config(source_dir)
+    source.update({k: v for k, v in (token_ids or {}).items() if source.get(k) is None})
     (out_dir / "config.json").write_text(json.dumps(hf.to_hf_config(m, dtype, source), indent=2))
     generation = source_dir / "generation_config.json" if source_dir else None
     if generation is not None and generation.is_file():

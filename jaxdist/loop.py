@@ -77,13 +77,14 @@ def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
 def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> RunResult:
     import jax
 
-    from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, rundir, step
+    from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, run_tokenizer, rundir, step
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
 
     rundir.check_storable(run_dir)
     lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
+    run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)
     # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
     threading.Thread(target=plot.pyplot, daemon=True).start()
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
@@ -120,6 +121,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
     changes = restored.changes if restored is not None else {}
     if is_main:
         rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
+        run_tokenizer.record(run_tok, run_dir)
         for line in [
             *report.summary_lines(cfg, prog, flops_tok),
             report.data_line(cfg, loader),

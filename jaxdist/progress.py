@@ -26,6 +26,7 @@ import jax
 from tqdm import tqdm
 
 from jaxdist.errors import JaxdistError
+from jaxdist.run_tokenizer import byte_tokens
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "skipped")
 SMOOTHING = 0.9  # EMA of the train loss (bias-corrected): ~10 steps; one 8x128 batch is noisy
@@ -72,7 +73,7 @@ class Progress:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
         self.mfu_mark = "~" if mfu_approx else ""  # CPU: a measured matmul rate, not a datasheet peak
         self.memory = memory or (lambda: None)
-        self.byte_tokens = cfg.data.source == "text"
+        self.byte_tokens = byte_tokens(cfg)
         self.plain = plain_output()
         self.bar = tqdm(
             total=cfg.train.steps, initial=start, disable=not enabled or self.plain, dynamic_ncols=True, mininterval=1.0

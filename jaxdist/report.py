@@ -61,7 +61,9 @@ def data_line(cfg, loader) -> str:
 def units_line(cfg) -> str:
     v = cfg.model.vocab_size
     line = f"loss in nats/token; uniform baseline ln {v} = {math.log(v):.3f}"
-    if cfg.data.source == "text":
+    from jaxdist.run_tokenizer import byte_tokens
+
+    if byte_tokens(cfg):
         line += f" nats/token = {math.log(v) / math.log(2):.2f} bits/byte (byte tokens: bits/byte = nats / ln 2)"
     return line
 

@@ -22,6 +22,9 @@ CHECKSUMS = "jaxdist-checksums.json"
 # It is small JSON that orbax parses itself; a damaged one fails to read and is handled as unreadable.
 UNCOVERED = {CHECKSUMS, "_CHECKPOINT_METADATA"}
 CHUNK = 16 << 20
+# Set in a checkpoint's meta item by every writer that publishes a checksum file: without the file,
+# such a checkpoint lost it (corrupt), rather than predating checksums.
+META_FLAG = "checksums_written"
 
 
 def _digest(path: Path) -> str:

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grain
 import jax
@@ -63,7 +64,7 @@ def _restore_step(
             f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
             f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir"
         )
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    meta = _meta(manager, step)
     changes = {}
     if not params_only:
         compat.check_resume(meta, cfg, where)
@@ -89,16 +90,77 @@ def _restore_step(
     return TrainState(params=restored["params"], **restored["train"]), changes
 
 
-def _verify(where: Path, log: Callable) -> float:
-    """Check this process's share of the files; raise Corrupted on a mismatch. Returns seconds taken."""
+def _meta(manager, step: int) -> dict:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _verify(manager, where: Path, log: Callable) -> float:
+    """Check this process's share of the files; raise Corrupted on a mismatch. Returns seconds taken.
+    A checkpoint without a checksum file is accepted only if its meta does not say one was written."""
     start = time.perf_counter()
     if not integrity.has_checksums(where):
+        if _meta(manager, int(where.name)).get(integrity.META_FLAG):
+            raise Corrupted(f"its checksum file {integrity.CHECKSUMS} is missing although it was written with one")
         log(f"warning: checkpoint {where} has no checksums (written by an older jaxdist); not verified")
         return 0.0
     problem = integrity.verify(where, (jax.process_index(), jax.process_count()))
     if problem:
         raise Corrupted(problem)
     return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Read:
+    value: Any  # what `read` returned
+    step: int
+    path: Path  # the step folder it came from
+    seconds: float
+    verify_s: float
+
+
+def read_checkpoint(path: Path, read: Callable[[Any, Path, int], Any], log: Callable = print) -> Read:
+    """The one way every command reads a checkpoint (train --restore and resume, convert to-hf,
+    generate --run-dir): the newest step under `path` that passes its checksums and `read(manager,
+    checkpoints dir, step)`, older ones tried after a warning; a JaxdistError from `read` (a different
+    model, config drift) stops at once. All processes agree on the step taken."""
+    directory, only_step = checkpoint_dir(path)
+    if not directory.is_dir():
+        raise JaxdistError(f"checkpoint path {path} does not exist; pass a run dir or its checkpoints/<step>")
+    manager = open_manager(directory, read_only=True)
+    try:
+        steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
+        if not steps:
+            raise JaxdistError(
+                f"{path} holds no checkpoint; pass a run dir (or checkpoints/<step>) written by jaxdist.train"
+            )
+        failures = []
+        for step in steps:
+            start = time.perf_counter()
+            value, verify_s = None, 0.0
+            try:
+                verify_s = _verify(manager, directory / str(step), log)
+                value, error = read(manager, directory, step), None
+            except JaxdistError:
+                raise
+            except Exception as e:  # any read failure means "try the previous checkpoint"
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                if isinstance(e, Corrupted):
+                    error = f"{e}"
+            if all_agree(error is None):
+                return Read(value, step, directory / str(step), time.perf_counter() - start, verify_s)
+            error = error or "failed on another process"
+            failures.append(f"step {step}: {error}")
+            if step != steps[-1]:
+                log(
+                    f"warning: checkpoint {directory / str(step)} could not be restored ({error}); "
+                    "trying the previous one"
+                )
+        raise JaxdistError(
+            f"no checkpoint under {directory} could be restored ({failures[0]}); "
+            "pass a checkpoint written by jaxdist.train, or move the unreadable ones away"
+        )
+    finally:
+        manager.close()
 
 
 def restore(
@@ -116,46 +178,10 @@ def restore(
     `drift`: refuse config changes outside `compat.FREE_KEYS` and `allowed` (a run resuming itself);
     without it the changes are only returned (a checkpoint of another run, taken on purpose).
     """
-    directory, only_step = checkpoint_dir(path)
-    if not directory.is_dir():
-        raise JaxdistError(f"checkpoint path {path} does not exist; pass a run dir or its checkpoints/<step>")
-    manager = open_manager(directory, read_only=True)
-    try:
-        steps = [only_step] if only_step is not None else sorted(manager.all_steps(), reverse=True)
-        if not steps:
-            raise JaxdistError(
-                f"{path} holds no checkpoint; pass a run dir (or checkpoints/<step>) written by jaxdist.train"
-            )
-        failures = []
-        for step in steps:
-            start = time.perf_counter()
-            try:
-                verify_s = _verify(directory / str(step), log)
-                (state, changes), error = (
-                    _restore_step(manager, directory, step, prog, loader, cfg, params_only, allowed, drift),
-                    None,
-                )
-            except JaxdistError:
-                raise
-            except Exception as e:  # any read failure means "try the previous checkpoint"
-                state, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                if isinstance(e, Corrupted):
-                    error = f"{e}"
-            if all_agree(error is None):
-                return Restored(
-                    state,
-                    0 if params_only else step,
-                    directory / str(step),
-                    time.perf_counter() - start,
-                    changes,
-                    verify_s,
-                )
-            error = error or "failed on another process"
-            failures.append(f"step {step}: {error}")
-            log(f"warning: checkpoint {directory / str(step)} could not be restored ({error}); trying the previous one")
-        raise JaxdistError(
-            f"no checkpoint under {directory} could be restored ({failures[0]}); "
-            "pass a checkpoint written by jaxdist.train, or move the unreadable ones away"
-        )
-    finally:
-        manager.close()
+
+    def read(manager, directory, step):
+        return _restore_step(manager, directory, step, prog, loader, cfg, params_only, allowed, drift)
+
+    got = read_checkpoint(path, read, log)
+    state, changes = got.value
+    return Restored(state, 0 if params_only else got.step, got.path, got.seconds, changes, got.verify_s)

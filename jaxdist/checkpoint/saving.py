@@ -115,6 +115,7 @@ class Saver:
             "seed": self.cfg.train.seed,
             "data_state": loader.get_state(),
             "config": self.cfg.to_dict(),
+            integrity.META_FLAG: True,
         }
         self.pending = (step, start, 0.0)
         self._guard(
