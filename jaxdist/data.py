@@ -36,6 +36,15 @@ def prepared(path: str) -> dict | None:
     return read_manifest(Path(path).expanduser()) if path and os.path.isdir(os.path.expanduser(path)) else None
 
 
+def source_of_prepared(cfg: Config, log=print) -> Config:
+    """`data.path` naming a prepared folder decides the source: its token shards, never its files as text."""
+    if cfg.data.source == "text" and cfg.data.path and prepared(cfg.data.path) is not None:
+        if jax.process_index() == 0:
+            log(f"data.path={cfg.data.path} is a prepared folder: training on its token shards (data.source=tokens)")
+        return cfg.replace(data=dict(source="tokens"))
+    return cfg
+
+
 def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np.ndarray:
     """Tokens of all files, one document each, `[BOS] tokens EOS` by the tokenizer's rule."""
     from jaxdist import tokenizer
@@ -154,6 +163,9 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
             f"data.tokenizer={d.tokenizer} is not the tokenizer {folder} was prepared with "
             f"(sha256 differs); use data.tokenizer={folder} or re-run prepare"
         )
+    from jaxdist.corpus import check_prepared
+
+    check_prepared(folder, manifest)  # every shard there, each split the tokens its manifest records
     arrays = []
     for name in ("train", "val"):
         files = [str(folder / f) for f in manifest["splits"][name]["files"]]

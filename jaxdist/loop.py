@@ -82,6 +82,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
     from jaxdist import mesh as mesh_mod
 
     rundir.check_storable(run_dir)
+    cfg = data.source_of_prepared(cfg, log)
     lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)

@@ -122,7 +122,7 @@ def bpe_run(tmp_path_factory):
     argv = ["prepare", "--train-tokenizer", "300", "--out", str(folder), "--workers", "1", str(texts)]
     assert prepare.main([*argv, "--val-fraction", "0.2", "--shard-tokens", "2000"]) == 0
     run_dir = root / "run"
-    args = [*MICRO, "data.source=tokens", f"data.path={folder}", "model.vocab_size=300", "train.log_every=1"]
+    args = [*MICRO, f"data.path={folder}", "model.vocab_size=300", "train.log_every=1"]  # the source: its manifest
     return folder, run_dir, args
 
 
@@ -134,7 +134,9 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
     folder, run_dir, args = bpe_run
     assert train_main(["--run-dir", str(run_dir), *args]) == 0
     out = capsys.readouterr().out
+    assert "is a prepared folder: training on its token shards (data.source=tokens)" in out, out
     assert "nats/token" in out and "bits/byte" not in out, out  # BPE tokens are not bytes
+    assert "source: tokens" in (run_dir / "config.yaml").read_text()
     info = json.loads((run_dir / "tokenizer" / "jaxdist-tokenizer.json").read_text())
     tok = tokenizer.load(str(folder))
     assert info["kind"] == "tokenizer" and info["eos_id"] == tok.eos_id == 0 and info["bos_ids"] == []
@@ -180,3 +182,50 @@ def test_training_refuses_a_changed_or_corrupt_prepared_tokenizer(bpe_run, tmp_p
     assert train_main(["--run-dir", str(tmp_path / "run"), *args]) == 2
     assert re.search(r"does not match the sha256 .*manifest.json recorded for it", error_line(capsys))
     assert not (tmp_path / "run").exists()
+
+
+# ---- data folders checked against their manifest -----------------------------------------------------
+
+
+def _truncate(folder: Path) -> None:
+    f = folder / "train" / "000000.bin"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+PREPARED_DAMAGE = {
+    "truncated shard": (_truncate, r"train/ holds [\d,]+ tokens but its manifest.json records [\d,]+"),
+    "missing shard": (lambda f: (f / "train" / "000001.bin").unlink(), r"train/000001.bin is missing"),
+    "missing val/": (lambda f: shutil.rmtree(f / "val"), r"val/000000.bin is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", PREPARED_DAMAGE, ids=str)
+def test_prepared_folder_that_disagrees_with_its_manifest_is_one_line(damage, bpe_run, tmp_path, capsys):
+    folder, _, args = bpe_run
+    copy = tmp_path / "prepared"
+    shutil.copytree(folder, copy)
+    make, message = PREPARED_DAMAGE[damage]
+    make(copy)
+    args = [a if not a.startswith("data.path=") else f"data.path={copy}" for a in args]
+    assert train_main(["--run-dir", str(tmp_path / "run"), *args]) == 2
+    assert re.search(rf"prepared folder .*prepared: {message}", error_line(capsys))
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_on_a_changed_corpus_is_refused_unless_allowed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text(" ".join(WORDS) * 20)
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), *MICRO, f"data.path={texts}"]
+    assert train_main(args) == 0
+    (texts / "3.txt").write_text(" ".join(WORDS) * 20)  # a file added since the checkpoint
+    capsys.readouterr()
+    assert train_main([*args, "--steps", "3"]) == 2
+    line = error_line(capsys)
+    assert re.search(r"on a corpus that changed since it was saved \(3 files, [\d,]+ bytes then; 4 files", line)
+    assert "--allow-config-change data" in line
+    assert train_main([*args, "--steps", "3", "--allow-config-change", "data"]) == 0
+    assert "restored step 2" in capsys.readouterr().out

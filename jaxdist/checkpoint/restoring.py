@@ -17,6 +17,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist import corpus
 from jaxdist.checkpoint import compat, integrity
 from jaxdist.checkpoint.agree import all_agree
 from jaxdist.checkpoint.saving import train_part
@@ -68,6 +69,8 @@ def _restore_step(
     changes = {}
     if not params_only:
         compat.check_resume(meta, cfg, where)
+        if drift:
+            corpus.check_unchanged(meta, cfg, where, allowed)
         reduce.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
         changes = (
             compat.check_config_drift(meta, cfg, where, allowed)

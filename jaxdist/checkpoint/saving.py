@@ -56,6 +56,19 @@ class Saver:
         self.timings: list[dict] = []  # per completed save: step, blocking_s, total_s, checksum_s, bytes
         self.last_saved: int | None = None  # the newest step published by this saver
         self._checksum: tuple[float, int] = (0.0, 0)
+        self._corpus: dict | None = None
+
+    @property
+    def corpus(self) -> dict | None:
+        """The corpus fingerprint the checkpoints record (computed once: a stat per file)."""
+        if self._corpus is None:
+            from jaxdist import corpus
+
+            try:
+                self._corpus = corpus.fingerprint(self.cfg)
+            except (OSError, JaxdistError):
+                self._corpus = {}
+        return self._corpus or None
 
     def due(self, step: int, final: bool = False) -> bool:
         """Every `checkpoint.every` steps and at the end of the run (0 disables both)."""
@@ -116,6 +129,7 @@ class Saver:
             "data_state": loader.get_state(),
             "config": self.cfg.to_dict(),
             integrity.META_FLAG: True,
+            "corpus": self.corpus,
         }
         self.pending = (step, start, 0.0)
         self._guard(
