@@ -63,8 +63,10 @@ class Checkpoint(Hook):
 
     def __init__(self, saver, loader):
         self.saver, self.loader = saver, loader
+        self.latest = None  # (state, steps done): what a save after a failure elsewhere would write
 
     def after_step(self, end):
+        self.latest = (end.state, end.done)
         if end.stop or self.saver.due(end.done, end.last):
             self.saver.save(end.state, end.done, self.loader)
         self.saver.poll()
@@ -75,8 +77,10 @@ class Batches(Hook):
 
     def __init__(self, loader, first):
         self.loader, self.current = loader, first
+        self.before = None  # (steps done, the loader's state before the batch drawn after them)
 
     def after_step(self, end):
+        self.before = (end.done, self.loader.get_state())
         self.current = None if end.last else next(self.loader)
 
 

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import threading
 import time
 from pathlib import Path
 
 from jaxdist import plot, trackers
 from jaxdist.errors import JaxdistError
+
+# A write that fails for these reasons (the lock, config.yaml, the tokenizer record, ...) is the
+# user's environment, not a bug: one line instead of a traceback.
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
 
 
 def with_resolved_mesh(cfg, num_devices: int):
@@ -52,8 +57,16 @@ def run(
     with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
         try:
             return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers)
+        except OSError as e:
+            if e.errno not in WRITE_ERRORS:
+                raise
+            raise JaxdistError(
+                f"cannot write {e.filename or run_dir} ({(e.strerror or str(e)).lower()}); stopping: "
+                "free space or fix the folder, then run the same command to resume"
+            ) from None
         finally:
-            lock.release()
+            with contextlib.suppress(OSError):  # a full disk cannot hide the run's own error
+                lock.release()
 
 
 def _quietly(close):
@@ -197,29 +210,39 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
         hooks.Metrics(progress, evaluate, cfg.train.eval_every),
     ]
     steps_done = start
+    plotted = None
     try:
         with contextlib.closing(saver):
-            state, steps_done = hooks.run_steps(
-                lambda st: compiled(st, batches.current), state, start, cfg.train.steps, stopper.requested, per_step
-            )
+            try:
+                state, steps_done = hooks.run_steps(
+                    lambda st: compiled(st, batches.current), state, start, cfg.train.steps, stopper.requested, per_step
+                )
+            except metrics.OutputFailed as e:  # metrics.jsonl or a tracker: stop, keeping the work if there is room
+                raise metrics.OutputFailed(f"{e}; stopping: {_save_after_failure(saver, per_step, loader)}") from None
         for h in per_step:
             h.close(state)
     finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
         progress.close()
         if is_main:
-            with contextlib.suppress(Exception):  # a picture must never hide the real error
-                plot.loss_png(run_dir)
+            plotted = _plot(run_dir)
 
     summary = progress.summary(steps_done, compile_s)
     summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local)))
-    writer.write(summary)
-    writer.close()
+    try:
+        writer.write(summary)
+        writer.close()
+    except (metrics.OutputFailed, OSError) as e:
+        kept = f"checkpoint step {saver.last_saved} is saved" if saver.last_saved else "no checkpoint was saved"
+        raise metrics.OutputFailed(
+            f"{e if isinstance(e, metrics.OutputFailed) else metrics.reason(e)}; stopping: {kept}; free space "
+            "or fix the folder, then run the same command to resume"
+        ) from None
     ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     log(report.memory_line(summary))
     log(
         f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
         f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, MFU {progress.mfu_mark}{summary['mfu']:.1%}, "
-        f"run dir {run_dir}, loss plot {run_dir / 'loss.png'}"
+        f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
     )
     if stopper.received:
         log(
@@ -259,11 +282,52 @@ def _restore(cfg, run_dir: Path, prog, loader, restore, allowed, is_main: bool, 
     return resuming, from_hf, restored
 
 
+def _plot(run_dir: Path):
+    """loss.png, or why there is none: a picture must never hide the run's own outcome or error."""
+    try:
+        return plot.loss_png(run_dir)
+    except Exception as e:  # noqa: BLE001
+        from jaxdist.metrics import reason
+
+        return str(e) if isinstance(e, JaxdistError) else reason(e)
+
+
+def _save_after_failure(saver, per_step, loader) -> str:
+    """After metrics or a tracker failed: a checkpoint of the last step if there is room, else why not."""
+    from jaxdist import hooks
+
+    ckpt = next(h for h in per_step if isinstance(h, hooks.Checkpoint))
+    batches = next(h for h in per_step if isinstance(h, hooks.Batches))
+    then = "free space or fix the folder, then run the same command to resume"
+    if ckpt.latest is None:
+        return f"no step was completed; {then}"
+    state, done = ckpt.latest
+    try:
+        saver.wait()
+        if saver.last_saved != done:
+            if batches.before is not None and batches.before[0] == done:
+                loader.set_state(batches.before[1])  # the iterator as it was at this step, as a save expects
+            saver.save(state, done, loader)
+            saver.wait()
+    except JaxdistError as e:
+        return f"no checkpoint for step {done} either ({e})"
+    if saver.last_saved == done:
+        return f"checkpoint step {done} saved in {saver.directory}; {then}"
+    return f"step {done} was not saved (non-finite); the latest checkpoint is {saver.last_saved}; {then}"
+
+
 def _take(lock, log) -> bool:
     try:
         note = lock.acquire()
     except JaxdistError:
         return False
+    except OSError as e:  # e.g. a full disk at the lock's write: not another trainer
+        if e.errno not in WRITE_ERRORS:
+            raise
+        raise JaxdistError(
+            f"cannot write the lock {lock.path} ({(e.strerror or str(e)).lower()}); free space or fix the "
+            "folder, then run the same command to resume"
+        ) from None
     if note:
         log(note)
     return True

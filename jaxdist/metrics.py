@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxdist import hlo
 from jaxdist.config import ModelConfig
+from jaxdist.errors import JaxdistError
 from jaxdist.models.llama import count_params
 from jaxdist.planner import hardware
 
@@ -227,6 +228,18 @@ def _drop_partial_line(path: Path) -> None:
         path.write_bytes(text[: text.rfind(b"\n") + 1])
 
 
+class OutputFailed(JaxdistError):
+    """metrics.jsonl or a tracker could not be written: the run stops (with a checkpoint if there is room)."""
+
+
+def reason(e: BaseException) -> str:
+    """One line for an exception: the OS error's text (no space left on device, ...) when there is one."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror.lower()
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
 class MetricWriter:
     """metrics.jsonl (every logged step), and the same records to the experiment trackers
     (jaxdist.trackers); process 0 only."""
@@ -236,6 +249,7 @@ class MetricWriter:
         that was interrupted (they are about to be logged again), and that attempt's summary line.
         `trackers`: a jaxdist.trackers.Trackers (or None)."""
         self.enabled = enabled and run_dir is not None
+        self.run_dir = run_dir
         self.file = None
         self.trackers = trackers if self.enabled else None
         if self.enabled:
@@ -248,19 +262,31 @@ class MetricWriter:
             self.file = open(path, "a")  # noqa: SIM115 (kept open for the run; closed by close())
 
     def write(self, record: dict) -> None:
+        """A failure to write (a full disk, a tracker that fails) raises OutputFailed, after which the
+        writer is off: the loop stops the run in one line."""
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.trackers is not None:
-            if record.get("summary"):
-                self.trackers.finish(record)
-            else:
-                self.trackers.log(record)
+        what = "metrics.jsonl"
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.trackers is not None:
+                what = "tracker " + "/".join(self.trackers.names)
+                if record.get("summary"):
+                    self.trackers.finish(record)
+                else:
+                    self.trackers.log(record)
+        except Exception as e:  # noqa: BLE001 — any tracker library's failure is reported as one line
+            self.enabled, file, self.file, self.trackers = False, self.file, None, None
+            with contextlib.suppress(OSError):
+                file.close()
+            raise OutputFailed(f"{what} could not be written in {self.run_dir} ({reason(e)})") from None
 
     def close(self) -> None:  # idempotent: also called when a run fails
         file, trackers, self.file, self.trackers = self.file, self.trackers, None, None
-        if file:
-            file.close()
-        if trackers is not None:
-            trackers.finish({})  # no-op once the summary has closed them
+        try:
+            if file:
+                file.close()
+        finally:
+            if trackers is not None:
+                trackers.finish({})  # no-op once the summary has closed them

@@ -22,6 +22,7 @@ import yaml
 
 from jaxdist.errors import JaxdistError, command
 
+STEP_KEYS = ("loss", "lr")  # every step record of metrics.jsonl has them
 METRICS = {
     "loss": "train loss (nats/token)",
     "eval_loss": "eval loss (nats/token)",
@@ -36,12 +37,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise JaxdistError(f"{path} not found; pass a run dir written by python -m jaxdist.train")
     by_step = {}
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):  # noqa: B007
         try:
             rec = json.loads(line)
         except ValueError:
             continue  # a line cut short by a killed run
         if isinstance(rec, dict) and "step" in rec and not rec.get("summary"):
+            if not isinstance(rec["step"], int):
+                raise JaxdistError(f"{path} line {n} has a step that is no number; fix or remove the line")
             by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -83,6 +86,13 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
     recs, cfg = read_metrics(run_dir), read_config(run_dir)
     if not recs:
         raise JaxdistError(f"{run_dir / 'metrics.jsonl'} has no step records yet; nothing to plot")
+    for r in recs:
+        missing = [k for k in STEP_KEYS if not isinstance(r.get(k), (int, float))]
+        if missing:
+            raise JaxdistError(
+                f"{run_dir / 'metrics.jsonl'}: the record of step {r['step']} has no numeric {missing[0]!r}; "
+                "fix or remove that line"
+            )
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     steps = [r["step"] for r in recs]
@@ -124,9 +134,43 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "loss.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return save(fig, Path(out) if out else run_dir / "loss.png")
+
+
+def check_out(out: Path) -> Path:
+    """Where a picture goes: a folder gets none of its own name, only PNG files are (over)written."""
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise JaxdistError(
+            f"--out {out}: give a file name ending in .png (e.g. {out.with_suffix('.png').name}); nothing was written"
+        )
+    if out.exists() and not out.is_file():
+        raise JaxdistError(f"--out {out} is a folder; give a .png file name")
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is a file" if parent.exists() else "does not exist"
+        raise JaxdistError(f"--out {out}: folder {parent} {what}; create the folder or choose another --out")
+    return out
+
+
+def save(fig, out: Path) -> Path:
+    """Write a figure whole or not at all: into a hidden file beside `out`, renamed over it. A failure
+    (full disk, read-only folder) is one line and leaves no empty or partial PNG behind."""
+    import os
+
+    plt = pyplot()
+    out = check_out(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.png"
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise JaxdistError(
+            f"cannot write {out} ({(e.strerror or str(e)).lower()}); fix the folder or choose another --out"
+        )
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -152,8 +196,7 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return labels
 
 
@@ -175,6 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.out is not None:
+        check_out(args.out)  # before reading or drawing anything
     if len(args.run_dirs) == 1 and args.metric == "loss":
         out = loss_png(args.run_dirs[0], args.out)
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -79,19 +80,35 @@ def _run_id(run_dir: Path, name: str, new) -> str:
 
 
 class TensorBoard:
-    def __init__(self, run_dir: Path, config: dict, config_text: str):
-        SummaryWriter = import_tracker("tensorboardX").SummaryWriter
+    """Events written synchronously with tensorboardX's own event-file writer. Its `SummaryWriter` writes
+    from a thread: a full disk killed that thread, and the next `queue.put` of the training loop blocked
+    forever. Here a failed write raises in the loop, which stops the run in one line."""
 
-        self.writer = SummaryWriter(str(run_dir / "tb"))
-        self.writer.add_text("config", "```\n" + config_text + "\n```")
+    def __init__(self, run_dir: Path, config: dict, config_text: str):
+        import_tracker("tensorboardX")
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+
+        (run_dir / "tb").mkdir(parents=True, exist_ok=True)
+        self.events = EventsWriter(str(run_dir / "tb" / "events"))
+        self._event, self._summary = event_pb2.Event, summary
+        self._write(0, [summary.text("config", "```\n" + config_text + "\n```")])
+
+    def _write(self, step: int, summaries: list) -> None:
+        for s in summaries:
+            self.events.write_event(self._event(wall_time=time.time(), step=step, summary=s))
+        self.events.flush()
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+        self._write(step, [self._summary.scalar(key, value) for key, value in values.items()])
 
     def finish(self, summary: dict[str, float]) -> None:
-        self.writer.add_text("summary", "\n".join(f"{k}: {v:.6g}" for k, v in summary.items()))
-        self.writer.close()
+        text = "\n".join(f"{k}: {v:.6g}" for k, v in summary.items())
+        try:
+            self._write(0, [self._summary.text("summary", text)])
+        finally:
+            self.events.close()
 
 
 class WandB:

@@ -8,9 +8,13 @@ one line, exit 2, nothing written.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from jaxdist.checkpoint import integrity
 from jaxdist.mesh import mesh_from_string
 from jaxdist.train import main as train_main
 
+REPO = Path(__file__).resolve().parent.parent
 MICRO = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["train.steps=2", "train.eval_every=0"]
 
 
@@ -229,3 +234,117 @@ def test_resume_on_a_changed_corpus_is_refused_unless_allowed(tmp_path, capsys, 
     assert "--allow-config-change data" in line
     assert train_main([*args, "--steps", "3", "--allow-config-change", "data"]) == 0
     assert "restored step 2" in capsys.readouterr().out
+
+
+# ---- never hang: failed writes stop the run in one line ---------------------------------------------
+
+FAULT_RUN = [*MICRO, "train.steps=6", "train.log_every=1", "checkpoint.every=4", "checkpoint.async_save=false"]
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+TB_FAULT = """
+import errno, sys
+from jaxdist import trackers
+trackers.import_tracker("tensorboardX")
+import tensorboardX.record_writer as rw
+calls, write = [0], rw.RecordWriter.write
+def failing(self, data):
+    calls[0] += 1
+    if calls[0] > 12:  # the writer's header and config, then the first steps' scalars
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write(self, data)
+rw.RecordWriter.write = failing
+from jaxdist.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_tensorboard_on_a_full_disk_stops_the_run_in_one_line_with_a_checkpoint(tmp_path):
+    """tensorboardX's writer thread died on ENOSPC and the loop blocked in queue.put forever: now the
+    write fails in the loop, which saves the last step and exits 2 (and a timeout proves it returns)."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "TQDM_DISABLE": "1"}
+    argv = ["--run-dir", str(run_dir), *FAULT_RUN, 'train.trackers=["tensorboard"]']
+    r = subprocess.run(
+        [sys.executable, "-c", TB_FAULT, *argv], capture_output=True, text=True, timeout=120, env=env, cwd=REPO
+    )
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert re.match(
+        r"error: tracker tensorboard could not be written in .* \(no space left on device\); stopping: "
+        r"checkpoint step (\d) saved in .*/checkpoints; free space",
+        lines[0],
+    ), lines[0]
+    step_saved = re.search(r"checkpoint step (\d) saved", lines[0]).group(1)
+    assert integrity.verify(run_dir / "checkpoints" / step_saved) is None
+    assert 1 <= int(step_saved) < 6
+
+
+def _failing_after(n: int, real_open=open):
+    """`open` whose files raise ENOSPC from their n-th write on (metrics.jsonl's flush on a full disk)."""
+
+    class Failing:
+        def __init__(self, *a, **k):
+            self.f, self.writes = real_open(*a, **k), 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes >= n:
+                raise ENOSPC
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    return Failing
+
+
+def test_metrics_file_on_a_full_disk_stops_in_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    from jaxdist import metrics
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(metrics, "open", _failing_after(3), raising=False)  # step 3's record
+    run_dir = tmp_path / "run"
+    assert train_main(["--run-dir", str(run_dir), *FAULT_RUN]) == 2
+    line = error_line(capsys)
+    assert re.match(
+        r"error: metrics.jsonl could not be written in .* \(no space left on device\); stopping: checkpoint step 4 "
+        r"saved in .*; free space or fix the folder, then run the same command to resume",
+        line,
+    ), line
+    monkeypatch.undo()
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert train_main(["--run-dir", str(run_dir), *FAULT_RUN]) == 0
+    out = capsys.readouterr().out
+    assert "restored step 4" in out and "done: 6 steps" in out
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # metrics are read one step late: step 3's record failed after step 4 ran (saved); 3 and 4 are lost
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 5, 6] and records[-1].get("summary")
+
+
+def test_lock_write_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    from jaxdist import rundir
+
+    def pwrite(*a):
+        raise ENOSPC
+
+    monkeypatch.setattr(rundir.os, "pwrite", pwrite)
+    assert train_main(["--run-dir", str(tmp_path / "run"), *MICRO]) == 2
+    assert re.match(
+        r"error: cannot write the lock .*jaxdist.lock \(no space left on device\); free space", error_line(capsys)
+    )
+
+
+def test_loss_png_is_never_left_empty(tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    def savefig(self, fname, **kwargs):
+        Path(fname).write_bytes(b"")  # what a full disk leaves: the file created, nothing in it
+        raise ENOSPC
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    run_dir = tmp_path / "run"
+    assert train_main(["--run-dir", str(run_dir), *MICRO]) == 0
+    done = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
+    assert re.search(r"no loss plot \(cannot write .*loss.png \(no space left on device\)", done[0]), done
+    assert not (run_dir / "loss.png").exists() and not list(run_dir.glob(".loss.png*"))

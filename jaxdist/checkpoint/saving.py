@@ -171,12 +171,16 @@ class Saver:
         self.log(f"checkpoint step {step} saved to {final} ({blocking:.2f}s blocking, {total:.2f}s total)")
         self.pending, self.last_saved = None, step
 
+    def wait(self) -> None:
+        """Wait for the save in flight and report it (raising if it failed)."""
+        if self.pending is not None:
+            self._guard(self.pending[0], self.manager.wait_until_finished)
+        self.poll()
+
     def close(self) -> None:
         """Wait for the save in flight (raising if it failed), then release orbax's threads."""
         try:
-            if self.pending is not None:
-                self._guard(self.pending[0], self.manager.wait_until_finished)
-            self.poll()
+            self.wait()
         finally:
             with contextlib.suppress(Exception):  # the save's own failure, if any, is already being raised
                 self.manager.close()
