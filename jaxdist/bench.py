@@ -18,11 +18,11 @@ import statistics
 import sys
 import time
 
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m jaxdist.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.hf import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
 from jaxdist.hf_io import import_params
 
@@ -256,14 +257,14 @@ def to_hf(
 
 def parse_args(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = argparse.ArgumentParser(
+    top = ArgumentParser(
         prog="python -m jaxdist.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     top.add_argument("command", choices=("from-hf", "to-hf"))
     if not argv or argv[0] not in ("from-hf", "to-hf"):
         top.parse_args(argv[:1])  # prints usage / the choices, exits 2
     command, rest = argv[0], argv[1:]
-    p = argparse.ArgumentParser(prog=f"python -m jaxdist.convert {command}")
+    p = ArgumentParser(prog=f"python -m jaxdist.convert {command}")
     if command == "from-hf":
         p.description = "Hugging Face Llama directory -> jaxdist run dir (parameters only)"
         p.add_argument("hf_dir")
@@ -289,6 +290,8 @@ def parse_args(argv):
     multi.add_argument("--process-id", type=int, default=None)
     args = p.parse_intermixed_args(rest)
     args.command = command
+    if command == "to-hf" and not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        raise JaxdistError(f"--max-shard-gb {args.max_shard_gb} must be a positive number of gigabytes (default 5)")
     return args
 
 

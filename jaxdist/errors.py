@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -24,3 +25,10 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 2
 
     return run
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a bad flag value as one `error:` line (a JaxdistError), not the usage block."""
+
+    def error(self, message: str):
+        raise JaxdistError(f"{self.prog}: {message}; see {self.prog} --help")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 
 def sample(logits_BV, key, temperature: float, top_p: float):
@@ -198,6 +199,27 @@ def recorded_tokenizer(run_dir: str | None):
     return run_tokenizer.of_run(directory.parent)
 
 
+def window(cfg, source: Path, hf: bool) -> int:
+    """The most positions the model is meant for: config.json's max_position_embeddings (an HF model,
+    or the one a run was imported from), else the window the run was trained at."""
+    path = source / "config.json"
+    declared = json.loads(path.read_text()).get("max_position_embeddings") if path.is_file() else None
+    declared = declared if isinstance(declared, int) and declared > 0 else None
+    if hf:
+        return declared or cfg.model.seq_len
+    return max(cfg.model.seq_len, declared or 0)
+
+
+def check_lengths(prompts: list[list[int]], new_tokens: int, limit: int) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest + new_tokens > limit:
+        raise JaxdistError(
+            f"a prompt of {longest} tokens + --max-new-tokens {new_tokens} = {longest + new_tokens} positions, "
+            f"more than the {limit} this model is meant for (its training window / max_position_embeddings); "
+            "shorten the prompt or lower --max-new-tokens"
+        )
+
+
 def cut_at_eos(tokens: list[int], logprobs: list[float], stop: set[int]):
     """Keep the tokens up to and including the first EOS."""
     cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
@@ -242,7 +264,7 @@ def generate(
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m jaxdist.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -268,8 +290,13 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if not args.prompt and not args.prompt_tokens and not args.chat:
         raise JaxdistError('give at least one --prompt TEXT, --chat MESSAGE or --prompt-tokens "ID ID ..."')
-    if args.max_new_tokens <= 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise JaxdistError("--max-new-tokens must be > 0, --temperature >= 0 and --top-p in (0, 1]")
+    if args.max_new_tokens <= 0 or not args.temperature >= 0 or not math.isfinite(args.temperature):
+        raise JaxdistError(
+            f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}: --max-new-tokens must be "
+            "> 0 and --temperature a finite number >= 0 (0 = greedy)"
+        )
+    if not 0 < args.top_p <= 1:  # NaN fails this too
+        raise JaxdistError(f"--top-p {args.top_p} must be in (0, 1]")
     return args
 
 
@@ -289,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
     prompts += chat_prompts(text, args.chat)
+    check_lengths(prompts, args.max_new_tokens, window(cfg, source, bool(args.hf)))
     new, logp, compile_s, run_s = generate(
         cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
     )

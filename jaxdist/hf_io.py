@@ -237,7 +237,28 @@ def import_params(hf_dir: Path, cfg, mesh, rules=None):
         stages=plan.stages if plan else 1,
         repeats=plan.repeats if plan else 1,
     )
+    check_finite(params, mesh, hf_dir)
     return params, model
+
+
+def check_finite(params, mesh, where: Path) -> None:
+    """NaN or Inf in imported weights (a damaged download) is refused here, not found as a NaN loss later."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    with jax.set_mesh(mesh):
+        finite = jax.jit(lambda p: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), p), out_shardings=replicated)(
+            params
+        )
+    for path, ok in jax.tree_util.tree_leaves_with_path(jax.device_get(finite)):
+        if not bool(ok):
+            raise JaxdistError(
+                f"{where}: tensor {jax.tree_util.keystr(path)} holds NaN or Inf values; the checkpoint is "
+                "damaged (download or export it again)"
+            )
 
 
 def restore_for_training(hf_dir: str, prog, cfg):

@@ -19,7 +19,7 @@ import sys
 import yaml
 
 from jaxdist import config
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.mesh import format_mesh, parse_mesh
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
@@ -34,7 +34,7 @@ STEP_TIME_NOTE = (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m jaxdist.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")

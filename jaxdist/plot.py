@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 STEP_KEYS = ("loss", "lr")  # every step record of metrics.jsonl has them
 METRICS = {
@@ -201,7 +201,7 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m jaxdist.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run_dirs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")

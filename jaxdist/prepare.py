@@ -35,7 +35,7 @@ import numpy as np
 from jaxdist import chatprep
 from jaxdist import tokenizer as tokenizer_mod
 from jaxdist.documents import documents, input_files
-from jaxdist.errors import JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxdist-tokens/1"
@@ -45,12 +45,12 @@ CHUNK_CHARS = 1 << 20  # text per task sent to a worker
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`prepare ARGS...` (the one subcommand so far); flags and inputs may be intermixed."""
     if not argv or argv[0] != "prepare":
-        top = argparse.ArgumentParser(
+        top = ArgumentParser(
             prog="python -m jaxdist.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         top.add_argument("command", choices=["prepare"])
         top.parse_args(argv[:1])  # prints usage / help and exits
-    q = argparse.ArgumentParser(
+    q = ArgumentParser(
         prog="python -m jaxdist.data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     which = q.add_mutually_exclusive_group(required=True)

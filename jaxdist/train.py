@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 
 from jaxdist import distributed, trackers
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from jaxdist import config
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m jaxdist.train",
         description=__doc__,
         epilog=config.keys_help(),
@@ -69,19 +69,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds of silence after which a process counts as dead and the others stop (default 30)",
     )
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 train.global_batch=16")
-    return p.parse_intermixed_args(argv)  # overrides may come before or after flags
+    args = p.parse_intermixed_args(argv)  # overrides may come before or after flags
+    for flag, value in (("--init-timeout", args.init_timeout), ("--heartbeat-timeout", args.heartbeat_timeout)):
+        if value <= 0:
+            raise JaxdistError(f"{flag} {value} must be a positive number of seconds")
+    return args
 
 
 def resolve_config(args: argparse.Namespace):
+    """The config file <- overrides <- the shorthand flags (a flag and an override of one key: an error)."""
     from jaxdist import config
 
     overrides = list(args.overrides)
-    if args.mesh is not None:
-        overrides.append(f"mesh.shape={args.mesh}")
-    if args.dcn_mesh is not None:
-        overrides.append(f"mesh.dcn={args.dcn_mesh}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
+    for flag, key, value in (("--mesh", "mesh.shape", args.mesh), ("--dcn-mesh", "mesh.dcn", args.dcn_mesh)) + (
+        ("--steps", "train.steps", args.steps),
+    ):
+        if value is None:
+            continue
+        given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
+        if given:  # the flag would silently hide the override (and a bad value in it)
+            raise JaxdistError(f"{key} is given twice ({flag} {value} and {given[0]}); give one of them")
+        overrides.append(f"{key}={value}")
     return config.load(args.config, overrides)
 
 
@@ -101,6 +109,9 @@ def prepare_run_dir(run_dir: str | None) -> Path:
     rundir.check_storable(path)
     if path.exists() and not path.is_dir():
         raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
+    ckpts = path / "checkpoints"  # checkpoint.SUBDIR (not imported: orbax loads after the platform is set)
+    if ckpts.exists() and not ckpts.is_dir():  # else the first save fails, steps later
+        raise JaxdistError(f"{ckpts} is a file, where checkpoints go; move it away or choose another --run-dir")
     probe = path
     while not probe.exists():
         probe = probe.parent

@@ -104,6 +104,28 @@ ROWS = [  # (id, paths -> (options, overrides), expected message)
     ("run dir that is a file", lambda p: (["--run-dir", str(p.file("afile"))], []), r"is a file; pass a folder path"),
     ("run dir inside a file", lambda p: (["--run-dir", str(p.file("afile") / "sub")], []), r"is not writable"),
     (
+        "a flag hiding a bad override of its key",
+        lambda p: (["--steps", "2"], ["train.steps=-5"]),
+        r"train.steps is given twice \(--steps 2 and train.steps=4\); give one of them",
+    ),
+    (
+        "bad flag value",
+        lambda p: (["--steps", "abc"], []),
+        r"^error: python -m jaxdist.train: argument --steps: invalid int value: 'abc'; see .* --help$",
+    ),
+    ("negative heartbeat timeout", lambda p: (["--heartbeat-timeout", "-1"], []), r"--heartbeat-timeout -1 must be"),
+    (
+        "duplicate YAML key",
+        lambda p: (["--config", str(p.file("dup.yaml", b"train:\n  steps: 5\n  steps: 7\n"))], []),
+        r"dup.yaml: key 'steps' appears twice \(lines 2 and 3\); keep one of them",
+    ),
+    ("YAML off as a method", lambda p: ([], ["reduce.method=off"]), r"reduce.method='off' is not one of implicit"),
+    (
+        "checkpoints folder that is a file",
+        lambda p: (["--run-dir", str(p.file("r/checkpoints").parent)], []),
+        r"r/checkpoints is a file, where checkpoints go",
+    ),
+    (
         "unwritable run dir",
         lambda p: (["--run-dir", str(p.locked_dir() / "sub")], []),
         r"is not writable",

@@ -348,3 +348,49 @@ def test_loss_png_is_never_left_empty(tmp_path, capsys, monkeypatch):
     done = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
     assert re.search(r"no loss plot \(cannot write .*loss.png \(no space left on device\)", done[0]), done
     assert not (run_dir / "loss.png").exists() and not list(run_dir.glob(".loss.png*"))
+
+
+# ---- every value validated before any work -----------------------------------------------------------
+
+HF = REPO / "tests" / "fixtures" / "hf_llama"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "nan"], r"--temperature a finite number >= 0"),
+        (["--top-p", "nan"], r"--top-p nan must be in \(0, 1\]"),
+        (["--max-new-tokens", "abc"], r"argument --max-new-tokens: invalid int value: 'abc'; see .* --help$"),
+        (
+            ["--prompt-tokens", " ".join(["5"] * 120)],
+            r"a prompt of 120 tokens \+ --max-new-tokens 16 = 136 positions, ",
+        ),
+    ],
+    ids=["temperature nan", "top-p nan", "bad int", "prompt beyond max_position_embeddings"],
+)
+def test_generate_refuses_bad_values_in_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    base = ["--hf", str(HF), "--max-new-tokens", "16", "--prompt-tokens", "1 2 3"]
+    assert generate.main([*base, *argv]) == 2
+    assert re.search(message, error_line(capsys))
+
+
+def test_to_hf_refuses_a_zero_shard_size(saved, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    assert convert.main(["to-hf", str(saved), str(tmp_path / "hf"), "--max-shard-gb", "0"]) == 2
+    assert "--max-shard-gb 0.0 must be a positive number" in error_line(capsys)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_nonfinite_weights_in_an_imported_model_are_one_line(tmp_path, capsys, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    damaged = tmp_path / "hf"
+    shutil.copytree(HF, damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    assert convert.main(["from-hf", str(damaged), str(tmp_path / "run")]) == 2
+    assert re.search(r"hf: tensor .*w_up.* holds NaN or Inf values; the checkpoint is damaged", error_line(capsys))
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ import yaml
 
 from jaxdist.config.keys import iter_keys
 from jaxdist.config.schema import Config, _not_a_section, _section_types, _unknown, from_dict
+from jaxdist.config.types import YamlWord
 from jaxdist.errors import JaxdistError
 
 
@@ -36,6 +37,36 @@ _Loader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
+
+
+class DuplicateKey(JaxdistError):
+    pass
+
+
+def _construct_bool(loader, node):
+    text = loader.construct_scalar(node)
+    return (
+        text.lower() == "true" if text.lower() in ("true", "false") else YamlWord(text, text.lower() in ("yes", "on"))
+    )
+
+
+def _construct_mapping(loader, node, deep=False):
+    """A mapping whose keys are unique: YAML's "last one wins" silently dropped the first value."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise DuplicateKey(f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one of them")
+            seen[key] = line
+        except TypeError:  # an unhashable key: PyYAML reports it itself
+            pass
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+_Loader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: dict(_construct_mapping(loader, node, True)))
 
 
 def yaml_load(text: str):
@@ -91,6 +122,8 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     path = find(path)
     try:
         raw = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except DuplicateKey as e:
+        raise JaxdistError(f"config file {path}: {e}") from None
     except UnicodeDecodeError as e:
         raise JaxdistError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:

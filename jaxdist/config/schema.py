@@ -16,6 +16,7 @@ from jaxdist.config.types import (
     Positive,
     PositiveFloat,
     Range,
+    YamlWord,
     _base,
     _field_types,
     _type_name,
@@ -245,6 +246,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the field type; ints are accepted for floats."""
     tp, _ = _base(tp)
     origin = typing.get_origin(tp)
+    if isinstance(value, YamlWord):  # off / on / yes / no: the bool for a bool field, else the word
+        value = value.truth if tp is bool else str(value)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, bool) and YAML_BOOL_WORDS[value] in allowed:

@@ -27,6 +27,17 @@ class Range:
         return " and ".join(x for x in (lo, hi) if x)
 
 
+class YamlWord(str):
+    """A YAML 1.1 boolean word other than true/false (`off`, `on`, `yes`, `no`), kept as written: a
+    bool field reads it as the bool, any other field as the word (`reduce.method: off` is reported as
+    `off`, not False)."""
+
+    def __new__(cls, text: str, truth: bool):
+        word = super().__new__(cls, text)
+        word.truth = truth
+        return word
+
+
 Positive = Annotated[int, Range(1)]
 NonNegative = Annotated[int, Range(0)]
 PositiveFloat = Annotated[float, Range(0, lo_open=True)]
