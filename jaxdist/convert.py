@@ -228,6 +228,9 @@ def to_hf(
     writer = jax.process_index() == 0
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writer:
+        from jaxdist.prepare import remove_stale
+
+        remove_stale(out, log)  # a killed export's hidden folder
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         files = hf_export.export(

@@ -222,6 +222,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     if tok is not None:
         dtype = check_dtype(tok.vocab_size, args.dtype, str(tok.file))
 
+    remove_stale(out, log)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -306,6 +307,29 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
         "val_fraction": args.val_fraction,
         "input": {"files": len(files), "bytes": total_bytes, "field": args.field},
     }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale(out: Path, log=print) -> list[Path]:
+    """The hidden `.OUT.tmp-PID` / `.OUT.old-PID` folders a killed run left beside `out` (their process
+    is gone on this host): removed, so they do not pile up. A live writer's folder is left alone."""
+    removed = []
+    for p in sorted(out.parent.glob(f".{out.name}.*-*")):
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+            log(f"removed {p}, left by a process that is gone (pid {pid})")
+    return removed
 
 
 def replace_folder(tmp: Path, out: Path) -> None:

@@ -394,3 +394,90 @@ def test_nonfinite_weights_in_an_imported_model_are_one_line(tmp_path, capsys, m
     assert convert.main(["from-hf", str(damaged), str(tmp_path / "run")]) == 2
     assert re.search(r"hf: tensor .*w_up.* holds NaN or Inf values; the checkpoint is damaged", error_line(capsys))
     assert not (tmp_path / "run").exists()
+
+
+# ---- outputs whole or not at all ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics_run(tmp_path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-3}) for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_plot_outputs_are_checked_and_written_whole(metrics_run, tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    from jaxdist import plot
+
+    cases = [
+        (["--out", str(tmp_path / "nowhere" / "a.png")], r"folder .*nowhere does not exist; create the folder"),
+        (["--out", str(metrics_run / "metrics.jsonl" / "a.png")], r"folder .*metrics.jsonl is a file"),
+        (["--out", str(tmp_path)], r"--out .*: give a file name ending in .png"),
+        (["--out", str(metrics_run / "metrics.jsonl")], r"--out .*metrics.jsonl: give a file name ending in .png"),
+    ]
+    before = (metrics_run / "metrics.jsonl").read_bytes()
+    for argv, message in cases:
+        assert plot.main([str(metrics_run), *argv]) == 2, argv
+        assert re.search(message, error_line(capsys)), argv
+    assert (metrics_run / "metrics.jsonl").read_bytes() == before and not (tmp_path / "nowhere").exists()
+
+    # the message names the file written
+    assert plot.main([str(metrics_run), "--out", str(tmp_path / "curve.png")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curve.png'}"
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+    # a folder that refuses the write (root ignores chmod: the write is made to fail as it would)
+    def savefig(self, fname, **kwargs):
+        Path(fname).write_bytes(b"")
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with monkeypatch.context() as m:
+        m.setattr(matplotlib.figure.Figure, "savefig", savefig)
+        assert plot.main([str(metrics_run)]) == 2
+    assert re.search(r"cannot write .*loss.png \(permission denied\)", error_line(capsys))
+    assert not list(metrics_run.glob("*.png")) and not list(metrics_run.glob(".loss.png*"))
+
+    # a step record without a loss
+    with open(metrics_run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "lr": 1e-3}) + "\n")
+    assert plot.main([str(metrics_run)]) == 2
+    assert re.search(r"the record of step 6 has no numeric 'loss'; fix or remove that line", error_line(capsys))
+
+
+def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
+    from jaxdist import prepare
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".out.tmp-{dead.pid}", tmp_path / f".out.old-{dead.pid}"]
+    live = tmp_path / f".out.tmp-{os.getppid()}"
+    other = tmp_path / f".other.tmp-{dead.pid}"
+    for p in [*stale, live, other]:
+        p.mkdir()
+    messages = []
+    assert sorted(prepare.remove_stale(tmp_path / "out", messages.append)) == sorted(stale)
+    assert live.is_dir() and other.is_dir() and not any(p.exists() for p in stale)
+    assert len(messages) == 2 and "left by a process that is gone" in messages[0]
+
+
+def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_path, capsys, monkeypatch):
+    from jaxdist import hf_export
+    from jaxdist.errors import JaxdistError
+
+    def fail(*a):
+        raise JaxdistError("data.tokenizer=gone.json does not exist; the export needs the run's tokenizer")
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    out = tmp_path / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(hf_export, "copy_tokenizer", fail)  # after the weights and config.json are written
+        assert convert.main(["to-hf", str(saved), str(out)]) == 2
+    assert "the export needs the run's tokenizer" in error_line(capsys)
+    assert not out.exists() and not list(tmp_path.glob(".hf.*"))
+    assert convert.main(["to-hf", str(saved), str(out)]) == 0
+    assert f"exported 1 safetensors file(s) to {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
