@@ -38,11 +38,12 @@ def check_prepared(folder: Path, manifest: dict) -> None:
 
 def files(cfg) -> list[str]:
     """The files this config's data comes from (both splits of a prepared folder)."""
-    from jaxdist import data
     from jaxdist.files import expand_path, stdlib_files
+    from jaxdist.prepare import read_manifest
 
     d = cfg.data
-    manifest = data.prepared(d.path) if d.path else None
+    folder = Path(d.path).expanduser() if d.path else None
+    manifest = read_manifest(folder) if folder is not None and folder.is_dir() else None
     if manifest is not None:
         root = Path(d.path).expanduser()
         return [str(root / f) for s in manifest["splits"].values() for f in s["files"]]
