@@ -132,7 +132,7 @@ class Text:
 
             try:
                 self.tokenizer = Tokenizer.from_file(str(path))
-            except Exception as e:  # noqa: BLE001 (the Rust side raises plain Exceptions for bad JSON)
+            except Exception as e:  # the Rust side raises plain Exceptions for bad JSON
                 raise JaxdistError(
                     f"{path} is not a tokenizers JSON file ({str(e).splitlines()[0][:120]}); restore the "
                     "run's tokenizer.json"

@@ -286,7 +286,7 @@ def _plot(run_dir: Path):
     """loss.png, or why there is none: a picture must never hide the run's own outcome or error."""
     try:
         return plot.loss_png(run_dir)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         from jaxdist.metrics import reason
 
         return str(e) if isinstance(e, JaxdistError) else reason(e)

@@ -276,7 +276,7 @@ class MetricWriter:
                     self.trackers.finish(record)
                 else:
                     self.trackers.log(record)
-        except Exception as e:  # noqa: BLE001 — any tracker library's failure is reported as one line
+        except Exception as e:  # any tracker library's failure is reported as one line
             self.enabled, file, self.file, self.trackers = False, self.file, None, None
             with contextlib.suppress(OSError):
                 file.close()

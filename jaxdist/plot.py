@@ -37,7 +37,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise JaxdistError(f"{path} not found; pass a run dir written by python -m jaxdist.train")
     by_step = {}
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):  # noqa: B007
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
             rec = json.loads(line)
         except ValueError:

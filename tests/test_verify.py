@@ -110,7 +110,7 @@ def test_the_intact_checkpoint_reads_through_the_same_path(saved, capsys, monkey
 
 # ---- a run knows its tokenizer ------------------------------------------------------------------------
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
 @pytest.fixture(scope="module")
