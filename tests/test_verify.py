@@ -228,11 +228,11 @@ def test_resume_on_a_changed_corpus_is_refused_unless_allowed(tmp_path, capsys, 
     assert train_main(args) == 0
     (texts / "3.txt").write_text(" ".join(WORDS) * 20)  # a file added since the checkpoint
     capsys.readouterr()
-    assert train_main([*args, "--steps", "3"]) == 2
+    assert train_main([*args, "train.steps=3"]) == 2
     line = error_line(capsys)
     assert re.search(r"on a corpus that changed since it was saved \(3 files, [\d,]+ bytes then; 4 files", line)
     assert "--allow-config-change data" in line
-    assert train_main([*args, "--steps", "3", "--allow-config-change", "data"]) == 0
+    assert train_main([*args, "train.steps=3", "--allow-config-change", "data"]) == 0
     assert "restored step 2" in capsys.readouterr().out
 
 
