@@ -173,6 +173,15 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
     assert not (tmp_path / "hf2").exists() and not list(tmp_path.glob(".hf2.tmp-*"))
 
 
+def test_bits_per_byte_only_for_byte_tokens():
+    from jaxdist import report, run_tokenizer
+
+    for overrides, bytes_ in [([], True), (["data.tokenizer=tok.json"], False), (["data.source=tokens"], False)]:
+        cfg = config.load(None, overrides)
+        assert run_tokenizer.byte_tokens(cfg) is bytes_, overrides
+        assert ("bits/byte" in report.units_line(cfg)) is bytes_, overrides
+
+
 def test_training_refuses_a_changed_or_corrupt_prepared_tokenizer(bpe_run, tmp_path, capsys):
     folder, _, args = bpe_run
     copy = tmp_path / "prepared"
