@@ -488,5 +488,5 @@ def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_pa
     assert "the export needs the run's tokenizer" in error_line(capsys)
     assert not out.exists() and not list(tmp_path.glob(".hf.*"))
     assert convert.main(["to-hf", str(saved), str(out)]) == 0
-    assert f"exported 1 safetensors file(s) to {out}" in capsys.readouterr().out
+    assert f"exported 1 file(s) to {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
