@@ -32,9 +32,10 @@ STEP_KEYS = ("loss", "lr", "grad_norm", "skipped")
 SMOOTHING = 0.9  # EMA of the train loss (bias-corrected): ~10 steps; one 8x128 batch is noisy
 
 
-def plain_output(stream=sys.stdout) -> bool:
+def plain_output(stream=None) -> bool:
     """Plain log lines instead of a progress bar: stdout is not a terminal (SLURM, nohup, CI, a pipe), or
-    the user set TQDM_DISABLE."""
+    the user set TQDM_DISABLE. (stdout is looked up now: a default bound at import kept a closed stream.)"""
+    stream = stream or sys.stdout
     disabled = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
     return disabled or not stream.isatty()
 
