@@ -177,7 +177,15 @@ class Trackers:
     def __init__(self, names: list[str], run_dir: Path, config: dict, config_text: str):
         check_installed(names)
         self.names = list(names)
-        self.open = [CLASSES[n](Path(run_dir), config, config_text) for n in names]
+        self.open = []
+        for n in names:
+            try:
+                self.open.append(CLASSES[n](Path(run_dir), config, config_text))
+            except Exception as e:  # a tracker that cannot start (a full disk, an unreachable server): one line
+                text = (getattr(e, "strerror", None) or str(e).strip() or type(e).__name__).splitlines()[0][:200]
+                raise JaxdistError(
+                    f"train.trackers: {n} could not start ({text}); fix it, or remove {n} from train.trackers"
+                ) from None
 
     def log(self, record: dict) -> None:
         values = _numeric(record)

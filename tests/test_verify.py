@@ -490,3 +490,18 @@ def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_pa
     assert convert.main(["to-hf", str(saved), str(out)]) == 0
     assert f"exported 1 file(s) to {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
+    from jaxdist import trackers
+
+    def fail(*a):
+        raise ENOSPC
+
+    monkeypatch.setattr(trackers.TensorBoard, "__init__", fail)
+    assert train_main(["--run-dir", str(tmp_path / "run"), *MICRO, 'train.trackers=["tensorboard"]']) == 2
+    line = error_line(capsys)
+    assert line == (
+        "error: train.trackers: tensorboard could not start (No space left on device); fix it, or remove "
+        "tensorboard from train.trackers"
+    ), line
