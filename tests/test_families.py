@@ -298,3 +298,24 @@ def test_import_onto_a_pipeline_layout(name):
     _, _, staged, model = imported(name, mesh)
     a, b = flat(params), flat(pipeline.from_stages(jax.device_get(staged), model.pipeline))
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_each_device_reads_only_its_experts(monkeypatch):
+    """Mixtral onto fsdp=2,ep=2,tp=2: every per-expert tensor is read as one device's slice (a quarter:
+    fsdp x tp) and each device reads its 2 of the 4 experts only, never another's."""
+    from jaxdist import hf_io
+
+    reads, real = [], hf_io.read_block
+
+    def spy(sl, idx, shape, n_in):
+        out = real(sl, idx, shape, n_in)
+        reads.append((tuple(sl.get_shape()), out.size))
+        return out
+
+    monkeypatch.setattr(hf_io, "read_block", spy)
+    cfg, *_ = imported("hf_mixtral", "fsdp=2,ep=2,tp=2")
+    m = cfg.model
+    expert_shapes = {(m.mlp_dim, m.d_model), (m.d_model, m.mlp_dim)}
+    experts = [size for shape, size in reads if shape in expert_shapes]
+    assert len(experts) == 8 * (m.moe_experts // 2) * 3 * m.num_layers  # devices x own experts x w1/w3/w2 x layers
+    assert all(size * 4 == m.mlp_dim * m.d_model for size in experts)
