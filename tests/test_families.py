@@ -319,3 +319,17 @@ def test_each_device_reads_only_its_experts(monkeypatch):
     experts = [size for shape, size in reads if shape in expert_shapes]
     assert len(experts) == 8 * (m.moe_experts // 2) * 3 * m.num_layers  # devices x own experts x w1/w3/w2 x layers
     assert all(size * 4 == m.mlp_dim * m.d_model for size in experts)
+
+
+@pytest.mark.parametrize("name, mesh_text", [("hf_qwen2", "cp=4,tp=2"), ("hf_qwen3_moe", "cp=2,ep=2,fsdp=2")])
+def test_logits_match_transformers_under_context_parallelism(name, mesh_text):
+    """q/k/v biases, q/k norms and the MoE layer with the sequence split over cp (load-balanced order)."""
+    from jaxdist.parallel import context
+
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg, mesh, params, model = imported(name, mesh_text, ["model.seq_len=16"])
+    perm = context.order(16, dict(mesh.shape)["cp"])
+    with sharding.activate(mesh, model.rules):
+        out = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t, positions_T=perm))(params, ref["sequences"][:, perm])
+    out = np.asarray(out[0] if isinstance(out, tuple) else out)[:, context.inverse(perm)]
+    assert np.abs(out - ref["logits"]).max() <= 1e-4
