@@ -37,11 +37,17 @@ def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Sch
     return optax.join_schedules([ramp, after], [warmup])
 
 
+NO_DECAY = frozenset({"bq_NH", "bk_KH", "bv_KH"})  # Qwen2's q/k/v biases: vectors per head, no decay
+
+
 def decay_mask(names_tree):
     """Weight decay on matrices only, judged from logical names so a stacked norm scale
-    (`layers`, `embed`) counts as the vector it is per layer."""
-    return jax.tree.map(
-        lambda names: len([n for n in names if n not in ("layers", "stage")]) >= 2,
+    (`layers`, `embed`) counts as the vector it is per layer; biases (split per head) are not matrices."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, names: (
+            len([n for n in names if n not in ("layers", "stage")]) >= 2
+            and str(getattr(path[-1], "key", "")) not in NO_DECAY
+        ),
         names_tree,
         is_leaf=lambda x: isinstance(x, tuple),
     )

@@ -333,3 +333,15 @@ def test_logits_match_transformers_under_context_parallelism(name, mesh_text):
         out = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t, positions_T=perm))(params, ref["sequences"][:, perm])
     out = np.asarray(out[0] if isinstance(out, tuple) else out)[:, context.inverse(perm)]
     assert np.abs(out - ref["logits"]).max() <= 1e-4
+
+
+def test_biases_and_qk_norms_get_no_weight_decay():
+    """Like the norms (and transformers' fine-tuning recipes), the Qwen2 biases are not decayed."""
+    from jaxdist.optim import decay_mask
+
+    cfg, _, _, model = imported("hf_qwen2", "fsdp=8")
+    mask = flat(decay_mask(model.names))
+    biases = [k for k in mask if k.endswith(("['bq_NH']", "['bk_KH']", "['bv_KH']"))]
+    assert len(biases) == 3 and not any(mask[k] for k in biases)
+    assert not any(v for k, v in mask.items() if "norm" in k)
+    assert mask["['blocks']['attn']['wq_DNH']"] and mask["['embed_VD']"]
