@@ -19,8 +19,9 @@ still computes (on padding) — costs real time, and the slowdown shows the bubb
 batch shard (the global batch grows with M, so activation memory that grows with M is the schedule's),
 8 layers (V=2 for circular and interleaved_1f1b). Per configuration: compiled temp bytes per device
 of the train step, the bubble the schedule predicts (GPipe/circular: (P-1)/(V M+P-1) of their loop
-iterations; the table schedules: idle slots / slots of the table) and, for the table schedules, the
-same read off the compiled program (the lax.switch branches each stage ran, counted inside them), and
+iterations; the table schedules: 1 - 2 V M / the table's lock-step time with F = B = 1, i.e. idle
+slots / slots on one lane) and, for the table schedules, the same with stage 0's forwards and backwards
+read off the compiled program (the lax.switch branches it ran, counted inside them), and
 tokens/s as a ratio to GPipe at the same M (timed in interleaved rounds in one process).
 """
 
@@ -197,7 +198,10 @@ def schedules_study(args) -> int:
             if name in schedules.SCHEDULES:  # the branches each stage's lax.switch ran, from the program
                 with prog.activate():
                     counts = np.asarray(jax.jit(prog.apply_fn.objective_sums.executed)(state.params, tokens))
-                measured = float(counts[:-1, 0].max() / pl.iterations)  # the last stage also idles in F slots
+                # stage 0's executed forwards + backwards over the table's lock-step time (F = B = 1; one
+                # lane: its slots); the last stage's F slots compute nothing, so stage 0 is the one to read
+                busy = counts[0, 1] + counts[0, 2]
+                measured = float(1 - busy / schedules.lockstep_time(pl.table(), 1.0, 1.0))
             state, _ = compiled(state, tokens)  # warm-up
             jax.block_until_ready(state)
             configs.append(
@@ -226,7 +230,7 @@ def schedules_study(args) -> int:
         f"batch shard; best of {args.rounds * args.steps} steps; activation of one micro-batch {micro_bytes / 1e3:.1f} kB"
     )
     print(
-        f"{'schedule':18s} {'M':>3s} {'temp MB':>8s} {'slots':>5s} {'bubble':>7s} {'measured':>8s} {'tok/s':>8s} {'vs gpipe':>8s}"
+        f"{'schedule':20s} {'M':>3s} {'temp MB':>8s} {'slots':>5s} {'bubble':>7s} {'measured':>8s} {'tok/s':>8s} {'vs gpipe':>8s}"
     )
     gpipe = {c["M"]: min(c["times"]) for c in configs if c["schedule"] == "gpipe"}
     records = []
