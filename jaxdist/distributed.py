@@ -9,8 +9,8 @@ source that has it, in this order:
 
 With none of them, the run is a single process and JAX is not initialised for multi-process at all.
 Cluster detection is ours rather than JAX's so it needs no extra packages (JAX's Kubernetes support
-needs the `kubernetes` client and API permissions) and gives every process all of its host's GPUs
-unless the scheduler put several tasks on one host.
+needs the `kubernetes` client and API permissions) and gives every process all of its host's GPUs,
+or, when the scheduler put several tasks on one host, an equal disjoint share of them by local rank.
 
 A process that cannot reach the coordinator, or whose peers never arrive, fails after
 `init_timeout` seconds naming the address. Once running, a process that dies stops the others within
@@ -63,10 +63,38 @@ def first_host(nodelist: str) -> str:
     return prefix + (re.split(r"[,-]", ranges)[0] if ranges else "")
 
 
-def _tasks_on_first_node(text: str) -> int:
-    """SLURM_TASKS_PER_NODE looks like '2(x3),1'; the first count is enough to know if nodes are shared."""
-    m = re.match(r"(\d+)", text or "")
-    return int(m.group(1)) if m else 1
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM_STEP_TASKS_PER_NODE, one count per node of the step: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in filter(None, (text or "").split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise JaxdistError(f"cannot read SLURM_STEP_TASKS_PER_NODE={text!r}; set JAX_* variables instead")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def visible_gpus(env: Mapping[str, str]) -> int:
+    """GPUs this process could use before JAX starts: CUDA_VISIBLE_DEVICES if set, else the host's
+    /dev/nvidiaN device files (0 on a CPU-only host)."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+    return sum(1 for f in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", f)) if os.path.isdir("/dev") else 0
+
+
+def share_of_gpus(local_rank: int, tasks_here: int, gpus: int, where: str) -> tuple[int, ...] | None:
+    """The GPUs of one of `tasks_here` tasks on a host with `gpus` of them: an equal, disjoint slice by
+    local rank (2 tasks on 8 GPUs: 0-3 and 4-7), never all of them and never only the first. None
+    (all visible devices) for one task per host, or a host without GPUs (CPU devices are simulated)."""
+    if tasks_here <= 1 or gpus == 0:
+        return None
+    if gpus % tasks_here:
+        raise JaxdistError(
+            f"{gpus} GPUs do not split evenly over the {tasks_here} tasks on this host ({where}); "
+            f"run {', '.join(str(n) for n in range(1, gpus + 1) if gpus % n == 0)} tasks per host"
+        )
+    per_task = gpus // tasks_here
+    return tuple(range(local_rank * per_task, (local_rank + 1) * per_task))
 
 
 def from_slurm(env: Mapping[str, str]) -> dict | None:
@@ -81,9 +109,14 @@ def from_slurm(env: Mapping[str, str]) -> dict | None:
         "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
         "coordinator": f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}",
     }
-    if _tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")) > 1:
-        found["local_device_ids"] = (_int(env.get("SLURM_LOCALID", 0), "SLURM_LOCALID"),)  # one GPU per task
-    return found
+    # --gpus-per-task: SLURM already gave each task its own GPUs (and CUDA_VISIBLE_DEVICES says which)
+    if "SLURM_GPUS_PER_TASK" not in env:
+        per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+        node = _int(env.get("SLURM_NODEID", 0), "SLURM_NODEID")
+        tasks_here = per_node[node] if node < len(per_node) else 1
+        local = _int(env.get("SLURM_LOCALID", 0), "SLURM_LOCALID")
+        found["local_device_ids"] = share_of_gpus(local, tasks_here, visible_gpus(env), "slurm")
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def from_openmpi(env: Mapping[str, str]) -> dict | None:
@@ -97,9 +130,13 @@ def from_openmpi(env: Mapping[str, str]) -> dict | None:
     m = re.search(r"tcp://([^,:;/]+)", env.get("OMPI_MCA_orte_hnp_uri", ""))
     if m:
         found["coordinator"] = f"{m.group(1)}:{_port(env)}"
-    if _int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1), "OMPI_COMM_WORLD_LOCAL_SIZE") > 1:
-        found["local_device_ids"] = (_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0), "OMPI_COMM_WORLD_LOCAL_RANK"),)
-    return found
+    found["local_device_ids"] = share_of_gpus(
+        _int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0), "OMPI_COMM_WORLD_LOCAL_RANK"),
+        _int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1), "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        visible_gpus(env),
+        "openmpi",
+    )
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def from_kubernetes(env: Mapping[str, str]) -> dict | None:

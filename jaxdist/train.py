@@ -190,6 +190,7 @@ def _main(argv: list[str] | None, stopper) -> int:
         allowed = allowed_changes(args.allow_config_change)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
         distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
         print(distributed.topology_line(), flush=True)
         run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)

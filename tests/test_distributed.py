@@ -6,6 +6,7 @@ from step 5 must reproduce steps 6..10 of the uninterrupted run."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -67,9 +68,19 @@ def test_slurm():
         "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
     }
     assert distributed.detect(env=env) == distributed.Launch("gpu003:61441", 4, 3, "slurm")
-    # two tasks on a node: each takes the GPU of its local rank; JAX_COORDINATOR_PORT sets the port
-    shared = distributed.detect(env={**env, "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "JAX_COORDINATOR_PORT": "777"})
-    assert (shared.coordinator, shared.local_device_ids) == ("gpu003:777", (1,))
+    # two tasks on a node of 8 GPUs: local rank 1 takes the second half; JAX_COORDINATOR_PORT sets the port
+    two = {
+        **env,
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "JAX_COORDINATOR_PORT": "777",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+    }
+    shared = distributed.detect(env=two)
+    assert (shared.coordinator, shared.local_device_ids) == ("gpu003:777", (4, 5, 6, 7))
+    assert distributed.detect(env={**two, "SLURM_GPUS_PER_TASK": "4"}).local_device_ids is None  # bound by SLURM
+    with pytest.raises(JaxdistError, match="3 GPUs do not split evenly over the 2 tasks"):
+        distributed.detect(env={**two, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert distributed.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert distributed.first_host("a-1") == "a-1" and distributed.first_host("n[10-12]") == "n10"
     # the batch script outside srun is one process, whatever SLURM_NTASKS says
     assert distributed.detect(env={k: v for k, v in env.items() if k != "SLURM_STEP_NODELIST"}) is None
@@ -85,6 +96,24 @@ def test_openmpi():
     assert distributed.detect(env=env) == distributed.Launch(f"10.96.0.1:{distributed.DEFAULT_PORT}", 2, 1, "openmpi")
     with pytest.raises(JaxdistError, match="lacks coordinator; pass --coordinator"):  # OpenMPI 5: no URI
         distributed.detect(env={k: v for k, v in env.items() if k != "OMPI_MCA_orte_hnp_uri"})
+
+
+LAUNCH_ENV = ROOT / "tests" / "fixtures" / "launch_env"
+RECORDED_COORDINATOR = {"slurm": "vm:61441", "openmpi": f"127.0.0.1:{distributed.DEFAULT_PORT}"}
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "openmpi"])
+def test_detection_from_what_the_launchers_really_set(launcher):
+    """The variables srun (SLURM 22.05) and mpirun (OpenMPI 4.1) set for 2 tasks on one node, recorded by
+    `scripts/cluster_check.py --record-env`: each process finds its rank, the count and one coordinator,
+    and on a host with GPUs takes its own disjoint share of them, never all and never only the first."""
+    envs = [json.loads((LAUNCH_ENV / f"{launcher}_{rank}.json").read_text()) for rank in (0, 1)]
+    cpu = [distributed.detect(env={**e, "CUDA_VISIBLE_DEVICES": ""}) for e in envs]
+    assert [(x.process_id, x.num_processes, x.source) for x in cpu] == [(0, 2, launcher), (1, 2, launcher)]
+    assert {x.coordinator for x in cpu} == {RECORDED_COORDINATOR[launcher]}
+    assert [x.local_device_ids for x in cpu] == [None, None]  # CPU: each process simulates its own devices
+    gpus = [distributed.detect(env={**e, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) for e in envs]
+    assert [x.local_device_ids for x in gpus] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
 def test_kubernetes_jobset():
@@ -243,6 +272,40 @@ def test_launcher_fails_when_a_process_fails(tmp_path):
     )
     assert r.returncode == 2
     assert "error: unknown config key 'train.stepz'" in r.stderr and "launch_local: process" in r.stderr
+
+
+def test_sigterm_stops_two_processes_at_one_step_with_a_checkpoint(tmp_path):
+    """A scheduler's SIGTERM (SLURM requeue, preemption) reaches jaxdist in a multi-process run: every
+    process stops at the same step, saves it and exits 0. jax.distributed.initialize installs XLA's
+    preemption notifier, whose C++ handler swallowed the signal until SLURM's SIGKILL 60 s later."""
+    port = free_port()
+    args = ["--steps", "100000", "--run-dir", str(tmp_path / "run"), "--mesh", "fsdp=8", *SMALL]
+    args += ["checkpoint.every=100000"]  # any checkpoint is the signal's
+    procs = [
+        start(
+            train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), *args),
+            cpu_env(4),
+            tmp_path / f"p{i}.log",
+        )
+        for i in (0, 1)
+    ]
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + WAIT
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # mid-run
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "p0.log").read_text()
+            time.sleep(0.5)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        rcs = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = (tmp_path / "p0.log").read_text()
+    assert rcs == [0, 0], out[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    assert [q.name for q in (tmp_path / "run" / "checkpoints").iterdir() if q.name.isdigit()] == [str(stopped)]
 
 
 def test_killed_process_stops_the_other(tmp_path):

@@ -25,10 +25,16 @@ class StopSignal:
         self._previous: dict = {}
 
     def __enter__(self):
+        self.install()
+        return self
+
+    def install(self) -> None:
+        """Take SIGTERM / SIGINT; called again after `jax.distributed.initialize`, which installs XLA's
+        preemption notifier, a C++ SIGTERM handler that only logs 'SIGTERM caught': under SLURM a
+        requeued 2-process job trained on until the scheduler's SIGKILL and lost those steps."""
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
+                self._previous.setdefault(s, signal.signal(s, self._handle))
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
