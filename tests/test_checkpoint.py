@@ -14,7 +14,6 @@ All runs share one schedule (40 steps, a checkpoint every 10) so they are compar
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -296,12 +295,12 @@ def test_reducer_state_is_saved_and_restored(tmp_path):
 def test_first_signal_requests_a_stop_second_sigint_aborts():
     with checkpoint.StopSignal() as stopper:
         assert not stopper.requested()
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        # raise_signal delivers to this (the main) thread before it returns, so the Python handler runs at
+        # the next bytecode; os.kill may land on another thread and run it later, past the block below
+        signal.raise_signal(signal.SIGTERM)
         assert stopper.requested() and stopper.received == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)
+            signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is not stopper._handle  # previous handlers are back
 
 
