@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
 
-    from jaxdist import config, step
+    from jaxdist import config, hlo, step
     from jaxdist import mesh as mesh_mod
     from jaxdist.adapters import tree as adapters
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     print(
         "| run | argument MiB / device | temp MiB / device | optimizer state MiB (all devices) | trained params | layer matrices: stored bytes / entry |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, lora in rows:
         cfg = base.replace(lora=lora)
         prog = step.build_program(cfg, mesh)
@@ -92,10 +92,11 @@ def main(argv=None) -> None:
         params = prog.abstract_state.params
         trained = adapters.trainable(params) if lora["rank"] else params
         stored, entries = layer_matrix_bytes(params)
+        gathered = hlo.summarize(hlo.collectives(compiled.as_text())).get("all-gather", {}).get("bytes", 0.0)
         print(
             f"| {name} | {mem.argument_size_in_bytes / MB:,.0f} | {mem.temp_size_in_bytes / MB:,.0f} | "
             f"{nbytes(prog.abstract_state.opt_state) / MB:,.1f} | {sum(a.size for a in jax.tree.leaves(trained)):,} | "
-            f"{stored / entries:.3f} |",
+            f"{stored / entries:.3f} | {gathered / MB:,.0f} |",
             flush=True,
         )
 

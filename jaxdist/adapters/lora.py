@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxdist.adapters import quant
 from jaxdist.mixed import token_matmul, weight_matmul
-from jaxdist.sharding import constrain
+from jaxdist.sharding import constrain, current_rules
 
 # lora.targets name -> (submodule of a Block, weight attribute, leading input dims of the weight)
 TARGETS = {
@@ -80,7 +80,10 @@ def project(module, weight: str, x, names: tuple[str, ...], in_dims: int = 1):
         return weight_matmul(x, w, names, in_dims)
     scale = getattr(module, weight + SCALE, None)
     if scale is not None:
-        w = quant.dequantize(w, scale[...], block_axis(weight), x.dtype)
+        # Gather the codes and scales (~0.5-1 byte per entry), not the de-quantised layer: the weight's
+        # dims sharded over data-parallel axes (fsdp) are gathered before de-quantising, locally.
+        names = gathered_names(names)
+        w = quant.dequantize(constrain(w, names), constrain(scale[...], names), block_axis(weight), x.dtype)
     w = constrain(jax.lax.stop_gradient(w).astype(x.dtype), names)
     y = token_matmul(x, w.reshape(x.shape[-1], *w.shape[in_dims:]))
     a = getattr(module, weight + A, None)
@@ -117,3 +120,13 @@ def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
         "w_up_DF": (D, F),
         "w_down_FD": (F, D),
     }
+
+
+def gathered_names(names: tuple) -> tuple:
+    """`names` with every dim the rules shard over a batch (data-parallel) axis left unsharded: what a
+    matmul needs whole. Under no rules, unchanged."""
+    rules = current_rules()
+    if rules is None:
+        return names
+    data = set(rules.get("batch", ()))
+    return tuple(None if n is not None and set(rules.get(n, ())) & data else n for n in names)
