@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     MB = 2**20
     print(f"{args.config} with {args.layers} layers, seq {args.seq_len}, global batch {args.batch}, mesh {args.mesh}")
     print(
-        "| run | argument MiB / device | temp MiB / device | optimizer state MiB (all devices) | trained params | layer matrices: stored bytes / entry |"
+        "| run | argument MiB / device | temp MiB / device | optimizer state MiB (all devices) | trained params | layer matrices: stored bytes / entry | all-gather MiB sent / device / step |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, lora in rows:
