@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxdist import loss_mask
+from jaxdist import loss_mask, offload
 from jaxdist.loss import cross_entropy
 from jaxdist.models.moe import metrics_from_sums
 
@@ -87,11 +87,17 @@ def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: 
 
     def body(carry, tokens):
         (_, (loss, count, stats)), grads = grad_fn(params, tokens)
+        grads = offload.fetch(grads)  # offload.params=host: they leave the backward in host memory
         return jax.tree.map(jnp.add, carry, (grads, loss, count, stats)), None
 
     micro = split_microbatches(tokens_BT1, microbatches)
     shapes = jax.eval_shape(lambda p, t: grad_fn(p, t)[0][1][2], params, micro[0])
-    zeros = jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    # Gradient sums on the device, wherever the parameters live (offload.params=host).
+    zeros = (
+        jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params),
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.float32),
+    )
     init = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     (grads, loss, count, stats), _ = jax.lax.scan(body, init, micro)
     return grads, loss, count, stats

@@ -206,4 +206,24 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
             f"{d['microbatches']} micro-batches, {d['iterations']} iterations, "
             f"bubble {d['bubble_fraction']:.1%}"
         )
+    line = offload_line(cfg, p_bytes, o_bytes)
+    if line:
+        lines.append(line)
     return lines
+
+
+def offload_line(cfg, p_bytes: int, o_bytes: int) -> str | None:
+    """What lives in host memory and the host<->device bytes per device each offload moves per step."""
+    from jaxdist import offload
+
+    o = cfg.offload
+    if (o.optimizer, o.params, o.activations) == ("none",) * 3:
+        return None
+    moved = offload.bytes_per_step(cfg, p_bytes, o_bytes)
+    parts = [
+        f"{kind}={getattr(o, kind)}" + (f" ({moved[kind] / 2**20:,.1f} MiB/step)" if kind in moved else "")
+        for kind in ("optimizer", "params", "activations")
+    ]
+    if o.activations == "host":
+        parts[-1] += " (bytes: see the compiled step's host figures)"
+    return "offload (host<->device per device): " + ", ".join(parts)

@@ -31,9 +31,16 @@ def compute_dtype(model: ModelConfig, backend: str | None = None):
     return jnp.dtype(name)
 
 
+def model_config(cfg: Config) -> ModelConfig:
+    """cfg.model as the model runs it: offload.activations=host selects the offloading remat policy."""
+    if cfg.offload.activations == "host":
+        return dataclasses.replace(cfg.model, remat="offload_dots")
+    return cfg.model
+
+
 def make_model(cfg: Config, seed: int = 0) -> Llama:
     lora = cfg.lora if cfg.lora.rank else None  # adapters on the layer matrices (jaxdist.adapters)
-    return Llama(cfg.model, nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model), lora=lora)
+    return Llama(model_config(cfg), nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model), lora=lora)
 
 
 @dataclasses.dataclass(frozen=True)

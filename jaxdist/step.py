@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import sharding
+from jaxdist import offload, sharding
 from jaxdist.adapters import checks as lora_checks
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
@@ -122,9 +122,14 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
         return state_from_params(model.init_params(cfg, seed))
 
     abstract_state = jax.eval_shape(lambda: init_state(0))
-    shardings, opt_on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
+    shardings, on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
+    # The abstract state carries its shardings: lowered from it, the step sees host-resident (offloaded)
+    # arrays as host values (their avals' memory space), as it does when called with the arrays.
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
     batch_sharding, scalar = NamedSharding(mesh, sharding.batch_spec(rules)), NamedSharding(mesh, P())
-    train_step = make_train_step(cfg, tx, lr_schedule, stage, opt_on_device)
+    train_step = make_train_step(cfg, tx, lr_schedule, stage, on_device)
 
     def eval_step(params, tokens):
         return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
@@ -163,6 +168,7 @@ def check(cfg: Config, mesh: Mesh, rules) -> None:
     moe_parallel.check(cfg, mesh, rules)
     context.check(cfg, mesh, rules)
     lora_checks.check(cfg, mesh, rules)
+    offload.check(cfg, mesh)
 
 
 def trained_part(cfg: Config, tree):
@@ -177,6 +183,10 @@ def model_apply(cfg: Config, model: ResolvedModel, order_T) -> Callable:
         return pipeline.pipelined_apply(model.graphdef, model.pipeline, order_T)
 
     def apply_fn(params, tokens_BT, features=False):
+        if cfg.offload.params == "host":  # the layer stack is fetched layer by layer inside the scan
+            params = jax.tree_util.tree_map_with_path(
+                lambda p, x: x if getattr(p[0], "key", None) == "blocks" else offload.fetch(x), params
+            )
         segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
         return nnx.merge(model.graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
 
@@ -204,7 +214,8 @@ def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStag
 
 def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: ResolvedModel, abstract_state):
     """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
-    sharded like its parameters; with optim.offload=host it lives in pinned host memory between steps."""
+    sharded like its parameters; offload.optimizer=host / offload.params=host keep it / the parameters
+    in pinned host memory between steps."""
     is_spec = lambda x: isinstance(x, P)
     trained = trained_part(cfg, model.specs)  # LoRA: optimizer and reducer state cover the adapters only
     opt_specs = optax.tree_map_params(
@@ -212,21 +223,27 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     )
     specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(trained), P())
     shardings = sharding.named(mesh, specs)
-    opt_on_device = shardings.opt_state
-    if cfg.optim.offload == "host":
-        host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_on_device)
-        shardings = dataclasses.replace(shardings, opt_state=host)
-    return shardings, opt_on_device
+    on_device = {"opt_state": shardings.opt_state, "params": shardings.params}
+    host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(offload.HOST_KIND), tree)
+    if cfg.offload.optimizer == "host":
+        shardings = dataclasses.replace(shardings, opt_state=host(shardings.opt_state))
+    if cfg.offload.params == "host":
+        shardings = dataclasses.replace(shardings, params=host(shardings.params))
+    return shardings, on_device
 
 
-def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, opt_on_device) -> Callable:
+def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_device: dict) -> Callable:
     """`train_step(state, tokens) -> (state, metrics)`: gradients, then clip + AdamW, behind the
-    non-finite guard (a poisoned step leaves params, optimizer and reducer state untouched)."""
+    non-finite guard (a poisoned step leaves params, optimizer and reducer state untouched).
+    `on_device`: the device shardings of the opt_state and params that offload keeps in host memory."""
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
-        if cfg.optim.offload == "host":  # stream it in for the update only; out_shardings send it back
-            state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, opt_on_device))
+        if cfg.offload.optimizer == "host":  # stream it in for the update only; out_shardings send it back
+            state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, on_device["opt_state"]))
+        if cfg.offload.params == "host":  # likewise the parameters (and their gradients, host after the scan)
+            state = dataclasses.replace(state, params=jax.device_put(state.params, on_device["params"]))
+            grads = jax.device_put(grads, on_device["params"])
         grad_norm = optax.tree.norm(grads)
         trained = trained_part(cfg, state.params)  # LoRA: the adapters; the frozen base passes through
         updates, opt_state = tx.update(grads, state.opt_state, trained)

@@ -89,6 +89,6 @@ bench() {  # name, then config overrides; skipped past the 8-minute budget's las
 }
 bench remat_dots model.remat=dots_saveable
 bench remat_none model.remat=none
-bench remat_dots_offload model.remat=dots_saveable optim.offload=host
-bench remat_full_offload model.remat=full optim.offload=host
+bench remat_dots_offload model.remat=dots_saveable offload.optimizer=host
+bench remat_full_offload model.remat=full offload.optimizer=host
 emit "{\"check\": \"done\", \"elapsed_s\": $(elapsed)}"

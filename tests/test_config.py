@@ -96,7 +96,10 @@ def test_shipped_configs_load(name):
         ("data.separator=256", "data.separator=256 is out of range: it must be >= 0 and <= 255"),
         ("train.seed=-1", "train.seed=-1 is out of range: it must be >= 0"),
         ("reduce.ratio=0", "reduce.ratio=0.0 is out of range: it must be > 0 and <= 1"),
-        ("model.remat=ful", "model.remat='ful' is not one of none, full, dots_saveable; did you mean 'full'"),
+        (
+            "model.remat=ful",
+            "model.remat='ful' is not one of none, full, dots_saveable, offload_dots; did you mean 'full'",
+        ),
         ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
         ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
         ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
@@ -145,7 +148,7 @@ def test_help_lists_every_key_with_its_doc():
     for key, (_, _, doc) in config.iter_keys():
         assert f"  {key} = " in text
         assert doc, f"{key} has no doc comment in jaxdist/config/schema.py"
-    assert "model.remat = 'none'  [none | full | dots_saveable]" in text
+    assert "model.remat = 'none'  [none | full | dots_saveable | offload_dots]" in text
 
 
 def test_every_package_is_listed_in_pyproject():

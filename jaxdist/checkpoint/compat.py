@@ -48,7 +48,9 @@ FREE_KEYS = frozenset(
         "mesh.dcn",
         "mesh.rules",
         "model.remat",
-        "optim.offload",
+        "offload.optimizer",
+        "offload.params",
+        "offload.activations",
         "data.prefetch",
         "data.poison_step",
     }

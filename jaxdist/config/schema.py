@@ -50,7 +50,9 @@ class ModelConfig:
     sliding_window: NonNegative = 0  # each token attends to its last W positions, itself included (Mistral); 0 = all
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
-    remat: Literal["none", "full", "dots_saveable"] = "none"  # activation recomputation per block
+    remat: Literal["none", "full", "dots_saveable", "offload_dots"] = (
+        "none"  # activation recomputation per block (offload_dots: dots_saveable's residuals saved to host memory)
+    )
     moe_experts: NonNegative = 0  # mixture of experts (models/moe.py): experts per sparse layer; 0 = dense
     moe_topk: Positive = 2  # experts each token is routed to
     moe_every: Positive = 1  # every n-th layer's MLP is sparse (n divides num_layers)
@@ -127,7 +129,6 @@ class OptimConfig:
     eps: PositiveFloat = 1e-8  # AdamW epsilon
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by global_batch / reference_batch
     reference_batch: Positive = 8  # the batch the lr was tuned for (lr_scaling)
-    offload: Literal["none", "host"] = "none"  # host: optimizer state in pinned host memory
     schedule_steps: NonNegative = 0  # steps the LR schedule spans; 0 = train.steps (pin it to extend a run unchanged)
 
 
@@ -201,6 +202,17 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: Literal["none", "host"] = "none"  # host: AdamW state in pinned host memory, streamed in for the update
+    params: Literal["none", "host"] = (
+        "none"  # host: float32 parameters in pinned host memory, each layer fetched in the scan
+    )
+    activations: Literal["none", "host"] = (
+        "none"  # host: each layer's saved residuals go to host memory (not recomputed)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class LoraConfig:
     rank: NonNegative = (
         0  # LoRA adapter rank; 0 = off (every parameter trained). On: only adapters train (jaxdist/adapters)
@@ -229,6 +241,7 @@ class Config:
     reduce: ReduceConfig = dataclasses.field(default_factory=ReduceConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -310,7 +323,7 @@ def _not_a_section(name: str, values: Any, where: str = "") -> JaxdistError:
 
 
 # Keys renamed since an earlier release: old -> new. Using the old one is a one-line error naming the new.
-RENAMED = {"train.microbatches": "train.grad_accum_steps"}
+RENAMED = {"train.microbatches": "train.grad_accum_steps", "optim.offload": "offload.optimizer"}
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist import loss
+from jaxdist import loss, offload
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.mixed import WEIGHT_MATMUL, cast_sharded
@@ -22,6 +22,7 @@ from jaxdist.sharding import constrain, logical_names
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload_dots": offload.activation_policy(),  # the same residuals, saved in host memory
 }
 
 
@@ -232,6 +233,7 @@ class Llama(nnx.Module):
         names = jax.tree.map(lambda n: n[1:], logical_names(stacked), is_leaf=lambda n: isinstance(n, tuple))
 
         def body(x, layer_state):
+            layer_state = offload.fetch(layer_state)  # offload.params=host: this layer only, to the device
             # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
             # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
             # The dense layers' matrices stay float32 here: weight_matmul casts them on their shard itself
@@ -251,6 +253,8 @@ class Llama(nnx.Module):
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        elif any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
+            body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
         return jax.lax.scan(body, x_BTD, stacked)
 
     def head(self, x_BTD) -> loss.Head:
