@@ -72,12 +72,13 @@ def check(cfg, mesh) -> None:
 
 def bytes_per_step(cfg, param_bytes: int, opt_bytes: int) -> dict[str, int]:
     """Host<->device bytes per device per optimizer step each offload moves (both directions together):
-    optimizer: the state in and out once; params: in for each micro-batch's forward and backward, in and
-    out for the update, gradients out once per micro-batch. Activations are counted from the compiled
-    program (they depend on the policy's residuals), not here."""
+    optimizer: the state in and out once; params, per micro-batch: in for the forward and again for the
+    backward, the gradients out (the transpose of the fetch) and back in to be summed; then in and out
+    for the update. A model of the program, not read from it. Activations depend on the policy's
+    residuals and are not counted here."""
     out = {}
     if cfg.offload.optimizer == "host":
         out["optimizer"] = 2 * opt_bytes
     if cfg.offload.params == "host":
-        out["params"] = (3 * cfg.train.grad_accum_steps + 2) * param_bytes
+        out["params"] = (4 * cfg.train.grad_accum_steps + 2) * param_bytes
     return out

@@ -240,3 +240,15 @@ def test_activation_offload_moves_residuals_to_host(cfg):
     assert to_host and all(("device", shape) in moves for shape in to_host)
     _, plain_moves = gpu_moves(cfg)
     assert "pinned_host" not in {kind for kind, _ in plain_moves}
+
+
+def test_start_up_line_names_each_offload_and_its_bytes(cfg):
+    from jaxdist import report
+
+    assert report.offload_line(cfg, 2**20, 2**21) is None
+    both = cfg.replace(offload=dict(optimizer="host", params="host"))  # 2 micro-batches: (4 x 2 + 2) x params
+    line = report.offload_line(both, 2**20, 2**21)
+    assert (
+        line
+        == "offload (host<->device per device): optimizer=host (4.0 MiB/step), params=host (10.0 MiB/step), activations=none"
+    )
