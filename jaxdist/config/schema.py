@@ -207,9 +207,7 @@ class OffloadConfig:
     params: Literal["none", "host"] = (
         "none"  # host: float32 parameters in pinned host memory, each layer fetched in the scan
     )
-    activations: Literal["none", "host"] = (
-        "none"  # host: each layer's saved residuals go to host memory (not recomputed)
-    )
+    activations: Literal["none", "host"] = "none"  # host: layer matmul outputs saved in host memory
 
 
 @dataclasses.dataclass(frozen=True)
