@@ -38,14 +38,21 @@ class RunResult:
 
 
 def run(
-    cfg, run_dir: Path, log=print, restore: str | None = None, stopper=None, allowed: frozenset[str] = frozenset()
+    cfg,
+    run_dir: Path,
+    log=print,
+    restore: str | None = None,
+    stopper=None,
+    allowed: frozenset[str] = frozenset(),
+    origin: str = "",
 ) -> RunResult:
     """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
 
     Starts from this run dir's latest checkpoint if it has one, else from `restore` (another run's
     checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint
     (before the first step, if they come during start-up: `stopper` is installed by `main`).
-    `allowed`: config keys that may differ from the resumed checkpoint's.
+    `allowed`: config keys that may differ from the resumed checkpoint's. `origin`: how the run dir was
+    chosen, for the start-up line that says whether it resumed.
     """
     from jaxdist import checkpoint, rundir
 
@@ -56,7 +63,7 @@ def run(
     # leave its one error line on a line of its own, and no flush traceback at exit).
     with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
         try:
-            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers)
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers, origin)
         except OSError as e:
             if e.errno not in WRITE_ERRORS:
                 raise
@@ -87,7 +94,7 @@ def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
     return RunResult(run_dir, float("nan"), None, 0.0, 0)
 
 
-def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> RunResult:
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, origin) -> RunResult:
     import jax
 
     from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, run_tokenizer, rundir, step
@@ -137,6 +144,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
         rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
         run_tokenizer.record(run_tok, run_dir)
         for line in [
+            report.run_dir_line(run_dir, origin, restored, resuming, restore, cfg),
             *report.summary_lines(cfg, prog, flops_tok),
             report.data_line(cfg, loader),
             report.units_line(cfg),
@@ -248,6 +256,9 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers) -> R
         log(
             f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
             f"in {saver.directory}; run the same command to resume"
+            if saver.last_saved is not None
+            else f"stopped by {stopper.received} at step {steps_done}; no checkpoint was saved in {saver.directory}; "
+            "run the same command to start again"
         )
     return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
 

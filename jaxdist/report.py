@@ -13,6 +13,18 @@ from jaxdist.errors import JaxdistError
 MiB = 2**20
 
 
+def run_dir_line(run_dir: Path, origin: str, restored, resuming: bool, restore: str | None, cfg) -> str:
+    """Which run dir, how it was chosen, and whether this start resumed it (from which step)."""
+    where = f"run dir {run_dir}" + (f" ({origin})" if origin else "")
+    if resuming:
+        return f"{where}: resuming from step {restored.step} ({restored.path})"
+    if restored is not None:
+        params = restore.startswith("hf:") or cfg.checkpoint.params_only
+        what = "the parameters of" if params else f"step {restored.step} of"
+        return f"{where}: new run, starting from {what} {restored.path if not restore.startswith('hf:') else restore}"
+    return f"{where}: new run, starting at step 0"
+
+
 def artefact_lines(cfg, run_dir: Path) -> list[str]:
     r = Path(run_dir)
     where = [f"config {r / 'config.yaml'}", f"metrics {r / 'metrics.jsonl'}"]

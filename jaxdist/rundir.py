@@ -8,11 +8,17 @@
   and is simply taken over; a live owner makes a second trainer stop with one line.
 - History: `config.yaml` is the config the run started with and is never overwritten; every later
   start whose resolved config differs writes `config.<n>.yaml`, headed by the step and changed keys.
+- Default folder (no `--run-dir`): `runs/<config name>-<8 hex digits>`, the digits a hash of the
+  resolved config without the keys a resume may change (`checkpoint.compat.FREE_KEYS`: train.steps,
+  checkpoint.*, logging, mesh, ...) and of `--restore`. So the same command finds the same folder and
+  resumes it (after Ctrl-C, SIGTERM, a SLURM requeue), `--steps 600` after `--steps 300` extends the
+  same run, and a config that a resume would refuse gets a folder of its own.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -35,6 +41,23 @@ def check_storable(path: Path, flag: str = "--run-dir") -> None:
             f"{' '.join(repr(c) for c in bad)} (orbax reads it as a {UNSTORABLE[bad[0]]} "
             "character); choose a folder name without it"
         )
+
+
+def identity(cfg, restore: str | None = None) -> str:
+    """8 hex digits naming what a run computes: the resolved config without the keys a resume may
+    change, and where it starts from."""
+    from jaxdist.checkpoint.compat import FREE_KEYS
+
+    flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
+    kept = {k: v for k, v in sorted(flat.items()) if k not in FREE_KEYS}
+    text = json.dumps({"config": kept, "restore": restore or ""}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def default_run_dir(cfg, config_name: str | None, restore: str | None = None, root: Path = Path("runs")) -> Path:
+    """runs/<config name>-<identity>: the folder the same command finds again."""
+    name = Path(config_name).stem if config_name else "tiny"
+    return root / f"{name}-{identity(cfg, restore)}"
 
 
 def _owner(path: Path) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from jaxdist import distributed, trackers
@@ -37,7 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=2,fsdp=4 (default: all devices on fsdp)")
     p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
-    p.add_argument("--run-dir", default=None, help="output folder (default: a new folder under runs/)")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="output folder (default: runs/<config>-<hash of the config without train.steps, checkpoint, logging "
+        "and mesh keys>, so the same command resumes the same run and --steps N extends it)",
+    )
     p.add_argument(
         "--restore",
         default=None,
@@ -101,11 +105,12 @@ def print_config(cfg) -> str:
     return config.dump(with_resolved_mesh(cfg, jax.device_count()))
 
 
-def prepare_run_dir(run_dir: str | None) -> Path:
-    """Check (do not yet create) the run folder, so bad input writes nothing."""
+def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
+    """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
+    folder named by the config (rundir.default_run_dir), which the same command finds again."""
     from jaxdist import rundir
 
-    path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path = Path(run_dir) if run_dir else rundir.default_run_dir(cfg, config_name, restore)
     rundir.check_storable(path)
     if path.exists() and not path.is_dir():
         raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
@@ -185,7 +190,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             print(print_config(cfg), end="")
             return 0
         trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
-        run_dir = prepare_run_dir(args.run_dir)
+        run_dir = prepare_run_dir(args.run_dir, cfg, args.config, args.restore)
         setup_platform(args.cpu_devices)
         allowed = allowed_changes(args.allow_config_change)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
@@ -193,7 +198,8 @@ def _main(argv: list[str] | None, stopper) -> int:
         stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
         print(distributed.topology_line(), flush=True)
-        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed)
+        origin = "--run-dir" if args.run_dir else "named by this config; the same command resumes it"
+        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

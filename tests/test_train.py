@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -78,3 +79,61 @@ def test_overrides_may_come_before_and_after_flags():
     assert args.overrides == ["model.num_layers=2", "optim.lr=1e-3"] and args.steps == 3
     cfg = train.resolve_config(args)
     assert (cfg.model.num_layers, cfg.train.steps, cfg.optim.lr, cfg.mesh.shape) == (2, 3, 1e-3, "dp=2,fsdp=4")
+
+
+def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path):
+    """No --run-dir: the run dir is named by the config, so after SIGTERM the same command (same folder,
+    same arguments) resumes from the saved step instead of starting a new run at step 0."""
+    import os
+    import re
+    import signal
+
+    from conftest import MICRO_MODEL
+
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "jaxdist.train",
+        "--steps",
+        "6",
+        *[f"model.{k}={v}" for k, v in MICRO_MODEL.items()],
+        "optim.warmup_steps=1",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "checkpoint.every=2",
+        "train.trackers=[]",
+    ]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in first.stdout:
+        lines.append(line)
+        if line.startswith("checkpoint step 2"):
+            first.send_signal(signal.SIGTERM)
+            break
+    rest, err = first.communicate(timeout=300)
+    text = "".join(lines) + rest
+    assert first.returncode == 0, text + err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"tiny-[0-9a-f]{8}", run_dir.name), run_dir.name
+    assert (
+        f"run dir {Path('runs') / run_dir.name} (named by this config; the same command resumes it): new run, "
+        "starting at step 0" in text
+    ), text
+    m = re.search(
+        r"stopped by SIGTERM at step (\d+); latest checkpoint: step (\d+) .*run the same command to resume", text
+    )
+    assert m and m.group(1) == m.group(2), text
+    stopped = int(m.group(1))
+    assert 2 <= stopped < 6
+
+    second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]  # no second folder
+    assert f": resuming from step {stopped} ({Path('runs') / run_dir.name / 'checkpoints' / str(stopped)})" in (
+        second.stdout
+    ), second.stdout
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "step" in r]
+    assert steps[-1] == 6 and second.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
