@@ -3,10 +3,11 @@
     for each step: every hook's before_step; dispatch the step (asynchronous); every hook's after_step,
     in list order; stop if a stop was requested.
 
-The default list (jaxdist.train): profile window, checkpoint (before the next batch is drawn, so the
-saved data iterator is at this step), next batch (drawn while the device works), metrics (the previous
-step's, read one step late; the last step's and an eval step's at once). One more per-step concern is
-one more hook in that list.
+The default list (jaxdist.loop): profile window, metrics (the previous step's, read one step late; the
+last step's, an eval step's and a checkpoint step's at once, so a step's log line comes before its
+checkpoint message and the checkpoint holds the smoothed loss up to its step), checkpoint (before the
+next batch is drawn, so the saved data iterator is at this step), next batch (drawn while the device
+works). One more per-step concern is one more hook in that list.
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ class Batches(Hook):
 
 
 class Metrics(Hook):
-    """Read step s's metrics after step s+1 was dispatched; the last step's, and an eval step's (the
-    evaluation needs this step's state), at once."""
+    """Read step s's metrics after step s+1 was dispatched; the last step's, an eval step's (the
+    evaluation needs this step's state) and a checkpoint step's (`save_due(end)`: the save waits for
+    this step anyway), at once."""
 
-    def __init__(self, progress, evaluate, eval_every: int):
-        self.progress, self.evaluate, self.eval_every = progress, evaluate, eval_every
+    def __init__(self, progress, evaluate, eval_every: int, save_due=lambda end: False):
+        self.progress, self.evaluate, self.eval_every, self.save_due = progress, evaluate, eval_every, save_due
         self.pending = None
 
     def eval_due(self, end: StepEnd) -> bool:
@@ -100,7 +102,7 @@ class Metrics(Hook):
             self.progress.record(*self.pending)
         self.pending = (end.index, end.metrics)
         due = self.eval_due(end)
-        if end.last or due:
+        if end.last or due or self.save_due(end):
             params = end.state.params
             self.progress.record(
                 end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(params)) if due else None

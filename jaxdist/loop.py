@@ -121,7 +121,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak, peak_source, mfu_approx = metrics.peak_flops(
-        list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops
+        list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops, probe_cpu=False
     )
 
     resuming, from_hf, restored = _restore(cfg, run_dir, prog, loader, restore, allowed, is_main, log)
@@ -203,6 +203,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         mfu_approx=mfu_approx,
         memory=lambda: metrics.device_memory(local),
         log=log,
+        carry=restored.progress if resuming else None,
     )
     closers.callback(progress.close)
     saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
@@ -211,11 +212,14 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         return stopped
     stopper.training = True
     batches = hooks.Batches(loader, first)
+    saver.carry = progress.carry  # the smoothed loss goes into each checkpoint
     per_step = [
         hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
+        hooks.Metrics(
+            progress, evaluate, cfg.train.eval_every, save_due=lambda end: end.stop or saver.due(end.done, end.last)
+        ),
         hooks.Checkpoint(saver, loader),
         batches,
-        hooks.Metrics(progress, evaluate, cfg.train.eval_every),
     ]
     steps_done = start
     plotted = None
@@ -249,7 +253,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     log(report.memory_line(summary))
     log(
         f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
-        f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, MFU {progress.mfu_mark}{summary['mfu']:.1%}, "
+        f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, {progress.throughput_text(summary)}, "
         f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
     )
     if stopper.received:

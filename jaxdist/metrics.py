@@ -129,15 +129,20 @@ def cached_cpu_peak() -> tuple[float, str]:
         return peak, f"CPU matmul probe, measured now (cache not writable){note}"
 
 
-def peak_flops(devices, dtype: str, override_per_device: float = 0.0) -> tuple[float, str, bool]:
+def peak_flops(
+    devices, dtype: str, override_per_device: float = 0.0, probe_cpu: bool = True
+) -> tuple[float, str, bool]:
     """(peak FLOP/s of all `devices` together, where the figure comes from, whether MFU is approximate).
     CPU 'devices' share the host's cores, so the CPU peak is the matmul rate of the whole host, however
-    many devices are simulated; it is a measured rate, not a datasheet peak, hence approximate."""
+    many devices are simulated; it is a measured rate, not a datasheet peak, hence approximate.
+    `probe_cpu=False` (the trainer): no CPU peak (0), so only achieved FLOP/s is reported."""
     n = len(devices)
     if override_per_device > 0:
         return override_per_device * n, f"train.peak_flops={override_per_device:.4g} per device", False
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
+        if not probe_cpu:
+            return 0.0, "CPU: no datasheet peak", False
         peak, source = cached_cpu_peak()
         return peak * len({d.process_index for d in devices}), source, True
     for name, hardware_name in DEVICE_KINDS.items():

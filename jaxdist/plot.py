@@ -28,6 +28,7 @@ METRICS = {
     "eval_loss": "eval loss (nats/token)",
     "tokens_per_sec": "tokens / s",
     "mfu": "MFU",
+    "flops_per_sec": "achieved model FLOP/s",
 }
 
 

@@ -11,7 +11,15 @@ for them (it was busy elsewhere, e.g. saving a checkpoint, which waits for the s
 unknown earlier time, and timing the next step from "now" would shorten it, up to MFUs of thousands of
 percent after a resume. So the clock restarts only after a real wait, and an interval is then an upper
 bound of its steps' time (MFU a lower bound). MFU is also capped at 100%, with one line saying so, for
-a peak that was measured low (the CPU matmul probe on a busy machine).
+a peak set too low (train.peak_flops).
+
+Throughput is achieved model FLOP/s (`flops_per_sec`, every record), and MFU (`mfu`) only where there is
+a peak to divide by: a datasheet peak or train.peak_flops. A CPU has no datasheet peak, and a probed one
+moved with the machine's load (the same run read ~17% or ~31%), so CPU runs report FLOP/s alone.
+
+The smoothed loss is an exponential moving average with Adam's bias correction (the first value is the
+first loss, not 10% of it), and its state (`carry()`) is saved with each checkpoint so a resumed run
+continues the same curve.
 """
 
 from __future__ import annotations
@@ -67,9 +75,11 @@ class Progress:
         mfu_approx: bool = False,
         memory=None,
         log=print,
+        carry: dict | None = None,
     ):
         """`memory() -> dict | None`: the device allocator's figures, logged with every record.
-        `log`: where messages and plain lines go (above the bar when there is one)."""
+        `log`: where messages and plain lines go (above the bar when there is one). `carry`: the smoothed
+        loss's state saved with the checkpoint this run resumes from (`carry()`)."""
         self.cfg, self.writer, self.enabled, self.log = cfg, writer, enabled, log
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
         self.mfu_mark = "~" if mfu_approx else ""  # CPU: a measured matmul rate, not a datasheet peak
@@ -83,6 +93,8 @@ class Progress:
         self.skipped_total, self.skipped_at = 0, []
         self.last_loss, self.eval_loss = math.nan, None
         self.ema, self.ema_steps = 0.0, 0
+        if carry:
+            self.ema, self.ema_steps = float(carry["loss_ema"]), int(carry["loss_ema_steps"])
         self.rates: list[float] = []
         self.step_time = None
         self.capped = False
@@ -107,6 +119,22 @@ class Progress:
                 f"{self.peak:.3g}; MFU is shown as at most 100% (set train.peak_flops to the true peak)"
             )
         return min(raw, 1.0)
+
+    def carry(self) -> dict:
+        """What a checkpoint keeps so a resume continues the smoothed loss (JSON)."""
+        return {"loss_ema": self.ema, "loss_ema_steps": self.ema_steps}
+
+    def throughput(self, tokens_per_sec: float) -> dict:
+        """Achieved model FLOP/s, and MFU where there is a peak."""
+        out = {"flops_per_sec": tokens_per_sec * self.flops_per_token}
+        if self.peak:
+            out["mfu"] = self.mfu(tokens_per_sec)
+        return out
+
+    def throughput_text(self, record: dict) -> str:
+        if "mfu" in record:
+            return f"MFU {self.mfu_mark}{record['mfu']:.1%}"
+        return f"{record['flops_per_sec'] / 1e9:.3g} GFLOP/s"
 
     @property
     def smoothed(self) -> float:
@@ -148,7 +176,7 @@ class Progress:
                 "grad_norm": vals["grad_norm"],
                 "tokens_per_sec": tps,
                 "step_time_s": self.step_time,
-                "mfu": self.mfu(tps),
+                **self.throughput(tps),
                 "skipped_steps": self.skipped_total,
                 **({"skipped_at": self.skipped_at} if self.skipped_at else {}),
                 **(self.memory() or {}),
@@ -159,7 +187,8 @@ class Progress:
                 loss=f"{vals['loss']:.3f}",
                 smooth=f"{self.smoothed:.3f}",
                 tok_s=f"{tps:,.0f}",
-                mfu=f"{self.mfu_mark}{record['mfu']:.1%}",
+                **({"mfu": f"{self.mfu_mark}{record['mfu']:.1%}"} if "mfu" in record else {}),
+                **({} if "mfu" in record else {"gflop_s": f"{record['flops_per_sec'] / 1e9:.3g}"}),
             )
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait
                 self.restart_clock()
@@ -187,7 +216,7 @@ class Progress:
         parts += [
             f"lr {record['lr']:.3g}",
             f"{record['tokens_per_sec']:,.0f} tok/s",
-            f"MFU {self.mfu_mark}{record['mfu']:.1%}",
+            self.throughput_text(record),
         ]
         if "memory_in_use" in record:
             parts.append(
@@ -212,7 +241,7 @@ class Progress:
             "final_loss_smooth": self.smoothed,
             "eval_loss": self.eval_loss,
             "tokens_per_sec": tps,
-            "mfu": self.mfu(tps),
+            **self.throughput(tps),
             "compile_s": compile_s,
             "skipped_steps": self.skipped_total,
             **(self.memory() or {}),

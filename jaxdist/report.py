@@ -82,8 +82,11 @@ def units_line(cfg) -> str:
 
 def peak_line(peak: float, source: str, approximate: bool) -> str:
     if not peak:
-        return f"MFU: not reported ({source})"
-    return f"MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source})" + (
+        return (
+            f"throughput: achieved model FLOP/s (flops_per_sec), no MFU ({source}; set train.peak_flops "
+            "per device for MFU)"
+        )
+    return f"throughput: MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source}), and achieved FLOP/s" + (
         "; approximate (~): a measured CPU matmul rate, not a datasheet peak" if approximate else ""
     )
 

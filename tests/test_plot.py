@@ -60,12 +60,14 @@ def test_plain_log_lines_with_units_smoothing_eval_and_eta(five_steps):
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split(" | ")[0] for x in steps] == ["step 2/5", "step 4/5", "step 5/5"]  # log_every, eval, last
     for x in steps:
-        assert " nats/token (" in x and " bits/byte)" in x and "| smoothed " in x and " tok/s | MFU ~" in x
+        assert " nats/token (" in x and " bits/byte)" in x and "| smoothed " in x and " tok/s | " in x
+        assert " GFLOP/s | " in x and "MFU" not in x  # CPU: achieved FLOP/s, no MFU against a probed peak
     assert "| eval loss " in steps[1] and "| eval loss " in steps[2] and "eval" not in steps[0]
     assert "ETA " in steps[0] and steps[2].endswith("| done")
     text = "\n".join(lines)
     assert "uniform baseline ln 256 = 5.545 nats/token = 8.00 bits/byte" in text
-    assert "; approximate (~)" in text and "CPU matmul probe" in text
+    assert "throughput: achieved model FLOP/s (flops_per_sec), no MFU (CPU: no datasheet peak" in text
+    assert "probe" not in text
     assert "epochs" in text and "text files (the Python standard library)" in text
     assert f"loss plot {five_steps[0] / 'loss.png'}" in text
     assert any(x.startswith("memory per device: compiled step ") and "planner predicted" in x for x in lines)
@@ -91,6 +93,52 @@ def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
     assert 1.8 < p.smoothed < 2.2  # the mean of the alternation, not its last value
     assert p.summary(43, 0.0)["final_loss_smooth"] == p.smoothed
     p.close()
+
+
+def test_smoothed_loss_carried_through_a_resume_equals_the_uninterrupted_one(tiny_cfg):
+    """Progress.carry() (saved with each checkpoint) makes a resumed run's smoothed loss the same as an
+    uninterrupted run's; a fresh start at the resume step would restart the average from that loss."""
+    from jaxdist import metrics
+
+    cfg = tiny_cfg.replace(train={"log_every": 1})
+    losses = [5.0 - 0.1 * i + (0.3 if i % 3 else 0.0) for i in range(12)]
+
+    def feed(p, start, stop):
+        for i in range(start, stop):
+            p.record(i, {"loss": losses[i], "lr": 1e-3, "grad_norm": 1.0, "skipped": 0.0})
+        return p.smoothed
+
+    whole = progress.Progress(cfg, metrics.MetricWriter(None), 100, 1.0, 0.0, log=lambda *a: None)
+    reference = feed(whole, 0, 12)
+    first = progress.Progress(cfg, metrics.MetricWriter(None), 100, 1.0, 0.0, log=lambda *a: None)
+    feed(first, 0, 5)
+    carried = json.loads(json.dumps(first.carry()))  # as the checkpoint's meta stores it
+    resumed = progress.Progress(cfg, metrics.MetricWriter(None), 100, 1.0, 0.0, start=5, carry=carried)
+    assert feed(resumed, 5, 12) == pytest.approx(reference, rel=1e-12)
+    fresh = progress.Progress(cfg, metrics.MetricWriter(None), 100, 1.0, 0.0, start=5)
+    assert abs(feed(fresh, 5, 12) - reference) > 0.05  # the test can fail: without the carry it differs
+    for p in (whole, first, resumed, fresh):
+        p.close()
+
+
+def test_cpu_reports_achieved_flops_and_a_known_peak_reports_mfu_too(tiny_cfg):
+    """metrics.jsonl and the log line say which: `flops_per_sec` always, `mfu` only with a peak."""
+    records = []
+    writer = type("W", (), {"write": lambda self, r: records.append(r)})()
+    cfg = tiny_cfg.replace(train={"log_every": 1})
+    for peak in (0.0, 1e15):
+        lines = []
+        p = progress.Progress(cfg, writer, 100, 1000.0, peak, log=lines.append)
+        p.record(0, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "skipped": 0.0})
+        r, line = records[-1], p.line(1, records[-1])
+        assert r["flops_per_sec"] == pytest.approx(r["tokens_per_sec"] * 1000.0)
+        if peak:
+            assert r["mfu"] == pytest.approx(r["flops_per_sec"] / peak) and f"| MFU {r['mfu']:.1%} |" in line
+        else:
+            assert "mfu" not in r and f"| {r['flops_per_sec'] / 1e9:.3g} GFLOP/s |" in line and "MFU" not in line
+        summary = p.summary(1, 0.0)
+        assert ("mfu" in summary) == bool(peak) and summary["flops_per_sec"] > 0
+        p.close()
 
 
 def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path, capsys):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=256", "model.head_dim=16", "model.seq_len=64"]
@@ -40,8 +41,9 @@ def test_cli_trains_on_the_default_corpus(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(5, 61, 5))  # eval steps 30, 60 are log steps too
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"):
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "flops_per_sec"):
         assert all(key in r for r in steps), key
+    assert not any("mfu" in r for r in records)  # CPU: no datasheet peak, so no MFU
     evals = [r["eval_loss"] for r in records if "eval_loss" in r and "summary" not in r]
     assert len(evals) == 2
     rates = [r["tokens_per_sec"] for r in steps]
@@ -137,3 +139,14 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "step" in r]
     assert steps[-1] == 6 and second.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
+    # The smoothed loss goes on through the resume: the bias-corrected EMA of every logged raw loss.
+    by_step = {r["step"]: r for r in records if "step" in r}
+    assert sorted(by_step) == list(range(1, 7))
+    ema = 0.0
+    for s in range(1, 7):
+        ema = 0.9 * ema + 0.1 * by_step[s]["loss"]
+        assert by_step[s]["loss_smooth"] == pytest.approx(ema / (1 - 0.9**s), rel=1e-9), s
+    # A step's log line comes before that step's checkpoint message.
+    for out in (text, second.stdout):
+        for m in re.finditer(r"^checkpoint step (\d+): writing", out, re.M):
+            assert f"step {m.group(1)}/6 | " in out[: m.start()], out

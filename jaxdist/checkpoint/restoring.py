@@ -36,6 +36,7 @@ class Restored:
     seconds: float
     changes: dict = dataclasses.field(default_factory=dict)  # config key -> (checkpoint's, now)
     verify_s: float = 0.0  # of `seconds`, checking the files against their checksums
+    progress: dict | None = None  # the smoothed loss's state at this step (None: an older checkpoint)
 
 
 class Corrupted(Exception):
@@ -56,7 +57,7 @@ def _restore_step(
     params_only: bool,
     allowed: frozenset,
     drift: bool,
-) -> tuple[TrainState, dict]:
+) -> tuple[TrainState, dict, dict | None]:
     where = directory / str(step)
     metadata = manager.item_metadata(step)
     compat.check_model(metadata["params"], prog.abstract_state.params, where)
@@ -85,12 +86,12 @@ def _restore_step(
     restored = manager.restore(step, args=ocp.args.Composite(**items))
     if params_only:
         fresh = prog.init_state(cfg.train.seed)  # new optimizer, step 0: fine-tuning starts here
-        return dataclasses.replace(fresh, params=restored["params"]), changes
+        return dataclasses.replace(fresh, params=restored["params"]), changes, None
     try:  # this process's iterator file; absent when the process count changed
         manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
     except ValueError:
         loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
-    return TrainState(params=restored["params"], **restored["train"]), changes
+    return TrainState(params=restored["params"], **restored["train"]), changes, meta.get("progress")
 
 
 def _meta(manager, step: int) -> dict:
@@ -186,5 +187,5 @@ def restore(
         return _restore_step(manager, directory, step, prog, loader, cfg, params_only, allowed, drift)
 
     got = read_checkpoint(path, read, log)
-    state, changes = got.value
-    return Restored(state, 0 if params_only else got.step, got.path, got.seconds, changes, got.verify_s)
+    state, changes, carried = got.value
+    return Restored(state, 0 if params_only else got.step, got.path, got.seconds, changes, got.verify_s, carried)

@@ -69,6 +69,7 @@ class Saver:
             except (OSError, JaxdistError):
                 self._corpus = {}
         return self._corpus or None
+        self.carry: Callable[[], dict] | None = None  # host-side state saved in meta (the smoothed loss)
 
     def due(self, step: int, final: bool = False) -> bool:
         """Every `checkpoint.every` steps and at the end of the run (0 disables both)."""
@@ -130,6 +131,7 @@ class Saver:
             "config": self.cfg.to_dict(),
             integrity.META_FLAG: True,
             "corpus": self.corpus,
+            **({"progress": self.carry()} if self.carry else {}),
         }
         self.pending = (step, start, 0.0)
         self._guard(
