@@ -11,7 +11,12 @@ Sources:
   (jaxdist/tokenizer.py). With no path, the running interpreter's standard library source.
 - `tokens`: flat binary token files (uint16/uint32), memory-mapped (nanoGPT / Megatron style), from a
   glob or folder; a folder made by `python -m jaxdist.data prepare` (jaxdist/prepare.py) trains on its
-  train/ shards and evaluates on its val/ shards, with the dtype its manifest records.
+  train/ shards and evaluates on its val/ shards, with the dtype its manifest records (the manifest
+  decides: `data.token_dtype` may be left at auto, and another value is an error).
+
+Evaluation reads one source, by one rule: a prepared folder's val/ split; otherwise the last
+`data.eval_fraction` of the token stream. When that source holds no whole window of model.seq_len+1
+tokens, evaluation is off with one start-up warning saying why (never windows taken from elsewhere).
 """
 
 from __future__ import annotations
@@ -43,6 +48,26 @@ def source_of_prepared(cfg: Config, log=print) -> Config:
             log(f"data.path={cfg.data.path} is a prepared folder: training on its token shards (data.source=tokens)")
         return cfg.replace(data=dict(source="tokens"))
     return cfg
+
+
+def resolve_token_dtype(cfg: Config) -> Config:
+    """`cfg` with data.token_dtype as it is read: a prepared folder's manifest decides (another explicit
+    value is an error), plain token files take uint16 for auto, and a text source reads no token
+    files (auto). config.yaml then records what was read, and runs are never told apart by a dtype
+    that had no effect."""
+    d = cfg.data
+    if d.source != "tokens":
+        want = "auto"
+    elif (manifest := prepared(d.path)) is not None:
+        want = manifest["dtype"]
+        if d.token_dtype not in ("auto", want):
+            raise JaxdistError(
+                f"data.token_dtype={d.token_dtype} contradicts {Path(d.path) / 'manifest.json'}, which records "
+                f"{want}; drop data.token_dtype (a prepared folder's manifest decides)"
+            )
+    else:
+        want = "uint16" if d.token_dtype == "auto" else d.token_dtype
+    return cfg if want == d.token_dtype else cfg.replace(data=dict(token_dtype=want))
 
 
 def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np.ndarray:
@@ -136,10 +161,10 @@ class Windows:
 
 
 class Subset:
-    """Windows [start, stop) of another source (train / held-out split)."""
+    """Windows [start, stop) of another source (train / held-out split); `label` says what was read."""
 
-    def __init__(self, source, start: int, stop: int):
-        self.source, self.start, self.stop = source, start, stop
+    def __init__(self, source, start: int, stop: int, label: str = ""):
+        self.source, self.start, self.stop, self.label = source, start, stop, label
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -196,14 +221,20 @@ def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.
     return out
 
 
-def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(training arrays, held-out arrays or []) of `data.source=tokens`."""
+def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None, str]:
+    """(training arrays, a prepared folder's val/ arrays or None, what was read) of `data.source=tokens`."""
     d = cfg.data
     if not d.path:
         raise JaxdistError("data.source=tokens needs data.path, a folder or glob of binary token files")
     manifest = prepared(d.path)
     if manifest is not None:
-        return prepared_arrays(cfg, manifest)
+        train, val = prepared_arrays(cfg, manifest)
+        shards = {name: len(manifest["splits"][name]["files"]) for name in ("train", "val")}
+        what = (
+            f"{shards['train'] + shards['val']:,} token shards ({d.path}: {shards['train']:,} train/ + "
+            f"{shards['val']:,} val/, {manifest['dtype']} from its manifest.json)"
+        )
+        return train, val, what
     if d.tokenizer:
         from jaxdist import tokenizer
 
@@ -211,14 +242,15 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
     files = [f for f in expand_path(d.path) if os.path.getsize(f)]
     arrays = read_tokens(files, d.token_dtype)
     check_vocab(files, arrays, cfg.model.vocab_size)  # every token, not a sample
-    return arrays, []
+    return arrays, None, f"{len(files):,} token files ({d.path}, {d.token_dtype})"
 
 
 def load_windows(cfg: Config) -> tuple[Subset, Subset]:
-    """(train, eval) window sources; eval is a prepared folder's val/ split, else the tail
-    `data.eval_fraction` of the stream."""
+    """(train, eval) window sources; eval is a prepared folder's val/ split (maybe empty), else the
+    tail `data.eval_fraction` of the stream. Their `label`s say what was read."""
+    cfg = resolve_token_dtype(cfg)
     d, length = cfg.data, cfg.model.seq_len + 1
-    held_out: list[np.ndarray] = []
+    held_out: list[np.ndarray] | None = None
     if d.source == "text":
         if cfg.model.vocab_size < 256 and not d.tokenizer:
             raise JaxdistError(
@@ -226,26 +258,30 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
                 f"{cfg.model.vocab_size}; set model.vocab_size=256 or more (or data.tokenizer)"
             )
         files = expand_path(d.path) if d.path else stdlib_files()
+        where = d.path or "the Python standard library"
         if d.tokenizer:
             arrays = [read_documents(files, d.tokenizer, cfg.model.vocab_size)]
+            what = f"{len(files):,} text files ({where}), tokenizer {d.tokenizer}"
         else:
             arrays = [read_text(files, d.separator)]
+            what = f"{len(files):,} text files ({where}), byte tokens"
     else:
-        arrays, held_out = token_arrays(cfg)
-    if held_out:  # a prepared val/ split (shorter than one window: fall back to the tail below)
-        train, val = Windows(arrays, length), Windows(held_out, length)
-        if len(train) >= 1 and len(val) >= 1:
-            return Subset(train, 0, len(train)), Subset(val, 0, len(val))
+        arrays, held_out, what = token_arrays(cfg)
     windows = Windows(arrays, length)
     n = len(windows)
-    n_eval = int(n * d.eval_fraction)
+    n_eval = 0 if held_out is not None else int(n * d.eval_fraction)
     if n - n_eval < 1:
         total = sum(len(a) for a in arrays)
         raise JaxdistError(
             f"the corpus has {total} tokens, too few for one window of model.seq_len+1="
             f"{length}; add data or lower model.seq_len"
         )
-    return Subset(windows, 0, n - n_eval), Subset(windows, n - n_eval, n)
+    if held_out is not None:  # a prepared folder: its val/ split, however small (no fallback)
+        val = Windows(held_out, length)
+        tokens = sum(len(a) for a in held_out)
+        return Subset(windows, 0, n, what), Subset(val, 0, len(val), f"the val/ split, {tokens:,} tokens")
+    tail = f"the last {d.eval_fraction:.3%} of the stream, data.eval_fraction".replace(".000%", "%")
+    return Subset(windows, 0, n - n_eval, what), Subset(windows, n - n_eval, n, tail)
 
 
 def local_rows(sharding: jax.sharding.Sharding, global_batch: int, width: int) -> tuple[int, int]:
@@ -336,6 +372,12 @@ def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
         return None
     if cfg.train.eval_batches == 0:
         return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
+    if loader.held_out.label.startswith("the val/ split"):
+        return (
+            f"{loader.held_out.label} of {cfg.data.path} holds no window of model.seq_len+1="
+            f"{cfg.model.seq_len + 1} tokens; re-run prepare with a larger --val-fraction (or more documents), "
+            "or lower model.seq_len"
+        )
     return (
         f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "
         f"{len(loader.train) + len(loader.held_out)} windows is no whole window; raise data.eval_fraction or add data"

@@ -110,6 +110,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     threading.Thread(target=plot.pyplot, daemon=True).start()
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
+    cfg = data.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
     prog = step.build_program(cfg, mesh)
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0

@@ -38,6 +38,9 @@ from jaxdist.documents import documents, input_files
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 MANIFEST = "manifest.json"
+# Held-out tokens below which `prepare` warns: 32 windows of 2,048 tokens (the default eval reads
+# train.eval_batches=4 x global_batch=8 windows); below it the eval loss is noisy, or absent at long seq_len.
+SMALL_VAL_TOKENS = 65_536
 FORMAT = "jaxdist-tokens/1"
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker
 
@@ -249,9 +252,34 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         replace_folder(tmp, out)
+        if (note := held_out_note(manifest)) is not None:
+            log(note)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def held_out_note(manifest: dict) -> str | None:
+    """A warning when the held-out split is empty or small, with a --val-fraction that would fix it (the
+    trainer evaluates on val/ only, and not at all when it holds no window)."""
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    fraction, docs = manifest["val_fraction"], train["documents"] + val["documents"]
+    if val["tokens"] >= SMALL_VAL_TOKENS:
+        return None
+    total = train["tokens"] + val["tokens"]
+    # enough tokens on average, at least two documents, and more than now; at most half the data
+    want = max(SMALL_VAL_TOKENS / max(total, 1), 2 / max(docs, 1), 2 * fraction)
+    suggest = f"{min(0.5, float(f'{want:.2g}')):g}"
+    if val["documents"] == 0:
+        return (
+            f"warning: no document was held out (--val-fraction {fraction:g} of {docs:,} documents): training on "
+            f"this folder will not evaluate; re-run with --val-fraction {suggest} or add documents"
+        )
+    return (
+        f"warning: the held-out split is small ({val['documents']:,} of {docs:,} documents, {val['tokens']:,} "
+        f"tokens, under {SMALL_VAL_TOKENS:,}): its eval loss is noisy, and absent for model.seq_len >= "
+        f"{val['tokens']:,}; re-run with --val-fraction {suggest} or add documents"
+    )
 
 
 def check_dtype(vocab_size: int, requested: str, what: str) -> str:

@@ -49,24 +49,15 @@ def artefact_lines(cfg, run_dir: Path) -> list[str]:
 
 
 def data_line(cfg, loader) -> str:
-    """Files, tokens, windows, and how many passes over the training windows the run will make."""
-    from jaxdist import data
-    from jaxdist.files import expand_path
-
-    d = cfg.data
-    if d.source == "text":
-        files = expand_path(d.path) if d.path else data.stdlib_files()
-        what = f"{len(files):,} text files ({d.path or 'the Python standard library'}), byte tokens"
-    else:
-        files = expand_path(d.path)
-        what = f"{len(files):,} token files ({d.path}, {d.token_dtype})"
+    """What is read (token shards only, the dtype actually read), tokens, windows, where evaluation reads,
+    and how many passes over the training windows the run will make."""
     tokens = sum(len(a) for a in loader.train.source.arrays)
     train, held = len(loader.train), len(loader.held_out)
     read = cfg.train.steps * cfg.train.global_batch
     return (
-        f"data: {what}, {tokens:,} tokens; {train:,} train windows of {cfg.model.seq_len + 1} tokens "
-        f"+ {held:,} held out; {cfg.train.steps} steps x {cfg.train.global_batch} windows = "
-        f"{read / max(train, 1):.3g} epochs"
+        f"data: {loader.train.label}, {tokens:,} tokens; {train:,} train windows of {cfg.model.seq_len + 1} tokens "
+        f"+ {held:,} held out ({loader.held_out.label}); {cfg.train.steps} steps x {cfg.train.global_batch} "
+        f"windows = {read / max(train, 1):.3g} epochs"
     )
 
 

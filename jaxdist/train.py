@@ -185,6 +185,9 @@ def _main(argv: list[str] | None, stopper) -> int:
 
             args.restore = f"hf:{hf_hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
             cfg = hf.apply(cfg, Path(args.restore[3:]), hf.model_overrides(args.overrides))
+        from jaxdist import data  # the token dtype read: a prepared folder's manifest decides
+
+        cfg = data.resolve_token_dtype(cfg)
         if args.print_config:
             setup_platform(args.cpu_devices)
             print(print_config(cfg), end="")

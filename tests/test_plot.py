@@ -154,6 +154,35 @@ def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path
     assert plot.main([str(run_a), str(run_b), "--metric", "eval_loss", "--out", str(tmp_path / "e.png")]) == 0
 
 
+def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
+    """config.yaml records the dtype read (data.resolve_token_dtype), so runs that read the same tokens
+    have the same data.token_dtype whatever was passed, and the overlay does not label them by it."""
+    import numpy as np
+    import yaml
+
+    from jaxdist import data
+
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens = ["data.source=tokens", f"data.path={tmp_path / 't.bin'}"]
+    cases = [  # (run a's overrides, run b's): the same tokens are read
+        (tokens + ["data.token_dtype=uint16"], tokens),  # plain files: uint16 explicitly, or auto
+        (["data.token_dtype=uint32"], []),  # a text source reads no token files
+    ]
+    for a, b in cases:
+        flat = [
+            plot.read_config(_write(tmp_path / name, data.resolve_token_dtype(config.load(None, over))))
+            for name, over in (("a", a), ("b", b))
+        ]
+        assert plot.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
+    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["data"]["token_dtype"] == "auto"
+
+
+def _write(run_dir, cfg):
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.dump(cfg))
+    return run_dir
+
+
 def test_long_legend_labels_are_broken_at_their_separators():
     label = ", ".join(f"optim.key_{i}=0.00{i}" for i in range(7))  # seven differing keys: 131 characters
     text = plot.legend_text(label)

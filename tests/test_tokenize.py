@@ -325,10 +325,13 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     assert len(by_dir) == len(by_glob) > 0 and by_dir[0][0] == 3000
     assert all(np.array_equal(by_dir[i], by_glob[i]) for i in range(len(by_dir)))
 
-    # A prepared folder: train/ for training, val/ for eval, dtype from its manifest.
-    cfg = tiny_cfg.replace(
-        data=dict(source="tokens", path=str(a), token_dtype="uint32"), model=dict(vocab_size=4096, seq_len=16)
-    )
+    # A prepared folder: train/ for training, val/ for eval, dtype from its manifest (which decides:
+    # an override that contradicts it is an error, not ignored).
+    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(a)), model=dict(vocab_size=4096, seq_len=16))
+    with pytest.raises(
+        JaxdistError, match=r"data.token_dtype=uint32 contradicts .*manifest.json, which records uint16"
+    ):
+        data.load_windows(cfg.replace(data=dict(token_dtype="uint32")))
     train, held_out = data.load_windows(cfg)
     np.testing.assert_array_equal(train[0], np.fromfile(a / "train" / "000000.bin", np.uint16)[:17])
     np.testing.assert_array_equal(held_out[0], np.fromfile(a / "val" / "000000.bin", np.uint16)[:17])
@@ -338,6 +341,104 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     other = word_tokenizer(tmp_path / "other", post_bos=False)
     with pytest.raises(JaxdistError, match="sha256 differs"):
         data.load_windows(cfg.replace(data=dict(tokenizer=str(other))))
+
+
+def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cfg, tmp_path):
+    """Three train shards + one val shard in uint32: the line counts those four (not manifest.json or
+    the tokenizer files beside them) and says uint32, whatever data.token_dtype was left at."""
+    from types import SimpleNamespace
+
+    from jaxdist import report
+
+    a, _ = prepared
+    out = tmp_path / "u32"
+    args = ["prepare", "--tokenizer", str(a), "--out", str(out), "--dtype", "uint32", "--workers", "1"]
+    assert prepare.main([*args, "--shard-tokens", "60000", "--val-fraction", "0.15", CORPUS]) == 0
+    shards = {split: sorted((out / split).glob("*.bin")) for split in ("train", "val")}
+    assert len(shards["train"]) >= 2 and len(shards["val"]) >= 1 and len(list(out.iterdir())) > 4
+    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(out)), model=dict(vocab_size=4096, seq_len=16))
+    resolved = data.resolve_token_dtype(cfg)
+    assert (cfg.data.token_dtype, resolved.data.token_dtype) == ("auto", "uint32")  # what config.yaml records
+    train, held = data.load_windows(cfg)
+    line = report.data_line(resolved, SimpleNamespace(train=train, held_out=held))
+    n_train, n_val = len(shards["train"]), len(shards["val"])
+    tokens = sum(len(np.fromfile(f, np.uint32)) for f in shards["train"])
+    assert line.startswith(
+        f"data: {n_train + n_val} token shards ({out}: {n_train} train/ + {n_val} val/, uint32 from its "
+        f"manifest.json), {tokens:,} tokens; {len(train):,} train windows of 17 tokens + {len(held):,} held out "
+        "(the val/ split, "
+    ), line
+    # Plain token files: the files read and the dtype they are read as.
+    np.arange(100, dtype=np.uint32).tofile(tmp_path / "x.bin")
+    plain = tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "x.bin"), token_dtype="uint32"))
+    train, held = data.load_windows(plain.replace(model=dict(seq_len=16)))
+    assert train.label == f"1 token files ({tmp_path / 'x.bin'}, uint32)" and held.label.startswith("the last 2%")
+
+
+def test_prepare_warns_when_the_held_out_split_is_empty_or_small(prepared, tmp_path):
+    a, _ = prepared
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = (f"document {i}: " + "some words of text. " * 20 for i in range(1000))
+    kept = [t for t in texts if not prepare.is_held_out(t, 0.01)][:17]  # --val-fraction 0.01 holds none out
+    assert sum(prepare.is_held_out(t, 0.3) for t in kept) >= 1
+    for i, text in enumerate(kept):
+        (docs / f"{i:02d}.txt").write_text(text)
+    lines = []
+    run = lambda out, fraction: prepare.prepare(  # noqa: E731
+        prepare.parse_args(
+            [
+                "prepare",
+                "--tokenizer",
+                str(a),
+                "--out",
+                str(tmp_path / out),
+                "--workers",
+                "1",
+                "--val-fraction",
+                str(fraction),
+                str(docs),
+            ]
+        ),
+        log=lines.append,
+    )
+    manifest = run("none", 0.01)
+    assert manifest["splits"]["val"]["documents"] == 0
+    assert lines[-1] == (
+        "warning: no document was held out (--val-fraction 0.01 of 17 documents): training on this folder will "
+        "not evaluate; re-run with --val-fraction 0.5 or add documents"
+    )
+    manifest = run("some", 0.3)
+    val = manifest["splits"]["val"]
+    assert 1 <= val["documents"] < 17 and lines[-1].startswith(
+        f"warning: the held-out split is small ({val['documents']} of 17 documents, {val['tokens']:,} tokens, under "
+        "65,536): its eval loss is noisy, and absent for model.seq_len >= "
+    )
+    n = len(lines)
+    big = prepare.held_out_note(
+        {
+            "val_fraction": 0.01,
+            "splits": {"train": {"tokens": 10**7, "documents": 999}, "val": {"tokens": 10**5, "documents": 10}},
+        }
+    )
+    assert big is None and len(lines) == n
+
+
+def test_a_prepared_folder_evaluates_on_its_val_split_only(prepared, tiny_cfg):
+    """One rule: a prepared folder's val/ split, never windows from the tail of the training shards; a
+    val/ split with no whole window turns evaluation off with a reason that names the fix."""
+    a, _ = prepared
+    manifest = json.loads((a / "manifest.json").read_text())
+    val_tokens = manifest["splits"]["val"]["tokens"]
+    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(a)), model=dict(vocab_size=4096, seq_len=val_tokens))
+    train, held = data.load_windows(cfg)
+    assert len(held) == 0 and len(train) == (manifest["splits"]["train"]["tokens"] - 1) // val_tokens
+    loader = type("L", (), {"train": train, "held_out": held, "has_eval": lambda self: False})()
+    reason = data.no_eval_reason(cfg.replace(train=dict(eval_every=10)), loader)
+    assert reason == (
+        f"the val/ split, {val_tokens:,} tokens of {a} holds no window of model.seq_len+1={val_tokens + 1} tokens; "
+        "re-run prepare with a larger --val-fraction (or more documents), or lower model.seq_len"
+    )
 
 
 # ---------------------------------------------------------------------------------------- inputs

@@ -108,7 +108,9 @@ class DataConfig:
         "text"  # text: UTF-8 files as bytes (or data.tokenizer); tokens: flat token-id files
     )
     path: str = ""  # glob or folder (a prepare output: train/ + val/); empty with source=text: the stdlib
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of token-id files (source=tokens)
+    token_dtype: Literal["auto", "uint16", "uint32"] = (
+        "auto"  # token-id files (source=tokens); auto: a prepared folder's manifest, else uint16
+    )
     eval_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.02  # tail of the stream held out for eval
     separator: Annotated[int, Range(0, 255)] = 0  # byte placed between documents (text source)
     prefetch: Positive = 2  # batches prepared ahead by background threads
