@@ -100,6 +100,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, run_tokenizer, rundir, step
     from jaxdist import config as config_mod
     from jaxdist import mesh as mesh_mod
+    from jaxdist.config import relative
 
     rundir.check_storable(run_dir)
     cfg = data.source_of_prepared(cfg, log)
@@ -111,6 +112,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     cfg = data.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
+    cfg = relative.resolve(cfg)  # ... and the steps that warm-up, eval and checkpoint fractions come to
     prog = step.build_program(cfg, mesh)
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
@@ -153,6 +155,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
             *report.artefact_lines(cfg, run_dir),
         ]:
             log(line)
+        log(relative.cadence_line(cfg))
         for line in optim.schedule_notes(cfg, start, changes):
             log(line)
     tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None

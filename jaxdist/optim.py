@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.config import OptimConfig
+from jaxdist.config.relative import warmup as warmup_of
 
 
 def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
@@ -21,7 +22,7 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
 def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Schedule:
     """Linear warmup from 0 to the peak, then cosine / linear decay to min_lr_ratio * peak, or constant."""
     peak = scaled_lr(cfg, global_batch)
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    warmup = min(warmup_of(cfg, total_steps), max(total_steps - 1, 0))
     decay_steps = max(total_steps - warmup, 1)
     end = peak * cfg.min_lr_ratio
     if cfg.schedule == "cosine":
@@ -118,7 +119,7 @@ def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str
     the resumed step on."""
     o, notes = cfg.optim, []
     total = o.schedule_steps or cfg.train.steps
-    if o.warmup_steps > total - 1:
+    if warmup_of(o, total) > total - 1:
         warm = max(total - 1, 0)
         notes.append(
             f"note: optim.warmup_steps={o.warmup_steps} does not fit the {total}-step LR schedule: warm-up "

@@ -29,6 +29,7 @@ FREE_KEYS = frozenset(
     {
         "train.steps",
         "train.eval_every",
+        "train.evals",
         "train.eval_batches",
         "train.log_every",
         "train.peak_flops",
@@ -41,6 +42,7 @@ FREE_KEYS = frozenset(
         "pipeline.schedule",
         "optim.schedule_steps",
         "checkpoint.every",
+        "checkpoint.saves",
         "checkpoint.keep",
         "checkpoint.async_save",
         "checkpoint.params_only",

@@ -122,6 +122,7 @@ class DataConfig:
 class OptimConfig:
     lr: PositiveFloat = 3e-3  # peak learning rate
     warmup_steps: NonNegative = 50  # linear warm-up from 0
+    warmup_fraction: Fraction = 0.0  # > 0: warm-up is this fraction of the LR schedule's steps (replaces warmup_steps)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warm-up
     min_lr_ratio: Fraction = 0.1  # final lr / peak lr
     weight_decay: NonNegativeFloat = 0.1  # AdamW decoupled decay (not on norms)
@@ -141,6 +142,7 @@ class TrainConfig:
     grad_accum_steps: Positive = 1  # gradient accumulation: micro-batches summed per optimizer step
     seed: Annotated[int, Range(0, 2**32 - 1)] = 0  # parameter init and data order
     eval_every: NonNegative = 100  # steps between evals; 0 disables eval
+    evals: NonNegative = 0  # > 0: sets eval_every = ceil(train.steps / evals): that many evals or fewer, one at the end
     eval_batches: NonNegative = 4  # held-out batches per eval (0: no eval, with a warning at start-up)
     log_every: Positive = 10  # steps between metric lines
     peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
@@ -198,6 +200,7 @@ class ReduceConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: NonNegative = 100  # steps between saves; 0 disables periodic saves
+    saves: NonNegative = 0  # > 0: sets every = ceil(train.steps / saves): that many saves or fewer, one at the end
     keep: Positive = 3  # newest checkpoints kept
     params_only: bool = False  # with --restore: load parameters alone (fine-tuning)
     async_save: bool = True  # write in the background while training goes on
