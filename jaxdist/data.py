@@ -230,8 +230,9 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None
     if manifest is not None:
         train, val = prepared_arrays(cfg, manifest)
         shards = {name: len(manifest["splits"][name]["files"]) for name in ("train", "val")}
+        n = shards["train"] + shards["val"]
         what = (
-            f"{shards['train'] + shards['val']:,} token shards ({d.path}: {shards['train']:,} train/ + "
+            f"{n:,} token shard{'s' if n != 1 else ''} ({d.path}: {shards['train']:,} train/ + "
             f"{shards['val']:,} val/, {manifest['dtype']} from its manifest.json)"
         )
         return train, val, what
@@ -242,7 +243,7 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None
     files = [f for f in expand_path(d.path) if os.path.getsize(f)]
     arrays = read_tokens(files, d.token_dtype)
     check_vocab(files, arrays, cfg.model.vocab_size)  # every token, not a sample
-    return arrays, None, f"{len(files):,} token files ({d.path}, {d.token_dtype})"
+    return arrays, None, f"{len(files):,} token file{'s' if len(files) != 1 else ''} ({d.path}, {d.token_dtype})"
 
 
 def load_windows(cfg: Config) -> tuple[Subset, Subset]:
@@ -374,9 +375,9 @@ def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
         return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
     if loader.held_out.label.startswith("the val/ split"):
         return (
-            f"{loader.held_out.label} of {cfg.data.path} holds no window of model.seq_len+1="
-            f"{cfg.model.seq_len + 1} tokens; re-run prepare with a larger --val-fraction (or more documents), "
-            "or lower model.seq_len"
+            f"the val/ split of {cfg.data.path} ({loader.held_out.label.split(', ')[-1]}) holds no window of "
+            f"model.seq_len+1={cfg.model.seq_len + 1} tokens; re-run prepare with a larger --val-fraction (or more "
+            "documents), or lower model.seq_len"
         )
     return (
         f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "

@@ -118,8 +118,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     is_main = jax.process_index() == 0
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks
     no_eval = data.no_eval_reason(cfg, loader)
-    if no_eval:  # decided now, not at the first evaluation
-        log(f"warning: {no_eval}; evaluation is off")
+    if no_eval:  # decided now, not at the first evaluation (said below the data line)
         cfg = cfg.replace(train=dict(eval_every=0))
     flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -150,6 +149,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
             report.run_dir_line(run_dir, origin, restored, resuming, restore, cfg),
             *report.summary_lines(cfg, prog, flops_tok),
             report.data_line(cfg, loader),
+            *([f"warning: {no_eval}; evaluation is off"] if no_eval else []),
             report.units_line(cfg),
             report.peak_line(peak, peak_source, mfu_approx),
             *report.artefact_lines(cfg, run_dir),

@@ -175,6 +175,11 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
         ]
         assert plot.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
     assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["data"]["token_dtype"] == "auto"
+    # A text run recorded before (token_dtype uint16, which it never read) still resumes without a drift.
+    from jaxdist.checkpoint import compat
+
+    old = config.load(None, ["data.token_dtype=uint16"]).to_dict()
+    assert compat.changed_keys(old, data.resolve_token_dtype(config.load(None, []))) == {}
 
 
 def _write(run_dir, cfg):

@@ -372,7 +372,7 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     np.arange(100, dtype=np.uint32).tofile(tmp_path / "x.bin")
     plain = tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "x.bin"), token_dtype="uint32"))
     train, held = data.load_windows(plain.replace(model=dict(seq_len=16)))
-    assert train.label == f"1 token files ({tmp_path / 'x.bin'}, uint32)" and held.label.startswith("the last 2%")
+    assert train.label == f"1 token file ({tmp_path / 'x.bin'}, uint32)" and held.label.startswith("the last 2%")
 
 
 def test_prepare_warns_when_the_held_out_split_is_empty_or_small(prepared, tmp_path):
@@ -436,7 +436,7 @@ def test_a_prepared_folder_evaluates_on_its_val_split_only(prepared, tiny_cfg):
     loader = type("L", (), {"train": train, "held_out": held, "has_eval": lambda self: False})()
     reason = data.no_eval_reason(cfg.replace(train=dict(eval_every=10)), loader)
     assert reason == (
-        f"the val/ split, {val_tokens:,} tokens of {a} holds no window of model.seq_len+1={val_tokens + 1} tokens; "
+        f"the val/ split of {a} ({val_tokens:,} tokens) holds no window of model.seq_len+1={val_tokens + 1} tokens; "
         "re-run prepare with a larger --val-fraction (or more documents), or lower model.seq_len"
     )
 
