@@ -133,7 +133,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     if start >= cfg.train.steps:
         log(
             f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
-            "(raise --steps to train further)"
+            "(raise --steps to train further, or pass --run-dir for a new run)"
         )
         return RunResult(run_dir, float("nan"), None, 0.0, start)
 

@@ -201,7 +201,11 @@ def _main(argv: list[str] | None, stopper) -> int:
         stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
         print(distributed.topology_line(), flush=True)
-        origin = "--run-dir" if args.run_dir else "named by this config; the same command resumes it"
+        origin = (
+            "--run-dir"
+            if args.run_dir
+            else "named by this config, train.steps aside: the same command resumes it, a larger --steps extends it"
+        )
         run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)

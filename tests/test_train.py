@@ -120,8 +120,8 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"tiny-[0-9a-f]{8}", run_dir.name), run_dir.name
     assert (
-        f"run dir {Path('runs') / run_dir.name} (named by this config; the same command resumes it): new run, "
-        "starting at step 0" in text
+        f"run dir {Path('runs') / run_dir.name} (named by this config, train.steps aside: the same command "
+        "resumes it, a larger --steps extends it): new run, starting at step 0" in text
     ), text
     m = re.search(
         r"stopped by SIGTERM at step (\d+); latest checkpoint: step (\d+) .*run the same command to resume", text
