@@ -146,6 +146,11 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     for s in range(1, 7):
         ema = 0.9 * ema + 0.1 * by_step[s]["loss"]
         assert by_step[s]["loss_smooth"] == pytest.approx(ema / (1 - 0.9**s), rel=1e-9), s
+    # The rule's other half: a larger --steps is the same run, extended in the same folder.
+    longer = [x if x != "6" else "7" for x in cmd]
+    third = subprocess.run(longer, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert third.returncode == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    assert ": resuming from step 6 (" in third.stdout and "done: 7 steps" in third.stdout, third.stdout
     # A step's log line comes before that step's checkpoint message.
     for out in (text, second.stdout):
         for m in re.finditer(r"^checkpoint step (\d+): writing", out, re.M):
