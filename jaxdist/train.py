@@ -180,6 +180,7 @@ def _main(argv: list[str] | None, stopper) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
+        typed_restore = args.restore  # names the default run dir: a new Hub revision does not move it
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
             from jaxdist import hf, hf_hub
 
@@ -193,7 +194,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             print(print_config(cfg), end="")
             return 0
         trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
-        run_dir = prepare_run_dir(args.run_dir, cfg, args.config, args.restore)
+        run_dir = prepare_run_dir(args.run_dir, cfg, args.config, typed_restore)
         setup_platform(args.cpu_devices)
         allowed = allowed_changes(args.allow_config_change)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
