@@ -385,23 +385,13 @@ def test_prepare_warns_when_the_held_out_split_is_empty_or_small(prepared, tmp_p
     for i, text in enumerate(kept):
         (docs / f"{i:02d}.txt").write_text(text)
     lines = []
-    run = lambda out, fraction: prepare.prepare(  # noqa: E731
-        prepare.parse_args(
-            [
-                "prepare",
-                "--tokenizer",
-                str(a),
-                "--out",
-                str(tmp_path / out),
-                "--workers",
-                "1",
-                "--val-fraction",
-                str(fraction),
-                str(docs),
-            ]
-        ),
-        log=lines.append,
-    )
+
+    def run(out: str, fraction: float) -> dict:
+        argv = ["prepare", "--tokenizer", str(a), "--out", str(tmp_path / out), "--workers", "1"]
+        return prepare.prepare(
+            prepare.parse_args([*argv, "--val-fraction", str(fraction), str(docs)]), log=lines.append
+        )
+
     manifest = run("none", 0.01)
     assert manifest["splits"]["val"]["documents"] == 0
     assert lines[-1] == (

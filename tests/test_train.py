@@ -89,6 +89,7 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     import os
     import re
     import signal
+    import sysconfig
 
     from conftest import MICRO_MODEL
 
@@ -105,6 +106,7 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
         "train.log_every=1",
         "checkpoint.every=2",
         "train.trackers=[]",
+        f"data.path={sysconfig.get_paths()['stdlib']}/[a-c]*.py",  # 29 files: quicker to read than all 1,790
     ]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
