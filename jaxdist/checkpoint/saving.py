@@ -57,6 +57,7 @@ class Saver:
         self.last_saved: int | None = None  # the newest step published by this saver
         self._checksum: tuple[float, int] = (0.0, 0)
         self._corpus: dict | None = None
+        self.carry: Callable[[], dict] | None = None  # host-side state saved in meta (the smoothed loss)
 
     @property
     def corpus(self) -> dict | None:
@@ -69,7 +70,6 @@ class Saver:
             except (OSError, JaxdistError):
                 self._corpus = {}
         return self._corpus or None
-        self.carry: Callable[[], dict] | None = None  # host-side state saved in meta (the smoothed loss)
 
     def due(self, step: int, final: bool = False) -> bool:
         """Every `checkpoint.every` steps and at the end of the run (0 disables both)."""
