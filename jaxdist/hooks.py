@@ -3,11 +3,11 @@
     for each step: every hook's before_step; dispatch the step (asynchronous); every hook's after_step,
     in list order; stop if a stop was requested.
 
-The default list (jaxdist.loop): profile window, metrics (the previous step's, read one step late; the
-last step's, an eval step's and a checkpoint step's at once, so a step's log line comes before its
-checkpoint message and the checkpoint holds the smoothed loss up to its step), checkpoint (before the
-next batch is drawn, so the saved data iterator is at this step), next batch (drawn while the device
-works). One more per-step concern is one more hook in that list.
+The default list (jaxdist.loop): profile window, checkpoint (before the next batch is drawn, so the
+saved data iterator is at this step; it first has the metrics hook read this step, so a step's log line
+comes before its checkpoint message and the checkpoint holds the smoothed loss up to its step), next
+batch (drawn while the device works), metrics (the previous step's, read one step late; the last step's
+and an eval step's at once). One more per-step concern is one more hook in that list.
 """
 
 from __future__ import annotations
@@ -62,13 +62,14 @@ class Profile(Hook):
 class Checkpoint(Hook):
     """Save when due (and on the last step), then report background saves that have finished."""
 
-    def __init__(self, saver, loader):
-        self.saver, self.loader = saver, loader
+    def __init__(self, saver, loader, before_save=lambda end: None):
+        self.saver, self.loader, self.before_save = saver, loader, before_save
         self.latest = None  # (state, steps done): what a save after a failure elsewhere would write
 
     def after_step(self, end):
         self.latest = (end.state, end.done)
         if end.stop or self.saver.due(end.done, end.last):
+            self.before_save(end)  # Metrics.flush: this step's log line (and smoothed loss) first
             self.saver.save(end.state, end.done, self.loader)
         self.saver.poll()
 
@@ -87,27 +88,37 @@ class Batches(Hook):
 
 class Metrics(Hook):
     """Read step s's metrics after step s+1 was dispatched; the last step's, an eval step's (the
-    evaluation needs this step's state) and a checkpoint step's (`save_due(end)`: the save waits for
-    this step anyway), at once."""
+    evaluation needs this step's state) and a checkpoint step's (`flush`, called by the Checkpoint hook:
+    the save waits for this step anyway), at once."""
 
-    def __init__(self, progress, evaluate, eval_every: int, save_due=lambda end: False):
-        self.progress, self.evaluate, self.eval_every, self.save_due = progress, evaluate, eval_every, save_due
+    def __init__(self, progress, evaluate, eval_every: int):
+        self.progress, self.evaluate, self.eval_every = progress, evaluate, eval_every
         self.pending = None
+        self.flushed = -1  # the step index already read by flush
 
     def eval_due(self, end: StepEnd) -> bool:
         return bool(self.eval_every) and (end.done % self.eval_every == 0 or end.done == end.total)
 
+    def flush(self, end: StepEnd) -> None:
+        """Read the pending step's metrics and this one's now (evaluating if due)."""
+        if end.index == self.flushed:
+            return
+        if self.pending is not None:
+            self.progress.record(*self.pending)
+            self.pending = None
+        due, params = self.eval_due(end), end.state.params
+        self.progress.record(
+            end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(params)) if due else None
+        )
+        self.flushed = end.index
+
     def after_step(self, end):
+        if end.last or self.eval_due(end) or end.index == self.flushed:
+            self.flush(end)
+            return
         if self.pending is not None:
             self.progress.record(*self.pending)
         self.pending = (end.index, end.metrics)
-        due = self.eval_due(end)
-        if end.last or due or self.save_due(end):
-            params = end.state.params
-            self.progress.record(
-                end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(params)) if due else None
-            )
-            self.pending = None
 
 
 def run_steps(step_fn, state, start: int, total: int, stop_requested, hooks: list[Hook]) -> tuple[Any, int]:

@@ -217,13 +217,12 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     stopper.training = True
     batches = hooks.Batches(loader, first)
     saver.carry = progress.carry  # the smoothed loss goes into each checkpoint
+    metrics_hook = hooks.Metrics(progress, evaluate, cfg.train.eval_every)
     per_step = [
         hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
-        hooks.Metrics(
-            progress, evaluate, cfg.train.eval_every, save_due=lambda end: end.stop or saver.due(end.done, end.last)
-        ),
-        hooks.Checkpoint(saver, loader),
+        hooks.Checkpoint(saver, loader, before_save=metrics_hook.flush),
         batches,
+        metrics_hook,
     ]
     steps_done = start
     plotted = None
