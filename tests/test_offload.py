@@ -252,3 +252,18 @@ def test_start_up_line_names_each_offload_and_its_bytes(cfg):
         line
         == "offload (host<->device per device): optimizer=host (4.0 MiB/step), params=host (10.0 MiB/step), activations=none"
     )
+
+
+@pytest.mark.parametrize("kind", ["none", "host", "params"])
+def test_planner_predicts_the_device_arguments(runs, kind):
+    """The planner's device arguments leave out what offload keeps in host memory: equal to the compiled
+    step's device arguments (metrics.compiled_memory) within 1%, as for the planner's other pairs."""
+    from jaxdist.planner import memory
+    from jaxdist.planner.hardware import HARDWARE
+    from jaxdist.planner.layout import Layout
+
+    prog, compiled, _, _ = runs[kind]
+    lay = Layout(prog.cfg, {a: int(n) for a, n in prog.mesh.shape.items()}, HARDWARE["cpu"])
+    predicted = memory.estimate(lay)
+    assert predicted.arguments == pytest.approx(metrics.compiled_memory(compiled)["arguments"], rel=0.01)
+    assert (predicted.host > 0) == (kind != "none")

@@ -59,11 +59,13 @@ class Memory:
     capacity: float  # usable HBM
     loss: float = 0.0  # the loss's working set (loss_bytes)
     moment_copies: float = 0.0  # the old AdamW moments' copies, held through the step (moment_copy_bytes)
+    host: float = 0.0  # of params + optimizer, what lives in host memory between steps (offload.*=host)
 
     @property
     def arguments(self) -> float:
-        """What the compiled step receives: params + optimizer state + tokens (memory_analysis arguments)."""
-        return self.params + self.optimizer + self.batch + STATE_SCALARS
+        """What the compiled step receives in device memory: params + optimizer state + tokens, less what
+        offload keeps in host memory (metrics.compiled_memory's device arguments)."""
+        return self.params + self.optimizer + self.batch + STATE_SCALARS - self.host
 
     @property
     def compiled_temp(self) -> float:
@@ -338,4 +340,12 @@ def estimate(lay: Layout) -> Memory:
         capacity=lay.hw.hbm_bytes * USABLE_FRACTION,
         loss=loss_bytes(lay),
         moment_copies=moment_copy_bytes(lay),
+        host=host_bytes(lay),
     )
+
+
+def host_bytes(lay: Layout) -> float:
+    """Bytes per device that offload keeps in pinned host memory between steps (the device's temp is
+    not modelled lower: the transfers and the layer being computed still use it)."""
+    o = lay.cfg.offload
+    return (param_bytes(lay) if o.params == "host" else 0.0) + (optimizer_bytes(lay) if o.optimizer == "host" else 0.0)
