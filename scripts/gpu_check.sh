@@ -91,4 +91,6 @@ bench remat_dots model.remat=dots_saveable
 bench remat_none model.remat=none
 bench remat_dots_offload model.remat=dots_saveable offload.optimizer=host
 bench remat_full_offload model.remat=full offload.optimizer=host
+bench params_offload model.remat=full offload.params=host  # tokens/s against remat_full_offload's line
+bench activations_offload model.remat=none offload.activations=host  # against remat_dots
 emit "{\"check\": \"done\", \"elapsed_s\": $(elapsed)}"
