@@ -274,34 +274,42 @@ def test_launcher_fails_when_a_process_fails(tmp_path):
     assert "error: unknown config key 'train.stepz'" in r.stderr and "launch_local: process" in r.stderr
 
 
+def two_trainers_mid_run(tmp_path, *args) -> list[subprocess.Popen]:
+    """Two processes x 4 devices training `args` (fsdp=8, a run of 100000 steps), returned once the run
+    has logged two steps."""
+    port = free_port()
+    common = ["--steps", "100000", "--run-dir", str(tmp_path / "run"), "--mesh", "fsdp=8", *SMALL, *args]
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    procs = [start(train_cmd(*flags, str(i), *common), cpu_env(4), tmp_path / f"p{i}.log") for i in (0, 1)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + WAIT
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "p0.log").read_text()
+            time.sleep(0.5)
+    except BaseException:
+        stop(procs)
+        raise
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_sigterm_stops_two_processes_at_one_step_with_a_checkpoint(tmp_path):
     """A scheduler's SIGTERM (SLURM requeue, preemption) reaches jaxdist in a multi-process run: every
     process stops at the same step, saves it and exits 0. jax.distributed.initialize installs XLA's
     preemption notifier, whose C++ handler swallowed the signal until SLURM's SIGKILL 60 s later."""
-    port = free_port()
-    args = ["--steps", "100000", "--run-dir", str(tmp_path / "run"), "--mesh", "fsdp=8", *SMALL]
-    args += ["checkpoint.every=100000"]  # any checkpoint is the signal's
-    procs = [
-        start(
-            train_cmd("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), *args),
-            cpu_env(4),
-            tmp_path / f"p{i}.log",
-        )
-        for i in (0, 1)
-    ]
+    procs = two_trainers_mid_run(tmp_path, "checkpoint.every=100000")  # any checkpoint is the signal's
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + WAIT
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # mid-run
-            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "p0.log").read_text()
-            time.sleep(0.5)
         for p in procs:
             p.send_signal(signal.SIGTERM)
         rcs = [p.wait(timeout=120) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop(procs)
     out = (tmp_path / "p0.log").read_text()
     assert rcs == [0, 0], out[-3000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
@@ -309,45 +317,14 @@ def test_sigterm_stops_two_processes_at_one_step_with_a_checkpoint(tmp_path):
 
 
 def test_killed_process_stops_the_other(tmp_path):
-    port = free_port()
-    procs = [
-        start(
-            train_cmd(
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--heartbeat-timeout",
-                "10",
-                "--steps",
-                "100000",
-                "--run-dir",
-                str(tmp_path / "run"),
-                "--mesh",
-                "fsdp=8",
-                *SMALL,
-            ),
-            cpu_env(4),
-            tmp_path / f"p{i}.log",
-        )
-        for i in (0, 1)
-    ]
+    procs = two_trainers_mid_run(tmp_path, "--heartbeat-timeout", "10")
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + WAIT
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # mid-run
-            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "p0.log").read_text()
-            time.sleep(0.5)
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=60)
         waited = time.monotonic() - t0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop(procs)
     out = (tmp_path / "p0.log").read_text()
     assert rc != 0 and waited < 60
     assert "heartbeat" in out and "another task died" in out  # JAX names the silent task
