@@ -5,7 +5,10 @@ Step time (per optimizer step, every device in lock-step):
               the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
               its stages) to the model FLOPs of `jaxdist.metrics.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
-              pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019).
+              pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
+              1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest
+              action any stage runs in it (schedules.lockstep_time, a backward = 3 forwards: the
+              recompute, then input and weight gradients), minus the layer compute.
   comm      = sum over collectives of bytes / link bandwidth + latency (jaxdist.planner.comms).
   no overlap: compute + bubble + comm.   overlap: max(compute, weight gathers + gradient reductions)
               + activation collectives (tp, pp, embedding) + bubble — the scaling book's "hide the FSDP
@@ -24,6 +27,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.mesh import AXES
 from jaxdist.metrics import flops_per_token
 from jaxdist.models.llama import count_params
+from jaxdist.parallel import schedules
 from jaxdist.planner import comms, memory
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout, param_table
@@ -89,6 +93,19 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"] * lay.cp)
 
 
+def pipeline_bubble(lay: Layout, layer_s: float) -> float:
+    """Seconds the pipelined layers idle, given their compute time `layer_s` (recompute included)."""
+    if lay.mesh["pp"] == 1:
+        return 0.0
+    if lay.table is None:  # GPipe / circular: the layers take (V M + P - 1) / (V M) of their compute time
+        return layer_s * (lay.mesh["pp"] - 1) / (lay.repeats * lay.pipe_micro)
+    table, _ = lay.table
+    # one chunk's forward f and backward 3 f (recompute 2, gradients 4 FLOPs per parameter and token,
+    # forward 2): V M of each per stage make up layer_s
+    f = layer_s / (4 * table.repeats * table.microbatches)
+    return schedules.lockstep_time(table, f, 3 * f) - layer_s
+
+
 def estimate(lay: Layout, family: str = "") -> Estimate:
     lay.validate()
     hw = lay.hw
@@ -96,9 +113,7 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     model_flops, layer_flops, head_flops = compute_flops(lay)
     rate = peak * hw.matmul_efficiency
     compute = (layer_flops + head_flops) / rate
-    bubble = 0.0
-    if lay.mesh["pp"] > 1:  # the pipelined layers take (V M + P - 1) / (V M) of their compute time
-        bubble = layer_flops / rate * (lay.mesh["pp"] - 1) / (lay.repeats * lay.pipe_micro)
+    bubble = pipeline_bubble(lay, layer_flops / rate)
     traffic = comms.step_traffic(lay)
     times = [(t, comms.traffic_time(lay, t)) for t in traffic]
     comm = sum(s for _, s in times)

@@ -16,9 +16,18 @@ from jaxdist.config import Config, ModelConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.hlo import dtype_bytes
 from jaxdist.mesh import AXES, format_mesh
+from jaxdist.parallel import schedules
+from jaxdist.parallel.schedules import SCHEDULES
 from jaxdist.planner.hardware import Hardware
 
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_table(schedule: str, stages: int, microbatches: int, repeats: int):
+    """(Table, Buffers) of a table schedule, built once per shape (the candidates share them)."""
+    table = schedules.build(schedule, stages, microbatches, repeats)
+    return table, schedules.buffers(table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +116,16 @@ class Layout:
 
     @property
     def repeats(self) -> int:
-        # The table schedules (1f1b, interleaved_1f1b) are modelled as GPipe / circular: the same bubble
-        # fraction, and an upper bound on their stage inputs (they keep at most P, or 2P-3 paired).
         virtual = self.cfg.pipeline.schedule in ("circular", "interleaved_1f1b")
         return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and virtual else 1
+
+    @property
+    def table(self):
+        """The schedule table (jaxdist.parallel.schedules) of a table schedule (1f1b, 1f1b_paired,
+        interleaved_1f1b) on pp > 1, else None (GPipe / circular: autodiff through the schedule's scan)."""
+        if self.mesh["pp"] == 1 or self.cfg.pipeline.schedule not in SCHEDULES:
+            return None
+        return schedule_table(self.cfg.pipeline.schedule, self.mesh["pp"], self.pipe_micro, self.repeats)
 
     @property
     def micro_batch(self) -> int:

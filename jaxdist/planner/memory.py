@@ -156,11 +156,29 @@ def activation_bytes(lay: Layout) -> float:
     if lay.mesh["pp"] == 1:
         tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
         return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
-    stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
+    if lay.table is not None:  # the table's buffers (schedules.buffers), whatever M is
+        stage_inputs = table_buffers(lay) * tokens * m.d_model * lay.act_bytes
+    else:
+        stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
     if flattened_group(lay):  # no residual stack: the recompute feeds the backward directly
         return stage_inputs
     group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
     return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
+
+
+def table_buffers(lay: Layout) -> int:
+    """A table schedule's (jaxdist.parallel.pipeline_1f1b) activation-sized buffers per stage: the
+    stage inputs kept until their backward and the gradients waiting for it (schedules.buffers: for
+    1f1b at most P inputs, 2P-3 paired, whatever M is), plus the slot's received activation and
+    gradient in the scan's carry."""
+    _, bufs = lay.table
+    return bufs.x_size + bufs.g_size + 2
+
+
+def schedule_gradient_bytes(lay: Layout) -> float:
+    """A table schedule computes the gradients inside its forward (a custom VJP): the stage's
+    accumulator in the slot scan's carry, and the backward's scaled result are two gradient sets."""
+    return grad_bytes(lay) if lay.table is not None else 0.0
 
 
 def flattened_group(lay: Layout) -> bool:
@@ -328,7 +346,7 @@ def compiled_temp_bytes(mem: Memory) -> float:
 
 def estimate(lay: Layout) -> Memory:
     params = param_bytes(lay)
-    grads = grad_bytes(lay) + (accumulator_bytes(lay) if lay.accum > 1 else 0)
+    grads = grad_bytes(lay) + (accumulator_bytes(lay) if lay.accum > 1 else 0) + schedule_gradient_bytes(lay)
     batch = lay.cfg.train.global_batch // lay.batch_shards * (lay.cfg.model.seq_len + 1) * 4
     return Memory(
         params=params,
