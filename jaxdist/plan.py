@@ -143,11 +143,6 @@ def plot(curves: dict, path: str, title: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     cfg = config.load(args.config, args.overrides)
-    if cfg.lora.rank:  # its memory terms are full training's: a frozen base would be planned as trained
-        raise JaxdistError(
-            "the planner does not model LoRA (lora.rank > 0) yet; read a LoRA run's memory from the compiled "
-            "step: python -m jaxdist.bench --compile-only --mesh MESH with the same overrides"
-        )
     hw = hardware.get(args.hardware)
     if args.plot:
         check_plot_path(args.plot)

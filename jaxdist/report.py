@@ -99,7 +99,7 @@ def predicted_bytes(cfg, mesh) -> float | None:
     from jaxdist.planner.layout import Layout
 
     hw = hardware_for(mesh.devices.flat[0])
-    if hw is None or cfg.lora.rank:  # the planner models full training, not a frozen base (docs/lora.md)
+    if hw is None:
         return None
     try:
         return float(memory.estimate(Layout(cfg, {a: int(s) for a, s in mesh.shape.items()}, hw)).total)

@@ -84,8 +84,9 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     jaxdist.parallel.pipeline)."""
     m, mesh = lay.cfg.model, lay.mesh
     tokens = lay.cfg.train.global_batch * m.seq_len
-    model = flops_per_token(m) * tokens
-    head = 6 * m.d_model * m.vocab_size * tokens
+    lora = lay.cfg.lora if lay.cfg.lora.rank else None  # frozen weights: 4 FLOPs per use, not 6
+    model = flops_per_token(m, lora) * tokens
+    head = (4 if lora else 6) * m.d_model * m.vocab_size * tokens
     counts = count_params(m)  # MoE: the recompute runs the active parameters only
     layer_params = sum(g.size for g in param_table(m) if g.role == "layer") - (counts["total"] - counts["active"])
     recompute = m.remat == "full" or mesh["pp"] > 1

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxdist.adapters import quant
 from jaxdist.loss import block_rows
-from jaxdist.planner import residuals
+from jaxdist.planner import lora, residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
 USABLE_FRACTION = 0.9  # of HBM: runtime, allocator fragmentation and buffers the model does not see
@@ -102,26 +103,36 @@ def gathered_per_layer(lay: Layout, keep=lambda g: True) -> float:
 
 
 def param_bytes(lay: Layout) -> float:
+    """The parameters as stored: float32; under LoRA the frozen base in its dtype plus the adapters."""
+    if lora.enabled(lay):
+        return lora.base_bytes(lay) + lora.adapter_bytes(lay)
     return stored_bytes(lay)
 
 
+def trained_bytes(lay: Layout) -> float:
+    """float32 bytes of what the optimizer trains: every parameter, or under LoRA the adapters alone."""
+    return lora.adapter_bytes(lay) if lora.enabled(lay) else stored_bytes(lay)
+
+
 def optimizer_bytes(lay: Layout) -> float:
-    """AdamW mu and nu (float32, sharded like the parameters) plus its and the schedule's step counters."""
-    return 2 * param_bytes(lay) + 2 * 4
+    """AdamW mu and nu (float32, sharded like the trained parameters) plus its and the schedule's step
+    counters."""
+    return 2 * trained_bytes(lay) + 2 * 4
 
 
 def grad_bytes(lay: Layout) -> float:
     """One set of float32 gradients, sharded like the parameters: the model reduces each layer's
-    gradient to its parameter's sharding inside the backward scan (jaxdist.mixed.cast_sharded)."""
-    return param_bytes(lay)
+    gradient to its parameter's sharding inside the backward scan (jaxdist.mixed.cast_sharded). Under
+    LoRA, the adapters' only: the frozen base has none."""
+    return trained_bytes(lay)
 
 
 def accumulator_bytes(lay: Layout) -> float:
     """The gradient accumulator across micro-batches beyond the one set of gradients: the backward scan
     adds each layer's reduced gradient into the accumulator in place (XLA:CPU's buffer assignment holds
     one layer-gradient stack under accumulation), so only the other parameters' gradients (embedding,
-    head, final norm) exist twice."""
-    return stored_bytes(lay, lambda g: g.role != "layer")
+    head, final norm) exist twice. Under LoRA every trained parameter (an adapter) is a layer's."""
+    return 0.0 if lora.enabled(lay) else stored_bytes(lay, lambda g: g.role != "layer")
 
 
 def saved_per_token_layer(lay: Layout, policy: str, pairs: bool = True) -> float:
@@ -155,7 +166,8 @@ def activation_bytes(lay: Layout) -> float:
     m, tokens = lay.cfg.model, lay.micro_tokens
     if lay.mesh["pp"] == 1:
         tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
-        return saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
+        saved = saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
+        return saved + dequantised_bytes(lay) * m.num_layers
     if lay.table is not None:  # the table's buffers (schedules.buffers), whatever M is
         stage_inputs = table_buffers(lay) * tokens * m.d_model * lay.act_bytes
     else:
@@ -179,6 +191,16 @@ def schedule_gradient_bytes(lay: Layout) -> float:
     """A table schedule computes the gradients inside its forward (a custom VJP): the stage's
     accumulator in the slot scan's carry, and the backward's scaled result are two gradient sets."""
     return grad_bytes(lay) if lay.table is not None else 0.0
+
+
+def dequantised_bytes(lay: Layout) -> float:
+    """QLoRA (int8 / NF4 base) without remat: one layer's de-quantised matrices (gathered, compute
+    dtype), which the forward saves for the input gradient's matmul (a float base is a parameter the
+    backward reads, or gathers, again). 0 otherwise. Read from the heap trace of tiny, fsdp=8, NF4:
+    4 MB stacks of the 4 layers' de-quantised MLP matrices at the peak."""
+    if not lora.enabled(lay) or lay.cfg.lora.base_dtype not in quant.KINDS or lay.cfg.model.remat != "none":
+        return 0.0
+    return gathered_per_layer(lay, lambda g: lora.is_matrix(g)) * lay.act_bytes / PARAM_BYTES
 
 
 def flattened_group(lay: Layout) -> bool:
@@ -280,6 +302,8 @@ def layer_gradient_bytes(lay: Layout) -> float:
     remat=full), in amounts its assignment order sets, not the shapes. The term counts the larger
     group (the MLP's or the attention's matrices): right where the attention's gradients go there,
     0.8 MB (10%) low for the d_model 128 pair, where none do."""
+    if lora.enabled(lay):  # no base gradient: the backward gathers the layer's (float or code) matrices
+        return gathered_per_layer(lay, lora.is_matrix) * lora.gathered_entry_bytes(lay) / PARAM_BYTES
     matrix = lambda g: len(g.shape) > 2  # norm scales are a few bytes
     mlp = lambda g: "/mlp/" in f"/{g.path}/" or "expert" in g.names
     full = max(
@@ -308,6 +332,12 @@ def temporary_bytes(lay: Layout) -> float:
     # (ring; their heap traces were not read).
     sliced = not recompute and lay.cp == 1
     one_layer = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens if recompute or sliced else 0.0
+    if lora.enabled(lay):
+        # No base gradient to reduce; the layer's matrices, gathered at its backward iteration's start
+        # (the gathers depend on no activation), are read by the input gradients throughout, beside
+        # the layer's activations (heap trace of tiny, fsdp=8, float32 base: the gathered MLP
+        # matrices beside the sliced residual stacks at the peak).
+        one_layer += layer_gradient_bytes(lay)
     working = max(one_layer, layer_gradient_bytes(lay), dropless_recompute_bytes(lay), flat_group_bytes(lay))
     return moment_copy_bytes(lay) + working + gathered_kv_bytes(lay) + ring_block_bytes(lay)
 
@@ -320,7 +350,7 @@ def moment_copy_bytes(lay: Layout) -> float:
     copies sit in the temp allocation (a few go into a donated buffer already copied out), the
     embedding's and head's too (at V=8192: 3-4 MB of the 7.0-7.4 MB of copies at the loss's peak), so
     both moments of every parameter are counted, in both of compiled_temp_bytes's branches."""
-    return 2 * param_bytes(lay)
+    return 2 * trained_bytes(lay)
 
 
 def ring_block_bytes(lay: Layout) -> float:
