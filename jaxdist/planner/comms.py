@@ -17,6 +17,11 @@ every backend):
   accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
   reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
   twice the bytes; we model each backend as it compiles.
+- LoRA (lora.rank > 0): no base, head, norm or embedding gradient is reduced; the adapters' gradients
+  are all-reduced once per pass over every batch axis. The base matrices are gathered as stored under
+  QLoRA (codes and scales, de-quantised locally), once per pass without remat (the de-quantised layer
+  is saved), else twice; adapters with an fsdp-sharded dim are gathered forward and backward; the
+  frozen embedding's lookup sends no gradient all-to-all back.
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
@@ -56,10 +61,12 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from jaxdist.adapters.quant import KINDS
 from jaxdist.hlo import ring_bytes
 from jaxdist.loss import block_rows
 from jaxdist.mesh import AXES
 from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
+from jaxdist.planner import lora
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
 
@@ -119,8 +126,20 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
     # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
     gather = lay.act_bytes / PARAM_BYTES
+    frozen = lora.enabled(lay)
+    if frozen:  # the base gathered as stored (QLoRA: codes and scales), then de-quantised locally
+        gather = lora.gathered_entry_bytes(lay) / PARAM_BYTES
     if pp == 1:
-        add("fsdp", "all-gather", "layer weights (fwd + bwd)", layer * gather, 2 * layer_steps, n=lay.weight_shards)
+        # QLoRA without remat saves the de-quantised layer for the backward: gathered once
+        passes_ = 1 if frozen and lay.cfg.lora.base_dtype in KINDS and m.remat == "none" else 2
+        add(
+            "fsdp",
+            "all-gather",
+            "layer weights (fwd + bwd)",
+            layer * gather,
+            passes_ * layer_steps,
+            n=lay.weight_shards,
+        )
     else:  # forward, the backward's recompute, the gradient
         fwd, remat = layer_steps, layer
         if m.num_layers == pp * lay.repeats:
@@ -144,7 +163,16 @@ def step_traffic(lay: Layout) -> list[Traffic]:
             layer_steps,
             n=lay.weight_shards,
         )
-    reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
+    if frozen:  # only the adapters have gradients: one all-reduce over every batch axis per pass
+        adapters = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in lora.adapter_groups(lay))
+        add(group_axis if fsdp > 1 else "dp", "all-reduce", "adapter gradients", adapters, passes, n=lay.batch_shards)
+        # adapters sharded over fsdp (A of q/k/v/gate/up, B of o/down: an embed dim) are gathered in the
+        # forward and again in the backward, per layer, in the compute dtype (HLO: f32[256,8] x 10)
+        split = [g for g in lora.adapter_groups(lay) if lay.shards(g) > lay.tp_shards(g) * (pp if pp > 1 else 1)]
+        gathered = sum(g.size * lay.act_bytes / lay.tp_shards(g) for g in split) / m.num_layers
+        add("fsdp", "all-gather", "adapters (fwd + bwd)", gathered, 2 * layer_steps, n=lay.weight_shards)
+    else:
+        reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
     if experts:
@@ -175,18 +203,23 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         )
         add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
         add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
-    reduce_grads("head gradient", head_full, passes, dp_syncs)
+    if not frozen:
+        reduce_grads("head gradient", head_full, passes, dp_syncs)
     norm = tables["norm"]
     add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2, n=lay.weight_shards)
-    reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, dp_syncs)
+    if not frozen:
+        reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, dp_syncs)
     # Embedding lookup (jaxdist.parallel.embedding): tokens gathered over fsdp, rows summed over tp,
     # then an all-to-all over fsdp (and its transpose in the backward); the table's gradient stays local.
     table = tables["embed"]
     add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * fsdp * 4, passes)
     add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
-    add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
+    # a frozen table (LoRA) sends no gradient back
+    a2a = 1 if frozen else 2
+    add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, a2a * passes)
     table_shard = table.size * PARAM_BYTES / lay.shards(table)
-    add("dp", "all-reduce", "embedding gradient", table_shard, dp_syncs)
+    if not frozen:
+        add("dp", "all-reduce", "embedding gradient", table_shard, dp_syncs)
     # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
     # table, so the table's local gradient is summed over each of them (a psum, once per pass).
     add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
