@@ -122,8 +122,8 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         cfg = cfg.replace(train=dict(eval_every=0))
     flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    peak, peak_source, mfu_approx = metrics.peak_flops(
-        list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops, probe_cpu=False
+    peak, peak_source = metrics.peak_flops(
+        list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops
     )
 
     resuming, from_hf, restored = _restore(cfg, run_dir, prog, loader, restore, allowed, is_main, log)
@@ -151,7 +151,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
             report.data_line(cfg, loader),
             *([f"warning: {no_eval}; evaluation is off"] if no_eval else []),
             report.units_line(cfg),
-            report.peak_line(peak, peak_source, mfu_approx),
+            report.peak_line(peak, peak_source),
             *report.artefact_lines(cfg, run_dir),
         ]:
             log(line)
@@ -204,7 +204,6 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         start=start,
         enabled=is_main,
         skipped_in_a_row=int(jax.device_get(state.skipped)),
-        mfu_approx=mfu_approx,
         memory=lambda: metrics.device_memory(local),
         log=log,
         carry=restored.progress if resuming else None,

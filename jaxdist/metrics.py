@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from jaxdist import hlo
 from jaxdist.config import ModelConfig
@@ -49,111 +45,20 @@ def flops_per_token(cfg: ModelConfig, lora=None) -> float:
     return 6.0 * matmul_params + attention
 
 
-_cpu_peak: float | None = None
-
-
-def cache_dir() -> Path:
-    """Per-user cache of measurements that belong to the machine (JAXDIST_CACHE_DIR overrides)."""
-    return Path(os.environ.get("JAXDIST_CACHE_DIR") or Path.home() / ".cache" / "jaxdist")
-
-
-def machine_key() -> str:
-    """What the CPU matmul rate depends on: host, CPU model, cores, XLA version and flags."""
-    model = ""
-    with contextlib.suppress(OSError):
-        model = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            "",
-        )
-    return (
-        f"{platform.node()}|{model or platform.processor()}|{os.cpu_count()} cores|jax {jax.__version__}"
-        f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
-    )
-
-
-def cpu_matmul_peak(n: int = 1024, repeats: int = 5, seconds: float = 1.0) -> float:
-    """FLOP/s of an fp32 n×n matmul on the first device: the best of at least `repeats` runs, repeated for
-    up to `seconds` (on a shared host the best run is the one least disturbed). Once per process."""
-    global _cpu_peak
-    if _cpu_peak is None:
-        device = jax.local_devices()[0]  # devices()[0] belongs to process 0 in a multi-process run
-        a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-        f = jax.jit(lambda x: x @ x)
-        f(a).block_until_ready()
-        best, until, i = float("inf"), time.perf_counter() + seconds, 0
-        while i < repeats or (time.perf_counter() < until and i < 20 * repeats):
-            t = time.perf_counter()
-            f(a).block_until_ready()
-            best, i = min(best, time.perf_counter() - t), i + 1
-        _cpu_peak = 2 * n**3 / best
-    return _cpu_peak
-
-
-def host_load() -> float:
-    """Runnable processes per core over the last minute (0 where the OS does not say)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except OSError:
-        return 0.0
-
-
-def cached_cpu_peak() -> tuple[float, str]:
-    """The CPU matmul peak measured once per machine and kept in cache_dir()/cpu_peak.json, so every run
-    on this machine divides by the same number (a fresh probe varied by ~20% between runs here). A probe
-    taken while the host was overloaded (load > 1 per core) measures the other jobs too: it is measured
-    again by a later run on a quieter host, keeping the higher figure."""
-    path, key = cache_dir() / "cpu_peak.json", machine_key()
-    table = {}
-    with contextlib.suppress(OSError, ValueError):
-        table = json.loads(path.read_text())
-    entry, load = table.get(key), host_load()
-    valid = isinstance(entry, dict) and entry.get("flops", 0) > 0
-    if valid and not (entry.get("load", 0) > 1.0 and load < entry["load"]):
-        return float(entry["flops"]), f"CPU matmul probe cached in {path}"
-    peak = cpu_matmul_peak()
-    if valid and entry["flops"] > peak:
-        peak, load = entry["flops"], entry.get("load", load)
-    table[key] = {"flops": peak, "load": round(load, 2)}
-    note = f" (host load {load:.1f} per core: measured again on a quieter host)" if load > 1.0 else ""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)  # atomic: two runs starting together do not corrupt it
-        return peak, f"CPU matmul probe, measured now and cached in {path}{note}"
-    except OSError:
-        return peak, f"CPU matmul probe, measured now (cache not writable){note}"
-
-
-def peak_flops(
-    devices, dtype: str, override_per_device: float = 0.0, probe_cpu: bool = True
-) -> tuple[float, str, bool]:
-    """(peak FLOP/s of all `devices` together, where the figure comes from, whether MFU is approximate).
-    CPU 'devices' share the host's cores, so the CPU peak is the matmul rate of the whole host, however
-    many devices are simulated; it is a measured rate, not a datasheet peak, hence approximate.
-    `probe_cpu=False` (the trainer): no CPU peak (0), so only achieved FLOP/s is reported."""
+def peak_flops(devices, dtype: str, override_per_device: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of all `devices` together, where the figure comes from).
+    CPU has no datasheet peak: 0 there (achieved FLOP/s only) unless `train.peak_flops` gives one. A probed
+    matmul rate used to stand in, and moved with the machine's load (~17% vs ~31% MFU for one config)."""
     n = len(devices)
     if override_per_device > 0:
-        return override_per_device * n, f"train.peak_flops={override_per_device:.4g} per device", False
+        return override_per_device * n, f"train.peak_flops={override_per_device:.4g} per device"
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
-        if not probe_cpu:
-            return 0.0, "CPU: no datasheet peak", False
-        peak, source = cached_cpu_peak()
-        return peak * len({d.process_index for d in devices}), source, True
+        return 0.0, "CPU: no datasheet peak"
     for name, hardware_name in DEVICE_KINDS.items():
         if name in kind:
-            return hardware.get(hardware_name).flops(dtype) * n, f"{hardware_name} datasheet ({dtype})", False
-    return 0.0, f"unknown device {devices[0].device_kind!r}: set train.peak_flops for MFU", False
-
-
-def peak_flops_total(devices, dtype: str, override_per_device: float = 0.0) -> float:
-    """Peak FLOP/s of all `devices` together (see peak_flops); 0 for an unknown accelerator."""
-    return peak_flops(devices, dtype, override_per_device)[0]
+            return hardware.get(hardware_name).flops(dtype) * n, f"{hardware_name} datasheet ({dtype})"
+    return 0.0, f"unknown device {devices[0].device_kind!r}: set train.peak_flops for MFU"
 
 
 def device_memory(devices) -> dict | None:

@@ -72,7 +72,6 @@ class Progress:
         skipped_in_a_row: int = 0,
         start: int = 0,
         enabled: bool = True,
-        mfu_approx: bool = False,
         memory=None,
         log=print,
         carry: dict | None = None,
@@ -82,7 +81,6 @@ class Progress:
         loss's state saved with the checkpoint this run resumes from (`carry()`)."""
         self.cfg, self.writer, self.enabled, self.log = cfg, writer, enabled, log
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
-        self.mfu_mark = "~" if mfu_approx else ""  # CPU: a measured matmul rate, not a datasheet peak
         self.memory = memory or (lambda: None)
         self.byte_tokens = byte_tokens(cfg)
         self.plain = plain_output()
@@ -133,7 +131,7 @@ class Progress:
 
     def throughput_text(self, record: dict) -> str:
         if "mfu" in record:
-            return f"MFU {self.mfu_mark}{record['mfu']:.1%}"
+            return f"MFU {record['mfu']:.1%}"
         return f"{record['flops_per_sec'] / 1e9:.3g} GFLOP/s"
 
     @property
@@ -187,7 +185,7 @@ class Progress:
                 loss=f"{vals['loss']:.3f}",
                 smooth=f"{self.smoothed:.3f}",
                 tok_s=f"{tps:,.0f}",
-                **({"mfu": f"{self.mfu_mark}{record['mfu']:.1%}"} if "mfu" in record else {}),
+                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
                 **({} if "mfu" in record else {"gflop_s": f"{record['flops_per_sec'] / 1e9:.3g}"}),
             )
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait

@@ -71,15 +71,13 @@ def units_line(cfg) -> str:
     return line
 
 
-def peak_line(peak: float, source: str, approximate: bool) -> str:
+def peak_line(peak: float, source: str) -> str:
     if not peak:
         return (
             f"throughput: achieved model FLOP/s (flops_per_sec), no MFU ({source}; set train.peak_flops "
             "per device for MFU)"
         )
-    return f"throughput: MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source}), and achieved FLOP/s" + (
-        "; approximate (~): a measured CPU matmul rate, not a datasheet peak" if approximate else ""
-    )
+    return f"throughput: MFU against {peak / 1e9:,.1f} GFLOP/s peak ({source}), and achieved FLOP/s"
 
 
 def hardware_for(device):

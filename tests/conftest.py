@@ -8,8 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test session, inherited by subprocess tests: the same program
 # compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-xla-cache-"))
-# The CPU MFU peak is cached per machine (jaxdist.metrics.cached_cpu_peak): tests keep theirs apart.
-os.environ.setdefault("JAXDIST_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-cache-"))
 # Tests check numerics, HLO and memory, not speed: skip LLVM's expensive optimisations (compiles ~2x
 # faster on CPU), emit fusions with XLA:CPU's older IR emitters instead of the MLIR fusion emitters
 # (a small train step's compile 5.4 -> 1.9 CPU-s; test_step + test_pipeline 190 -> 108 CPU-s), and

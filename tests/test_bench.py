@@ -35,6 +35,7 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
             "tokens_per_sec",
             "step_time_s",
             "mfu",
+            "flops_per_sec",
             "flops_per_token",
             "compile_s",
             "bytes_per_device",

@@ -49,35 +49,11 @@ def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
     assert records == [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5}, {"step": 30, "loss": 2.1}]
 
 
-def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
-    """The first call measures and writes the cache; later ones read it back (the probe is not run again)."""
-    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(metrics, "_cpu_peak", None)
-    monkeypatch.setattr(metrics, "host_load", lambda: 0.5)
-    peak, source = metrics.cached_cpu_peak()
-    assert 1e8 < peak < 1e13 and "measured now and cached in" in source
-    table = json.loads((tmp_path / "cpu_peak.json").read_text())
-    assert table[metrics.machine_key()] == {"flops": peak, "load": 0.5}
-
-    def no_probe():
-        raise AssertionError("probe ran again")
-
-    monkeypatch.setattr(metrics, "cpu_matmul_peak", no_probe)
-    assert metrics.cached_cpu_peak() == (peak, f"CPU matmul probe cached in {tmp_path / 'cpu_peak.json'}")
-    total, source, approximate = metrics.peak_flops(jax.devices(), "float32")
-    assert total == peak and approximate  # 8 simulated devices share one host: one host's peak
-    assert metrics.peak_flops(jax.devices(), "float32", 1e12) == (8e12, "train.peak_flops=1e+12 per device", False)
-
-
-def test_cpu_peak_taken_on_an_overloaded_host_is_measured_again_when_quieter(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
-    (tmp_path / "cpu_peak.json").write_text(json.dumps({metrics.machine_key(): {"flops": 1e9, "load": 8.0}}))
-    monkeypatch.setattr(metrics, "host_load", lambda: 9.0)  # still as busy: the cached figure stands
-    assert metrics.cached_cpu_peak()[0] == 1e9
-    monkeypatch.setattr(metrics, "host_load", lambda: 0.5)
-    monkeypatch.setattr(metrics, "cpu_matmul_peak", lambda: 5e10)
-    assert metrics.cached_cpu_peak()[0] == 5e10
-    assert json.loads((tmp_path / "cpu_peak.json").read_text())[metrics.machine_key()] == {"flops": 5e10, "load": 0.5}
+def test_peak_is_a_datasheet_or_the_users_and_none_on_cpu():
+    """CPU has no datasheet peak (a probed matmul rate moved with the load): 0 and no MFU, unless
+    train.peak_flops gives one per device."""
+    assert metrics.peak_flops(jax.devices(), "float32") == (0.0, "CPU: no datasheet peak")
+    assert metrics.peak_flops(jax.devices(), "float32", 1e12) == (8e12, "train.peak_flops=1e+12 per device")
 
 
 def test_device_memory_takes_the_most_loaded_local_device():
