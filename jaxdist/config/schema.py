@@ -145,7 +145,7 @@ class TrainConfig:
     evals: NonNegative = 0  # > 0: sets eval_every = ceil(train.steps / evals): that many evals or fewer, one at the end
     eval_batches: NonNegative = 4  # held-out batches per eval (0: no eval, with a warning at start-up)
     log_every: Positive = 10  # steps between metric lines
-    peak_flops: NonNegativeFloat = 0.0  # per device; 0 = from the hardware table, or a CPU matmul probe
+    peak_flops: NonNegativeFloat = 0.0  # per device, for MFU; 0 = the datasheet peak (none on CPU: FLOP/s only)
     max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops
     profile_steps: str = ""  # "10:15" writes a profiler trace for those steps
     trackers: list[str] = dataclasses.field(
