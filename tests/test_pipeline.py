@@ -244,3 +244,23 @@ def test_table_schedule_runs_each_action_once_per_stage(build, batches, referenc
     np.testing.assert_array_equal(counts[:, 0], pl.iterations - forwards - M)
     idle = counts[:-1, 0].max() / pl.iterations  # stages 0..P-2 (the last one also idles in its F slots)
     assert idle == pytest.approx(pl.bubble_fraction) == pytest.approx(3 / 11)
+
+
+def test_table_schedule_trains_on_the_loss_mask_only(cfg, build, reference, batches):
+    """Chat data's masked-out targets (stored as ~id, jaxdist.loss_mask) count in neither the loss nor its
+    token count under a table schedule, as on one device: the schedule decodes them itself (it computes
+    its own loss, outside gradients.token_loss_sums). Before, the ~ids reached the embedding."""
+    from jaxdist import loss_mask
+
+    tokens = np.asarray(batches[0])
+    masked = loss_mask.encode(tokens, np.arange(tokens.size).reshape(tokens.shape) % 3 != 0)
+    one = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
+    ref_grads, ref_loss = compiled_gradients(one)(reference[0], masked)
+    prog, compiled, _, _ = build("1f1b pp=4,fsdp=2 M=8")
+    params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
+    grads, loss = compiled(params, jax.device_put(masked, prog.batch_sharding))
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert float(loss) != pytest.approx(reference[1], rel=1e-5)  # the mask does change it (near ln V at init)
+    grads = pipeline.from_stages(jax.device_get(grads), prog.pipeline)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.device_get(ref_grads))):
+        np.testing.assert_allclose(g, r, atol=1e-5 * np.abs(r).max(), rtol=0)

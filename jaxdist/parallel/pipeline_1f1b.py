@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import loss_mask
 from jaxdist.gradients import split_microbatches
 from jaxdist.loss import cross_entropy
 from jaxdist.parallel import schedules
@@ -94,11 +95,12 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
             def chunk(group, x):
                 return model.run_layers_aux(x, nnx.merge(blocks_def, group), positions_T=positions_T)[0]
 
-            def embed(r, tok_bT):
-                return whole(r).embed(tok_bT)
+            def embed(r, tok_bT):  # chat data: a masked-out token is stored ~id (jaxdist.loss_mask)
+                return whole(r).embed(loss_mask.split(tok_bT)[0])
 
-            def head_loss(r, y, tgt_bT):
-                return cross_entropy(whole(r).head(y), tgt_bT).sum()
+            def head_loss(r, y, tgt_bT):  # only the targets the loss mask keeps count
+                ids_bT, weights_bT = loss_mask.split(tgt_bT)
+                return (cross_entropy(whole(r).head(y), ids_bT) * weights_bT).sum()
 
             zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
             tok0 = tokens_MbT1[0, :, :-1]
@@ -196,7 +198,7 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
 
     def objective_sums(params, tokens_BT1, order_T=None):
         loss = objective(params, tokens_BT1)
-        count = jnp.asarray(tokens_BT1[:, 1:].size, jnp.float32)
+        count = loss_mask.split(tokens_BT1[:, 1:])[1].sum()  # the targets the loss mask keeps
         return loss, (loss, count, {})
 
     # (P, 3): per stage, the slots its lax.switch ran idle / forward / backward (the program's own count)
