@@ -18,6 +18,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxdist import hf
+from jaxdist.adapters.lora import per_layer_shapes
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
 
@@ -130,14 +131,8 @@ def layer_shape(t: hf.Tensor, m: ModelConfig) -> tuple[int, ...]:
         "w_down_EFD": (Fe, D),
         "embed_VD": (V, D),
         "scale": (D,),
-        "wq_DNH": (D, N, H),
-        "wk_DKH": (D, K, H),
-        "wv_DKH": (D, K, H),
-        "wo_NHD": (N, H, D),
-        "w_gate_DF": (D, F),
-        "w_up_DF": (D, F),
-        "w_down_FD": (F, D),
         "head_DV": (D, V),
+        **per_layer_shapes(m),  # the attention and dense MLP matrices: one table, shared with LoRA
     }[t.path[-1]]
 
 
