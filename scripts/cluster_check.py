@@ -59,6 +59,9 @@ PACKAGES["mpirun"] = "openmpi-bin"
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo"]
 
 
+BITS = {True: "bit-identical", False: "DIFFER"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -308,7 +311,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="jaxdist-cluster-"))
     rows: list[tuple[str, str, str, str, str, str, float, bool]] = []
 
-    def row(name, procs, devices, loss, resume, params, seconds, ok):
+    def row(name, ok, since, loss="-", resume="-", params="-", procs="2", devices="2x4"):
+        """One line of the table; `since`: when the check started (time.monotonic())."""
+        seconds = time.monotonic() - since
         rows.append((name, procs, devices, loss, resume, params, seconds, ok))
         print(
             f"{'ok  ' if ok else 'FAIL'} {name}: losses {loss}, resume {resume}, params {params}, {seconds:.0f}s",
@@ -321,7 +326,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "fsdp=8", "--run-dir", str(single), *SHORT]
         subprocess.run(cmd, env=job_env(8), cwd=REPO, check=True, capture_output=True)
         want = losses(single)
-        row("1 process (reference)", "1", "1x8", f"{len(want)} steps", "-", "-", time.monotonic() - t, len(want) == 10)
+        row("1 process (reference)", len(want) == 10, t, f"{len(want)} steps", procs="1", devices="1x8")
 
         with Cluster(work / "cluster") as cluster:
             if args.record_env:
@@ -331,32 +336,14 @@ def main() -> int:
             job = cluster.submit(work / "slurm", SHORT, wait=True)
             st = cluster.state(job)
             d = max_rel_diff(losses(work / "slurm"), want)
-            row(
-                "slurm sbatch",
-                "2",
-                "2x4",
-                f"max rel diff {d:.1e}",
-                "-",
-                "-",
-                time.monotonic() - t,
-                st[0] == "COMPLETED" and d <= RTOL,
-            )
+            row("slurm sbatch", st[0] == "COMPLETED" and d <= RTOL, t, f"max rel diff {d:.1e}")
 
             # uninterrupted long job: the final parameters the interrupted ones must reproduce
             t = time.monotonic()
             job = cluster.submit(work / "long", LONG, wait=True)
             ok = cluster.state(job)[0] == "COMPLETED"
             ref = final_params(work / "long", 150) if ok else {}
-            row(
-                "slurm long (reference)",
-                "2",
-                "2x4",
-                f"{len(losses(work / 'long'))} steps",
-                "-",
-                "-",
-                time.monotonic() - t,
-                ok,
-            )
+            row("slurm long (reference)", ok, t, f"{len(losses(work / 'long'))} steps")
 
             # requeue after a checkpoint: SIGTERM, checkpoint, the same job runs again and resumes
             t = time.monotonic()
@@ -372,13 +359,11 @@ def main() -> int:
             ok = state == "COMPLETED" and restarts == 1 and resume == stopped and resume >= first and same and d == 0
             row(
                 "slurm requeue",
-                "2",
-                "2x4",
-                f"max rel diff {d:.1e} vs long",
-                f"SIGTERM saved step {stopped}, resumed step {resume}",
-                "bit-identical" if same else "DIFFER",
-                time.monotonic() - t,
                 ok,
+                t,
+                f"max rel diff {d:.1e} vs long",
+                resume=f"SIGTERM saved step {stopped}, resumed step {resume}",
+                params=BITS[same],
             )
 
             # SIGKILL, then the same submission again
@@ -398,13 +383,11 @@ def main() -> int:
             )
             row(
                 "slurm scancel KILL + resubmit",
-                "2",
-                "2x4",
-                f"first job {killed_state} ({how})",
-                f"step {resume}",
-                "bit-identical" if same else "DIFFER",
-                time.monotonic() - t,
                 ok,
+                t,
+                f"first job {killed_state} ({how})",
+                resume=f"step {resume}",
+                params=BITS[same],
             )
 
             # one task SIGKILLed mid-run (no signal to catch, as on a crashed node): the job ends non-zero,
@@ -427,13 +410,11 @@ def main() -> int:
             ok = state == "FAILED" and code != "0:0" and took < 20 + 15 and bool(steps) and resume == steps[-1] and same
             row(
                 "slurm task SIGKILLed + resubmit",
-                "2",
-                "2x4",
-                f"job {state} exit {code} {took:.1f}s after the kill",
-                f"step {resume} (latest checkpoint {steps[-1] if steps else None})",
-                "bit-identical" if same else "DIFFER",
-                time.monotonic() - t,
                 ok,
+                t,
+                f"job {state} exit {code} {took:.1f}s after the kill",
+                resume=f"step {resume} (latest checkpoint {steps[-1] if steps else None})",
+                params=BITS[same],
             )
 
         # OpenMPI: mpirun starts both processes; jaxdist reads OMPI_* (coordinator from the HNP URI)
@@ -444,19 +425,10 @@ def main() -> int:
         d = max_rel_diff(losses(work / "mpi"), want) if (work / "mpi" / "metrics.jsonl").exists() else float("inf")
         if out.returncode:
             print(out.stdout[-2000:], out.stderr[-2000:])
-        row(
-            "openmpi mpirun",
-            "2",
-            "2x4",
-            f"max rel diff {d:.1e}",
-            "-",
-            "-",
-            time.monotonic() - t,
-            out.returncode == 0 and d <= RTOL,
-        )
+        row("openmpi mpirun", out.returncode == 0 and d <= RTOL, t, f"max rel diff {d:.1e}")
         t = time.monotonic()
         ok, what = check_k8s_manifest()
-        row("kubernetes manifest", "-", "-", what, "-", "-", time.monotonic() - t, ok)
+        row("kubernetes manifest", ok, t, what, procs="-", devices="-")
     finally:
         print_table(rows)
         if args.keep:
