@@ -15,6 +15,7 @@ from jaxdist import hlo, sharding, step
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import dgc, diloco, reduce
+from jaxdist.reduce import registry
 from jaxdist.resolve import resolve
 
 
@@ -62,10 +63,7 @@ def compile_reduction(cfg: Config, mesh: Mesh):
     are the train step's less the (loss, token count) psum."""
     axis = cfg.reduce.axis
     model = resolve(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
-    if dgc.enabled(cfg) and mesh.shape[axis] > 1:
-        reducer = dgc.reducer(cfg, mesh.shape[axis])
-    else:
-        reducer = reduce.make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
+    reducer = registry.reduction(cfg, mesh, model.abstract, model.stacked_dims)
     state = jax.eval_shape(reducer.init, model.abstract)
     fn = jax.shard_map(
         lambda g, s, i: reducer.update(g, s, i),
@@ -82,45 +80,37 @@ def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) ->
     """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh
     (compiles the dense program; 1.0 without compiling when nothing crosses the axis or it is dense)."""
     axis = cfg.reduce.axis
-    if mesh.shape[axis] == 1 or (cfg.reduce.method == "dense" and cfg.reduce.dtype == "float32"):
+    if mesh.shape[axis] == 1 or registry.is_baseline(cfg):
         return 1.0
     if dp_bytes is None:
-        dp_bytes = dp_bytes_per_step(compile_train_step(cfg, mesh).as_text(), mesh, axis, sync_every=sync_every(cfg))
-    dense_cfg = cfg.replace(reduce=dict(method="dense", dtype="float32"))
+        dp_bytes = dp_bytes_per_step(
+            compile_train_step(cfg, mesh).as_text(), mesh, axis, sync_every=registry.sync_every(cfg)
+        )
+    dense_cfg = cfg.replace(reduce=dict(registry.BASELINE))
     dense_bytes = dp_bytes_per_step(compile_train_step(dense_cfg, mesh).as_text(), mesh, axis)
     return dense_bytes / dp_bytes if dp_bytes else float("inf")
-
-
-def sync_every(cfg: Config) -> int:
-    """Steps per exchange: DiLoCo's sync period, else 1."""
-    return cfg.reduce.sync_every if cfg.reduce.method == "diloco" else 1
 
 
 def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple[float, float]:
     """(steady, run average) dp bytes per step of a compiled train step: the steady state after the
     dense warm-up, and the average over `train.steps` with the warm-up's dense steps included."""
-    axis, every = cfg.reduce.axis, sync_every(cfg)
+    axis, every = cfg.reduce.axis, registry.sync_every(cfg)
     steady = dp_bytes_per_step(compiled_hlo_text, mesh, axis, sync_every=every)
     steps = cfg.train.steps
-    if dgc.enabled(cfg):  # the sparsity warm-up: each stage's own bytes for its own steps
-        stages = dgc.stages(cfg)
-        warm = sum(
-            (b - a) * dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase=i) for i, (a, b, _) in enumerate(stages)
-        )
-        w = stages[-1][1] if stages else 0
-        return steady, (warm + (steps - w) * steady) / steps
     if every > 1:  # DiLoCo: ceil(steps / H) syncs, the last one at the run's end (diloco.syncs)
         sync = (dp_bytes_per_step(compiled_hlo_text, mesh, axis) - steady) * every / (every - 1)
         return steady, steady + sync * (diloco.syncs(cfg) / steps - 1 / every)
-    warm = dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase="warmup", sync_every=every)
-    w = min(reduce.warmup_steps(cfg), steps)
-    return steady, (w * warm + (steps - w) * steady) / steps
+    # The warm-up: each phase's own bytes for its own steps (dense; DGC: each density stage).
+    phases = registry.warmup_phases(cfg)
+    warm = sum((b - a) * dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase=p) for a, b, p in phases)
+    w = phases[-1][1] if phases else 0
+    return steady, (warm + (steps - w) * steady) / steps
 
 
 def compression_ratio_run(cfg: Config, mesh: Mesh, compiled_hlo_text: str | None = None) -> float:
     """Dense float32's dp bytes over this config's averaged over the whole run (`train.steps`, the
     dense warm-up included): what a run really saves. `compression_ratio` is the steady state."""
-    if mesh.shape[cfg.reduce.axis] == 1 or cfg.reduce.method in ("implicit", "dense"):
+    if mesh.shape[cfg.reduce.axis] == 1 or not registry.method(cfg).compresses:
         return compression_ratio(cfg, mesh)
     text = compiled_hlo_text or compile_train_step(cfg, mesh).as_text()
     steady, run = run_bytes_per_step(cfg, mesh, text)

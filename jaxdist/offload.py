@@ -63,11 +63,6 @@ def check(cfg, mesh) -> None:
         raise JaxdistError(
             "offload.params=host is not supported with LoRA (lora.rank > 0) yet; use offload.params=none"
         )
-    if cfg.reduce.method != "implicit":
-        raise JaxdistError(
-            f"offload.params=host is not supported with reduce.method={cfg.reduce.method} (its per-replica "
-            "gradient stage keeps parameters on the device); use reduce.method=implicit or offload.params=none"
-        )
 
 
 def bytes_per_step(cfg, param_bytes: int, opt_bytes: int) -> dict[str, int]:

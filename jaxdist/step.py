@@ -3,8 +3,9 @@
 One train step: tokens (global, sharded `batch -> (dp, fsdp)`) -> gradient stage (micro-batch loop,
 loss/grad, data-parallel reduction) -> non-finite guard -> clip + AdamW -> new state (donated).
 
-The gradient stage is swappable: `implicit_gradients` lets XLA insert the data-parallel all-reduce;
-`jaxdist.parallel.reduce` replaces it with an explicit, once-per-step (optionally compressed) one.
+The gradient stage and any optimizer that replaces clip + AdamW come from `reduce.method`'s entry in
+`jaxdist.reduce.registry` (implicit: XLA inserts the data-parallel all-reduce; the others reduce
+explicitly, once per step, dense or compressed).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from jaxdist.adapters import checks as lora_checks
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import GradientStage, implicit_gradients, partial_gradients, token_loss_sums, without_aux
+from jaxdist.gradients import GradientStage, token_loss_sums, without_aux
 from jaxdist.mesh import axis_size
 from jaxdist.models.attention import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
-from jaxdist.parallel import context, demo, dgc, diloco, pipeline, reduce
+from jaxdist.parallel import context, pipeline
 from jaxdist.parallel import moe as moe_parallel
+from jaxdist.reduce import registry
 from jaxdist.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 
 
@@ -96,16 +98,17 @@ def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
 def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None) -> Program:
     """Resolve the model on `mesh`, pick the gradient stage, build the optimizer and jit the steps.
 
-    `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the default
-    choice made from `cfg.reduce.method`.
+    `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the stage
+    of the method `cfg.reduce.method` resolves to (`reduce.registry`).
     """
     rules = sharding.make_rules(cfg.mesh.rules)
     check(cfg, mesh, rules)
     model = resolve(cfg, mesh, rules)
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
     apply_fn = model_apply(cfg, model, order_T)
-    stage = (gradient_stage or select_gradient_stage)(apply_fn, cfg, mesh, model)
-    tx, lr_schedule = optimizer(cfg, mesh, model, stage)
+    method = registry.resolve(cfg, mesh, model)  # the one place reduce.method is decided
+    stage = (gradient_stage or method.stage)(apply_fn, cfg, mesh, model)
+    tx, lr_schedule = optimizer(cfg, mesh, model, method)
 
     def state_from_params(params):
         """Float32 parameters -> the step-0 state. LoRA: entries `params` lacks (adapters, scales: an
@@ -169,6 +172,7 @@ def check(cfg: Config, mesh: Mesh, rules) -> None:
     context.check(cfg, mesh, rules)
     lora_checks.check(cfg, mesh, rules)
     offload.check(cfg, mesh)
+    registry.check(cfg, mesh)
 
 
 def trained_part(cfg: Config, tree):
@@ -193,22 +197,19 @@ def model_apply(cfg: Config, model: ResolvedModel, order_T) -> Callable:
     return apply_fn
 
 
-def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, stage: GradientStage):
-    """(tx, lr schedule): clip + AdamW — or DiLoCo's outer move, its replicas running the inner AdamW."""
+def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, method: registry.Method):
+    """(tx, lr schedule): clip + AdamW, or what `method` applies instead (DiLoCo's outer move, DGC's and
+    DeMo's LR and decay on the update their stage returns)."""
     tx, lr_schedule = make_optimizer(
         cfg.optim,
         cfg.optim.schedule_steps or cfg.train.steps,
         cfg.train.global_batch,
         decay_mask(trained_part(cfg, model.names)),
-        reduce.variance_freeze_step(cfg, mesh),
+        registry.variance_freeze_step(cfg, mesh),
         cfg.reduce.variance_floor,
     )
-    if stage.name == "explicit-diloco":
-        tx = diloco.outer_optimizer()
-    if stage.name == "explicit-dgc":  # the stage returns DGC's summed sparse update, clipped per replica
-        tx = dgc.optimizer(cfg, lr_schedule, decay_mask(model.names))
-    if stage.name == "explicit-demo":  # the stage returns DeMo's sign update: the step applies LR and decay
-        tx = demo.optimizer(cfg, lr_schedule, decay_mask(model.names))
+    if method.optimizer is not None:
+        tx = method.optimizer(cfg, lr_schedule, decay_mask(model.names))
     return tx, lr_schedule
 
 
@@ -272,48 +273,6 @@ def document_eos(cfg: Config, plan: pipeline.Plan | None) -> int | None:
     from jaxdist import data  # reads the tokenizer or the prepared folder's manifest
 
     return data.document_eos(cfg)
-
-
-def _implicit(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, context.sequence_order(cfg, mesh))
-
-
-def _diloco(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    if reduce.check_axis(cfg, mesh, model):
-        return diloco.diloco_gradients(apply_fn, cfg, mesh, model)
-    return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): nothing to average, train as usual
-
-
-def _demo(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    if reduce.check_axis(cfg, mesh, model):
-        return demo.demo_gradients(apply_fn, cfg, mesh, model)
-    return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): AdamW as usual
-
-
-def _dgc(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    if reduce.check_axis(cfg, mesh, model):
-        return dgc.dgc_gradients(apply_fn, cfg, mesh, model)
-    return _implicit(apply_fn, cfg, mesh, model)  # one replica (warned): AdamW as usual
-
-
-# reduce.method -> gradient stage; every other method is a codec of the explicit dp reduction.
-STAGES: dict[str, Callable[..., GradientStage]] = {"implicit": _implicit, "diloco": _diloco, "demo": _demo}
-STAGES["dgc"] = _dgc  # reduce.method=topk with reduce.dgc on (its default)
-
-
-def select_gradient_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
-    """The gradient stage `cfg.reduce.method` names: implicit (XLA's own all-reduce), DiLoCo, DeMo,
-    or the explicit once-per-step (optionally compressed) reduction."""
-    if cfg.lora.rank:  # gradients of the adapters only (lora_checks: implicit reduction)
-        return partial_gradients(
-            apply_fn,
-            cfg.train.grad_accum_steps,
-            lambda p: (adapters.trainable(p), adapters.frozen(p)),
-            adapters.combine,
-            context.sequence_order(cfg, mesh),
-        )
-    name = "dgc" if dgc.enabled(cfg) else cfg.reduce.method
-    return STAGES.get(name, reduce.explicit_gradients)(apply_fn, cfg, mesh, model)
 
 
 class _in_mesh:

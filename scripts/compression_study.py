@@ -72,11 +72,11 @@ def run_method(label, base, mesh, out: Path, known=None):
     """`known`: a stored row of the same method and shape (another seed): its bytes are reused, which
     saves compiling the step twice (the bytes do not depend on the seed)."""
     from jaxdist import measure, train
-    from jaxdist.parallel import reduce
+    from jaxdist.reduce import registry
 
     knobs = dict(METHODS[label])  # reduce.* overrides, and optim.* ones under "optim"
     cfg = base.replace(optim=knobs.pop("optim", {}), reduce=knobs)
-    steps, warm_steps = cfg.train.steps, min(reduce.warmup_steps(cfg), cfg.train.steps)
+    steps, warm_steps = cfg.train.steps, min(registry.warmup_steps(cfg), cfg.train.steps)
     shape = bytes_shape(cfg)
     if known:
         check_same_shape(label, known, shape)
@@ -101,7 +101,7 @@ def run_method(label, base, mesh, out: Path, known=None):
         "warmup_bytes_per_step": warm,
         "warmup_steps": warm_steps,
         "run_bytes_per_step": run,
-        "sync_every": measure.sync_every(cfg),
+        "sync_every": registry.sync_every(cfg),
         "steps": steps,
         "curve": curve,
         "evals": evals,

@@ -19,6 +19,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.gradients import accumulate_gradients
 from jaxdist.mesh import mesh_from_string
 from jaxdist.parallel import compress, demo, dgc, diloco, reduce
+from jaxdist.reduce import registry
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
 # DiLoCo compiles whole train steps: the smallest model that has every kind of tensor.
@@ -71,7 +72,7 @@ def test_codec_bytes_are_exact(small_cfg, dp8, knobs, codec):
     want = expected_bytes(codec, model.abstract, model.stacked_dims, 8)
     assert measure.dp_bytes_per_step(text, dp8) == pytest.approx(want, rel=1e-12, abs=0)
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
-    if knobs["method"] in reduce.WARMED_UP:  # warm-up branch: the dense reduction, to the byte
+    if registry.METHODS[knobs["method"]].warms_up:  # warm-up branch: the dense reduction, to the byte
         assert measure.dp_bytes_per_step(text, dp8, phase="warmup") == pytest.approx(dense, rel=1e-12)
     assert (
         dense / want > {"topk": 15 if knobs.get("ratio") == 0.01 else 100, "int8": 3.5, "powersgd": 8}[knobs["method"]]
@@ -137,7 +138,7 @@ def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
     assert steady == pytest.approx(
         expected_bytes(compress.powersgd(4), model.abstract, model.stacked_dims, 8), rel=1e-12
     )
-    assert reduce.warmup_steps(cfg) == 10
+    assert registry.warmup_steps(cfg) == 10
     assert run == pytest.approx((10 * warm + 90 * steady) / 100, rel=1e-12) and steady < run < warm
 
 
@@ -301,12 +302,12 @@ def test_variance_frozen_only_where_compressing(small_cfg, dp8):
     """Off by default (measured worse on the study); when on, from the end of the dense warm-up, and
     only where a method compresses."""
     on = dict(freeze_variance=True)
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", dgc="off", **on)), dp8) == 10
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) is None  # DGC
-    assert reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
+    assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
+    assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", dgc="off", **on)), dp8) == 10
+    assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) is None  # DGC
+    assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
     assert (
-        reduce.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8"))
+        registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), mesh_from_string("fsdp=8"))
         is None
     )
 

@@ -22,11 +22,6 @@ def check(cfg, mesh, rules) -> None:
             "lora.rank > 0 with model.moe_experts > 0: LoRA on mixture-of-experts layers is not supported "
             "yet; use a dense model or lora.rank=0"
         )
-    if cfg.reduce.method != "implicit":
-        raise JaxdistError(
-            f"lora.rank > 0 with reduce.method={cfg.reduce.method}: adapters train with the implicit "
-            "gradient reduction only (their gradients are small); use reduce.method=implicit"
-        )
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(
             "lora.rank > 0 with cp > 1: LoRA is not supported with context parallelism yet; use dp/fsdp/tp/pp"

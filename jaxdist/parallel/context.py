@@ -86,8 +86,6 @@ def check(cfg, mesh, rules) -> None:
             f"data.document_mask=true with cp={cp} is not supported (segment masks are not split "
             "over sequence shards); use cp=1 or data.document_mask=false"
         )
-    if cfg.reduce.method == "diloco":
-        raise JaxdistError(f"reduce.method=diloco with cp={cp} is not supported; use cp=1 or another reduce.method")
     pp = dict(mesh.shape).get("pp", 1)
     if pp > 1:  # checked here: Shardy rejects the cp shard_map nested in the pipeline's (jax 0.10.2)
         raise JaxdistError(

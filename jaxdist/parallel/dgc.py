@@ -63,10 +63,6 @@ class DgcState(NamedTuple):
     mean: Any = ()  # m: the EMA of this replica's own gradient (reduce.dgc=update); () else
 
 
-def enabled(cfg: Config) -> bool:
-    return cfg.reduce.method == "topk" and cfg.reduce.dgc != "off"
-
-
 def stage_scope(i: int) -> str:
     """Name scope of warm-up stage i (contains reduce.WARMUP_SCOPE: the steady state leaves it out)."""
     return f"{reduce.WARMUP_SCOPE}_stage{i}"
@@ -84,7 +80,7 @@ def start_density(cfg: Config) -> float:
 def stages(cfg: Config) -> list[tuple[int, int, float]]:
     """(first step, end step, density) of each warm-up stage; after them, `reduce.ratio`. Empty when
     the target is at least the start density or there are no warm-up steps."""
-    r, warm, start = cfg.reduce, reduce.warmup_steps(cfg), start_density(cfg)
+    r, warm, start = cfg.reduce, reduce.warmup_span(cfg), start_density(cfg)
     if warm == 0 or r.ratio >= start:
         return []
     n = min(WARMUP_STAGES, warm)

@@ -49,20 +49,13 @@ def outer_optimizer() -> optax.GradientTransformation:
     return optax.sgd(1.0)
 
 
-def pseudo_gradient_reducer(cfg: Config, mesh: Mesh, model: ResolvedModel) -> reduce.Reducer:
-    """Sums Δ over replicas: dense psum, or a codec with error feedback (no warm-up: Δ is not Adam's input)."""
-    r = cfg.reduce
-    codec_cfg = cfg.replace(reduce=dict(method=r.outer_codec, start_step=0, warmup_fraction=0.0))
-    return reduce.make_reducer(codec_cfg, mesh, model.abstract, model.stacked_dims)
-
-
-def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: reduce.Reducer):
+    """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.outer_codec`)."""
     r, axis = cfg.reduce, cfg.reduce.axis
     replicas, H = mesh.shape[axis], r.sync_every
     inner_tx, _ = make_optimizer(
         cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas, decay_mask(model.names)
     )
-    exchange = pseudo_gradient_reducer(cfg, mesh, model)
     outer_lr, mu = r.outer_lr, r.outer_momentum
 
     def per_replica(outer, tokens, state: DilocoState, step):

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import GradientStage, accumulate_with_stats, implicit_gradients
+from jaxdist.gradients import GradientStage, accumulate_with_stats
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel import compress, context
 from jaxdist.resolve import ResolvedModel
 
-# The dense warm-up branch (topk / powersgd's first `warmup_steps(cfg)` steps) runs under this name
+# The dense warm-up branch (topk / powersgd's first `registry.warmup_steps(cfg)` steps) runs under this name
 # scope; `measure.dp_bytes_per_step` leaves its collectives out to report the steady state.
 WARMUP_SCOPE = "reduce_warmup"
 COMPRESSED_SCOPE = "reduce_compressed"  # the branch that replaces it after the warm-up
@@ -119,43 +119,11 @@ def with_warmup(warmup: Reducer, main: Reducer, start_step: int) -> Reducer:
     return main._replace(update=update)
 
 
-WARMED_UP = ("topk", "powersgd")  # methods with a dense warm-up (and Adam's variance frozen after it)
-
-
-def warmup_steps(cfg: Config) -> int:
-    """Dense steps before a warmed-up method compresses: max(start_step, warmup_fraction·steps)."""
+def warmup_span(cfg: Config) -> int:
+    """max(reduce.start_step, warmup_fraction·steps): the warm-up of a method that has one
+    (`registry.warmup_steps` says which do)."""
     r = cfg.reduce
-    if r.method not in WARMED_UP:
-        return 0
     return max(r.start_step, math.ceil(r.warmup_fraction * cfg.train.steps))
-
-
-def variance_freeze_step(cfg: Config, mesh: Mesh) -> int | None:
-    """The step after which Adam's second moment stays frozen (None: never), so that compression
-    error feedback telescopes through Adam (1-bit Adam). Only where a method compresses."""
-    r = cfg.reduce
-    if r.method not in WARMED_UP or not r.freeze_variance or mesh.shape.get(r.axis, 1) == 1:
-        return None
-    if r.method == "topk" and r.dgc != "off":  # DGC (parallel/dgc.py) brings its own optimizer
-        return None
-    return max(warmup_steps(cfg), 1)
-
-
-def make_reducer(cfg: Config, mesh: Mesh, abstract_params, batch_dims) -> Reducer:
-    """The reducer `cfg.reduce` asks for. A compressed method on a size-1 axis warns and goes dense."""
-    r, axis = cfg.reduce, cfg.reduce.axis
-    replicas = mesh.shape[axis]
-    if r.method == "dense" or replicas == 1:
-        if r.method != "dense":
-            warn_one_replica(cfg)
-        return dense(axis, jnp.dtype(r.dtype))
-    codec = {
-        "topk": lambda: compress.topk(r.ratio),
-        "int8": lambda: compress.int8(r.block_size, replicas if r.error_feedback else None),
-        "powersgd": lambda: compress.powersgd(r.rank, cfg.train.seed),
-    }[r.method]()
-    reducer = compressed(codec, axis, replicas, abstract_params, batch_dims, r.error_feedback)
-    return with_warmup(dense(axis), reducer, warmup_steps(cfg))
 
 
 def warn_one_replica(cfg: Config) -> None:
@@ -166,9 +134,8 @@ def warn_one_replica(cfg: Config) -> None:
     )
 
 
-def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
-    """Whether the reduce axis has replicas to reduce over (False: one replica, warned); errors for an
-    axis that is not in the mesh, or parameters sharded over it."""
+def check_replicated(cfg: Config, mesh: Mesh, model: ResolvedModel) -> None:
+    """Errors for a reduce axis that is not in the mesh, or parameters sharded over it."""
     axis = cfg.reduce.axis
     if axis not in mesh.shape:
         raise JaxdistError(f"reduce.axis={axis!r} is not a mesh axis {tuple(mesh.shape)}; set reduce.axis=dp")
@@ -179,11 +146,6 @@ def check_axis(cfg: Config, mesh: Mesh, model: ResolvedModel) -> bool:
                 f"mesh.rules shard one over it ({spec}); remove {axis} from mesh.rules or use "
                 f"reduce.method=implicit"
             )
-    if mesh.shape[axis] == 1:  # nothing crosses the axis (and XLA rejects a psum over a size-1 manual axis)
-        if cfg.reduce.method != "dense":
-            warn_one_replica(cfg)
-        return False
-    return True
 
 
 def per_replica_apply(per_replica: Callable, mesh: Mesh, axis: str) -> Callable:
@@ -205,15 +167,12 @@ def per_replica_apply(per_replica: Callable, mesh: Mesh, axis: str) -> Callable:
     return apply
 
 
-def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel, reducer: Reducer):
     """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
-    `train.grad_accum_steps` (token-weighted), then reduced once. Activation constraints drop the manual
-    axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
+    `train.grad_accum_steps` (token-weighted), then reduced once by `reducer` (`registry.reducer`).
+    Activation constraints drop the manual axis (sharding.constrain), so `apply_fn` runs unchanged inside."""
     axis = cfg.reduce.axis
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: the load-balanced sequence order
-    if not check_axis(cfg, mesh, model):
-        return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, order_T)
-    reducer = make_reducer(cfg, mesh, model.abstract, model.stacked_dims)
     replicas, microbatches = mesh.shape[axis], cfg.train.grad_accum_steps
 
     def per_replica(params, tokens, state, step):

@@ -69,6 +69,7 @@ from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
 from jaxdist.planner import lora
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
+from jaxdist.reduce import registry
 
 OVERLAPPED = ("fsdp", "dp")  # weight gathers and gradient reductions can run behind compute
 
@@ -94,7 +95,7 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     fsdp, tp, pp, ep, cp = mesh["fsdp"], mesh["tp"], mesh["pp"], mesh["ep"], lay.cp
     T, D = m.seq_len // cp, m.d_model  # tokens of a sequence on one device
     passes = lay.accum
-    dp_syncs = passes if cfg.reduce.method == "implicit" else 1
+    dp_syncs = 1 if registry.method(cfg).per_replica else passes  # implicit: XLA reduces every pass
     # Layer applications per device per step: each pipeline iteration runs L / (P V) layers.
     layer_steps = passes * (m.num_layers if pp == 1 else lay.pipe_iterations * m.num_layers // (pp * lay.repeats))
     layer_grads = layer_steps  # gradients are reduced where they are produced, inside the scans
