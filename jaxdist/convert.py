@@ -178,9 +178,6 @@ def to_hf(
     """Export a run's newest intact checkpoint as an HF model; a LoRA run's adapters merged into the
     weights, or (`peft`) alone as a PEFT adapter for the original HF model. The model folder appears
     whole or not at all: it is written as a hidden sibling and renamed into place."""
-    import os
-    import shutil
-
     import jax
 
     from jaxdist import checkpoint, hf_export, hf_io, run_tokenizer
@@ -188,43 +185,94 @@ def to_hf(
     from jaxdist.adapters import tree as adapters
 
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise JaxdistError(f"{out} is a file; choose a folder for the Hugging Face model")
-    held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
-    if not checkpoint.all_agree(not held):
-        raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
+    _check_export_folder(out)
     directory, _ = checkpoint.checkpoint_dir(Path(path))
     recorded = run_tokenizer.of_run(directory.parent)  # checked before any work
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
     got = read_run(path, mesh, log=log)
     cfg, params = got.cfg, got.params
     source = got.run_dir / hf_io.SOURCE
+    source = source if source.is_dir() else None
     if peft:
-        from jaxdist.adapters import peft as peft_format
-
-        if not cfg.lora.rank:
-            raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
-        blocks = jax.device_get(adapters.trainable(params))["blocks"]
-        base = hf_export._source_config(source if source.is_dir() else None).get("_name_or_path", "")
-        if jax.process_index() != 0:
-            return []
-        files = peft_format.write(out, blocks, cfg.lora, base, hf_export.EXPORT_DTYPES[dtype])
-        log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
-        return files
+        return _write_peft(path, out, cfg, params, source, dtype, log)
     if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers
         params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
         log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
+    tokenizer, token_ids = _export_tokenizer(cfg, recorded, got.run_dir)
+    hf_export.check_exportable(cfg.model)
+    return _write_whole(
+        out,
+        lambda tmp: hf_export.export(
+            params,
+            cfg.model,
+            tmp,
+            dtype,
+            source,
+            tokenizer,
+            max_shard_bytes,
+            lambda m: log(m.replace(str(tmp), str(out))),
+            token_ids,
+        ),
+        log,
+    )
+
+
+def _check_export_folder(out: Path) -> None:
+    """`out` is a folder (or not there yet) that holds no model: nothing is overwritten."""
+    from jaxdist import checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise JaxdistError(f"{out} is a file; choose a folder for the Hugging Face model")
+    held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
+    if not checkpoint.all_agree(not held):
+        raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
+
+
+def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, log) -> list[Path]:
+    """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from."""
+    import jax
+
+    from jaxdist import hf_export
+    from jaxdist.adapters import peft as peft_format
+    from jaxdist.adapters import tree as adapters
+
+    if not cfg.lora.rank:
+        raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
+    blocks = jax.device_get(adapters.trainable(params))["blocks"]
+    base = hf_export._source_config(source).get("_name_or_path", "")
+    if jax.process_index() != 0:
+        return []
+    files = peft_format.write(out, blocks, cfg.lora, base, hf_export.EXPORT_DTYPES[dtype])
+    log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
+    return files
+
+
+def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:
+    """(the tokenizer to copy beside the model, its eos/bos token ids for config.json): the run's
+    recorded one, else data.tokenizer (a run from before recording: checked now)."""
+    from jaxdist import run_tokenizer
+
     tokenizer = getattr(cfg.data, "tokenizer", "")
     token_ids = {}
     if recorded is not None and recorded.kind == "tokenizer":
-        tokenizer = str(got.run_dir / run_tokenizer.FOLDER)
+        tokenizer = str(run_dir / run_tokenizer.FOLDER)
     elif tokenizer:
-        recorded = run_tokenizer._load(tokenizer, "data.tokenizer")  # a run from before recording: checked
+        recorded = run_tokenizer._load(tokenizer, "data.tokenizer")
     if recorded is not None and recorded.eos_id is not None:
         token_ids["eos_token_id"] = int(recorded.eos_id)
         if recorded.bos_ids:
             token_ids["bos_token_id"] = int(recorded.bos_ids[0])
-    hf_export.check_exportable(cfg.model)
+    return tokenizer, token_ids
+
+
+def _write_whole(out: Path, write: Callable, log) -> list[Path]:
+    """`write(folder) -> files` into a hidden sibling of `out`, then renamed into place (into an existing
+    folder: the model's files move in, config.json last), so the model appears whole or not at all."""
+    import os
+    import shutil
+
+    import jax
+
     writer = jax.process_index() == 0
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writer:
@@ -233,21 +281,11 @@ def to_hf(
         remove_stale(out, log)  # a killed export's hidden folder
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        files = hf_export.export(
-            params,
-            cfg.model,
-            tmp,
-            dtype,
-            source if source.is_dir() else None,
-            tokenizer,
-            max_shard_bytes,
-            lambda m: log(m.replace(str(tmp), str(out))),
-            token_ids,
-        )
+        files = write(tmp)
         if writer:
             if out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
-            if out.exists():  # other files are kept: the model's files move in, config.json last
+            if out.exists():
                 for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
                     os.replace(f, out / f.name)
             else:

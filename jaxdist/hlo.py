@@ -196,6 +196,20 @@ def _num_devices(hlo_text: str) -> int | None:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program with its execution count."""
+    comps, entry = _computations(hlo_text)
+    counts, unknown, paths = _execution_counts(comps, entry)
+    devices = _num_devices(hlo_text)
+    found = []
+    for comp, lines in comps.items():
+        for line in lines:
+            c = _collective(line, comp, devices, counts.get(comp, 0) or 1, comp not in unknown, paths.get(comp, ()))
+            if c is not None:
+                found.append(c)
+    return found
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """(computation name -> its instruction lines, the ENTRY computation's name)."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -206,11 +220,35 @@ def collectives(hlo_text: str) -> list[Collective]:
                 entry = current
         elif current is not None:
             comps[current].append(line)
+    return comps, entry
 
-    # Propagate execution counts from ENTRY through calls; while bodies multiply by their trip count.
+
+def _callees(name: str, line: str):
+    """(callee, trip multiplier, whether its trip count is unknown, the branch step it adds or None) of
+    each computation one instruction line calls."""
+    m = _INSTR_RE.match(line)
+    if m and m.group(3) in _NOT_A_CALL:
+        return
+    trip = _TRIP_RE.search(line)
+    cond = (name, m.group(1) if m else line.strip())  # names this conditional
+    for attr, callee, branches in _CALLS_RE.findall(line):
+        lost = attr in ("body", "condition") and not trip
+        if not callee:  # a conditional's branches, in index order
+            for i, b in enumerate(branches.split(",")):
+                yield b.strip().lstrip("%"), 1, lost, (cond, i)
+        elif attr in ("true_computation", "false_computation"):
+            yield callee, 1, lost, (cond, int(attr[0] == "f"))
+        else:
+            yield callee, int(trip.group(1)) if trip and attr == "body" else 1, lost, None
+
+
+def _execution_counts(comps: dict[str, list[str]], entry: str | None):
+    """Execution counts propagated from ENTRY through calls (while bodies multiply by their trip count):
+    (counts, the computations run by a loop of unknown trip count, directly or not, and each
+    computation's conditional branches, the first path seen)."""
     counts: dict[str, int] = defaultdict(int)
-    unknown: set[str] = set()  # computations run by a loop of unknown trip count (directly or not)
-    paths: dict[str, tuple] = {}  # computation -> the conditional branches it runs in (first path seen)
+    unknown: set[str] = set()
+    paths: dict[str, tuple] = {}
 
     def visit(name: str, mult: int, loose: bool, path: tuple, depth: int = 0):
         if name not in comps or depth > 64:
@@ -220,62 +258,35 @@ def collectives(hlo_text: str) -> list[Collective]:
         if loose:
             unknown.add(name)
         for line in comps[name]:
-            m = _INSTR_RE.match(line)
-            if m and m.group(3) in _NOT_A_CALL:
-                continue
-            trip = _TRIP_RE.search(line)
-            cond = (name, m.group(1) if m else line.strip())  # names this conditional
-            for attr, callee, branches in _CALLS_RE.findall(line):
-                times = int(trip.group(1)) if trip and attr == "body" else 1
-                lost = loose or (attr in ("body", "condition") and not trip)
-                if not callee:  # a conditional's branches, in index order
-                    names = [b.strip().lstrip("%") for b in branches.split(",")]
-                    for i, b in enumerate(names):
-                        visit(b, mult, lost, (*path, (cond, i)), depth + 1)
-                elif attr in ("true_computation", "false_computation"):
-                    visit(callee, mult, lost, (*path, (cond, int(attr[0] == "f"))), depth + 1)
-                else:
-                    visit(callee, mult * times, lost, path, depth + 1)
+            for callee, times, lost, branch in _callees(name, line):
+                visit(callee, mult * times, loose or lost, path if branch is None else (*path, branch), depth + 1)
 
     if entry:
         visit(entry, 1, False, ())
+    return counts, unknown, paths
 
-    devices = _num_devices(hlo_text)
-    found = []
-    for comp, lines in comps.items():
-        for line in lines:
-            m = _INSTR_RE.match(line)
-            if not m:
-                continue
-            op = m.group(3)
-            kind = op[:-6] if op.endswith("-start") else op
-            if kind not in KINDS:
-                continue
-            groups = parse_groups(line)
-            if not groups and kind != "collective-permute" and "replica_groups={}" in line:
-                if devices is None:
-                    raise ValueError(
-                        f"replica_groups={{}} (all devices) but no replica_count / num_partitions in "
-                        f"the HloModule header: {line.strip()[:120]}"
-                    )
-                groups = (tuple(range(devices)),)
-            n = 2 if kind == "collective-permute" else (len(groups[0]) if groups else 1)
-            result = _result_bytes(op, m.group(2))  # S: the gathered / unscattered size
-            full = result * n if kind == "reduce-scatter" else result
-            found.append(
-                Collective(
-                    kind,
-                    full,
-                    n,
-                    groups,
-                    counts.get(comp, 0) or 1,
-                    comp,
-                    comp not in unknown,
-                    line.strip(),
-                    paths.get(comp, ()),
-                )
+
+def _collective(line: str, comp: str, devices: int | None, count: int, trips_known: bool, branch: tuple):
+    """The collective one instruction line of `comp` runs, or None."""
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    op = m.group(3)
+    kind = op[:-6] if op.endswith("-start") else op
+    if kind not in KINDS:
+        return None
+    groups = parse_groups(line)
+    if not groups and kind != "collective-permute" and "replica_groups={}" in line:
+        if devices is None:
+            raise ValueError(
+                f"replica_groups={{}} (all devices) but no replica_count / num_partitions in "
+                f"the HloModule header: {line.strip()[:120]}"
             )
-    return found
+        groups = (tuple(range(devices)),)
+    n = 2 if kind == "collective-permute" else (len(groups[0]) if groups else 1)
+    result = _result_bytes(op, m.group(2))  # S: the gathered / unscattered size
+    full = result * n if kind == "reduce-scatter" else result
+    return Collective(kind, full, n, groups, count, comp, trips_known, line.strip(), branch)
 
 
 def per_step(colls: list[Collective], depth: int = 0) -> list[Collective]:

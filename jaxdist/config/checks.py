@@ -14,6 +14,24 @@ def validate(cfg) -> None:
     """Value checks that need no devices, in one place: each field's Literal choices and Range (at
     the field), finiteness of every float, then the checks that relate fields. Mesh/device checks
     live in mesh.py and train.py."""
+    validate_fields(cfg)
+    validate_trackers(cfg.train.trackers)
+    validate_model(cfg.model)
+    if cfg.train.global_batch % cfg.train.grad_accum_steps:
+        raise JaxdistError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
+        )
+    _validate_rules(cfg.mesh.rules)
+    validate_reduce(cfg.reduce)
+    if cfg.train.profile_steps:
+        parse_step_range(cfg.train.profile_steps)
+    validate_moe(cfg.model)
+    validate_lora(cfg.lora)
+
+
+def validate_fields(cfg) -> None:
+    """Every float finite, every field inside its Range."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for key, tp in _field_types(type(values)).items():
@@ -22,12 +40,18 @@ def validate(cfg) -> None:
                 raise JaxdistError(f"{section.name}.{key}={v} must be a finite number")
             if rng is not None and not rng.holds(v):
                 raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
+
+
+def validate_trackers(names) -> None:
     from jaxdist.trackers import TRACKERS
 
-    for name in cfg.train.trackers:
+    for name in names:
         if name not in TRACKERS:
             raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
-    m = cfg.model
+
+
+def validate_model(m) -> None:
+    """The model's fields that relate: attention groups, RoPE scaling, the loss's vocab blocks."""
     if m.num_heads % m.num_kv_heads:
         raise JaxdistError(
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}; "
@@ -46,22 +70,16 @@ def validate(cfg) -> None:
         )
     if m.head_dim % 2:
         raise JaxdistError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
-    if cfg.train.global_batch % cfg.train.grad_accum_steps:
-        raise JaxdistError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by "
-            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
-        )
-    _validate_rules(cfg.mesh.rules)
-    r = cfg.reduce
+
+
+def validate_reduce(r) -> None:
+    """The one knob rule of reduce.* that needs no mesh (every other decision on reduce.method is
+    jaxdist.reduce.registry's; the config layer sits below it, so this one stays here)."""
     if r.method == "topk" and r.dgc != "off" and not r.error_feedback:
         raise JaxdistError(
             f"reduce.error_feedback=false has no effect with reduce.dgc={r.dgc} (DGC always accumulates "
             "what it has not sent); set reduce.dgc=off for plain top-k without error feedback"
         )
-    if cfg.train.profile_steps:
-        parse_step_range(cfg.train.profile_steps)
-    validate_moe(m)
-    validate_lora(cfg.lora)
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections lora.targets names

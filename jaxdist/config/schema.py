@@ -267,29 +267,46 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if isinstance(value, YamlWord):  # off / on / yes / no: the bool for a bool field, else the word
         value = value.truth if tp is bool else str(value)
     if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, bool) and YAML_BOOL_WORDS[value] in allowed:
-            value = YAML_BOOL_WORDS[value]  # YAML 1.1 reads a bare off / on as a bool
-        if value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise JaxdistError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}{hint}")
-        return value
+        return _choice(key, value, typing.get_args(tp))
     if origin is dict:
-        if not isinstance(value, dict):
-            raise JaxdistError(f"{key} must be a mapping, got {value!r}; write it as {{name: [axes]}} in YAML")
-        out = {}
-        for k, v in value.items():
-            v = [] if v is None else [v] if isinstance(v, str) else v
-            if not isinstance(v, (list, tuple)) or not all(isinstance(a, str) for a in v):
-                raise JaxdistError(f"{key}.{k} must be a list of mesh axis names, got {v!r}")
-            out[str(k)] = list(v)
-        return out
+        return _axis_rules(key, value)
     if origin is list:
-        value = [value] if isinstance(value, str) else [] if value is None else value
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise JaxdistError(f"{key} must be a list of names, got {value!r}; write it as [a, b]")
-        return list(value)
+        return _names(key, value)
+    return _scalar(key, value, tp)
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> Any:
+    if isinstance(value, bool) and YAML_BOOL_WORDS[value] in allowed:
+        value = YAML_BOOL_WORDS[value]  # YAML 1.1 reads a bare off / on as a bool
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise JaxdistError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}{hint}")
+    return value
+
+
+def _axis_rules(key: str, value: Any) -> dict:
+    """{name: [mesh axes]}; a bare name is a one-axis list, None an empty one."""
+    if not isinstance(value, dict):
+        raise JaxdistError(f"{key} must be a mapping, got {value!r}; write it as {{name: [axes]}} in YAML")
+    out = {}
+    for k, v in value.items():
+        v = [] if v is None else [v] if isinstance(v, str) else v
+        if not isinstance(v, (list, tuple)) or not all(isinstance(a, str) for a in v):
+            raise JaxdistError(f"{key}.{k} must be a list of mesh axis names, got {v!r}")
+        out[str(k)] = list(v)
+    return out
+
+
+def _names(key: str, value: Any) -> list:
+    value = [value] if isinstance(value, str) else [] if value is None else value
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise JaxdistError(f"{key} must be a list of names, got {value!r}; write it as [a, b]")
+    return list(value)
+
+
+def _scalar(key: str, value: Any, tp: type) -> Any:
+    """int, float, str or bool: ints are accepted for floats, numeric strings (YAML's "1e-3") for numbers."""
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float) and isinstance(value, str):

@@ -25,7 +25,9 @@ objective, accumulation, explicit reductions) use it unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,13 +59,11 @@ def branch_table(table: schedules.Table) -> np.ndarray:
     return out.astype(np.int32)
 
 
-def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
-    """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.gradients`,
-    its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
-    table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
+def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], schedules.Buffers]:
+    """(the per-slot tables the scan reads, per lane the lax.switch branches it compiles, the buffers).
+    Per lane, only the branches its table uses are compiled (two lanes: idle/forward, idle/backward)."""
     bufs = schedules.buffers(table)
     kinds = branch_table(table)
-    # Per lane, only the branches its table uses are compiled (two lanes: idle/forward, idle/backward).
     used = [sorted(set(SWITCH[kinds[..., lane]].ravel().tolist()) | {0}) for lane in range(table.lanes)]
     remap = [np.searchsorted(u, SWITCH[kinds[..., lane]]).astype(np.int32) for lane, u in enumerate(used)]
     consts = {
@@ -76,111 +76,29 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
         "x_read": np.maximum(bufs.x_read, 0),
         "g_read": np.maximum(bufs.g_read, 0),
     }
-    S, V, G = pl.stages, pl.repeats, pl.layers_per_group
+    return consts, used, bufs
+
+
+def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
+    """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.gradients`,
+    its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
+    table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
+    consts, used, bufs = switch_constants(table)
 
     def run(params, tokens_BT1):
-        """(loss_sum, gradients of loss_sum) — the schedule."""
+        """(loss_sum, gradients of loss_sum, per stage the branches run) — the schedule."""
         rest = {k: v for k, v in params.items() if k != STACK}
         model = nnx.merge(graphdef, params)
-        blocks_def, _ = nnx.split(model.blocks)
-        tokens_MbT1 = split_microbatches(tokens_BT1, pl.microbatches)
-
-        def per_rank(stack, rest, tokens_MbT1):
-            local = jax.tree.map(lambda a: a[0].reshape(V, G, *a.shape[2:]), stack)  # (V, G, ...)
-            s = jax.lax.axis_index(AXIS)
-
-            def whole(r):  # the model with `r` as its non-stack parameters (embedding, final norm, head)
-                return nnx.merge(graphdef, {**r, STACK: stack})
-
-            def chunk(group, x):
-                return model.run_layers_aux(x, nnx.merge(blocks_def, group), positions_T=positions_T)[0]
-
-            def embed(r, tok_bT):  # chat data: a masked-out token is stored ~id (jaxdist.loss_mask)
-                return whole(r).embed(loss_mask.split(tok_bT)[0])
-
-            def head_loss(r, y, tgt_bT):  # only the targets the loss mask keeps count
-                ids_bT, weights_bT = loss_mask.split(tgt_bT)
-                return (cross_entropy(whole(r).head(y), ids_bT) * weights_bT).sum()
-
-            zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-            tok0 = tokens_MbT1[0, :, :-1]
-            x_like = jax.eval_shape(embed, rest, tok0)
-            zx = jnp.zeros(x_like.shape, x_like.dtype)
-            zg, zr = zeros(jax.tree.map(lambda a: a[0], local)), zeros(rest)
-
-            # Three branches, so the chunk is compiled twice (forward; forward + backward) whatever the
-            # stage: first / last are per-device flags, handled by small conds inside.
-            # Each: (sent forward, sent backward, chunk grads, other grads, loss, which branch ran).
-            ran = lambda b: jnp.arange(3) == b  # counted, to read the bubble off the program
-
-            def idle(group, x, dy, tok, tgt, first, last):  # also F of the last virtual stage: B computes it
-                return zx, zx, zg, zr, jnp.zeros((), jnp.float32), ran(0)
-
-            def stage_input(r, x, tok, first):  # stage 0, chunk 0: the embedding of its tokens
-                return jax.lax.cond(first, lambda: embed(r, tok).astype(x.dtype), lambda: x)
-
-            def forward(group, x, dy, tok, tgt, first, last):
-                return chunk(group, stage_input(rest, x, tok, first)), zx, zg, zr, jnp.zeros((), jnp.float32), ran(1)
-
-            def backward(group, x, dy, tok, tgt, first, last):
-                def scalar(g, r, x):  # the loss (last virtual stage), else <y, dy>: its VJP is the chunk's
-                    y = chunk(g, stage_input(r, x, tok, first))
-                    dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-                    return jax.lax.cond(last, lambda: head_loss(r, y, tgt).astype(jnp.float32), dot)
-
-                out, vjp = jax.vjp(scalar, group, rest, x)
-                dg, dr, dx = vjp(jnp.ones((), jnp.float32))
-                return zx, dx, dg, dr, jnp.where(last, out, 0.0), ran(2)
-
-            every = [idle, forward, backward]
-            c = {k: jnp.asarray(v) for k, v in consts.items()}
-            fwd_perm = [(k, (k + 1) % S) for k in range(S)]
-            bwd_perm = [(k, (k - 1) % S) for k in range(S)]
-
-            def put(buf, slot, value):
-                """buf[slot] = value where slot >= 0."""
-                i = jnp.maximum(slot, 0)
-                return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, buf[i]), i, 0)
-
-            def body(carry, t):
-                recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
-                xbuf = put(xbuf, c["x_in"][t, s], recv_f)
-                gbuf = put(gbuf, c["g_in"][t, s], recv_b)
-                send_f, send_b = zx, zx
-                for lane in range(table.lanes):  # two lanes: a forward, then a backward
-                    kind, v, i = c["branch"][t, s, lane], c["chunk"][t, s, lane], c["mb"][t, s, lane]
-                    group = jax.tree.map(lambda a, v=v: a[v], local)
-                    tok_bT1 = tokens_MbT1[i]
-                    x, dy = xbuf[c["x_read"][t, s, lane]], gbuf[c["g_read"][t, s, lane]]
-                    first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
-                    operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
-                    branches = [every[b] for b in used[lane]]
-                    y, dx, dg, dr, li, took = jax.lax.switch(c["switch"][t, s, lane], branches, *operands)
-                    acc = jax.tree.map(lambda a, g, v=v: a.at[v].add(g), acc, dg)
-                    racc = jax.tree.map(jnp.add, racc, dr)
-                    send_f, send_b, loss, counts = send_f + y, send_b + dx, loss + li, counts + took
-                recv_f = jax.lax.ppermute(send_f, AXIS, fwd_perm)
-                recv_b = jax.lax.ppermute(send_b, AXIS, bwd_perm)
-                return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts), None
-
-            buf = lambda n: jnp.zeros((n, *zx.shape), zx.dtype)
-            init = (zx, zx, buf(bufs.x_size), buf(bufs.g_size), zeros(local), zr, jnp.zeros((), jnp.float32))
-            init = (*init, jnp.zeros(3, jnp.int32))
-            carry, _ = jax.lax.scan(body, init, jnp.arange(table.slots))
-            _, _, _, _, acc, racc, loss, counts = carry
-            acc = jax.tree.map(lambda a: a.reshape(1, V * G, *a.shape[2:]), acc)
-            # Non-stack gradients live on stage 0 (embedding) and the last stage (norm, head): sum them.
-            return acc, jax.lax.psum(racc, AXIS), jax.lax.psum(loss, AXIS), counts[None]
-
+        sched = _Schedule(graphdef, model, nnx.split(model.blocks)[0], pl, table, consts, used, bufs, positions_T)
         specs_stack = jax.tree.map(lambda _: P(AXIS), params[STACK])
         specs_rest = jax.tree.map(lambda _: P(), rest)
         acc, racc, loss, counts = jax.shard_map(
-            per_rank,
+            sched.per_rank,
             in_specs=(specs_stack, specs_rest, P()),
             out_specs=(specs_stack, specs_rest, P(), P(AXIS)),
             axis_names={AXIS},
             check_vma=False,
-        )(params[STACK], rest, tokens_MbT1)
+        )(params[STACK], rest, split_microbatches(tokens_BT1, pl.microbatches))
         return loss, {**racc, STACK: acc}, counts
 
     @jax.custom_vjp
@@ -205,3 +123,131 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
     objective_sums.executed = lambda params, tokens_BT1: run(params, tokens_BT1)[2]
     objective_sums.table = table
     return objective_sums
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """What every rank shares: the model's pieces, the plan, the table and its constants."""
+
+    graphdef: Any
+    model: Any  # the merged model: its layer-running methods
+    blocks_def: Any
+    pl: Any
+    table: schedules.Table
+    consts: dict
+    used: list
+    bufs: schedules.Buffers
+    positions_T: Any
+
+    def per_rank(self, stack, rest, tokens_MbT1):
+        """Inside shard_map (manual over pp): the scan over the table's slots -> (chunk gradients,
+        non-stack gradients summed over stages, loss, branches run)."""
+        V, G = self.pl.repeats, self.pl.layers_per_group
+        local = jax.tree.map(lambda a: a[0].reshape(V, G, *a.shape[2:]), stack)  # (V, G, ...)
+        rank = _Rank(self, stack, rest, local, tokens_MbT1)
+        carry, _ = jax.lax.scan(rank.body, rank.init(), jnp.arange(self.table.slots))
+        _, _, _, _, acc, racc, loss, counts = carry
+        acc = jax.tree.map(lambda a: a.reshape(1, V * G, *a.shape[2:]), acc)
+        # Non-stack gradients live on stage 0 (embedding) and the last stage (norm, head): sum them.
+        return acc, jax.lax.psum(racc, AXIS), jax.lax.psum(loss, AXIS), counts[None]
+
+
+def _ran(b):  # which branch ran, counted, to read the bubble off the program
+    return jnp.arange(3) == b
+
+
+class _Rank:
+    """One pipeline rank inside the shard_map: its chunks' forward and backward, and the scan body that
+    runs one slot of the table.
+
+    Three branches, so the chunk is compiled twice (forward; forward + backward) whatever the stage:
+    first / last are per-device flags, handled by small conds inside. Each returns (sent forward, sent
+    backward, chunk grads, other grads, loss, which branch ran)."""
+
+    def __init__(self, sched: _Schedule, stack, rest, local, tokens_MbT1):
+        self.sched, self.stack, self.rest, self.local, self.tokens = sched, stack, rest, local, tokens_MbT1
+        self.s = jax.lax.axis_index(AXIS)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        x_like = jax.eval_shape(self.embed, rest, tokens_MbT1[0, :, :-1])
+        self.zx = jnp.zeros(x_like.shape, x_like.dtype)
+        self.zg, self.zr = zeros(jax.tree.map(lambda a: a[0], local)), zeros(rest)
+        self.zacc = zeros(local)
+        self.c = {k: jnp.asarray(v) for k, v in sched.consts.items()}
+        S = sched.pl.stages
+        self.fwd_perm = [(k, (k + 1) % S) for k in range(S)]
+        self.bwd_perm = [(k, (k - 1) % S) for k in range(S)]
+        self.every = [self.idle, self.forward, self.backward]
+
+    def whole(self, r):  # the model with `r` as its non-stack parameters (embedding, final norm, head)
+        return nnx.merge(self.sched.graphdef, {**r, STACK: self.stack})
+
+    def chunk(self, group, x):
+        blocks = nnx.merge(self.sched.blocks_def, group)
+        return self.sched.model.run_layers_aux(x, blocks, positions_T=self.sched.positions_T)[0]
+
+    def embed(self, r, tok_bT):  # chat data: a masked-out token is stored ~id (jaxdist.loss_mask)
+        return self.whole(r).embed(loss_mask.split(tok_bT)[0])
+
+    def head_loss(self, r, y, tgt_bT):  # only the targets the loss mask keeps count
+        ids_bT, weights_bT = loss_mask.split(tgt_bT)
+        return (cross_entropy(self.whole(r).head(y), ids_bT) * weights_bT).sum()
+
+    def stage_input(self, r, x, tok, first):  # stage 0, chunk 0: the embedding of its tokens
+        return jax.lax.cond(first, lambda: self.embed(r, tok).astype(x.dtype), lambda: x)
+
+    def idle(self, group, x, dy, tok, tgt, first, last):  # also F of the last virtual stage: B computes it
+        return self.zx, self.zx, self.zg, self.zr, jnp.zeros((), jnp.float32), _ran(0)
+
+    def forward(self, group, x, dy, tok, tgt, first, last):
+        y = self.chunk(group, self.stage_input(self.rest, x, tok, first))
+        return y, self.zx, self.zg, self.zr, jnp.zeros((), jnp.float32), _ran(1)
+
+    def backward(self, group, x, dy, tok, tgt, first, last):
+        def scalar(g, r, x):  # the loss (last virtual stage), else <y, dy>: its VJP is the chunk's
+            y = self.chunk(g, self.stage_input(r, x, tok, first))
+            dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+            return jax.lax.cond(last, lambda: self.head_loss(r, y, tgt).astype(jnp.float32), dot)
+
+        out, vjp = jax.vjp(scalar, group, self.rest, x)
+        dg, dr, dx = vjp(jnp.ones((), jnp.float32))
+        return self.zx, dx, dg, dr, jnp.where(last, out, 0.0), _ran(2)
+
+    def init(self):
+        """(received forward, received backward, input buffers, gradient buffers, chunk gradients,
+        other gradients, loss, branches run)."""
+        buf = lambda n: jnp.zeros((n, *self.zx.shape), self.zx.dtype)
+        bufs = self.sched.bufs
+        zero = jnp.zeros((), jnp.float32)
+        return (self.zx, self.zx, buf(bufs.x_size), buf(bufs.g_size), self.zacc, self.zr, zero, jnp.zeros(3, jnp.int32))
+
+    def lane(self, t, lane, xbuf, gbuf):
+        """Run lane `lane`'s table entry of slot t -> (chunk v, and what the branch returns)."""
+        c, s = self.c, self.s
+        kind, v, i = c["branch"][t, s, lane], c["chunk"][t, s, lane], c["mb"][t, s, lane]
+        group = jax.tree.map(lambda a: a[v], self.local)
+        tok_bT1 = self.tokens[i]
+        x, dy = xbuf[c["x_read"][t, s, lane]], gbuf[c["g_read"][t, s, lane]]
+        first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
+        operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
+        branches = [self.every[b] for b in self.sched.used[lane]]
+        return v, jax.lax.switch(c["switch"][t, s, lane], branches, *operands)
+
+    def body(self, carry, t):
+        recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
+        xbuf = _put(xbuf, self.c["x_in"][t, self.s], recv_f)
+        gbuf = _put(gbuf, self.c["g_in"][t, self.s], recv_b)
+        send_f, send_b = self.zx, self.zx
+        for lane in range(self.sched.table.lanes):  # two lanes: a forward, then a backward
+            v, (y, dx, dg, dr, li, took) = self.lane(t, lane, xbuf, gbuf)
+            acc = jax.tree.map(lambda a, g, v=v: a.at[v].add(g), acc, dg)
+            racc = jax.tree.map(jnp.add, racc, dr)
+            send_f, send_b, loss, counts = send_f + y, send_b + dx, loss + li, counts + took
+        recv_f = jax.lax.ppermute(send_f, AXIS, self.fwd_perm)
+        recv_b = jax.lax.ppermute(send_b, AXIS, self.bwd_perm)
+        return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts), None
+
+
+def _put(buf, slot, value):
+    """buf[slot] = value where slot >= 0."""
+    i = jnp.maximum(slot, 0)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, buf[i]), i, 0)
