@@ -90,12 +90,12 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxdist import data, metrics, step
     from jaxdist import mesh as mesh_mod
-    from jaxdist import metrics, step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
-    prog = step.build_program(cfg, mesh)
+    prog = step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg))
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding

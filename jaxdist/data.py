@@ -86,6 +86,12 @@ def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np
     return np.concatenate(ids).astype(tok.dtype) if ids else np.zeros(0, tok.dtype)
 
 
+def mask_eos(cfg: Config) -> int | None:
+    """The EOS id `data.document_mask` cuts attention at (what `step.build_program` takes as `eos_id`),
+    or None when the mask is off."""
+    return document_eos(cfg) if cfg.data.document_mask else None
+
+
 def document_eos(cfg: Config) -> int:
     """The id that ends a document in this config's token stream (for `data.document_mask`)."""
     from jaxdist import tokenizer

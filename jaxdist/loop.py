@@ -113,7 +113,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     cfg = data.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
     cfg = relative.resolve(cfg)  # ... and the steps that warm-up, eval and checkpoint fractions come to
-    prog = step.build_program(cfg, mesh)
+    prog = step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg))  # the step reads no files
     loader = data.Loader(cfg, prog.batch_sharding)
     is_main = jax.process_index() == 0
     log = log if is_main else (lambda *a, **k: None)  # multi-process: only process 0 speaks

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import hlo, sharding, step
+from jaxdist import data, hlo, sharding, step
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import dgc, diloco, reduce
@@ -51,7 +51,7 @@ def dp_bytes_per_step(
 
 def compile_train_step(cfg: Config, mesh: Mesh, compiler_options: dict | None = None):
     """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
-    prog = step.build_program(cfg, mesh)
+    prog = step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg))
     tokens = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
     )

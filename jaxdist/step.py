@@ -95,8 +95,13 @@ def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
         )
 
 
-def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None) -> Program:
+def build_program(
+    cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None, eos_id: int | None = None
+) -> Program:
     """Resolve the model on `mesh`, pick the gradient stage, build the optimizer and jit the steps.
+
+    `eos_id`: where `data.document_mask` cuts attention (the caller reads it: `data.mask_eos(cfg)`);
+    needed when the mask is on.
 
     `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the stage
     of the method `cfg.reduce.method` resolves to (`reduce.registry`).
@@ -105,7 +110,7 @@ def build_program(cfg: Config, mesh: Mesh, gradient_stage: Callable | None = Non
     check(cfg, mesh, rules)
     model = resolve(cfg, mesh, rules)
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
-    apply_fn = model_apply(cfg, model, order_T)
+    apply_fn = model_apply(cfg, model, order_T, eos_id)
     method = registry.resolve(cfg, mesh, model)  # the one place reduce.method is decided
     stage = (gradient_stage or method.stage)(apply_fn, cfg, mesh, model)
     tx, lr_schedule = optimizer(cfg, mesh, model, method)
@@ -180,9 +185,10 @@ def trained_part(cfg: Config, tree):
     return adapters.trainable(tree) if cfg.lora.rank else tree
 
 
-def model_apply(cfg: Config, model: ResolvedModel, order_T) -> Callable:
-    """`apply_fn(params, tokens_BT, features=False)`: the model (pipelined when pp > 1)."""
-    eos_id = document_eos(cfg, model.pipeline)
+def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None = None) -> Callable:
+    """`apply_fn(params, tokens_BT, features=False)`: the model (pipelined when pp > 1); with
+    `data.document_mask`, attention stays inside the documents that `eos_id` ends."""
+    eos_id = check_document_mask(cfg, model.pipeline, eos_id)
     if model.pipeline:  # pp > 1: the layer stack runs as a pipeline schedule
         return pipeline.pipelined_apply(model.graphdef, model.pipeline, order_T)
 
@@ -261,7 +267,7 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_devic
     return train_step
 
 
-def document_eos(cfg: Config, plan: pipeline.Plan | None) -> int | None:
+def check_document_mask(cfg: Config, plan: pipeline.Plan | None, eos_id: int | None) -> int | None:
     """The EOS id that `data.document_mask` cuts attention at, or None when it is off."""
     if not cfg.data.document_mask:
         return None
@@ -270,9 +276,12 @@ def document_eos(cfg: Config, plan: pipeline.Plan | None) -> int | None:
             "data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
             "use pp=1 or turn the mask off"
         )
-    from jaxdist import data  # reads the tokenizer or the prepared folder's manifest
-
-    return data.document_eos(cfg)
+    if eos_id is None:
+        raise JaxdistError(
+            "data.document_mask=true needs the end-of-document id: build the program with "
+            "eos_id=data.mask_eos(cfg), as the trainer does"
+        )
+    return eos_id
 
 
 class _in_mesh:

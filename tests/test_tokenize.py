@@ -183,7 +183,7 @@ def mask_program(tiny_cfg):
     matter under causal attention."""
     from flax import nnx
 
-    prog = step.build_program(mask_cfg(tiny_cfg), mesh_mod.mesh_from_string("fsdp=4,tp=2"))
+    prog = step.build_program(mask_cfg(tiny_cfg), mesh_mod.mesh_from_string("fsdp=4,tp=2"), eos_id=1)
     params = prog.init_state(0).params
     host = jax.device_get(params)
     packed = jax.jit(lambda t: nnx.merge(prog.graphdef, host)(t, document_segments(t, 1)))
@@ -239,10 +239,13 @@ def test_document_mask_loss_on_a_sharded_mesh(mask_program):
 def test_document_mask_needs_an_eos_and_no_pipeline(tiny_cfg, tmp_path):
     np.zeros(100, np.uint16).tofile(tmp_path / "t.bin")
     cfg = mask_cfg(tiny_cfg, source="tokens", path=str(tmp_path / "t.bin"))
-    with pytest.raises(JaxdistError, match="end-of-document id"):
-        step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=8"))
+    with pytest.raises(JaxdistError, match="end-of-document id of these token files"):
+        data.mask_eos(cfg)
+    assert data.mask_eos(cfg.replace(data=dict(document_mask=False))) is None
+    with pytest.raises(JaxdistError, match="needs the end-of-document id: build the program with eos_id"):
+        step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=8"))  # the step reads no files
     with pytest.raises(JaxdistError, match="pipeline parallelism"):
-        step.build_program(mask_cfg(tiny_cfg), mesh_mod.mesh_from_string("pp=2,fsdp=4"))
+        step.build_program(mask_cfg(tiny_cfg), mesh_mod.mesh_from_string("pp=2,fsdp=4"), eos_id=1)
 
 
 # --------------------------------------------------------------------------- BOS/EOS and tokenizers
