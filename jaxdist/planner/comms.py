@@ -91,98 +91,133 @@ class Traffic:
 
 def step_traffic(lay: Layout) -> list[Traffic]:
     """Every collective of one optimizer step (see the module docstring for where each comes from)."""
-    m, mesh, cfg = lay.cfg.model, lay.mesh, lay.cfg
-    fsdp, tp, pp, ep, cp = mesh["fsdp"], mesh["tp"], mesh["pp"], mesh["ep"], lay.cp
-    T, D = m.seq_len // cp, m.d_model  # tokens of a sequence on one device
-    passes = lay.accum
-    dp_syncs = 1 if registry.method(cfg).per_replica else passes  # implicit: XLA reduces every pass
-    # Layer applications per device per step: each pipeline iteration runs L / (P V) layers.
-    layer_steps = passes * (m.num_layers if pp == 1 else lay.pipe_iterations * m.num_layers // (pp * lay.repeats))
-    layer_grads = layer_steps  # gradients are reduced where they are produced, inside the scans
-    pass_batch = cfg.train.global_batch // (lay.batch_shards * passes)  # rows per device per pass
-    out: list[Traffic] = []
+    t = _Tally(lay)
+    _layer_traffic(t)
+    _table_traffic(t)
+    if lay.cp > 1:
+        t.out += context_traffic(lay, t.layer_steps)
+    if lay.mesh["pp"] > 1:
+        _pipeline_traffic(t)
+    return t.out
 
-    def add(axis, kind, what, full_bytes, count, n=None):
-        n = mesh[axis] if n is None else n
+
+class _Tally:
+    """One step's collectives as they are added up, and the counts every term uses."""
+
+    def __init__(self, lay: Layout):
+        m, self.lay, self.mesh, self.out = lay.cfg.model, lay, lay.mesh, []
+        pp, self.passes = self.mesh["pp"], lay.accum
+        self.T = m.seq_len // lay.cp  # tokens of a sequence on one device
+        implicit = not registry.method(lay.cfg).per_replica  # XLA reduces the gradients every pass
+        self.dp_syncs = self.passes if implicit else 1
+        self.every_pass = self.dp_syncs == self.passes  # dp reductions inside the accumulation loop
+        # Layer applications per device per step: each pipeline iteration runs L / (P V) layers.
+        per_pass = m.num_layers if pp == 1 else lay.pipe_iterations * m.num_layers // (pp * lay.repeats)
+        self.layer_steps = self.passes * per_pass
+        pass_batch = lay.cfg.train.global_batch // (lay.batch_shards * self.passes)  # rows per device per pass
+        self.rows = pass_batch * self.T
+        self.frozen = lora.enabled(lay)  # LoRA: only the adapters have gradients
+
+    def add(self, axis, kind, what, full_bytes, count, n=None):
+        n = self.mesh[axis] if n is None else n
         if n > 1 and count:
-            out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count))
+            self.out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count))
 
-    # Gradients are reduced over every axis that splits tokens, fsdp x cp, and weights gathered over the
-    # axes of mesh.rules.embed (fsdp, or fsdp x cp): both labelled fsdp — the ZeRO traffic that overlaps
-    # compute (its link: the group spans fsdp x cp x tp devices, see link_bandwidth).
-    group, group_axis = fsdp * cp, "fsdp"
-
-    def reduce_grads(what, full_bytes, count_fsdp, count_dp):
+    def reduce_grads(self, what, full_bytes, count_fsdp, count_dp):
+        """Gradients are reduced over every axis that splits tokens, fsdp x cp (labelled fsdp, as the
+        weights gathered over mesh.rules.embed: the ZeRO traffic that overlaps compute; its link spans
+        fsdp x cp x tp devices, see link_bandwidth), then ep, then dp."""
+        lay, ep, group = self.lay, self.mesh["ep"], self.mesh["fsdp"] * self.lay.cp
         if lay.hw.backend == "cpu":  # one all-reduce over the batch group (fsdp x cp, and ep)
-            add(group_axis if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=group * ep)
+            self.add("fsdp" if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=group * ep)
         else:
-            add(group_axis, "reduce-scatter", what, full_bytes, count_fsdp, n=group)
-            add("ep", "all-reduce", what, full_bytes / group, count_fsdp)
-        add("dp", "all-reduce", what, full_bytes / lay.weight_shards, count_dp)
+            self.add("fsdp", "reduce-scatter", what, full_bytes, count_fsdp, n=group)
+            self.add("ep", "all-reduce", what, full_bytes / group, count_fsdp)
+        self.add("dp", "all-reduce", what, full_bytes / lay.weight_shards, count_dp)
 
-    # Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces. Expert weights apart.
+
+def _layer_traffic(t: _Tally) -> None:
+    """Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces. Expert weights apart."""
+    lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
     experts = expert_layer_bytes(lay)
     layer = gathered_layer_bytes(lay) - experts
-    # The pipeline rematerialises each stage: its backward gathers again for the recompute.
     # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
     # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
     gather = lay.act_bytes / PARAM_BYTES
-    frozen = lora.enabled(lay)
-    if frozen:  # the base gathered as stored (QLoRA: codes and scales), then de-quantised locally
+    if t.frozen:  # the base gathered as stored (QLoRA: codes and scales), then de-quantised locally
         gather = lora.gathered_entry_bytes(lay) / PARAM_BYTES
     if pp == 1:
         # QLoRA without remat saves the de-quantised layer for the backward: gathered once
-        passes_ = 1 if frozen and lay.cfg.lora.base_dtype in KINDS and m.remat == "none" else 2
-        add(
+        passes_ = 1 if t.frozen and lay.cfg.lora.base_dtype in KINDS and m.remat == "none" else 2
+        t.add(
             "fsdp",
             "all-gather",
             "layer weights (fwd + bwd)",
             layer * gather,
-            passes_ * layer_steps,
+            passes_ * t.layer_steps,
             n=lay.weight_shards,
         )
-    else:  # forward, the backward's recompute, the gradient
-        fwd, remat = layer_steps, layer
-        if m.num_layers == pp * lay.repeats:
-            # One layer per stage application: no layer scan, so (XLA:CPU's HLO) the recompute does
-            # not re-gather w_down (its output is not needed), and under GPipe, where the stage's
-            # weights are loop-invariant, the forward gather is hoisted out of the pipeline and
-            # accumulation loops (once per step)
-            remat -= w_down_layer_bytes(lay)
-            fwd = m.num_layers // pp if lay.repeats == 1 else fwd
-        add("fsdp", "all-gather", "layer weights (fwd)", layer * gather, fwd, n=lay.weight_shards)
-        add("fsdp", "all-gather", "layer weights (recompute)", remat * gather, layer_steps, n=lay.weight_shards)
-        add("fsdp", "all-gather", "layer weights (gradient)", layer * gather, layer_steps, n=lay.weight_shards)
+    else:
+        _staged_layer_gathers(t, layer, gather)
     if m.remat == "full" and lay.compute_dtype != "float32" and pp == 1:
         # bf16 + remat=full (XLA:CPU's HLO): the recompute and the gradient gather the attention weights
         # and norms separately (different layouts of the cast shard), the MLP's once between them
-        add(
+        again = attention_layer_bytes(lay) * lay.act_bytes / PARAM_BYTES
+        t.add(
             "fsdp",
             "all-gather",
             "attention weights + norms again (bf16 recompute)",
-            attention_layer_bytes(lay) * lay.act_bytes / PARAM_BYTES,
-            layer_steps,
+            again,
+            t.layer_steps,
             n=lay.weight_shards,
         )
-    if frozen:  # only the adapters have gradients: one all-reduce over every batch axis per pass
-        adapters = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in lora.adapter_groups(lay))
-        add(group_axis if fsdp > 1 else "dp", "all-reduce", "adapter gradients", adapters, passes, n=lay.batch_shards)
-        # adapters sharded over fsdp (A of q/k/v/gate/up, B of o/down: an embed dim) are gathered in the
-        # forward and again in the backward, per layer, in the compute dtype (HLO: f32[256,8] x 10)
-        split = [g for g in lora.adapter_groups(lay) if lay.shards(g) > lay.tp_shards(g) * (pp if pp > 1 else 1)]
-        gathered = sum(g.size * lay.act_bytes / lay.tp_shards(g) for g in split) / m.num_layers
-        add("fsdp", "all-gather", "adapters (fwd + bwd)", gathered, 2 * layer_steps, n=lay.weight_shards)
-    else:
-        reduce_grads("layer gradients", layer, layer_grads, layer_grads if dp_syncs == passes else m.num_layers // pp)
+    if t.frozen:
+        _adapter_traffic(t)
+    else:  # gradients are reduced where they are produced, inside the scans
+        t.reduce_grads("layer gradients", layer, t.layer_steps, t.layer_steps if t.every_pass else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
-    add("tp", "all-reduce", "layer activations", lay.micro_batch * T * D * lay.act_bytes, per_layer_tp * layer_steps)
+    activations = lay.micro_batch * t.T * m.d_model * lay.act_bytes
+    t.add("tp", "all-reduce", "layer activations", activations, per_layer_tp * t.layer_steps)
     if experts:
-        expert_traffic(lay, add, experts, layer_steps, implicit=dp_syncs == passes)
+        expert_traffic(lay, t.add, experts, t.layer_steps, implicit=t.every_pass)
 
-    # Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two uses,
-    # each gathered and with its gradient reduced separately (as compiled).
+
+def _staged_layer_gathers(t: _Tally, layer: float, gather: float) -> None:
+    """pp > 1: the pipeline rematerialises each stage, so its backward gathers again for the recompute:
+    the forward, the recompute, the gradient."""
+    lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
+    fwd, remat = t.layer_steps, layer
+    if m.num_layers == pp * lay.repeats:
+        # One layer per stage application: no layer scan, so (XLA:CPU's HLO) the recompute does
+        # not re-gather w_down (its output is not needed), and under GPipe, where the stage's
+        # weights are loop-invariant, the forward gather is hoisted out of the pipeline and
+        # accumulation loops (once per step)
+        remat -= w_down_layer_bytes(lay)
+        fwd = m.num_layers // pp if lay.repeats == 1 else fwd
+    t.add("fsdp", "all-gather", "layer weights (fwd)", layer * gather, fwd, n=lay.weight_shards)
+    t.add("fsdp", "all-gather", "layer weights (recompute)", remat * gather, t.layer_steps, n=lay.weight_shards)
+    t.add("fsdp", "all-gather", "layer weights (gradient)", layer * gather, t.layer_steps, n=lay.weight_shards)
+
+
+def _adapter_traffic(t: _Tally) -> None:
+    """LoRA: only the adapters have gradients, one all-reduce over every batch axis per pass."""
+    lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
+    adapters = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in lora.adapter_groups(lay))
+    axis = "fsdp" if t.mesh["fsdp"] > 1 else "dp"
+    t.add(axis, "all-reduce", "adapter gradients", adapters, t.passes, n=lay.batch_shards)
+    # adapters sharded over fsdp (A of q/k/v/gate/up, B of o/down: an embed dim) are gathered in the
+    # forward and again in the backward, per layer, in the compute dtype (HLO: f32[256,8] x 10)
+    split = [g for g in lora.adapter_groups(lay) if lay.shards(g) > lay.tp_shards(g) * (pp if pp > 1 else 1)]
+    gathered = sum(g.size * lay.act_bytes / lay.tp_shards(g) for g in split) / m.num_layers
+    t.add("fsdp", "all-gather", "adapters (fwd + bwd)", gathered, 2 * t.layer_steps, n=lay.weight_shards)
+
+
+def _table_traffic(t: _Tally) -> None:
+    """Embedding lookup, head, final norm: once per pass, on every pp rank. A tied table serves two
+    uses, each gathered and with its gradient reduced separately (as compiled)."""
+    lay, m, passes, rows = t.lay, t.lay.cfg.model, t.passes, t.rows
+    D, tp = m.d_model, t.mesh["tp"]
     tables = {g.role: g for g in param_table(m) if g.role != "layer"}
-    rows = pass_batch * T
     head = tables["embed" if m.tie_embeddings else "head"]
     head_full = head.size * PARAM_BYTES / lay.tp_shards(head)  # after the fsdp gather
     # A gather of a loop-invariant weight (not sliced by a block index) is hoisted out of the
@@ -191,64 +226,49 @@ def step_traffic(lay: Layout) -> list[Traffic]:
     head_passes = 1 if m.loss_impl == "naive" or one_block else passes
     if m.loss_impl == "naive":
         gathers = 2 if m.tie_embeddings and tp > 1 else 1
-        add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
-        add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
+        t.add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
+        t.add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
     else:  # jaxdist.loss: every block gathered forward and again for the backward's recompute
-        add(
-            "fsdp",
-            "all-gather",
-            "head weight blocks (fwd + bwd)",
-            head_full * lay.act_bytes / PARAM_BYTES,
-            2 * head_passes,
-            n=lay.weight_shards,
-        )
-        add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
-        add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
-    if not frozen:
-        reduce_grads("head gradient", head_full, passes, dp_syncs)
+        blocks = head_full * lay.act_bytes / PARAM_BYTES
+        t.add("fsdp", "all-gather", "head weight blocks (fwd + bwd)", blocks, 2 * head_passes, n=lay.weight_shards)
+        t.add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
+        t.add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
+    if not t.frozen:
+        t.reduce_grads("head gradient", head_full, passes, t.dp_syncs)
     norm = tables["norm"]
-    add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2, n=lay.weight_shards)
-    if not frozen:
-        reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, dp_syncs)
-    # Embedding lookup (jaxdist.parallel.embedding): tokens gathered over fsdp, rows summed over tp,
-    # then an all-to-all over fsdp (and its transpose in the backward); the table's gradient stays local.
-    table = tables["embed"]
-    add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * fsdp * 4, passes)
-    add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
-    # a frozen table (LoRA) sends no gradient back
-    a2a = 1 if frozen else 2
-    add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, a2a * passes)
+    t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2, n=lay.weight_shards)
+    if not t.frozen:
+        t.reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, t.dp_syncs)
+    _embedding_traffic(t, tables["embed"])
+
+
+def _embedding_traffic(t: _Tally, table) -> None:
+    """The lookup (jaxdist.parallel.embedding): tokens gathered over fsdp, rows summed over tp, then an
+    all-to-all over fsdp (and its transpose in the backward); the table's gradient stays local."""
+    lay, passes, rows, D = t.lay, t.passes, t.rows, t.lay.cfg.model.d_model
+    t.add("fsdp", "all-gather", "embedding lookup tokens (int32)", rows * t.mesh["fsdp"] * 4, passes)
+    t.add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
+    a2a = 1 if t.frozen else 2  # a frozen table (LoRA) sends no gradient back
+    t.add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, a2a * passes)
     table_shard = table.size * PARAM_BYTES / lay.shards(table)
-    if not frozen:
-        add("dp", "all-reduce", "embedding gradient", table_shard, dp_syncs)
+    if not t.frozen:
+        t.add("dp", "all-reduce", "embedding gradient", table_shard, t.dp_syncs)
     # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
     # table, so the table's local gradient is summed over each of them (a psum, once per pass).
-    add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
-    add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
+    t.add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
+    t.add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
     # The loss flattens (batch, seq) into rows; with seq split over cp that re-shards the rows: one
     # all-to-all of the final hidden states forward and one of their gradient backward.
-    add("cp", "all-to-all", "loss rows: (batch, seq) flattened (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
+    t.add("cp", "all-to-all", "loss rows: (batch, seq) flattened (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
 
-    if cp > 1:
-        out += context_traffic(lay, layer_steps)
-    if pp > 1:
-        iters = passes * lay.pipe_iterations
-        add(
-            "pp",
-            "collective-permute",
-            "stage activations (fwd + bwd)",
-            lay.micro_batch * T * D * lay.act_bytes,
-            2 * iters,
-        )
-        add(
-            "pp",
-            "collective-permute",
-            "micro-batches into / out of the pipeline (fwd + bwd)",
-            rows * D * lay.act_bytes,
-            2 * passes,
-        )
-        add("pp", "all-reduce", "pipeline output to every stage (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)
-    return out
+
+def _pipeline_traffic(t: _Tally) -> None:
+    lay, D = t.lay, t.lay.cfg.model.d_model
+    stage = lay.micro_batch * t.T * D * lay.act_bytes
+    t.add("pp", "collective-permute", "stage activations (fwd + bwd)", stage, 2 * t.passes * lay.pipe_iterations)
+    whole = t.rows * D * lay.act_bytes
+    t.add("pp", "collective-permute", "micro-batches into / out of the pipeline (fwd + bwd)", whole, 2 * t.passes)
+    t.add("pp", "all-reduce", "pipeline output to every stage (fwd + bwd)", whole, 2 * t.passes)
 
 
 def attention_layer_bytes(lay: Layout) -> float:
