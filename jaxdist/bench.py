@@ -62,7 +62,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
     import jax
 
-    from jaxdist import measure, metrics, sharding
+    from jaxdist import measure, metrics, sharding, step
     from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import pipeline
 
@@ -80,6 +80,8 @@ def compile_only(cfg, mesh_text: str) -> dict:
         "pipeline": pipeline.describe(pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))),
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
+    # offload's host<->device bytes per device per step, counted from the step's memory-space moves
+    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh))
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 

@@ -9,11 +9,18 @@ traced function brings it to the device, the one-line refusals, and the bytes ea
   its operand lived), and the update streams parameters in and out like the optimizer state.
 - offload.activations=host: the remat policy of the layer scan saves the block's residuals to host
   memory (`activation_policy`) instead of keeping them on the device or recomputing them.
+
+`moves` lists the host<->device moves of a traced step (jaxdist.measure.host_transfers sizes them per
+device: bench's `host_transfers`, the start-up line, the planner's check).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.errors import JaxdistError
@@ -65,15 +72,60 @@ def check(cfg, mesh) -> None:
         )
 
 
-def bytes_per_step(cfg, param_bytes: int, opt_bytes: int) -> dict[str, int]:
-    """Host<->device bytes per device per optimizer step each offload moves (both directions together):
-    optimizer: the state in and out once; params, per micro-batch: in for the forward and again for the
-    backward, the gradients out (the transpose of the fetch) and back in to be summed; then in and out
-    for the update. A model of the program, not read from it. Activations depend on the policy's
-    residuals and are not counted here."""
-    out = {}
-    if cfg.offload.optimizer == "host":
-        out["optimizer"] = 2 * opt_bytes
-    if cfg.offload.params == "host":
-        out["params"] = (4 * cfg.train.grad_accum_steps + 2) * param_bytes
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One memory-space move of a traced program (a `device_put` between host and device memory: what
+    JAX lowers to an `annotate_device_placement` and XLA:GPU's host offloader turns into a copy)."""
+
+    to_host: bool
+    shape: tuple[int, ...]  # global shape (one device's inside a shard_map: `manual`)
+    dtype: str
+    count: int  # executions per program run: the lengths of the scans around it multiplied
+    manual: bool = False
+    trips_known: bool = True  # False: inside a while loop (count is a floor)
+
+    @property
+    def global_bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def _subjaxprs(eqn):
+    """(jaxpr, trips, manual, trips_known) of every jaxpr an equation runs; a cond's branches as a list."""
+    from jax.extend import core
+
+    name, params = eqn.primitive.name, eqn.params
+    out = []
+    for key, value in params.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found = [v.jaxpr if isinstance(v, core.ClosedJaxpr) else v for v in values]
+        found = [j for j in found if isinstance(j, core.Jaxpr)]
+        if not found:
+            continue
+        if name == "cond" and key == "branches":
+            out.append(found)  # one branch runs: the caller keeps the largest
+            continue
+        for j in found:
+            out.append((j, params["length"] if name == "scan" else 1, name == "shard_map", name != "while"))
     return out
+
+
+def moves(jaxpr, count: int = 1, manual: bool = False, known: bool = True) -> list[Move]:
+    """Every host<->device move of a jaxpr (jax.make_jaxpr / `jit(f).trace(...).jaxpr.jaxpr`) with its
+    executions per run: a move inside a scan body counts once per iteration (nested scans multiply), one
+    in a while loop once (flagged), of a cond's branches only the one moving the most bytes."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for a, b in zip(eqn.invars, eqn.outvars, strict=True):
+                src, dst = getattr(a.aval, "memory_space", None), getattr(b.aval, "memory_space", None)
+                if {src, dst} == {host, device}:
+                    found.append(Move(dst == host, tuple(b.aval.shape), str(b.aval.dtype), count, manual, known))
+        for sub in _subjaxprs(eqn):
+            if isinstance(sub, list):  # cond branches
+                branches = [moves(j, count, manual, known) for j in sub]
+                found += max(branches, key=lambda ms: sum(m.count * m.global_bytes for m in ms))
+            else:
+                j, trips, shard_map, trips_known = sub
+                found += moves(j, count * trips, manual or shard_map, known and trips_known)
+    return found

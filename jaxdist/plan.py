@@ -108,7 +108,27 @@ def comm_table(e: Estimate) -> str:
         f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
         f"({e.exposed_comm_s:.3g} s exposed with overlap)"
     )
+    host = host_line(e)
+    if host:
+        rows.append(host)
     return "\n".join(rows)
+
+
+def host_line(e: Estimate) -> str | None:
+    """Offload's host<->device traffic per device per step and its time at the host link's bandwidth."""
+    h, mem = e.host, e.memory
+    if not (h.host_to_device or h.device_to_host):
+        return None
+    line = (
+        f"  offload: {gb(mem.host)} GB per device in host memory; host<->device {gb(h.host_to_device)} GB in, "
+        f"{gb(h.device_to_host)} GB out per step"
+    )
+    if not h.bandwidth:
+        return line + f" (no host bandwidth for {e.layout.hw.name} in the hardware table: time not modelled)"
+    return line + (
+        f" at {h.bandwidth / 1e9:.0f} GB/s each way: {h.total_s:.3g} s, {h.exposed_s:.3g} s of it exposed "
+        f"(the layer scan's {h.hidden_s:.3g} s overlap compute)"
+    )
 
 
 def scaling_table(curves: dict) -> str:

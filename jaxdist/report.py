@@ -210,24 +210,28 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
             f"{d['microbatches']} micro-batches, {d['iterations']} iterations, "
             f"bubble {d['bubble_fraction']:.1%}"
         )
-    line = offload_line(cfg, p_bytes, o_bytes)
+    line = None
+    if cfg.offload != type(cfg.offload)():
+        from jaxdist import measure
+
+        line = offload_line(cfg, measure.host_transfers(prog))
     if line:
         lines.append(line)
     return lines
 
 
-def offload_line(cfg, p_bytes: int, o_bytes: int) -> str | None:
-    """What lives in host memory and the host<->device bytes per device each offload moves per step."""
-    from jaxdist import offload
-
+def offload_line(cfg, moved: dict | None) -> str | None:
+    """What lives in host memory and the host<->device bytes per device the step moves (`moved`:
+    jaxdist.measure.host_transfers, counted from the traced step)."""
     o = cfg.offload
     if (o.optimizer, o.params, o.activations) == ("none",) * 3:
         return None
-    moved = offload.bytes_per_step(cfg, p_bytes, o_bytes)
-    parts = [
-        f"{kind}={getattr(o, kind)}" + (f" ({moved[kind] / 2**20:,.1f} MiB/step)" if kind in moved else "")
-        for kind in ("optimizer", "params", "activations")
-    ]
-    if o.activations == "host":
-        parts[-1] += " (bytes: see the compiled step's host figures)"
-    return "offload (host<->device per device): " + ", ".join(parts)
+    kinds = ", ".join(f"{kind}={getattr(o, kind)}" for kind in ("optimizer", "params", "activations"))
+    if not moved:
+        return f"offload: {kinds}"
+    return (
+        f"offload: {kinds}; per device per step {moved['host_to_device_bytes'] / 2**20:,.1f} MiB host->device, "
+        f"{moved['device_to_host_bytes'] / 2**20:,.1f} MiB device->host ("
+        + ("" if moved["trips_known"] else "at least: a move sits in a while loop; ")
+        + "counted from the step's moves)"
+    )

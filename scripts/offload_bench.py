@@ -5,7 +5,8 @@
 Compiles `configs/llama3-8b.yaml` with 2 layers (global batch 8, abstract inputs: nothing is allocated)
 with no offload, offload.params=host, offload.optimizer=host and offload.activations=host (with
 model.remat=none instead of the config's full), and prints
-bench's per-device `bytes_per_device` for each (device arguments / temp and host arguments), then
+bench's per-device `bytes_per_device` for each (device arguments / temp and host arguments) and its
+`host_transfers` (host<->device bytes per device per step, counted from the step's moves), then
 checks, two-sided within 2%, that offloading the parameters moves exactly their bytes per device from
 device to host arguments. The parameter bytes do not depend on the sequence, so a short one keeps the
 compiles quick; LLVM's optimisations are off (they change the machine code, not the buffers).
@@ -44,8 +45,9 @@ def main() -> int:
         cfg = config.load("configs/llama3-8b.yaml", base + KINDS[kind])
         prog = step.build_program(cfg, mesh_mod.mesh_from_string(args.mesh, jax.devices()))
         param_bytes, opt_bytes = report.param_and_state_bytes(prog)
-        b = bench.compile_only(cfg, args.mesh)["bytes_per_device"]
-        rows[kind] = dict(b, param_bytes=param_bytes, opt_bytes=opt_bytes)
+        record = bench.compile_only(cfg, args.mesh)
+        b, moved = record["bytes_per_device"], record["host_transfers"]
+        rows[kind] = dict(b, param_bytes=param_bytes, opt_bytes=opt_bytes, **moved)
         print(json.dumps({"offload": kind, "mesh": args.mesh, "seq": args.seq, **rows[kind]}), flush=True)
     ok = True
     if {"none", "params"} <= set(rows):

@@ -10,8 +10,11 @@ Step time (per optimizer step, every device in lock-step):
               action any stage runs in it (schedules.lockstep_time, a backward = 3 forwards: the
               recompute, then input and weight gradients), minus the layer compute.
   comm      = sum over collectives of bytes / link bandwidth + latency (jaxdist.planner.comms).
-  no overlap: compute + bubble + comm.   overlap: max(compute, weight gathers + gradient reductions)
-              + activation collectives (tp, pp, embedding) + bubble — the scaling book's "hide the FSDP
+  host      = offload's host<->device transfers at the hardware's host bandwidth (jaxdist.planner.transfers):
+              the layer scan's fetches overlappable, the rest (update streaming, gradient round trip) exposed.
+  no overlap: compute + bubble + comm + host.   overlap: max(compute, weight gathers + gradient reductions,
+              the layer scan's host transfers) + activation collectives (tp, pp, embedding) + exposed host
+              transfers + bubble — the scaling book's "hide the FSDP
               collectives behind the matmuls", which is compute-bound when tokens per device
               exceed about 2 C / W (C peak FLOP/s, W link bytes/s; 2 because weights move in float32).
 MFU = model FLOPs / (devices x peak x step time).
@@ -28,7 +31,7 @@ from jaxdist.mesh import AXES
 from jaxdist.metrics import flops_per_token
 from jaxdist.models.llama import count_params
 from jaxdist.parallel import schedules
-from jaxdist.planner import comms, memory
+from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout, param_table
 
@@ -43,6 +46,7 @@ class Estimate:
     bubble_s: float
     comm_s: float  # all collectives, serialised
     exposed_comm_s: float  # what overlap cannot hide
+    host: transfers.HostTraffic  # offload's host<->device bytes and seconds
     step_s: float  # with overlap
     step_no_overlap_s: float
     mfu: float
@@ -70,6 +74,10 @@ class Estimate:
             "bubble_s": self.bubble_s,
             "comm_s": self.comm_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "host_to_device_bytes": self.host.host_to_device,
+            "device_to_host_bytes": self.host.device_to_host,
+            "host_transfer_s": self.host.total_s,
+            "host_exposed_s": self.host.exposed_s,
             "step_s": self.step_s,
             "step_no_overlap_s": self.step_no_overlap_s,
             "mfu": self.mfu,
@@ -120,7 +128,8 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     comm = sum(s for _, s in times)
     hidden = sum(s for t, s in times if t.overlappable)
     exposed_serial = comm - hidden
-    step = max(compute, hidden) + exposed_serial + bubble
+    host = transfers.host_traffic(lay)
+    step = max(compute, hidden, host.hidden_s) + exposed_serial + host.exposed_s + bubble
     exposed = step - compute - bubble
     tokens = lay.cfg.train.global_batch * lay.cfg.model.seq_len
     return Estimate(
@@ -132,8 +141,9 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
         bubble_s=bubble,
         comm_s=comm,
         exposed_comm_s=exposed,
+        host=host,
         step_s=step,
-        step_no_overlap_s=compute + bubble + comm,
+        step_no_overlap_s=compute + bubble + comm + host.total_s,
         mfu=model_flops / (lay.devices * peak * step),
         tokens_per_s=tokens / step,
     )
@@ -241,6 +251,7 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
+        if not (mesh["pp"] > 1 and cfg.offload.params == "host")  # refused by jaxdist.offload.check
         if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
     ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))

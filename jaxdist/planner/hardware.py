@@ -31,14 +31,26 @@ class Hardware:
     backend: str  # "gpu" | "tpu" | "cpu": decides which collectives XLA emits
     matmul_efficiency: float = 0.7  # fraction of peak that large matmuls reach in practice
     note: str = ""
+    host_bandwidth: float = 0.0  # bytes/s per device and direction to host memory (PCIe, NVLink-C2C); 0 unknown
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
 
 
-def _gpu(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, note):
+def _gpu(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, note, host=63e9, per_node=8):
     return Hardware(
-        name, {"bfloat16": bf16, "float32": fp32}, hbm, hbm_bw, nvlink, ib, 8, 10e-6, True, "gpu", note=note
+        name,
+        {"bfloat16": bf16, "float32": fp32},
+        hbm,
+        hbm_bw,
+        nvlink,
+        ib,
+        per_node,
+        10e-6,
+        True,
+        "gpu",
+        note=note,
+        host_bandwidth=host,
     )
 
 
@@ -51,7 +63,8 @@ HARDWARE: dict[str, Hardware] = {
         1.555e12,
         300e9,
         25e9,
-        "A100 SXM 40GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node",
+        "A100 SXM 40GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node, PCIe Gen4 x16 to the host",
+        host=31.5e9,
     ),
     "a100-80gb": _gpu(
         "a100-80gb",
@@ -61,7 +74,8 @@ HARDWARE: dict[str, Hardware] = {
         2.039e12,
         300e9,
         25e9,
-        "A100 SXM 80GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node",
+        "A100 SXM 80GB, NVLink 3 (600 GB/s bidir), 8x HDR 200 Gb/s per node, PCIe Gen4 x16 to the host",
+        host=31.5e9,
     ),
     "h100-80gb": _gpu(
         "h100-80gb",
@@ -71,7 +85,7 @@ HARDWARE: dict[str, Hardware] = {
         3.35e12,
         450e9,
         50e9,
-        "H100 SXM 80GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node",
+        "H100 SXM 80GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node, PCIe Gen5 x16 to the host",
     ),
     "h200-141gb": _gpu(
         "h200-141gb",
@@ -81,7 +95,23 @@ HARDWARE: dict[str, Hardware] = {
         4.8e12,
         450e9,
         50e9,
-        "H200 SXM 141GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node",
+        "H200 SXM 141GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node, PCIe Gen5 x16 to the host",
+    ),
+    # GH200: one H100-class GPU per Grace CPU, NVLink-C2C between them (GH200 datasheet: 96 GB HBM3 at
+    # 4 TB/s, the H100 SXM's dense peaks). Assumed node: four superchips whose GPUs are linked by NVLink 4
+    # (150 GB/s each way per GPU pair: a ring's share), one 200 Gb/s NIC per superchip (HPE Cray EX254n,
+    # the quad-GH200 blade); other GH200 systems differ in both links.
+    "gh200-96gb": _gpu(
+        "gh200-96gb",
+        989e12,
+        67e12,
+        96 * GiB,
+        4.0e12,
+        150e9,
+        25e9,
+        "GH200 96GB HBM3, NVLink-C2C (900 GB/s bidir) to the Grace host, 4 per node (assumed)",
+        host=450e9,
+        per_node=4,
     ),
     # TPUs: the MXU runs bf16; float32 matmuls go through several bf16 passes (we count them at the bf16
     # rate, optimistic). A ring over one torus axis: 2 x 4.5e10 (v5e) / 2 x 9e10 (v5p) bytes/s.
@@ -126,6 +156,7 @@ HARDWARE: dict[str, Hardware] = {
         "cpu",
         matmul_efficiency=1.0,
         note="2-core CPU host with simulated devices",
+        host_bandwidth=10e9,  # "host" is the same memory: a copy
     ),
 }
 
