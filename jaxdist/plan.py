@@ -12,6 +12,7 @@ model (jaxdist.planner) is checked against the compiled program in tests/test_pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> dict:
         best, reason = recommend(ests)
     curves = {}
     command_line = train_command(args, cfg, best) if best else None
+    offload = [] if best or args.mesh else offload_options(cfg, args.devices, hw)
     if not args.no_scaling:
         curves = scaling(cfg, hw, SCALING_DEVICES, cfg.train.global_batch / args.devices)
     return {
@@ -193,7 +195,59 @@ def run(args: argparse.Namespace) -> dict:
         "command": command_line,
         "step_time_note": STEP_TIME_NOTE,
         "scaling": curves,
+        "offload": offload,
     }
+
+
+OFFLOADS = (("params",), ("params", "optimizer"))
+
+
+def offload_options(cfg: config.Config, devices: int, hw: hardware.Hardware) -> list[dict]:
+    """When nothing fits: the best layout with the parameters (then also the AdamW state) in host memory
+    (jaxdist.offload), whether it fits, and its modelled step time against the same layout without."""
+    out = []
+    for kinds in OFFLOADS:
+        if all(getattr(cfg.offload, k) == "host" for k in kinds):
+            continue
+        with_offload = cfg.replace(offload={k: "host" for k in kinds})
+        ests = candidates(with_offload, devices, hw)
+        if not ests:
+            continue
+        best, _ = recommend(ests)
+        shown = best or min(ests, key=lambda e: e.memory.total)
+        lay = shown.layout
+        without = estimate(Layout(lay.cfg.replace(offload=dataclasses.asdict(cfg.offload)), lay.mesh, hw), shown.family)
+        out.append(
+            {
+                "overrides": [f"offload.{k}=host" for k in kinds],
+                "fits": best is not None,
+                "estimate": shown,
+                "step_s_without": without.step_s,
+            }
+        )
+    return out
+
+
+def offload_lines(options: list[dict]) -> list[str]:
+    rows = []
+    for o in options:
+        e, lay = o["estimate"], o["estimate"].layout
+        what = " ".join(o["overrides"])
+        where = f"{e.family} {lay.name}, accumulation {lay.accum}"
+        if not o["fits"]:
+            rows.append(
+                f"with {what}: nothing fits either (the smallest, {where}, needs {e.memory.total / 1e9:.1f} GB "
+                f"per device of {e.memory.capacity / 1e9:.0f} usable)"
+            )
+            continue
+        h = e.host
+        rows.append(
+            f"with {what}: {where} fits ({e.memory.total / 1e9:.1f} of {e.memory.capacity / 1e9:.0f} GB usable), "
+            f"{e.step_s:.3g} s/step modelled vs {o['step_s_without']:.3g} s for the same layout without offload "
+            f"({e.step_s / o['step_s_without'] - 1:+.1%}): {(h.host_to_device + h.device_to_host) / 1e9:.1f} GB "
+            f"over the host link per device per step at {h.bandwidth / 1e9:.0f} GB/s each way, {h.exposed_s:.3g} s exposed"
+        )
+    return rows
 
 
 def _yaml_value(value) -> str:
@@ -241,6 +295,7 @@ def main(argv=None) -> int:
             out,
             candidates=[e.as_dict() for e in out["candidates"]],
             recommended=out["recommended"].as_dict() if out["recommended"] else None,
+            offload=[dict(o, estimate=o["estimate"].as_dict()) for o in out["offload"]],
         )
         print(json.dumps(doc))
         return 0
@@ -250,6 +305,8 @@ def main(argv=None) -> int:
     print()
     print(comm_table(shown))
     print(f"\nrecommendation: {out['reason']}")
+    for line in offload_lines(out["offload"]):
+        print(line)
     if out["command"]:
         print(f"run it with:\n  {out['command']}")
     print(f"({STEP_TIME_NOTE})")

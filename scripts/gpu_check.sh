@@ -5,8 +5,10 @@
 #   bash scripts/gpu_check.sh           # on the GPU machine (carry .whl): device info, GPU tests, 1B bench
 #
 # The GPU image has jax/jaxlib with the CUDA plugin, optax, orbax, pytest, but not grain, array-record,
-# portpicker or tensorboardX; flax is pinned to the version tested here. Wheels in .whl/ are installed
-# into /tmp/site (nothing else on the machine changes). Every result is one JSON line on stdout and,
+# portpicker or tensorboardX. WHEELS holds every runtime dependency of pyproject.toml but jax, numpy and
+# ml_dtypes (the image's jaxlib is built against its own: never replaced), at the versions tested here;
+# on the GPU machine only those the image lacks are installed, and flax always (pinned). Wheels go into
+# /tmp/site (nothing else on the machine changes); the `deps` line says which runtime dependency imports. Every result is one JSON line on stdout and,
 # when $OUT is set, in $OUT/gpu_check.jsonl (the full log in $OUT/gpu_check.log).
 #
 # Bench: configs/1b.yaml (Llama 3.2 1B shape, seq 8192) in bfloat16 on one GPU, global_batch 2
@@ -15,7 +17,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=(grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5 flax==0.12.8)
+WHEELS=(grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5 flax==0.12.8
+        optax==0.2.8 orbax-checkpoint==0.12.8 chex==0.1.92 pyyaml==6.0.3 tqdm==4.70.1 xxhash==4.1.0
+        matplotlib==3.11.2 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0 jinja2==3.1.6
+        markupsafe==3.0.3)
 
 if [[ "${1:-}" == "fetch" ]]; then
   mkdir -p .whl
@@ -40,7 +45,20 @@ START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  mapfile -t NEED < <(python3 - <<'EOF'
+import glob, importlib.metadata as md, os
+for wheel in sorted(glob.glob(".whl/*.whl")):
+    name = os.path.basename(wheel).split("-")[0]
+    try:
+        md.version(name)
+        if name.lower() != "flax":
+            continue  # the image has it
+    except md.PackageNotFoundError:
+        pass
+    print(wheel)
+EOF
+)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${NEED[@]}" \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -62,6 +80,20 @@ print(json.dumps({"check": "device", "jax": jax.__version__, "flax": flax.__vers
                   "backend": jax.default_backend(), "devices": [str(x) for x in jax.devices()],
                   "device_kind": d.device_kind, "memory_gib": round(stats.get("bytes_limit", 0) / 2**30, 1),
                   "memories": [m.kind for m in d.addressable_memories()], "xla_flags": os.environ.get("XLA_FLAGS", "")}))
+EOF
+)"
+
+emit "$(python3 - <<'EOF'
+import importlib, json, re, tomllib
+MODULES = {"orbax-checkpoint": "orbax.checkpoint", "pyyaml": "yaml"}  # import names that differ
+deps = [re.split(r"[<>=\[ ;]", d)[0] for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]]
+missing = []
+for dep in deps:
+    try:
+        importlib.import_module(MODULES.get(dep.lower(), dep.replace("-", "_")))
+    except Exception as e:
+        missing.append(f"{dep}: {type(e).__name__}")
+print(json.dumps({"check": "deps", "runtime_dependencies": len(deps), "missing": missing}))
 EOF
 )"
 

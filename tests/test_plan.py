@@ -517,3 +517,16 @@ def test_the_printed_command_trains_the_recommended_layout(argv, capsys):
     expected["mesh"]["shape"] = got.mesh.shape
     assert got.to_dict() == expected
     assert best.accum > 1 or best.mesh["cp"] > 1  # each case exercises a key the planner chose
+
+
+def test_plan_says_whether_offload_makes_it_fit():
+    """Nothing fits llama2-70b on 8 H200s; plan then sizes offload.params=host (still too big) and with
+    the optimizer state too (fits, at a modelled step time above the same layout without offload)."""
+    cfg = config.load("llama2-70b", [])
+    options = plan.offload_options(cfg, 8, hardware.get("h200-141gb"))
+    assert [o["overrides"] for o in options] == [["offload.params=host"], ["offload.params=host", "offload.optimizer=host"]]
+    params, both = options
+    assert not params["fits"] and both["fits"]
+    e = both["estimate"]
+    assert e.memory.host > 0 and e.host.exposed_s > 0 and e.step_s > both["step_s_without"]
+    assert "fits" in plan.offload_lines(options)[1]

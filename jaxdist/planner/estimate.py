@@ -130,7 +130,7 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     exposed_serial = comm - hidden
     host = transfers.host_traffic(lay)
     step = max(compute, hidden, host.hidden_s) + exposed_serial + host.exposed_s + bubble
-    exposed = step - compute - bubble
+    exposed = max(compute, hidden) - compute + exposed_serial  # collectives only: the host link is its own
     tokens = lay.cfg.train.global_batch * lay.cfg.model.seq_len
     return Estimate(
         layout=lay,

@@ -98,9 +98,9 @@ HARDWARE: dict[str, Hardware] = {
         "H200 SXM 141GB, NVLink 4 (900 GB/s bidir), 8x NDR 400 Gb/s per node, PCIe Gen5 x16 to the host",
     ),
     # GH200: one H100-class GPU per Grace CPU, NVLink-C2C between them (GH200 datasheet: 96 GB HBM3 at
-    # 4 TB/s, the H100 SXM's dense peaks). Assumed node: four superchips whose GPUs are linked by NVLink 4
-    # (150 GB/s each way per GPU pair: a ring's share), one 200 Gb/s NIC per superchip (HPE Cray EX254n,
-    # the quad-GH200 blade); other GH200 systems differ in both links.
+    # 4 TB/s or 144 GB HBM3e at 4.9 TB/s, the H100 SXM's dense peaks). Assumed node: four superchips
+    # whose GPUs are linked by NVLink 4 (150 GB/s each way per GPU pair: a ring's share), one 200 Gb/s
+    # NIC per superchip (HPE Cray EX254n, the quad-GH200 blade); other GH200 systems differ in both links.
     "gh200-96gb": _gpu(
         "gh200-96gb",
         989e12,
@@ -110,6 +110,18 @@ HARDWARE: dict[str, Hardware] = {
         150e9,
         25e9,
         "GH200 96GB HBM3, NVLink-C2C (900 GB/s bidir) to the Grace host, 4 per node (assumed)",
+        host=450e9,
+        per_node=4,
+    ),
+    "gh200-144gb": _gpu(
+        "gh200-144gb",
+        989e12,
+        67e12,
+        144e9,
+        4.9e12,
+        150e9,
+        25e9,
+        "GH200 144GB HBM3e, NVLink-C2C (900 GB/s bidir) to the Grace host, 4 per node (assumed)",
         host=450e9,
         per_node=4,
     ),
