@@ -524,7 +524,10 @@ def test_plan_says_whether_offload_makes_it_fit():
     the optimizer state too (fits, at a modelled step time above the same layout without offload)."""
     cfg = config.load("llama2-70b", [])
     options = plan.offload_options(cfg, 8, hardware.get("h200-141gb"))
-    assert [o["overrides"] for o in options] == [["offload.params=host"], ["offload.params=host", "offload.optimizer=host"]]
+    assert [o["overrides"] for o in options] == [
+        ["offload.params=host"],
+        ["offload.params=host", "offload.optimizer=host"],
+    ]
     params, both = options
     assert not params["fits"] and both["fits"]
     e = both["estimate"]
