@@ -62,7 +62,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
     import jax
 
-    from jaxdist import measure, metrics, sharding, step
+    from jaxdist import data, measure, metrics, sharding, step
     from jaxdist import mesh as mesh_mod
     from jaxdist.parallel import pipeline
 
@@ -81,7 +81,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
-    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh))
+    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg)))
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 
