@@ -11,7 +11,9 @@ import dataclasses
 import errno
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jaxdist import plot, trackers
 from jaxdist.errors import JaxdistError
@@ -94,11 +96,50 @@ def _stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
     return RunResult(run_dir, float("nan"), None, 0.0, 0)
 
 
+@dataclasses.dataclass
+class _Setup:
+    """What set-up decides before anything is written: the resolved config, the mesh, the program, the data."""
+
+    cfg: Any
+    mesh: Any
+    prog: Any
+    loader: Any
+    run_tok: Any  # run_tokenizer.RunTokenizer: what the token ids mean (recorded once writing starts)
+    is_main: bool
+    log: Callable
+    no_eval: str | None  # why evaluation is off, decided now (said below the data line)
+    flops_tok: float
+    peak: float | None
+    peak_source: str
+
+
 def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, origin) -> RunResult:
+    """Set up, restore, (start writing), compile, run, finish: what the trainer does, in that order."""
+    s = _set_up(cfg, run_dir, log, lock)
+    resuming, from_hf, restored = _restore(s.cfg, run_dir, s.prog, s.loader, restore, allowed, s.is_main, s.log)
+    start = restored.step if restored else 0
+    if (early := _before_writing(s, run_dir, stopper, restored, start)) is not None:
+        return early
+    # Input is valid: from here on we write.
+    writer = _start_writing(s, run_dir, lock, closers, restored, resuming, restore, origin, start)
+    if restored is not None:
+        _restored_lines(s, run_dir, restored, resuming, from_hf, start)
+    saver = _saver(s, run_dir)
+    state, first, compiled, compile_s, predicted = _compile(s, restored)
+    eval_arrays = s.loader.eval_arrays()
+    progress = _progress(s, writer, closers, saver, state, restored if resuming else None, start)
+    if (stopped := _stopped_before_training(stopper, run_dir, s.log)) is not None:
+        saver.close()
+        return stopped
+    steps_done, plotted = _train(s, run_dir, stopper, saver, progress, compiled, state, first, eval_arrays, start)
+    return _finish(s, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted)
+
+
+def _set_up(cfg, run_dir: Path, log, lock) -> _Setup:
+    """Every check on input, then the config resolved on the mesh, the program and the data loader."""
     import jax
 
-    from jaxdist import checkpoint, data, hooks, metrics, optim, profiling, report, run_tokenizer, rundir, step
-    from jaxdist import config as config_mod
+    from jaxdist import data, metrics, run_tokenizer, rundir, step
     from jaxdist import mesh as mesh_mod
     from jaxdist.config import relative
 
@@ -121,37 +162,46 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     if no_eval:  # decided now, not at the first evaluation (said below the data line)
         cfg = cfg.replace(train=dict(eval_every=0))
     flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak, peak_source = metrics.peak_flops(
         list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops
     )
+    return _Setup(cfg, mesh, prog, loader, run_tok, is_main, log, no_eval, flops_tok, peak, peak_source)
 
-    resuming, from_hf, restored = _restore(cfg, run_dir, prog, loader, restore, allowed, is_main, log)
-    start = restored.step if restored else 0
-    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
+
+def _before_writing(s: _Setup, run_dir: Path, stopper, restored, start: int) -> RunResult | None:
+    """A result without writing anything: stopped during start-up, or nothing left to train."""
+    if (stopped := _stopped_before_training(stopper, run_dir, s.log)) is not None:
         return stopped
-    if start >= cfg.train.steps:
-        log(
-            f"nothing to do: {restored.path} is already at step {start} of train.steps={cfg.train.steps} "
+    if start >= s.cfg.train.steps:
+        s.log(
+            f"nothing to do: {restored.path} is already at step {start} of train.steps={s.cfg.train.steps} "
             "(raise --steps to train further, or pass --run-dir for a new run)"
         )
         return RunResult(run_dir, float("nan"), None, 0.0, start)
+    return None
 
-    # Input is valid: from here on we write.
+
+def _start_writing(s: _Setup, run_dir: Path, lock, closers, restored, resuming, restore, origin, start: int):
+    """Take the lock, record the config and tokenizer, say the start-up lines; -> the metrics writer."""
+    from jaxdist import checkpoint, metrics, optim, report, run_tokenizer, rundir
+    from jaxdist import config as config_mod
+    from jaxdist.config import relative
+
+    cfg, log, is_main = s.cfg, s.log, s.is_main
     if not checkpoint.all_agree(not is_main or _take(lock, log)):
         raise lock.refused()
     run_dir.mkdir(parents=True, exist_ok=True)
     changes = restored.changes if restored is not None else {}
     if is_main:
         rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
-        run_tokenizer.record(run_tok, run_dir)
+        run_tokenizer.record(s.run_tok, run_dir)
         for line in [
             report.run_dir_line(run_dir, origin, restored, resuming, restore, cfg),
-            *report.summary_lines(cfg, prog, flops_tok),
-            report.data_line(cfg, loader),
-            *([f"warning: {no_eval}; evaluation is off"] if no_eval else []),
+            *report.summary_lines(cfg, s.prog, s.flops_tok),
+            report.data_line(cfg, s.loader),
+            *([f"warning: {s.no_eval}; evaluation is off"] if s.no_eval else []),
             report.units_line(cfg),
-            report.peak_line(peak, peak_source),
+            report.peak_line(s.peak, s.peak_source),
             *report.artefact_lines(cfg, run_dir),
         ]:
             log(line)
@@ -161,65 +211,97 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
     tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None
     writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None, trackers=tracked)
     closers.callback(_quietly(writer.close))
-    if restored is not None:
-        if resuming:
-            checkpoint.set_aside_newer(run_dir, restored.step, log)
-        if from_hf and is_main:
-            from jaxdist import hf_export
+    return writer
 
-            hf_export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
-        log(
-            f"restored {'parameters' if (cfg.checkpoint.params_only or from_hf) and not resuming else 'step ' + str(start)} "
-            f"from {restored.path} in {restored.seconds:.1f}s"
-        )
-    saver = checkpoint.Saver(run_dir, cfg, log=log if is_main else lambda *a: None)
+
+def _restored_lines(s: _Setup, run_dir: Path, restored, resuming: bool, from_hf: bool, start: int) -> None:
+    """After a restore: newer checkpoints set aside, a Hugging Face source kept, the line that says what."""
+    from jaxdist import checkpoint
+
+    if resuming:
+        checkpoint.set_aside_newer(run_dir, restored.step, s.log)
+    if from_hf and s.is_main:
+        from jaxdist import hf_export
+
+        hf_export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
+    what = "parameters" if (s.cfg.checkpoint.params_only or from_hf) and not resuming else f"step {start}"
+    s.log(f"restored {what} from {restored.path} in {restored.seconds:.1f}s")
+
+
+def _saver(s: _Setup, run_dir: Path):
+    from jaxdist import checkpoint
+
+    return checkpoint.Saver(run_dir, s.cfg, log=s.log if s.is_main else lambda *a: None)
+
+
+def _compile(s: _Setup, restored):
+    """-> (the first state, the first batch, the compiled step, seconds, the planner's predicted bytes
+    per device)."""
+    from jaxdist import report
 
     t0 = time.perf_counter()
-    state = restored.state if restored else prog.init_state(cfg.train.seed)
-    first = next(loader)
-    compiled = prog.train_step.lower(state, first).compile()
+    state = restored.state if restored else s.prog.init_state(s.cfg.train.seed)
+    first = next(s.loader)
+    compiled = s.prog.train_step.lower(state, first).compile()
     compile_s = time.perf_counter() - t0
-    predicted = report.predicted_bytes(cfg, mesh)
-    if is_main:
-        log(
+    predicted = report.predicted_bytes(s.cfg, s.mesh)
+    if s.is_main:
+        s.log(
             f"compiled in {compile_s:.1f}s; {report.compiled_line(compiled)}"
             + (f"; planner predicts {predicted / 2**20:,.1f} MiB per device" if predicted else "")
         )
+    return state, first, compiled, compile_s, predicted
 
-    eval_arrays = loader.eval_arrays()
 
-    def evaluate(params) -> float:
-        sums = [prog.eval_step(params, b) for b in eval_arrays]
-        return float(sum(float(s) for s, _ in sums) / sum(float(c) for _, c in sums))
+def _local_devices(mesh):
+    import jax
 
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _progress(s: _Setup, writer, closers, saver, state, resumed, start: int):
+    """The progress bar and per-step bookkeeping (`resumed`: the checkpoint it carries on from, or None);
+    checkpoint messages go above the bar from now on."""
+    import jax
+
+    from jaxdist import metrics
     from jaxdist.progress import Progress  # imports JAX: not before main() has its signal handlers
 
+    local = _local_devices(s.mesh)
     progress = Progress(
-        cfg,
+        s.cfg,
         writer,
-        tokens_per_step,
-        flops_tok,
-        peak,
+        s.cfg.train.global_batch * s.cfg.model.seq_len,
+        s.flops_tok,
+        s.peak,
         start=start,
-        enabled=is_main,
+        enabled=s.is_main,
         skipped_in_a_row=int(jax.device_get(state.skipped)),
         memory=lambda: metrics.device_memory(local),
-        log=log,
-        carry=restored.progress if resuming else None,
+        log=s.log,
+        carry=resumed.progress if resumed is not None else None,
     )
     closers.callback(progress.close)
     saver.log = progress.say  # checkpoint messages go above the progress bar, not into it
-    if (stopped := _stopped_before_training(stopper, run_dir, log)) is not None:
-        saver.close()
-        return stopped
+    return progress
+
+
+def _train(s: _Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int):
+    """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
+    plot or why there is none). The plot is drawn however the loop ends."""
+    from jaxdist import hooks, metrics, profiling
+
+    def evaluate(params) -> float:
+        sums = [s.prog.eval_step(params, b) for b in eval_arrays]
+        return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
+
     stopper.training = True
-    batches = hooks.Batches(loader, first)
+    batches = hooks.Batches(s.loader, first)
     saver.carry = progress.carry  # the smoothed loss goes into each checkpoint
-    metrics_hook = hooks.Metrics(progress, evaluate, cfg.train.eval_every)
+    metrics_hook = hooks.Metrics(progress, evaluate, s.cfg.train.eval_every)
     per_step = [
-        hooks.Profile(profiling.StepTrace(cfg.train.profile_steps, run_dir / "profile", progress.say)),
-        hooks.Checkpoint(saver, loader, before_save=metrics_hook.flush),
+        hooks.Profile(profiling.StepTrace(s.cfg.train.profile_steps, run_dir / "profile", progress.say)),
+        hooks.Checkpoint(saver, s.loader, before_save=metrics_hook.flush),
         batches,
         metrics_hook,
     ]
@@ -229,19 +311,30 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         with contextlib.closing(saver):
             try:
                 state, steps_done = hooks.run_steps(
-                    lambda st: compiled(st, batches.current), state, start, cfg.train.steps, stopper.requested, per_step
+                    lambda st: compiled(st, batches.current),
+                    state,
+                    start,
+                    s.cfg.train.steps,
+                    stopper.requested,
+                    per_step,
                 )
             except metrics.OutputFailed as e:  # metrics.jsonl or a tracker: stop, keeping the work if there is room
-                raise metrics.OutputFailed(f"{e}; stopping: {_save_after_failure(saver, per_step, loader)}") from None
+                raise metrics.OutputFailed(f"{e}; stopping: {_save_after_failure(saver, per_step, s.loader)}") from None
         for h in per_step:
             h.close(state)
     finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
         progress.close()
-        if is_main:
+        if s.is_main:
             plotted = _plot(run_dir)
+    return steps_done, plotted
+
+
+def _finish(s: _Setup, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted):
+    """The summary line of metrics.jsonl, the closing lines; -> the run's result."""
+    from jaxdist import metrics, report
 
     summary = progress.summary(steps_done, compile_s)
-    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local)))
+    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(_local_devices(s.mesh))))
     try:
         writer.write(summary)
         writer.close()
@@ -251,6 +344,7 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
             f"{e if isinstance(e, metrics.OutputFailed) else metrics.reason(e)}; stopping: {kept}; free space "
             "or fix the folder, then run the same command to resume"
         ) from None
+    log = s.log
     ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     log(report.memory_line(summary))
     log(
@@ -259,14 +353,20 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
     )
     if stopper.received:
-        log(
+        log(_stopped_line(stopper, saver, steps_done))
+    return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
+
+
+def _stopped_line(stopper, saver, steps_done: int) -> str:
+    if saver.last_saved is not None:
+        return (
             f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
             f"in {saver.directory}; run the same command to resume"
-            if saver.last_saved is not None
-            else f"stopped by {stopper.received} at step {steps_done}; no checkpoint was saved in {saver.directory}; "
-            "run the same command to start again"
         )
-    return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
+    return (
+        f"stopped by {stopper.received} at step {steps_done}; no checkpoint was saved in {saver.directory}; "
+        "run the same command to start again"
+    )
 
 
 def _restore(cfg, run_dir: Path, prog, loader, restore, allowed, is_main: bool, log):
