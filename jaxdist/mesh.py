@@ -14,9 +14,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from jaxdist.config.axes import AXES
 from jaxdist.errors import JaxdistError
-
-AXES = ("dp", "pp", "fsdp", "cp", "ep", "tp")
 
 
 def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
@@ -120,3 +119,13 @@ def mesh_from_string(text: str, devices=None, dcn_text: str = "") -> Mesh:
 def axis_size(mesh: Mesh, axes) -> int:
     axes = (axes,) if isinstance(axes, str) else (axes or ())
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """A program's mesh has exactly the axes of `AXES` (what `make_mesh` builds; size 1 where unused), so
+    that the axis names config validation checked (config/axes.py) are all it needs to know."""
+    if set(mesh.shape) != set(AXES):
+        raise JaxdistError(
+            f"the mesh has axes {tuple(mesh.shape)}, not {AXES}; build it with jaxdist.mesh.mesh_from_string "
+            "or make_mesh (size 1 where unused)"
+        )

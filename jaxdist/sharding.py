@@ -23,25 +23,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.config.axes import DEFAULT_RULES
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import axis_size
 
 Rules = Mapping[str, tuple[str, ...]]
-
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp", "fsdp", "ep"),  # ep ranks hold different tokens (dense parts: data parallel)
-    "seq": ("cp",),  # context parallelism (jaxdist.parallel.context); a no-op while cp=1
-    "embed": ("fsdp",),
-    "mlp": ("tp",),
-    "heads": ("tp",),
-    "kv_heads": ("tp",),
-    "head_dim": (),
-    "vocab": ("tp",),
-    "layers": (),
-    "stage": ("pp",),
-    "expert": ("ep",),
-    "lora_rank": (),  # LoRA adapters' rank dim (jaxdist.adapters): small, replicated
-}
 
 
 def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...]]:
@@ -140,19 +126,11 @@ def state_specs(state, rules: Rules, mesh: Mesh | None = None):
         if len(names) != len(value.shape):
             raise JaxdistError(f"{what}: {len(names)} logical names for shape {value.shape}")
         s = logical_to_spec(names, rules, what)
-        if mesh is not None:
-            _check_axes_exist(s, mesh, what)
+        if mesh is not None:  # its axes are jaxdist.mesh's (mesh.check_mesh; names checked in config)
             check_divisible(value.shape, s, mesh, what)
         return s
 
     return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
-
-
-def _check_axes_exist(spec: P, mesh: Mesh, what: str) -> None:
-    for entry in spec:
-        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-            if axis not in mesh.shape:
-                raise JaxdistError(f"{what}: rule uses mesh axis '{axis}', which is not one of {tuple(mesh.shape)}")
 
 
 def named(mesh: Mesh, specs):

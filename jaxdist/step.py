@@ -27,7 +27,7 @@ from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.gradients import GradientStage, token_loss_sums, without_aux
-from jaxdist.mesh import axis_size
+from jaxdist.mesh import axis_size, check_mesh
 from jaxdist.models.attention import document_segments
 from jaxdist.optim import decay_mask, make_optimizer
 from jaxdist.parallel import context, pipeline
@@ -172,6 +172,7 @@ def build_program(
 
 def check(cfg: Config, mesh: Mesh, rules) -> None:
     """Every start-up check that needs the mesh, as one-line errors, before anything is traced."""
+    check_mesh(mesh)  # its axes; the axis names the config uses were checked when it was loaded
     check_batch(cfg, mesh, rules)
     moe_parallel.check(cfg, mesh, rules)
     context.check(cfg, mesh, rules)

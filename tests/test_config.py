@@ -102,6 +102,7 @@ def test_shipped_configs_load(name):
         ),
         ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
         ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
+        ("reduce.axis=xp", "reduce.axis='xp' is not a mesh axis; use one of dp, pp, fsdp, cp, ep, tp"),
         ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
     ],
 )

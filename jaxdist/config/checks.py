@@ -1,11 +1,12 @@
-"""Value checks that need no devices, in one place (mesh and device checks live in mesh.py, step.py)."""
+"""Value checks that need no devices, in one place (axis names: config/axes.py; checks that need the
+mesh: step.check)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 
+from jaxdist.config.axes import check_axes
 from jaxdist.config.types import _base, _field_types
 from jaxdist.errors import JaxdistError
 
@@ -22,7 +23,7 @@ def validate(cfg) -> None:
             f"train.global_batch={cfg.train.global_batch} is not divisible by "
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}; pick a divisor"
         )
-    _validate_rules(cfg.mesh.rules)
+    check_axes(cfg)  # every mesh axis name, once
     validate_reduce(cfg.reduce)
     if cfg.train.profile_steps:
         parse_step_range(cfg.train.profile_steps)
@@ -111,20 +112,6 @@ def validate_moe(m) -> None:
         )
     if m.moe_capacity_factor <= 0 or m.moe_aux_weight < 0 or m.moe_z_weight < 0:
         raise JaxdistError("model.moe_capacity_factor must be > 0, model.moe_aux_weight and model.moe_z_weight >= 0")
-
-
-def _validate_rules(rules: dict[str, list[str]]) -> None:
-    from jaxdist.mesh import AXES
-    from jaxdist.sharding import DEFAULT_RULES
-
-    for name, axes in rules.items():
-        if name not in DEFAULT_RULES:
-            close = difflib.get_close_matches(name, list(DEFAULT_RULES), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(DEFAULT_RULES)}"
-            raise JaxdistError(f"mesh.rules names unknown logical axis '{name}'; {hint}")
-        for axis in axes:
-            if axis not in AXES:
-                raise JaxdistError(f"mesh.rules.{name} names unknown mesh axis '{axis}'; use {', '.join(AXES)}")
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
