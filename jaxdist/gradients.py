@@ -71,6 +71,23 @@ def split_microbatches(x_B, microbatches: int):
     return x_B.reshape(x_B.shape[0] // microbatches, microbatches, *x_B.shape[1:]).swapaxes(0, 1)
 
 
+def on_device_gradients(apply_fn: Callable, order_T=None) -> Callable:
+    """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
+    device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
+    arrays, as the gradient sums and the update want them."""
+
+    def objective(deltas, params, tokens):
+        return objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def on_device(params, tokens):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        return grad_fn(zeros, params, tokens)
+
+    return on_device
+
+
 def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
     """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
     Returns (grad_sum, loss_sum, token_count)."""
@@ -81,13 +98,14 @@ def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: 
     """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
     Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy."""
     grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t, order_T), has_aux=True)
+    if any(offload.on_host(p) for p in jax.tree.leaves(params)):  # offload.params=host
+        grad_fn = on_device_gradients(apply_fn, order_T)
     if microbatches == 1:
         (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
         return grads, loss, count, stats
 
     def body(carry, tokens):
         (_, (loss, count, stats)), grads = grad_fn(params, tokens)
-        grads = offload.fetch(grads)  # offload.params=host: they leave the backward in host memory
         return jax.tree.map(jnp.add, carry, (grads, loss, count, stats)), None
 
     micro = split_microbatches(tokens_BT1, microbatches)

@@ -3,10 +3,12 @@ traced function brings it to the device, the one-line refusals, and the bytes ea
 
 - offload.optimizer=host: the AdamW state is host-resident; the step streams it in for the update.
 - offload.params=host: the float32 parameters are host-resident. The layer scan fetches each layer's
-  slice inside its body (`fetch`), so only the layer being computed is on the device (its backward
-  fetches it again); the other parameters (embedding, final norm, head) are fetched before the model
-  runs. Gradients flow back through the transfers (the transpose of a device_put is one back to where
-  its operand lived), and the update streams parameters in and out like the optimizer state.
+  slice inside its body (`fetch`); under a remat policy only the layer being computed is on the device
+  (its backward fetches it again), without one JAX saves the fetched weights for the backward. The
+  other parameters (embedding, final norm, head) are fetched before the model runs. Gradients are taken
+  with respect to device zeros added to the fetched copies (`differentiable`), so they stay on the
+  device (the transpose of a fetch would send them to host memory); the update streams parameters in
+  and out like the optimizer state.
 - offload.activations=host: the remat policy of the layer scan saves the block's residuals to host
   memory (`activation_policy`) instead of keeping them on the device or recomputing them.
 
@@ -26,9 +28,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxdist.errors import JaxdistError
 
 HOST_KIND = "pinned_host"
-FETCHED = "offload_fetched"  # checkpoint name of a fetched (device) copy: refetched in the backward, never saved
-# The layer scan's remat policy when parameters are offloaded and model.remat=none: keep every residual
-# but the fetched weights, so one layer's device copy is live at a time, not the whole stack.
+FETCHED = "offload_fetched"  # checkpoint name of a fetched (device) copy
+# The layer scan's remat policy when parameters are offloaded and model.remat=none: every residual but
+# the fetched copies themselves. Values computed from them are still saved, so the backward does not
+# refetch (measure.host_transfers counts no second fetch) and every layer's device copy lives until the
+# backward; a remat policy (model.remat=full / dots_saveable) holds one layer at a time.
 REFETCH_POLICY = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
 
 
@@ -37,14 +41,51 @@ def on_host(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
+@jax.tree_util.register_pytree_node_class
+class Offloaded:
+    """A host-resident parameter with a device-resident zero `delta` beside it: `fetch` gives its device
+    copy plus the delta, and the gradient stage differentiates with respect to the delta
+    (`differentiable`), so gradients stay in device memory (the transpose of a fetch would send them to
+    host memory, and the accumulation fetch them back, 2 x the parameters per micro-batch). Scans slice
+    both (a layer's slice is an Offloaded too)."""
+
+    def __init__(self, host, delta):
+        self.host, self.delta = host, delta
+
+    def tree_flatten(self):
+        return (self.host, self.delta), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def is_offloaded(x) -> bool:
+    return isinstance(x, Offloaded)
+
+
+def differentiable(params, deltas):
+    """`params` as the model takes them when gradients are wanted for `deltas` (a params-shaped tree of
+    zeros in device memory): host-resident leaves become Offloaded(leaf, delta), the others leaf + delta
+    (gradients flow through the deltas only; adding zeros changes no value)."""
+    stop = jax.lax.stop_gradient
+    return jax.tree.map(lambda p, d: Offloaded(stop(p), d) if on_host(p) else stop(p) + d, params, deltas)
+
+
 def fetch(tree):
-    """Every host-resident array of `tree` copied to device memory (same sharding); the rest as is.
-    Traced inside jit: XLA moves the bytes where the copy is used (per layer inside the scan)."""
+    """Every host-resident array of `tree` copied to device memory (same sharding), an Offloaded one plus
+    its delta; the rest as is. Traced inside jit: XLA moves the bytes where the copy is used (per layer
+    inside the scan)."""
+
+    def copy(x):
+        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), FETCHED)
 
     def one(x):
-        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), FETCHED) if on_host(x) else x
+        if is_offloaded(x):
+            return copy(x.host) + x.delta
+        return copy(x) if on_host(x) else x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, is_leaf=is_offloaded)
 
 
 def activation_policy():

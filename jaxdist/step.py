@@ -196,7 +196,9 @@ def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None =
     def apply_fn(params, tokens_BT, features=False):
         if cfg.offload.params == "host":  # the layer stack is fetched layer by layer inside the scan
             params = jax.tree_util.tree_map_with_path(
-                lambda p, x: x if getattr(p[0], "key", None) == "blocks" else offload.fetch(x), params
+                lambda p, x: x if getattr(p[0], "key", None) == "blocks" else offload.fetch(x),
+                params,
+                is_leaf=offload.is_offloaded,
             )
         segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
         return nnx.merge(model.graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)

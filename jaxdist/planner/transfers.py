@@ -6,20 +6,19 @@ against it in tests/test_offload.py), with P the stored parameters per device (P
 layer stack), O the AdamW state and A the micro-batches:
   optimizer=host: O in for the update, O out with the result.
   params=host, per micro-batch: P in for the forward (the layer scan fetches each layer's slice, the
-    embedding, norm and head are fetched before it), the gradients out (the transpose of each fetch,
-    P) and back in to be summed on the device (P); with a remat policy the backward fetches each layer
-    again (P_L), without one it keeps the forward's fetched layer weights as residuals (counted: no
-    second fetch); then P in and P out for the update.
-  host to device = O + (2A + 1) P + A P_L (remat), device to host = O + (A + 1) P.
+    embedding, norm and head are fetched before it); with a remat policy the backward fetches each
+    layer again (P_L), without one it keeps the forward's fetched layer weights as residuals (counted:
+    no second fetch). The gradients stay on the device (taken with respect to device zeros added to
+    the fetched copies: jaxdist.offload.differentiable). Then P in and P out for the update.
+  host to device = O + (A + 1) P + A P_L (remat), device to host = O + P.
   activations=host moves the policy's residuals: not modelled here (bench counts them).
 
 Time: the link is full duplex, so a set of moves costs max(in, out) / host_bandwidth. The layer scan's
-moves (the fetches and the layer gradients going out) are asynchronous copies XLA:GPU's scheduler can
-run beside the layers' compute (on the copy engines, not the NVLink the collectives use): they are
-hidden behind compute in the overlapped step time like the FSDP gathers. The rest — the non-layer
-parameters and their gradients, the summed gradients' round trip, the update's streaming — sits
-between a micro-batch's backward and the next step's forward or around the update, with nothing to
-hide behind: exposed. The no-overlap step time adds all of it. An assumption until a GPU measures it.
+fetches are asynchronous copies XLA:GPU's scheduler can run beside the layers' compute (on the copy
+engines, not the NVLink the collectives use): hidden behind compute in the overlapped step time, like
+the FSDP gathers. The rest (the embedding, norm and head fetched before each forward, the update's
+streaming) has nothing to hide behind: exposed. The no-overlap step time adds all of it. An
+assumption until a GPU measures it.
 """
 
 from __future__ import annotations
@@ -53,13 +52,12 @@ def host_traffic(lay: Layout) -> HostTraffic:
     p_layer = memory.stored_bytes(lay, lambda g: g.role == "layer") if o.params == "host" else 0.0
     opt = memory.optimizer_bytes(lay) if o.optimizer == "host" else 0.0
     refetch = p_layer if _remat(lay) != "none" else 0.0
-    # inside the layer scan (overlappable): forward fetches, the backward's refetch, layer gradients out
-    scan_in, scan_out = a * (p_layer + refetch), a * p_layer
-    h2d = opt + (2 * a + 1) * p + a * refetch
-    d2h = opt + (a + 1) * p
+    scan_in = a * (p_layer + refetch)  # inside the layer scan (overlappable): forward fetches, backward refetches
+    h2d = opt + (a + 1) * p + a * refetch
+    d2h = opt + p
     bw = lay.hw.host_bandwidth
     if not bw:
         return HostTraffic(h2d, d2h, 0.0, 0.0, 0.0)
-    hidden = max(scan_in, scan_out) / bw
-    exposed = max(h2d - scan_in, d2h - scan_out) / bw
+    hidden = scan_in / bw
+    exposed = max(h2d - scan_in, d2h) / bw
     return HostTraffic(h2d, d2h, hidden, exposed, bw)
