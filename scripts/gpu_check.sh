@@ -12,7 +12,9 @@
 # when $OUT is set, in $OUT/gpu_check.jsonl (the full log in $OUT/gpu_check.log).
 #
 # Bench: configs/1b.yaml (Llama 3.2 1B shape, seq 8192) in bfloat16 on one GPU, global_batch 2
-# (16K tokens a step), with and without remat, with and without optimizer-state host offload.
+# (16K tokens a step), with and without remat, with and without optimizer-state host offload, with
+# parameters offloaded (tokens/s against the same remat without), also with XLA's pipelined host offloading;
+# scripts/offload_prefetch.py's copies and losses with that flag on and off.
 # MFU is against the datasheet dense bf16 peak (989 TFLOP/s); target 55%.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,6 +105,14 @@ JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_gpu.py tests/test_offload.py tests/test_precision.py 2>&1 | tail -15
 emit "{\"check\": \"tests\", \"rc\": ${PIPESTATUS[0]}, \"elapsed_s\": $(elapsed)}"
 
+echo "== offload prefetch: XLA's pipelined host offloading on and off [$(elapsed)s]"
+line=$(timeout 120 python3 scripts/offload_prefetch.py 2>/tmp/offload_prefetch.err | tail -1)
+if [[ "$line" == \{* ]]; then
+  emit "$line"
+else
+  emit "{\"check\": \"offload_prefetch\", \"error\": $(tail -c 600 /tmp/offload_prefetch.err | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}"
+fi
+
 echo "== bench: 1B, bf16, one GPU [$(elapsed)s]"
 bench() {  # name, then config overrides; skipped past the 8-minute budget's last safe start
   local name=$1; shift
@@ -124,5 +134,8 @@ bench remat_none model.remat=none
 bench remat_dots_offload model.remat=dots_saveable offload.optimizer=host
 bench remat_full_offload model.remat=full offload.optimizer=host
 bench params_offload model.remat=full offload.params=host  # tokens/s against remat_full_offload's line
+# the same with XLA's one-iteration-ahead host-to-device copies (the next layer fetched during this one)
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pipelined_host_offloading=true" \
+  bench params_offload_pipelined model.remat=full offload.params=host
 bench activations_offload model.remat=none offload.activations=host  # against remat_dots
 emit "{\"check\": \"done\", \"elapsed_s\": $(elapsed)}"

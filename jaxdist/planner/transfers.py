@@ -16,9 +16,11 @@ layer stack), O the AdamW state and A the micro-batches:
 Time: the link is full duplex, so a set of moves costs max(in, out) / host_bandwidth. The layer scan's
 fetches are asynchronous copies XLA:GPU's scheduler can run beside the layers' compute (on the copy
 engines, not the NVLink the collectives use): hidden behind compute in the overlapped step time, like
-the FSDP gathers. The rest (the embedding, norm and head fetched before each forward, the update's
-streaming) has nothing to hide behind: exposed. The no-overlap step time adds all of it. An
-assumption until a GPU measures it.
+the FSDP gathers. That assumes each fetch is issued during the layer before (a prefetch XLA:GPU makes
+with its pipelined host offloading or the double-buffered layer scan: docs/memory.md; unmeasured).
+The rest (the embedding, norm and head fetched before each forward, the update's streaming) has
+nothing to hide behind: exposed. The no-overlap step time adds all of it. An assumption until a GPU
+measures it.
 """
 
 from __future__ import annotations
