@@ -353,3 +353,35 @@ def test_counted_moves_are_the_gpu_lowering_placements(cfg):
     to_host += Counter(shape(a.shape) for a in jax.tree.leaves(prog.abstract_state.params))
     assert Counter(s for kind, s in placed if kind == "pinned_host") == to_host
     assert {shape(m.shape) for m in found if not m.to_host} <= {s for kind, s in placed if kind == "device"}
+
+
+def test_a_carried_prefetch_would_keep_every_layer_on_the_device():
+    """Why the layer scan does not prefetch layer i+1 through its carry: under remat a scan saves each
+    iteration's carry for the backward, so the carried device copies of all L layers become a residual
+    stack (L x D x D in device memory), where fetching inside the body saves only activations."""
+    d, layers = 8, 4
+    host = jax.ShapeDtypeStruct(
+        (layers, d, d),
+        jnp.float32,
+        sharding=jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec(), memory_kind="pinned_host"),
+    )
+    x = jnp.ones((2, d))
+    dev = lambda a: jax.device_put(a, jax.memory.Space.Device)
+    remat = lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def carried(w, x):
+        def body(carry, w_next):
+            x, w_now = carry
+            return (jnp.tanh(x @ w_now), dev(w_next)), None
+
+        return jax.lax.scan(remat(body), (x, dev(w[0])), jnp.roll(w, -1, axis=0))[0][0].sum()
+
+    def fetched(w, x):
+        return jax.lax.scan(remat(lambda x, w_i: (jnp.tanh(x @ dev(w_i)), None)), x, w)[0].sum()
+
+    def saved(f):  # the forward scan's stacked outputs: what it keeps for the backward
+        eqn = next(e for e in jax.jit(jax.grad(f)).trace(host, x).jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+        return [tuple(v.aval.shape) for v in eqn.outvars if len(v.aval.shape) == 3]
+
+    assert saved(carried) == [(layers, 2, d), (layers, d, d)]
+    assert saved(fetched) == [(layers, 2, d)]
