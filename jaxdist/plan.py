@@ -124,6 +124,8 @@ def host_line(e: Estimate) -> str | None:
         f"  offload: {gb(mem.host)} GB per device in host memory; host<->device {gb(h.host_to_device)} GB in, "
         f"{gb(h.device_to_host)} GB out per step"
     )
+    if mem.fetched:
+        line += f" (without remat the backward keeps all {gb(mem.fetched)} GB of fetched layers on the device)"
     if not h.bandwidth:
         return line + f" (no host bandwidth for {e.layout.hw.name} in the hardware table: time not modelled)"
     return line + (

@@ -385,3 +385,22 @@ def test_a_carried_prefetch_would_keep_every_layer_on_the_device():
 
     assert saved(carried) == [(layers, 2, d), (layers, d, d)]
     assert saved(fetched) == [(layers, 2, d)]
+
+
+def test_planner_keeps_the_fetched_layers_on_the_device_without_remat(cfg):
+    """Without remat the backward keeps every fetched layer (no second fetch, as counted): the planner
+    adds the layer stack to the device total; with a remat policy one layer at a time (nothing added)."""
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.planner import memory
+    from jaxdist.planner.hardware import HARDWARE
+    from jaxdist.planner.layout import Layout
+
+    def planned(remat):
+        c = cfg.replace(offload=dict(params="host"), model=dict(remat=remat))
+        return memory.estimate(Layout(c, parse_mesh("fsdp=2", 2), HARDWARE["h100-80gb"]))
+
+    lay = Layout(cfg, parse_mesh("fsdp=2", 2), HARDWARE["h100-80gb"])
+    layers = memory.stored_bytes(lay, lambda g: g.role == "layer")
+    none, full = planned("none"), planned("full")
+    assert none.fetched == layers > 0 and full.fetched == 0
+    assert none.total - none.compiled_temp - none.arguments == layers

@@ -61,6 +61,7 @@ class Memory:
     loss: float = 0.0  # the loss's working set (loss_bytes)
     moment_copies: float = 0.0  # the old AdamW moments' copies, held through the step (moment_copy_bytes)
     host: float = 0.0  # of params + optimizer, what lives in host memory between steps (offload.*=host)
+    fetched: float = 0.0  # offload.params=host without remat: the fetched layer weights the backward keeps
 
     @property
     def arguments(self) -> float:
@@ -75,7 +76,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.arguments + self.compiled_temp
+        return self.arguments + self.compiled_temp + self.fetched
 
     @property
     def fits(self) -> bool:
@@ -389,7 +390,21 @@ def estimate(lay: Layout) -> Memory:
         loss=loss_bytes(lay),
         moment_copies=moment_copy_bytes(lay),
         host=host_bytes(lay),
+        fetched=fetched_bytes(lay),
     )
+
+
+def fetched_bytes(lay: Layout) -> float:
+    """offload.params=host with model.remat=none: the backward keeps every layer's fetched device copy
+    (JAX saves them as residuals; jaxdist.measure.host_transfers counts no second fetch), one layer
+    stack beside what the model without offload holds, whose saved weights are its arguments' own
+    buffers. A GPU's figure: XLA:CPU strips the moves, so there the copies are the host arguments
+    themselves and its compiled temp does not show them. With a remat policy one layer is fetched at
+    a time (within the layers' working set)."""
+    o = lay.cfg.offload
+    if o.params != "host" or o.activations == "host" or lay.cfg.model.remat != "none":
+        return 0.0
+    return stored_bytes(lay, lambda g: g.role == "layer")
 
 
 def host_bytes(lay: Layout) -> float:
