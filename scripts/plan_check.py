@@ -3,7 +3,10 @@
     nice -n 10 python scripts/plan_check.py --mesh fsdp=8 model.remat=full [--dump DIR]
 
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
-terms, and the bytes per collective kind on both sides. `--dump DIR` also writes the compiled HloProto
+terms, and the bytes per collective kind on both sides; with offload.params / offload.optimizer=host,
+`host_transfers`: the planner's host<->device bytes per step beside those counted from the traced step
+(the compiled program has no copies on CPU: jaxdist.measure.host_transfers). Its `arguments` are
+memory_analysis()'s, which on CPU count host-resident ones too. `--dump DIR` also writes the compiled HloProto
 there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
 bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1),
 `peak_buffers`, the largest buffers live at that peak (defining instruction, bytes), and
@@ -62,6 +65,20 @@ def packing(folder: str) -> dict:
     return {**out, "donated_live": donated, "donated_buffers": values[:8]}
 
 
+def host_transfers(lay, mesh: str) -> dict:
+    """Offload's host<->device bytes per device per step: [planner, counted from the traced step]."""
+    from jaxdist import data, measure, step
+    from jaxdist.mesh import mesh_from_string
+    from jaxdist.planner import transfers
+
+    counted = measure.host_transfers(step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=data.mask_eos(lay.cfg)))
+    planned = transfers.host_traffic(lay)
+    return {
+        "host_to_device": [planned.host_to_device, counted["host_to_device_bytes"]],
+        "device_to_host": [planned.device_to_host, counted["device_to_host_bytes"]],
+    }
+
+
 def report(check, comms, memory, path, mesh, overrides, dump):
     lay, mem, measured = check.compile_pair(path, mesh, overrides)
     pred = memory.estimate(lay)
@@ -78,6 +95,8 @@ def report(check, comms, memory, path, mesh, overrides, dump):
             k: [kinds.get(k, 0.0), measured.get(k, {"bytes": 0.0})["bytes"]] for k in set(kinds) | set(measured)
         },
     }
+    if "host" in (lay.cfg.offload.params, lay.cfg.offload.optimizer):
+        out["host_transfers"] = host_transfers(lay, mesh)
     if dump:
         out.update(packing(dump))
         out["packing_waste"] = mem.temp_size_in_bytes / out["simulator_peak"] - 1
