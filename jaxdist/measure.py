@@ -130,8 +130,9 @@ def host_transfers(prog) -> dict:
     placement of the program lowered for a GPU, which XLA:GPU's host offloader turns into a copy
     (tests/test_offload.py pairs the two). A move's per-device bytes are those of the state leaf (or
     stacked layer slice) of its shape and dtype under the state's shardings; a shape that is no state
-    leaf's (activation residuals) is taken as split over the batch axes only (`assumed_bytes`: the
-    residuals' share, overcounted by tp where a residual is also split over tp)."""
+    leaf's (activation residuals) is taken as split over the batch axes only, one that several leaves
+    sharded differently share as the largest of them (`assumed_bytes`: those moves' share; a residual
+    also split over tp is overcounted by tp)."""
     from jaxdist import offload
 
     tokens = jax.ShapeDtypeStruct(
@@ -139,22 +140,25 @@ def host_transfers(prog) -> dict:
     )
     with prog.activate():
         traced = prog.train_step.fn.trace(prog.abstract_state, tokens)
-    sizes = {}
+    sizes: dict[tuple, set[int]] = {}  # (shape, dtype) -> per-device bytes of the state leaves of that shape
     for part in ("params", "opt_state"):
         leaves = jax.tree_util.tree_flatten_with_path(getattr(prog.abstract_state, part))[0]
         for (path, a), s in zip(leaves, jax.tree.leaves(getattr(prog.state_shardings, part)), strict=True):
             shard = s.shard_shape(a.shape)
-            sizes[(tuple(a.shape), str(a.dtype))] = math.prod(shard) * a.dtype.itemsize
+            sizes.setdefault((tuple(a.shape), str(a.dtype)), set()).add(math.prod(shard) * a.dtype.itemsize)
             if any(getattr(k, "key", None) == "blocks" for k in path):  # the scan moves one layer's slice
-                sizes[(tuple(a.shape[1:]), str(a.dtype))] = math.prod(shard[1:]) * a.dtype.itemsize
+                key = (tuple(a.shape[1:]), str(a.dtype))
+                sizes.setdefault(key, set()).add(math.prod(shard[1:]) * a.dtype.itemsize)
     out = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "moves": 0, "assumed_bytes": 0, "trips_known": True}
     for m in offload.moves(traced.jaxpr.jaxpr):
         out["trips_known"] &= m.trips_known
-        per_device = sizes.get((m.shape, m.dtype))
+        known = sizes.get((m.shape, m.dtype), set())
         if m.manual:
             per_device = m.global_bytes
-        elif per_device is None:
-            per_device = m.global_bytes // prog.batch_shards()
+        elif len(known) == 1:
+            per_device = next(iter(known))
+        else:  # no state leaf of this shape (a residual), or several sharded differently: the largest
+            per_device = max(known, default=m.global_bytes // prog.batch_shards())
             out["assumed_bytes"] += m.count * per_device
         out["device_to_host_bytes" if m.to_host else "host_to_device_bytes"] += m.count * per_device
         out["moves"] += m.count
