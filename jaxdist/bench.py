@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def mesh_devices(text: str, devices: list) -> list:
     """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
-    from jaxdist.mesh import AXES
+    from jaxdist.distributed.mesh import AXES
 
     try:
         sizes = [
@@ -62,9 +62,13 @@ def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
     import jax
 
-    from jaxdist import data, measure, metrics, sharding, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.analysis import measure
+    from jaxdist.data import loader
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.distributed import sharding
+    from jaxdist.observe import metrics
     from jaxdist.parallel import pipeline
+    from jaxdist.training import step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
@@ -81,7 +85,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
-    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg)))
+    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 
@@ -92,12 +96,14 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxdist import data, metrics, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.data import loader
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.observe import metrics
+    from jaxdist.training import step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
-    prog = step.build_program(cfg, mesh, eos_id=data.mask_eos(cfg))
+    prog = step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg))
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
@@ -144,7 +150,8 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     if stats and "peak_bytes_in_use" in stats:
         record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
-    from jaxdist import measure, sharding
+    from jaxdist.analysis import measure
+    from jaxdist.distributed import sharding
     from jaxdist.parallel import pipeline
 
     record["pipeline"] = pipeline.describe(
@@ -170,7 +177,7 @@ def _patient_cpu_collectives() -> None:
     already in XLA_FLAGS wins)."""
     import os
 
-    from jaxdist import xla_flags
+    from jaxdist.distributed import xla_flags
 
     flag = {"xla_cpu_collective_call_terminate_timeout_seconds": str(CPU_COLLECTIVE_TIMEOUT_S)}
     os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), flag)
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
         records.append(record)
         print(json.dumps(record), flush=True)
     if args.table:
-        from jaxdist.bench_table import table
+        from jaxdist.analysis.bench_table import table
 
         print("\n" + table(records))
     return 0

@@ -19,17 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.errors import ArgumentParser, JaxdistError, command
-from jaxdist.hf import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
-from jaxdist.hf_io import import_params
+from jaxdist.hf.mapping import hf_config, model_overrides  # noqa: F401 (the CLI's helpers, re-exported)
+from jaxdist.hf.tensors import import_params
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxdist import checkpoint, hf_export
+    from jaxdist import checkpoint
     from jaxdist import config as config_mod
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.hf import export
 
     # Decided together: process 0 must not write before every process has looked.
     if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
@@ -42,7 +43,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (out / "config.yaml").write_text(config_mod.dump(cfg))
-        hf_export.keep_source(hf_dir, out)
+        export.keep_source(hf_dir, out)
     from jaxdist.checkpoint import integrity
     from jaxdist.checkpoint.storage import TMP_SUFFIX
 
@@ -127,11 +128,12 @@ def _read_params(manager, directory: Path, step: int, mesh, rules_for):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import checkpoint, sharding
+    from jaxdist import checkpoint
     from jaxdist import config as config_mod
     from jaxdist.checkpoint.restoring import _meta
+    from jaxdist.distributed import sharding
+    from jaxdist.models.resolve import resolve
     from jaxdist.parallel import pipeline
-    from jaxdist.resolve import resolve
 
     step_dir = directory / str(step)
     cfg = config_mod.from_dict(_meta(manager, step)["config"])
@@ -180,9 +182,11 @@ def to_hf(
     whole or not at all: it is written as a hidden sibling and renamed into place."""
     import jax
 
-    from jaxdist import checkpoint, hf_export, hf_io, run_tokenizer
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import checkpoint
     from jaxdist.adapters import tree as adapters
+    from jaxdist.data import run_tokenizer
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.hf import export, tensors
 
     out = Path(out)
     _check_export_folder(out)
@@ -191,7 +195,7 @@ def to_hf(
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
     got = read_run(path, mesh, log=log)
     cfg, params = got.cfg, got.params
-    source = got.run_dir / hf_io.SOURCE
+    source = got.run_dir / tensors.SOURCE
     source = source if source.is_dir() else None
     if peft:
         return _write_peft(path, out, cfg, params, source, dtype, log)
@@ -199,10 +203,10 @@ def to_hf(
         params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
         log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
     tokenizer, token_ids = _export_tokenizer(cfg, recorded, got.run_dir)
-    hf_export.check_exportable(cfg.model)
+    export.check_exportable(cfg.model)
     return _write_whole(
         out,
-        lambda tmp: hf_export.export(
+        lambda tmp: export.export(
             params,
             cfg.model,
             tmp,
@@ -232,17 +236,17 @@ def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, l
     """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from."""
     import jax
 
-    from jaxdist import hf_export
     from jaxdist.adapters import peft as peft_format
     from jaxdist.adapters import tree as adapters
+    from jaxdist.hf import export
 
     if not cfg.lora.rank:
         raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
     blocks = jax.device_get(adapters.trainable(params))["blocks"]
-    base = hf_export._source_config(source).get("_name_or_path", "")
+    base = export._source_config(source).get("_name_or_path", "")
     if jax.process_index() != 0:
         return []
-    files = peft_format.write(out, blocks, cfg.lora, base, hf_export.EXPORT_DTYPES[dtype])
+    files = peft_format.write(out, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype])
     log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
     return files
 
@@ -250,7 +254,7 @@ def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, l
 def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:
     """(the tokenizer to copy beside the model, its eos/bos token ids for config.json): the run's
     recorded one, else data.tokenizer (a run from before recording: checked now)."""
-    from jaxdist import run_tokenizer
+    from jaxdist.data import run_tokenizer
 
     tokenizer = getattr(cfg.data, "tokenizer", "")
     token_ids = {}
@@ -276,7 +280,7 @@ def _write_whole(out: Path, write: Callable, log) -> list[Path]:
     writer = jax.process_index() == 0
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writer:
-        from jaxdist.prepare import remove_stale
+        from jaxdist.data.prepare import remove_stale
 
         remove_stale(out, log)  # a killed export's hidden folder
         shutil.rmtree(tmp, ignore_errors=True)
@@ -338,14 +342,14 @@ def parse_args(argv):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist import distributed
+    from jaxdist.distributed import launch
     from jaxdist.train import setup_platform
 
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
-    distributed.initialize(distributed.detect(args.coordinator, args.num_processes, args.process_id))
+    launch.initialize(launch.detect(args.coordinator, args.num_processes, args.process_id))
     if args.command == "from-hf":
-        from jaxdist.hf_hub import local_dir
+        from jaxdist.hf.hub import local_dir
 
         hf_dir = local_dir(args.hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)

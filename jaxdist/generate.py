@@ -50,7 +50,7 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist.resolve import compute_dtype
+    from jaxdist.models.resolve import compute_dtype
 
     m = cfg.model
     dtype = compute_dtype(m)
@@ -86,7 +86,7 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
 
 def generation_rules(cfg) -> dict:
     """The run's rules with the batch replicated: a few prompts need not divide the data axes."""
-    from jaxdist import sharding
+    from jaxdist.distributed import sharding
 
     return {**sharding.make_rules(cfg.mesh.rules), "batch": ()}
 
@@ -94,13 +94,13 @@ def generation_rules(cfg) -> dict:
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
     from jaxdist import convert
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.distributed import mesh as mesh_mod
 
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
     if hf_dir:
-        from jaxdist.hf_hub import local_dir
+        from jaxdist.hf.hub import local_dir
 
         hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = convert.hf_config(None, [], Path(hf_dir), mesh_text)
@@ -111,7 +111,7 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
 
 
 class Text:
-    """Prompt text <-> token ids: the tokenizer the run recorded (`jaxdist.run_tokenizer`), else the
+    """Prompt text <-> token ids: the tokenizer the run recorded (`jaxdist.data.run_tokenizer`), else the
     run's data.tokenizer or the imported model's tokenizer.json, else bytes (the byte-level model)."""
 
     def __init__(self, cfg, source: Path, recorded=None):
@@ -170,7 +170,7 @@ def chat_prompts(text: Text, messages: list[str]) -> list[list[int]]:
         return []
     if text.folder is None:
         raise JaxdistError("--chat needs the model's tokenizer folder (with its chat template); use --prompt")
-    from jaxdist import chat
+    from jaxdist.data import chat
 
     ct = chat.load(str(text.folder))
     return [chat.prompt_ids(ct, [{"role": "user", "content": m}]) for m in messages]
@@ -192,8 +192,8 @@ def recorded_tokenizer(run_dir: str | None):
     """The tokenizer a run dir recorded (checked), None for --hf or a run dir from before recording."""
     if not run_dir:
         return None
-    from jaxdist import run_tokenizer
     from jaxdist.checkpoint.storage import checkpoint_dir
+    from jaxdist.data import run_tokenizer
 
     directory, _ = checkpoint_dir(Path(run_dir))
     return run_tokenizer.of_run(directory.parent)
@@ -252,7 +252,7 @@ def generate(
     pad = np.array([P - len(p) for p in prompts], np.int32)
     run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
     key = jax.random.key(seed)
-    from jaxdist import sharding
+    from jaxdist.distributed import sharding
 
     with sharding.activate(mesh, generation_rules(cfg)):  # the layers' constraints, batch replicated
         t0 = time.perf_counter()

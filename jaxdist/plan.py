@@ -20,8 +20,8 @@ import sys
 import yaml
 
 from jaxdist import config
+from jaxdist.distributed.mesh import format_mesh, parse_mesh
 from jaxdist.errors import ArgumentParser, JaxdistError, command
-from jaxdist.mesh import format_mesh, parse_mesh
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
 from jaxdist.planner.layout import Layout
@@ -206,7 +206,7 @@ OFFLOADS = (("params",), ("params", "optimizer"))
 
 def offload_options(cfg: config.Config, devices: int, hw: hardware.Hardware) -> list[dict]:
     """When nothing fits: the best layout with the parameters (then also the AdamW state) in host memory
-    (jaxdist.offload), whether it fits, and its modelled step time against the same layout without."""
+    (jaxdist.distributed.offload), whether it fits, and its modelled step time against the same layout without."""
     out = []
     for kinds in OFFLOADS:
         if all(getattr(cfg.offload, k) == "host" for k in kinds):

@@ -1,4 +1,4 @@
-"""`python -m jaxdist.train`: the command line (the run itself is `jaxdist.loop.run`).
+"""`python -m jaxdist.train`: the command line (the run itself is `jaxdist.training.loop.run`).
 
 python -m jaxdist.train                                  # configs/tiny.yaml on 8 simulated CPU devices
 python -m jaxdist.train --mesh dp=2,fsdp=4 optim.lr=1e-3 train.steps=100
@@ -11,9 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from jaxdist import distributed, trackers
+from jaxdist.distributed import launch as distributed
 from jaxdist.errors import ArgumentParser, JaxdistError
-from jaxdist.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
+from jaxdist.observe import trackers
+from jaxdist.training.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,7 +109,7 @@ def print_config(cfg) -> str:
 def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
     folder named by the config (rundir.default_run_dir), which the same command finds again."""
-    from jaxdist import rundir
+    from jaxdist.training import rundir
 
     path = Path(run_dir) if run_dir else rundir.default_run_dir(cfg, config_name, restore)
     rundir.check_storable(path)
@@ -134,9 +135,9 @@ def setup_platform(cpu_devices: int) -> None:
         )
     if cpu_devices < 1:
         raise JaxdistError(f"--cpu-devices {cpu_devices} must be at least 1")
-    from jaxdist import xla_flags
+    from jaxdist.distributed import xla_flags
 
-    xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/xla_flags.py)
+    xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/distributed/xla_flags.py)
     import jax
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
@@ -168,8 +169,8 @@ def allowed_changes(text: str) -> frozenset[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist import quiet
     from jaxdist.checkpoint.signals import StopSignal  # light: SIGTERM from here on stops cleanly
+    from jaxdist.observe import quiet
 
     quiet.libraries()
     with StopSignal() as stopper:
@@ -182,13 +183,13 @@ def _main(argv: list[str] | None, stopper) -> int:
         cfg = resolve_config(args)
         typed_restore = args.restore  # names the default run dir: a new Hub revision does not move it
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
-            from jaxdist import hf, hf_hub
+            from jaxdist.hf import hub, mapping
 
-            args.restore = f"hf:{hf_hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
-            cfg = hf.apply(cfg, Path(args.restore[3:]), hf.model_overrides(args.overrides))
-        from jaxdist import data  # the token dtype read: a prepared folder's manifest decides
+            args.restore = f"hf:{hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
+            cfg = mapping.apply(cfg, Path(args.restore[3:]), mapping.model_overrides(args.overrides))
+        from jaxdist.data import loader  # the token dtype read: a prepared folder's manifest decides
 
-        cfg = data.resolve_token_dtype(cfg)
+        cfg = loader.resolve_token_dtype(cfg)
         if args.print_config:
             setup_platform(args.cpu_devices)
             print(print_config(cfg), end="")

@@ -34,9 +34,11 @@ def main() -> None:
     setup_platform(args.cpu_devices)
     import jax
 
-    from jaxdist import checkpoint, config, data, step
-    from jaxdist.mesh import mesh_from_string
+    from jaxdist import checkpoint, config
+    from jaxdist.data import loader as data
+    from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.models.llama import count_params
+    from jaxdist.training import step
 
     # data.source=text (the built-in corpus): configs that expect token files run anywhere
     cfg = config.load(args.config, ["data.source=text", "data.path=", f"mesh.shape={args.mesh}", *args.overrides])

@@ -71,7 +71,8 @@ def parse_args(argv=None):
 def run_method(label, base, mesh, out: Path, known=None):
     """`known`: a stored row of the same method and shape (another seed): its bytes are reused, which
     saves compiling the step twice (the bytes do not depend on the seed)."""
-    from jaxdist import measure, train
+    from jaxdist import train
+    from jaxdist.analysis import measure
     from jaxdist.reduce import registry
 
     knobs = dict(METHODS[label])  # reduce.* overrides, and optim.* ones under "optim"
@@ -156,8 +157,8 @@ def topk_scaling(base, ratios=(0.1, 0.01, 0.001), replicas=(2, 4, 8)):
     """dp bytes of the reduction alone (dense vs top-k), compiled for each N on the first N devices."""
     import jax
 
-    from jaxdist import measure
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.analysis import measure
+    from jaxdist.distributed import mesh as mesh_mod
 
     rows = []
     for n in replicas:
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
 
     setup_platform(8)
     from jaxdist import config
-    from jaxdist import mesh as mesh_mod
+    from jaxdist.distributed import mesh as mesh_mod
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,9 @@ def main() -> int:
     setup_platform(8)
     import jax
 
-    from jaxdist import config, measure
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist.analysis import measure
+    from jaxdist.distributed import mesh as mesh_mod
 
     rows = []
     for case in args.cases:

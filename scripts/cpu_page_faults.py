@@ -31,8 +31,8 @@ def child(config: str, steps: int) -> dict:
     import jax.numpy as jnp
 
     from jaxdist import config as config_mod
-    from jaxdist import step
-    from jaxdist.mesh import mesh_from_string
+    from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.training import step
 
     cfg = config_mod.load(config, [])
     prog = step.build_program(cfg, mesh_from_string("fsdp=1", jax.devices()[:1]))

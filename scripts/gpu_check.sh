@@ -74,7 +74,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 emit "$(python3 - <<'EOF'
 import json, os
 from jaxdist.train import setup_platform
-setup_platform(1)  # applies jaxdist's GPU XLA flags (jaxdist/xla_flags.py) before the backend starts
+setup_platform(1)  # applies jaxdist's GPU XLA flags (jaxdist/distributed/xla_flags.py) before the backend starts
 import jax, flax, optax
 d = jax.devices()[0]
 stats = d.memory_stats() or {}

@@ -33,8 +33,9 @@ def main() -> int:
     import numpy as np
     from flax import nnx
 
-    from jaxdist import convert, sharding
-    from jaxdist.mesh import mesh_from_string
+    from jaxdist import convert
+    from jaxdist.distributed import sharding
+    from jaxdist.distributed.mesh import mesh_from_string
 
     fixture = Path(args.fixture)
     ref = np.load(fixture / "reference.npz")

@@ -60,9 +60,11 @@ def main(argv=None) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
 
-    from jaxdist import config, hlo, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
     from jaxdist.adapters import tree as adapters
+    from jaxdist.distributed import hlo
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.training import step
 
     base = config.load(
         args.config,

@@ -69,9 +69,9 @@ def main() -> None:
     import jax
     from test_lora import peft_run  # the code path tests/test_lora.py checks (its conftest: 8 CPU devices)
 
-    from jaxdist import hf_export
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
+    from jaxdist.hf import export
 
     lora_logits, params, base_logits, merged, cfg = peft_run(OUT, "fsdp=8")
     ours = lora_logits(params, sequences)
@@ -81,7 +81,7 @@ def main() -> None:
     print(f"jaxdist (PEFT adapter read onto the float32 base) vs peft: max |diff| {np.abs(ours - expected).max():.2e}")
     with tempfile.TemporaryDirectory() as tmp:
         peft.write(Path(tmp) / "peft", jax.device_get(adapters.trainable(params))["blocks"], cfg.lora)
-        hf_export.export(merged, cfg.model, Path(tmp) / "merged", "float32", BASE, log=lambda *a: None)
+        export.export(merged, cfg.model, Path(tmp) / "merged", "float32", BASE, log=lambda *a: None)
         via_peft = hf_logits(sequences, adapter_dir=Path(tmp) / "peft")
         via_merged = hf_logits(sequences, model_dir=Path(tmp) / "merged")
     print(f"peft loading jaxdist's adapter export vs jaxdist: max |diff| {np.abs(via_peft - ours).max():.2e}")

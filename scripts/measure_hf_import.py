@@ -1,4 +1,4 @@
-"""Peak host memory of importing a Hugging Face Llama (jaxdist.hf_io), on the largest model we can make here.
+"""Peak host memory of importing a Hugging Face Llama (jaxdist.hf.tensors), on the largest model we can make here.
 
     python scripts/measure_hf_import.py [--dir /tmp/jaxdist-hf-1b] [--mesh fsdp=8] [--cli]
 

@@ -33,8 +33,8 @@ def _one_device_forward(cfg):
     """The model's forward on one device, returning its expert loads per layer (built once per config)."""
     import jax
 
-    from jaxdist import mesh as mesh_mod
-    from jaxdist import step
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.training import step
 
     if str(cfg) not in _FORWARD:
         prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", devices=jax.devices()[:1]))

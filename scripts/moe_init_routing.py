@@ -28,8 +28,9 @@ def main() -> int:
     import jax
     import numpy as np
 
-    from jaxdist import config, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.training import step
 
     # Capacity C = N (factor E/K) drops nothing and compiles one branch; the loads are the routing's.
     cfg = config.load("configs/tiny-moe.yaml", ["model.moe_dispatch=capacity", "model.moe_capacity_factor=4"])

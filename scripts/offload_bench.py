@@ -32,9 +32,11 @@ def main() -> int:
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--kinds", nargs="+", default=list(KINDS))
     args = p.parse_args()
-    from jaxdist import bench, config, report, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import bench, config
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.observe import report
     from jaxdist.train import setup_platform
+    from jaxdist.training import step
 
     setup_platform(8)
     import jax

@@ -53,8 +53,9 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist import config, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.training import step
 
     overrides = [f"model.num_layers={args.layers}", "offload.params=host", "model.remat=full"]
     overrides += ["train.global_batch=4", "train.grad_accum_steps=2", "train.steps=3", "optim.warmup_steps=1"]

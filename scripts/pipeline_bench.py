@@ -52,9 +52,11 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
-    from jaxdist import config, hlo, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist.distributed import hlo
+    from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.parallel import pipeline
+    from jaxdist.training import step
 
     cfg = config.load(None, ["model.num_layers=8", "train.global_batch=32", "train.eval_every=0", *args.overrides])
     runs = [("fsdp=8", 0, "none"), ("fsdp=8", 0, "full")]
@@ -173,9 +175,10 @@ def schedules_study(args) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
-    from jaxdist import config, step
-    from jaxdist import mesh as mesh_mod
+    from jaxdist import config
+    from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.parallel import schedules
+    from jaxdist.training import step
 
     base = config.load(None, [*SMALL, "train.eval_every=0", *args.overrides])
     mesh_text, shards = "pp=4,fsdp=2", 2

@@ -5,7 +5,7 @@
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
 terms, and the bytes per collective kind on both sides; with offload.params / offload.optimizer=host,
 `host_transfers`: the planner's host<->device bytes per step beside those counted from the traced step
-(the compiled program has no copies on CPU: jaxdist.measure.host_transfers). Its `arguments` are
+(the compiled program has no copies on CPU: jaxdist.analysis.measure.host_transfers). Its `arguments` are
 memory_analysis()'s, which on CPU count host-resident ones too. `--dump DIR` also writes the compiled HloProto
 there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
 bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1),
@@ -42,10 +42,11 @@ def main() -> int:
     from jaxdist.train import setup_platform
 
     setup_platform(args.devices)
-    from jaxdist.planner import check, comms, memory
+    from jaxdist.analysis import plan_check
+    from jaxdist.planner import comms, memory
 
     for mesh, overrides in pairs:
-        report(check, comms, memory, args.config, mesh, overrides, args.dump)
+        report(plan_check, comms, memory, args.config, mesh, overrides, args.dump)
     return 0
 
 
@@ -67,11 +68,15 @@ def packing(folder: str) -> dict:
 
 def host_transfers(lay, mesh: str) -> dict:
     """Offload's host<->device bytes per device per step: [planner, counted from the traced step]."""
-    from jaxdist import data, measure, step
-    from jaxdist.mesh import mesh_from_string
+    from jaxdist.analysis import measure
+    from jaxdist.data import loader
+    from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.planner import transfers
+    from jaxdist.training import step
 
-    counted = measure.host_transfers(step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=data.mask_eos(lay.cfg)))
+    counted = measure.host_transfers(
+        step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=loader.mask_eos(lay.cfg))
+    )
     planned = transfers.host_traffic(lay)
     return {
         "host_to_device": [planned.host_to_device, counted["host_to_device_bytes"]],
@@ -79,8 +84,8 @@ def host_transfers(lay, mesh: str) -> dict:
     }
 
 
-def report(check, comms, memory, path, mesh, overrides, dump):
-    lay, mem, measured = check.compile_pair(path, mesh, overrides)
+def report(plan_check, comms, memory, path, mesh, overrides, dump):
+    lay, mem, measured = plan_check.compile_pair(path, mesh, overrides)
     pred = memory.estimate(lay)
     kinds = comms.by_kind(comms.step_traffic(lay))
     out = {

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import chat, data, loss_mask, prepare, step
-from jaxdist import mesh as mesh_mod
+from jaxdist.data import chat, loader, loss_mask, prepare
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import implicit_gradients
+from jaxdist.reduce.gradients import implicit_gradients
+from jaxdist.training import step
 
 FIX = Path(__file__).parent / "fixtures" / "chat"
 CONVERSATIONS = [json.loads(line) for line in (FIX / "conversations.jsonl").read_text().splitlines()]
@@ -156,7 +157,7 @@ def test_loader_carries_the_mask_to_the_step(prepared_chat, tiny_cfg):
     cfg = tiny_cfg.replace(
         data=dict(source="tokens", path=str(out), document_mask=True), model=dict(vocab_size=320, seq_len=128)
     )
-    train, held_out = data.load_windows(cfg)
+    train, held_out = loader.load_windows(cfg)
     ids = np.fromfile(out / manifest["splits"]["train"]["files"][0], np.uint16)
     mask = np.fromfile(out / manifest["splits"]["train"]["mask_files"][0], np.uint8)
     w = train[1]
@@ -166,9 +167,9 @@ def test_loader_carries_the_mask_to_the_step(prepared_chat, tiny_cfg):
     np.testing.assert_array_equal(np.asarray(decoded), ids[128:257])
     np.testing.assert_array_equal(np.asarray(weights), mask[128:257])
     assert len(held_out) >= 1 and (held_out[0] < 0).any()  # eval reads the held-out masks too
-    assert data.document_eos(cfg) == manifest["eos_id"]
+    assert loader.document_eos(cfg) == manifest["eos_id"]
     with pytest.raises(JaxdistError, match="model.seq_len=128"):
-        data.load_windows(cfg.replace(model=dict(seq_len=64)))
+        loader.load_windows(cfg.replace(model=dict(seq_len=64)))
 
 
 def test_bad_lines_are_counted_by_line_or_stop(tmp_path, capsys):

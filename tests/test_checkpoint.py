@@ -28,9 +28,11 @@ import numpy as np
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist import checkpoint, config, data, step
+from jaxdist import checkpoint, config
+from jaxdist.data import loader as data
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import mesh_from_string
+from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [

@@ -14,12 +14,16 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import checkpoint, data, measure, optim, step
+from jaxdist import checkpoint
+from jaxdist.analysis import measure
+from jaxdist.data import loader as data
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import accumulate_gradients
-from jaxdist.mesh import mesh_from_string
-from jaxdist.parallel import compress, demo, dgc, diloco, reduce
-from jaxdist.reduce import registry
+from jaxdist.optim import adamw
+from jaxdist.reduce import compress, demo, dgc, diloco, registry
+from jaxdist.reduce import reducer as reduce
+from jaxdist.reduce.gradients import accumulate_gradients
+from jaxdist.training import step
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
 # DiLoCo compiles whole train steps: the smallest model that has every kind of tensor.
@@ -279,8 +283,8 @@ def test_frozen_variance_adam_matches_optax_then_freezes():
     cfg = step.Config().optim
     params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
     grads = [jax.tree.map(lambda p, i=i: jnp.sin(p + i) + 0.1 * i, params) for i in range(6)]
-    ref, _ = optim.make_optimizer(cfg, 100, 8)
-    frozen, _ = optim.make_optimizer(cfg, 100, 8, freeze_variance_at=3)
+    ref, _ = adamw.make_optimizer(cfg, 100, 8)
+    frozen, _ = adamw.make_optimizer(cfg, 100, 8, freeze_variance_at=3)
     s_ref, s_fr = ref.init(params), frozen.init(params)
     assert jax.tree.structure(s_ref) == jax.tree.structure(s_fr)  # checkpoints interchangeable
     ref_update, frozen_update = jax.jit(ref.update), jax.jit(frozen.update)  # two compiles, not many eager ops
@@ -380,7 +384,7 @@ def test_diloco_matches_reference(diloco_run):
     Δ' = mean(θ' − θ'_r), m' = 0.9 m + Δ', θ'' = θ' − 0.7 (Δ' + 0.9 m')."""
     cfg, prog, state, batches, _ = diloco_run
     theta = prog.init_state(0).params
-    inner, _ = optim.make_optimizer(cfg.optim, cfg.train.steps, 2, optim.decay_mask(prog.param_names))
+    inner, _ = adamw.make_optimizer(cfg.optim, cfg.train.steps, 2, adamw.decay_mask(prog.param_names))
 
     @jax.jit
     def inner_step(p, s, rows):
@@ -443,7 +447,7 @@ def diloco_codec_run(request, mini_cfg, dp8):
 def replica_deltas(cfg, prog, batches):
     """Δ_r = θ − θ_r after each replica's own AdamW steps on its rows (2r, 2r+1), computed directly."""
     theta = prog.init_state(0).params
-    inner, _ = optim.make_optimizer(cfg.optim, cfg.train.steps, 2, optim.decay_mask(prog.param_names))
+    inner, _ = adamw.make_optimizer(cfg.optim, cfg.train.steps, 2, adamw.decay_mask(prog.param_names))
 
     @jax.jit
     def local(rows_SB):
@@ -718,7 +722,7 @@ def test_demo_train_step_is_a_sign_update_and_its_bytes_exact(demo_run, dp8):
     before = prog.init_state(0).params
     assert float(metrics[0]["grad_norm"]) == pytest.approx(replica_grad_rms(prog, before, batches[0]), rel=1e-4)
     lr0, wd = float(prog.lr_schedule(0)), cfg.optim.weight_decay
-    masks = jax.tree.leaves(optim.decay_mask(prog.param_names))
+    masks = jax.tree.leaves(adamw.decay_mask(prog.param_names))
     moved = 0
     for p0, p1, decayed in zip(jax.tree.leaves(before), jax.tree.leaves(state.params), masks):
         p0, p1 = np.asarray(p0), np.asarray(p1)

@@ -239,13 +239,13 @@ def test_finetune_config_fits_any_run_length(steps):
     """configs/finetune.yaml is relative to train.steps: no clamped warm-up note at --steps 30 (tiny's
     50 warm-up steps gave one), an eval every ceil(steps / 5) steps and a checkpoint every ceil(steps / 4),
     and both at the end."""
-    from jaxdist import optim
     from jaxdist.checkpoint.saving import Saver
     from jaxdist.config import relative
-    from jaxdist.hooks import Metrics, StepEnd
+    from jaxdist.optim import adamw
+    from jaxdist.training.hooks import Metrics, StepEnd
 
     cfg = relative.resolve(config.load("finetune", [f"train.steps={steps}"]))
-    assert optim.schedule_notes(cfg) == []
+    assert adamw.schedule_notes(cfg) == []
     assert cfg.optim.warmup_steps == 0 and relative.warmup(cfg.optim, steps) == int(0.05 * steps)
     ends = [StepEnd(i, None, {}, steps, False) for i in range(steps)]
     evals = [e.done for e in ends if Metrics(None, None, cfg.train.eval_every).eval_due(e)]
@@ -260,18 +260,18 @@ def test_finetune_config_fits_any_run_length(steps):
     assert f"(optim.warmup_fraction=0.05 of {steps})" in line and "(train.evals=5)" in line, line
     assert "(checkpoint.saves=4)" in line, line
     tiny = config.load(None, [f"train.steps={steps}"])
-    assert bool(optim.schedule_notes(tiny)) == (steps <= 50)  # the pretraining schedule clamps short runs
+    assert bool(adamw.schedule_notes(tiny)) == (steps <= 50)  # the pretraining schedule clamps short runs
 
 
 def test_warmup_fraction_sets_the_schedule_and_replaces_warmup_steps():
-    from jaxdist import optim
     from jaxdist.config import relative
+    from jaxdist.optim import adamw
 
     cfg = relative.resolve(config.load(None, ["optim.warmup_fraction=0.1", "train.steps=40"]))
     assert cfg.optim.warmup_steps == 0  # recorded as not in effect
-    lr = optim.schedule(cfg.optim, 40, cfg.train.global_batch)
+    lr = adamw.schedule(cfg.optim, 40, cfg.train.global_batch)
     peak = cfg.optim.lr
     assert float(lr(0)) == pytest.approx(peak / 4) and float(lr(3)) == pytest.approx(peak)  # 4 warm-up steps
     assert float(lr(10)) < float(lr(4))
-    same = optim.schedule(config.load(None, ["optim.warmup_steps=4"]).optim, 40, cfg.train.global_batch)
+    same = adamw.schedule(config.load(None, ["optim.warmup_steps=4"]).optim, 40, cfg.train.global_batch)
     assert [float(lr(s)) for s in range(40)] == pytest.approx([float(same(s)) for s in range(40)])

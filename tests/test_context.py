@@ -15,12 +15,15 @@ import optax
 import pytest
 from conftest import compiled_gradients, learnable_batches
 
-from jaxdist import checkpoint, data, hlo, step
-from jaxdist import mesh as mesh_mod
+from jaxdist import checkpoint
+from jaxdist.data import loader as data
+from jaxdist.distributed import hlo
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import context
 from jaxdist.planner import comms, hardware, memory
 from jaxdist.planner.layout import Layout
+from jaxdist.training import step
 
 SMALL = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, seq_len=512)
 BATCH = 4

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
 
-from jaxdist import data, step
-from jaxdist import mesh as mesh_mod
+from jaxdist.data import loader as data
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
+from jaxdist.training import step
 
 
 @pytest.fixture(scope="module")

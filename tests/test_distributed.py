@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist import distributed
+from jaxdist.distributed import launch as distributed
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent

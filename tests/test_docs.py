@@ -15,17 +15,19 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxdist import config, sharding, step, train
-from jaxdist import mesh as mesh_mod
+from jaxdist import config, train
 from jaxdist.config.keys import with_reference
-from jaxdist.resolve import resolve
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.distributed import sharding
+from jaxdist.models.resolve import resolve
+from jaxdist.training import step
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # `python -m jaxdist.X` -> the module whose parse_args(argv) is that command's parser
-PARSERS = {"data": "jaxdist.prepare", "config": "jaxdist.config.__main__"}
+PARSERS = {"data": "jaxdist.data.prepare", "config": "jaxdist.config.__main__"}
 
 
 def rel(page: Path) -> str:

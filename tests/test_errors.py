@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_ARGS, unwritable_dir
 
-from jaxdist import checkpoint, config, data, step
-from jaxdist.mesh import mesh_from_string
+from jaxdist import checkpoint, config
+from jaxdist.data import loader as data
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.train import main
+from jaxdist.training import step
 
 SMALL = [
     *SMALL_ARGS,

@@ -23,9 +23,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxdist import config, convert, generate, hf, hf_export, sharding
+from jaxdist import config, convert, generate
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import mesh_from_string
+from jaxdist.hf import export, mapping
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAMILIES = {  # fixture -> (model.family, the sharded mesh it is checked on)
@@ -88,14 +90,14 @@ def test_greedy_generation_matches_transformers(family):
 
 def test_export_is_the_fixture_bit_for_bit(family, tmp_path):
     name, _, (cfg, mesh, params, _) = family
-    hf_export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
+    export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
     original, exported = (
         load_file(str(FIXTURES / name / "model.safetensors")),
         load_file(str(tmp_path / "model.safetensors")),
     )
     assert sorted(original) == sorted(exported)
     assert all(np.array_equal(original[k], exported[k]) for k in original)
-    assert hf.model_fields(tmp_path) == hf.model_fields(FIXTURES / name)
+    assert mapping.model_fields(tmp_path) == mapping.model_fields(FIXTURES / name)
     written = json.loads((tmp_path / "config.json").read_text())
     source = json.loads((FIXTURES / name / "config.json").read_text())
     assert written["architectures"] == source["architectures"] and written["model_type"] == source["model_type"]
@@ -175,7 +177,7 @@ def write_config(tmp_path, name, **edit):
 )
 def test_unsupported_fields_are_named(tmp_path, name, edit, named):
     with pytest.raises(JaxdistError, match=named) as e:
-        hf.model_fields(write_config(tmp_path, name, **edit))
+        mapping.model_fields(write_config(tmp_path, name, **edit))
     assert "\n" not in str(e.value)
 
 
@@ -185,14 +187,14 @@ def test_family_defaults_and_spellings(tmp_path):
     raw = json.loads((FIXTURES / "hf_mistral" / "config.json").read_text())
     del raw["sliding_window"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert hf.model_fields(tmp_path)["sliding_window"] == 4096  # MistralConfig's default
+    assert mapping.model_fields(tmp_path)["sliding_window"] == 4096  # MistralConfig's default
     raw["sliding_window"] = None  # Mistral v0.2+: no window
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert hf.model_fields(tmp_path)["sliding_window"] == 0
+    assert mapping.model_fields(tmp_path)["sliding_window"] == 0
     raw = json.loads((FIXTURES / "hf_qwen3_moe" / "config.json").read_text())
     raw["num_experts"] = raw.pop("num_local_experts")
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert hf.model_fields(tmp_path) == hf.model_fields(FIXTURES / "hf_qwen3_moe")
+    assert mapping.model_fields(tmp_path) == mapping.model_fields(FIXTURES / "hf_qwen3_moe")
 
 
 @pytest.mark.parametrize(
@@ -210,7 +212,7 @@ def test_family_defaults_and_spellings(tmp_path):
 def test_export_refuses_what_the_architecture_cannot_hold(tmp_path, overrides, named):
     m = config.load(None, overrides).model
     with pytest.raises(JaxdistError, match=named) as e:
-        hf_export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
+        export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
@@ -245,7 +247,7 @@ def test_fine_tuning_each_import_lowers_the_loss(name, tmp_path):
         f"data.path={tokens}",
         *(["mesh.shape=fsdp=-1,ep=2"] if name in MOE else []),
     ]
-    cfg = hf.apply(config.load(None, overrides), FIXTURES / name)
+    cfg = mapping.apply(config.load(None, overrides), FIXTURES / name)
     train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURES / name}")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -303,16 +305,16 @@ def test_import_onto_a_pipeline_layout(name):
 def test_each_device_reads_only_its_experts(monkeypatch):
     """Mixtral onto fsdp=2,ep=2,tp=2: every per-expert tensor is read as one device's slice (a quarter:
     fsdp x tp) and each device reads its 2 of the 4 experts only, never another's."""
-    from jaxdist import hf_io
+    from jaxdist.hf import tensors
 
-    reads, real = [], hf_io.read_block
+    reads, real = [], tensors.read_block
 
     def spy(sl, idx, shape, n_in):
         out = real(sl, idx, shape, n_in)
         reads.append((tuple(sl.get_shape()), out.size))
         return out
 
-    monkeypatch.setattr(hf_io, "read_block", spy)
+    monkeypatch.setattr(tensors, "read_block", spy)
     cfg, *_ = imported("hf_mixtral", "fsdp=2,ep=2,tp=2")
     m = cfg.model
     expert_shapes = {(m.mlp_dim, m.d_model), (m.d_model, m.mlp_dim)}
@@ -337,7 +339,7 @@ def test_logits_match_transformers_under_context_parallelism(name, mesh_text):
 
 def test_biases_and_qk_norms_get_no_weight_decay():
     """Like the norms (and transformers' fine-tuning recipes), the Qwen2 biases are not decayed."""
-    from jaxdist.optim import decay_mask
+    from jaxdist.optim.adamw import decay_mask
 
     cfg, _, _, model = imported("hf_qwen2", "fsdp=8")
     mask = flat(decay_mask(model.names))

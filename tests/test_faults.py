@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist import checkpoint, config, data, step
+from jaxdist import checkpoint, config
 from jaxdist.checkpoint import integrity
-from jaxdist.mesh import mesh_from_string
+from jaxdist.data import loader
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.train import main, run
+from jaxdist.training import step
 
 SMALL = [
     *SMALL_ARGS,
@@ -137,6 +139,6 @@ def test_full_disk_stops_in_one_line_and_keeps_older_checkpoints(small_tmpfs, ca
         assert integrity.verify(run_dir / "checkpoints" / s) is None
     cfg = config.load(None, SMALL + ["train.steps=8"])
     prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
-    restored = checkpoint.restore(run_dir, prog, data.Loader(cfg, prog.batch_sharding), cfg, log=quiet)
+    restored = checkpoint.restore(run_dir, prog, loader.Loader(cfg, prog.batch_sharding), cfg, log=quiet)
     assert restored.step == 4 and np.isfinite(float(jax.tree.leaves(restored.state.params)[0].sum()))
     assert os.path.getsize(run_dir / "metrics.jsonl") > 0

@@ -82,7 +82,8 @@ def test_sampling_nucleus_seed_and_pre_temperature_logprobs():
 def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from jaxdist import config, hf_export
+    from jaxdist import config
+    from jaxdist.hf import export
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -102,7 +103,7 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     assert ids == tok.encode("hello world").ids and with_tok.decode(ids) == tok.decode(ids)
     # The export copies the run's tokenizer (data.tokenizer) next to the weights.
     (tmp_path / "out").mkdir()
-    hf_export.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
+    export.copy_tokenizer(str(tmp_path / "tokenizer.json"), None, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxdist import xla_flags
+from jaxdist.distributed import xla_flags
 
 
 def test_every_flag_is_known_to_this_jaxlib():
@@ -71,7 +71,7 @@ def run_child(env_extra, code):
     return out.stdout.strip()
 
 
-APPLY = "import os; from jaxdist import xla_flags; print(xla_flags.apply()); print(os.environ.get('XLA_FLAGS', ''))"
+APPLY = "import os; from jaxdist.distributed import xla_flags; print(xla_flags.apply()); print(os.environ.get('XLA_FLAGS', ''))"
 
 
 def test_not_applied_on_cpu():
@@ -92,7 +92,7 @@ def test_applied_before_backend_start_with_user_override():
 
 def test_too_late_warns_and_does_nothing():
     code = (
-        "import os, warnings, jax; jax.devices(); from jaxdist import xla_flags\n"
+        "import os, warnings, jax; jax.devices(); from jaxdist.distributed import xla_flags\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always'); xla_flags.gpu_backend_expected = lambda: True\n"
         "    print(xla_flags.apply(), os.environ.get('XLA_FLAGS', ''), 'backend started' in str(w[0].message))"

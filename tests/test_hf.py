@@ -28,10 +28,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from jaxdist import config, convert, data, hf, hf_export, hf_io, sharding, train
+from jaxdist import config, convert, train
+from jaxdist.data import loader as data
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import token_loss_sums
-from jaxdist.mesh import mesh_from_string
+from jaxdist.hf import export, mapping
+from jaxdist.hf import tensors as hf_io
+from jaxdist.reduce.gradients import token_loss_sums
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "hf_llama"
@@ -114,15 +118,13 @@ def test_bf16_and_fp16_files_import_exactly(tmp_path):
 
 def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     cfg, mesh, params, _, _ = sharded
-    hf_export.export(params, cfg.model, tmp_path / "one", "float32", log=lambda *a: None)
+    export.export(params, cfg.model, tmp_path / "one", "float32", log=lambda *a: None)
     original, exported = (
         load_file(str(FIXTURE / "model.safetensors")),
         load_file(str(tmp_path / "one" / "model.safetensors")),
     )
     assert sorted(original) == sorted(exported) and all(np.array_equal(original[k], exported[k]) for k in original)
-    files = hf_export.export(
-        params, cfg.model, tmp_path / "many", "float32", max_shard_bytes=60_000, log=lambda *a: None
-    )
+    files = export.export(params, cfg.model, tmp_path / "many", "float32", max_shard_bytes=60_000, log=lambda *a: None)
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert len(files) > 3 and set(index["weight_map"]) == set(original)
     assert all(f.stat().st_size <= 60_000 + 4096 for f in files)  # data + header
@@ -130,7 +132,7 @@ def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     again, _ = convert.import_params(tmp_path / "many", cfg, mesh)
     a, b = flat(params), flat(again)
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert hf.model_fields(tmp_path / "many") == hf.model_fields(FIXTURE)
+    assert mapping.model_fields(tmp_path / "many") == mapping.model_fields(FIXTURE)
 
 
 def test_tied_model_round_trips(tmp_path):
@@ -138,7 +140,7 @@ def test_tied_model_round_trips(tmp_path):
     cfg, mesh, params, model = imported(TIED, "fsdp=4", jax.devices()[:4])
     assert cfg.model.tie_embeddings and "head_DV" not in params
     assert np.abs(logits(model, params, mesh, ref["sequences"]) - ref["logits"]).max() <= 1e-4
-    hf_export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
+    export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
     again = flat(convert.import_params(tmp_path, cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
@@ -149,7 +151,7 @@ def test_export_refuses_what_llama_cannot_hold(tmp_path, field):
     """Experts or an embedding multiplier: one-line error before anything is written."""
     m = config.load(None, [field]).model
     with pytest.raises(JaxdistError, match=field.split("=")[0]):
-        hf_export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
+        export.export({}, m, tmp_path / "out", "float32", log=lambda *a: None)
     assert not (tmp_path / "out").exists()
 
 
@@ -198,7 +200,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
         "data.source=tokens",
         f"data.path={tokens}",
     ]
-    cfg = hf.apply(config.load(None, overrides), FIXTURE)
+    cfg = mapping.apply(config.load(None, overrides), FIXTURE)
     result = train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
     mesh = mesh_from_string(cfg.mesh.shape)
     params, model = convert.import_params(FIXTURE, cfg, mesh)
@@ -216,20 +218,20 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     assert all(np.array_equal(v, again[k]) for k, v in flat(tuned).items())
     assert not np.array_equal(again["['embed_VD']"], flat(params)["['embed_VD']"])  # it did train
     with pytest.raises(JaxdistError, match="conflicts with"):
-        hf.apply(cfg, FIXTURE, {"d_model": 128})
+        mapping.apply(cfg, FIXTURE, {"d_model": 128})
 
 
 def test_both_rope_spellings_read_alike(tmp_path):
-    fields = hf.model_fields(FIXTURE)
+    fields = mapping.model_fields(FIXTURE)
     raw = json.loads((FIXTURE / "config.json").read_text())
     rope = raw.pop("rope_parameters")
     raw["rope_theta"] = rope.pop("rope_theta")
     raw["rope_scaling"] = {**rope, "rope_type": "llama3"}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert hf.model_fields(tmp_path) == fields
+    assert mapping.model_fields(tmp_path) == fields
     raw["rope_scaling"] = {"type": "llama3", **{k: v for k, v in rope.items() if k != "rope_type"}}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert hf.model_fields(tmp_path) == fields
+    assert mapping.model_fields(tmp_path) == fields
     assert fields["rope_factor"] == 8.0 and fields["rope_original_max_len"] == 64
 
 
@@ -249,7 +251,7 @@ def test_unsupported_fields_are_named(tmp_path, edit, named):
     raw = {**json.loads((FIXTURE / "config.json").read_text()), **edit}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(JaxdistError, match=named) as e:
-        hf.model_fields(tmp_path)
+        mapping.model_fields(tmp_path)
     assert "\n" not in str(e.value)
 
 
@@ -265,7 +267,7 @@ def cli(capsys, monkeypatch, *args: str) -> tuple[int, str]:
 def test_cli_missing_or_corrupt_shard_exit_2(sharded, tmp_path, capsys, monkeypatch):
     cfg, _, params, _, _ = sharded
     broken = tmp_path / "sharded"
-    hf_export.export(params, cfg.model, broken, "float32", max_shard_bytes=100_000, log=lambda *a: None)
+    export.export(params, cfg.model, broken, "float32", max_shard_bytes=100_000, log=lambda *a: None)
     shards = sorted(broken.glob("model-*.safetensors"))
     cases = []
     missing = tmp_path / "missing"

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from jaxdist import hf, hf_export, sharding
-from jaxdist.mesh import mesh_from_string
-from jaxdist.resolve import resolve
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.hf import export, mapping
+from jaxdist.models.resolve import resolve
 
 KEYS = Path(__file__).resolve().parent / "fixtures" / "hf_keys"
 CASES = [
@@ -39,11 +40,11 @@ def test_export_holds_exactly_transformers_keys(tmp_path, arch, name, variant):
     source = tmp_path / "hf"
     source.mkdir()
     (source / "config.json").write_text(json.dumps(variant["config"]))
-    cfg = hf.hf_config(None, [], source)
+    cfg = mapping.hf_config(None, [], source)
     mesh = mesh_from_string("fsdp=1", jax.devices()[:1])
     abstract = resolve(cfg, mesh, sharding.DEFAULT_RULES).abstract
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
-    hf_export.export(params, cfg.model, tmp_path / "out", "float32", source_dir=source, log=lambda *a: None)
+    export.export(params, cfg.model, tmp_path / "out", "float32", source_dir=source, log=lambda *a: None)
     got, want = exported_tensors(tmp_path / "out"), variant["tensors"]
     assert sorted(set(want) - set(got)) == [], "transformers would report these missing"
     assert sorted(set(got) - set(want)) == [], "transformers would report these unexpected"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxdist import hlo
+from jaxdist.distributed import hlo
 
 PROGRAM = """
 HloModule m
@@ -148,9 +148,9 @@ def test_ring_model_is_one_function():
 
 
 def test_unknown_trip_count_is_refused_not_undercounted():
-    from jaxdist import measure
+    from jaxdist.analysis import measure
+    from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.errors import JaxdistError
-    from jaxdist.mesh import mesh_from_string
 
     text = (FIXTURES / "gpu_async.txt").read_text()
     with pytest.raises(JaxdistError, match="loop without a known trip count \\(body.unknown\\)"):

@@ -2,7 +2,7 @@
 
 import types
 
-from jaxdist import hooks
+from jaxdist.training import hooks
 
 
 class Recorder(hooks.Hook):

@@ -13,14 +13,17 @@ import numpy as np
 import pytest
 from conftest import learnable_batches, tokens_spec
 
-from jaxdist import config, hlo, metrics, step
-from jaxdist import mesh as mesh_mod
+from jaxdist import config
 from jaxdist.adapters import quant
 from jaxdist.adapters import tree as adapters
 from jaxdist.adapters.lora import count_adapter_params
+from jaxdist.distributed import hlo
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models.llama import count_params
+from jaxdist.observe import metrics
 from jaxdist.parallel import pipeline
+from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "tests" / "fixtures" / "hf_llama"
@@ -264,8 +267,9 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
     bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
-    from jaxdist import convert, generate, hf, train
+    from jaxdist import convert, generate, train
     from jaxdist.adapters import peft
+    from jaxdist.hf import mapping
 
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 128, 50_000).astype(np.uint16).tofile(tokens)
@@ -283,7 +287,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
         "lora.block_size=8",
         "train.trackers=[]",
     ]
-    cfg = hf.apply(config.load(None, overrides), BASE)
+    cfg = mapping.apply(config.load(None, overrides), BASE)
     quiet = dict(log=lambda *a: None, restore=f"hf:{BASE}")
     train.run(cfg, tmp_path / "a", **quiet)
     longer = cfg.replace(train=dict(steps=3))
@@ -314,7 +318,8 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
 def test_planner_plans_lora_and_the_run_prints_its_prediction(cfg, fsdp8, capsys, monkeypatch):
     """The planner models a frozen base (jaxdist.planner.lora): plan accepts lora.rank > 0, and a LoRA
     run's start-up line carries the planner's figure, smaller than full training's."""
-    from jaxdist import plan, report
+    from jaxdist import plan
+    from jaxdist.observe import report
 
     assert plan.main(["lora.rank=4", "--devices", "8", "--mesh", "fsdp=8", "--no-scaling"]) == 0
     assert "fsdp=8" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The blockwise cross-entropy (jaxdist/loss.py), the sharded embedding lookup (parallel/embedding.py)
+"""The blockwise cross-entropy (jaxdist/parallel/loss.py), the sharded embedding lookup (parallel/embedding.py)
 and bf16 parameter gathers.
 
 Equivalence: the blockwise loss and its gradients equal the naive (full-logits, one-hot) loss of one
@@ -17,10 +17,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import hlo, loss, step
-from jaxdist import mesh as mesh_mod
+from jaxdist.distributed import hlo
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline
+from jaxdist.parallel import loss, pipeline
+from jaxdist.training import step
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
@@ -121,7 +122,7 @@ def test_block_rows_and_errors():
 
 
 def compile_temp(cfg, mesh_text="fsdp=8", **model):
-    from jaxdist import measure
+    from jaxdist.analysis import measure
 
     c = measure.compile_train_step(cfg.replace(model=model), mesh_mod.mesh_from_string(mesh_text))
     return c.memory_analysis().temp_size_in_bytes

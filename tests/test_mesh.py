@@ -1,7 +1,7 @@
 import jax
 import pytest
 
-from jaxdist import mesh
+from jaxdist.distributed import mesh
 from jaxdist.errors import JaxdistError
 
 

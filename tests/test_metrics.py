@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist import config, metrics, step
-from jaxdist.gradients import token_loss_sums
-from jaxdist.mesh import make_mesh, parse_mesh
+from jaxdist import config
+from jaxdist.distributed.mesh import make_mesh, parse_mesh
+from jaxdist.observe import metrics
+from jaxdist.reduce.gradients import token_loss_sums
+from jaxdist.training import step
 
 
 @pytest.mark.parametrize(

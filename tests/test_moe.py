@@ -17,13 +17,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import config, hlo, measure, sharding, step
-from jaxdist import mesh as mesh_mod
+from jaxdist import config
+from jaxdist.analysis import measure
+from jaxdist.distributed import hlo, sharding
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models import moe
 from jaxdist.models.llama import count_params
 from jaxdist.parallel import moe as moe_parallel
 from jaxdist.parallel import pipeline
+from jaxdist.training import step
 
 SMALL = dict(
     num_layers=2,
@@ -220,12 +223,13 @@ def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg, batches,
 
 def test_checkpoint_restores_onto_another_ep(cfg, reference, tmp_path):
     """Saved from ep=8, restored onto ep=4,fsdp=2: the same values, in the new mesh's shardings."""
-    from jaxdist import checkpoint, data
+    from jaxdist import checkpoint
+    from jaxdist.data import loader
 
     state0 = reference[0]
     progs = [step.build_program(cfg, mesh_mod.mesh_from_string(m)) for m in ("ep=8", "ep=4,fsdp=2")]
     small = cfg.replace(data=dict(path=__file__))  # a small corpus: the loader only rides along
-    loaders = [data.Loader(small, p.batch_sharding) for p in progs]
+    loaders = [loader.Loader(small, p.batch_sharding) for p in progs]
     saver = checkpoint.Saver(tmp_path, small, log=lambda *a: None)
     saver.save(jax.device_put(state0, progs[0].state_shardings), 1, loaders[0])
     saver.close()

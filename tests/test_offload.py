@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
-from jaxdist import hlo, metrics, step
-from jaxdist import mesh as mesh_mod
+from jaxdist.distributed import hlo
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.observe import metrics
+from jaxdist.training import step
 
 SMALL = dict(SMALL_MODEL, seq_len=16)
 STEPS = 3
@@ -219,7 +221,8 @@ def test_offload_refusals(cfg):
 def test_resume_with_offload_on_or_off(runs, tmp_path):
     """A checkpoint saved with parameters (and nothing else) in host memory restores bitwise onto the
     same program without offload, and back: the layout is the same, only the memory kind differs."""
-    from jaxdist import checkpoint, data
+    from jaxdist import checkpoint
+    from jaxdist.data import loader as data
 
     prog, _, state, _ = runs["params"]
     plain_prog = runs["none"][0]
@@ -252,7 +255,7 @@ def test_activation_offload_moves_residuals_to_host(cfg):
 def test_start_up_line_names_each_offload_and_its_bytes(cfg):
     """The start-up line's bytes are counted from the step (2 micro-batches: (2 + 1) x the parameters
     in, once out, and the optimizer state once each way)."""
-    from jaxdist import report
+    from jaxdist.observe import report
 
     assert report.offload_line(cfg, None) is None
     both = cfg.replace(offload=dict(optimizer="host", params="host"))
@@ -314,9 +317,9 @@ TRANSFER_CASES = {
 @pytest.mark.parametrize("case", list(TRANSFER_CASES))
 def test_planner_predicts_the_counted_host_transfers(cfg, case):
     """The planner's host<->device bytes per device per step (jaxdist.planner.transfers) against those
-    counted from the traced step's memory-space moves (jaxdist.measure.host_transfers), each direction
+    counted from the traced step's memory-space moves (jaxdist.analysis.measure.host_transfers), each direction
     within 1% either way. Measured: equal to the byte."""
-    from jaxdist import measure
+    from jaxdist.analysis import measure
     from jaxdist.planner import transfers
     from jaxdist.planner.hardware import HARDWARE
     from jaxdist.planner.layout import Layout
@@ -342,7 +345,7 @@ def test_counted_moves_are_the_gpu_lowering_placements(cfg):
     arrays, by shape, are exactly the traced moves to host plus the results kept in host memory."""
     from collections import Counter
 
-    from jaxdist import offload
+    from jaxdist.distributed import offload
 
     prog, placed = gpu_moves(cfg, params="host")
     tokens = jax.ShapeDtypeStruct((4, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding)
@@ -390,7 +393,7 @@ def test_a_carried_prefetch_would_keep_every_layer_on_the_device():
 def test_planner_keeps_the_fetched_layers_on_the_device_without_remat(cfg):
     """Without remat the backward keeps every fetched layer (no second fetch, as counted): the planner
     adds the layer stack to the device total; with a remat policy one layer at a time (nothing added)."""
-    from jaxdist.mesh import parse_mesh
+    from jaxdist.distributed.mesh import parse_mesh
     from jaxdist.planner import memory
     from jaxdist.planner.hardware import HARDWARE
     from jaxdist.planner.layout import Layout

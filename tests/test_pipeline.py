@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from conftest import compiled_gradients, learnable_batches, tokens_spec
 
-from jaxdist import hlo, sharding, step
-from jaxdist import mesh as mesh_mod
+from jaxdist.distributed import hlo, sharding
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedules
+from jaxdist.training import step
 
 TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
 BATCH = 16
@@ -247,10 +248,10 @@ def test_table_schedule_runs_each_action_once_per_stage(build, batches, referenc
 
 
 def test_table_schedule_trains_on_the_loss_mask_only(cfg, build, reference, batches):
-    """Chat data's masked-out targets (stored as ~id, jaxdist.loss_mask) count in neither the loss nor its
+    """Chat data's masked-out targets (stored as ~id, jaxdist.data.loss_mask) count in neither the loss nor its
     token count under a table schedule, as on one device: the schedule decodes them itself (it computes
     its own loss, outside gradients.token_loss_sums). Before, the ~ids reached the embedding."""
-    from jaxdist import loss_mask
+    from jaxdist.data import loss_mask
 
     tokens = np.asarray(batches[0])
     masked = loss_mask.encode(tokens, np.arange(tokens.size).reshape(tokens.shape) % 3 != 0)

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from conftest import compiled_gradients
 
-from jaxdist import checkpoint, step
-from jaxdist import mesh as mesh_mod
+from jaxdist import checkpoint
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedules
+from jaxdist.training import step
 
 NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2))
 GRID = [(name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in NAMES]

@@ -20,9 +20,10 @@ import math
 import pytest
 
 from jaxdist import config, plan
-from jaxdist.mesh import parse_mesh
+from jaxdist.analysis import plan_check
+from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.models.llama import count_params
-from jaxdist.planner import check, comms, hardware, memory
+from jaxdist.planner import comms, hardware, memory
 from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
 from jaxdist.planner.layout import Layout
 
@@ -103,7 +104,7 @@ KNOWN_OFF = {
 
 @functools.cache  # small results (no executable): a second test on a pair reuses them
 def _compiled(path, mesh, overrides: tuple, default_fusion: bool):
-    return check.compile_pair(path, mesh, list(overrides), default_fusion)
+    return plan_check.compile_pair(path, mesh, list(overrides), default_fusion)
 
 
 def compile_pair(path, mesh, overrides, default_fusion=True):

@@ -10,7 +10,8 @@ import matplotlib.image
 import pytest
 from conftest import MICRO_MODEL
 
-from jaxdist import config, plot, progress, train
+from jaxdist import config, plot, train
+from jaxdist.observe import progress
 
 SMALL = MICRO_MODEL
 
@@ -76,7 +77,7 @@ def test_plain_log_lines_with_units_smoothing_eval_and_eta(five_steps):
 def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
     """A constant loss smooths to itself from the first step (bias-corrected EMA, not 0.1 x loss); a
     skipped (non-finite) step leaves it unchanged; a noisy loss smooths to within its range."""
-    from jaxdist import metrics
+    from jaxdist.observe import metrics
 
     lines = []
     p = progress.Progress(
@@ -98,7 +99,7 @@ def test_smoothed_loss_is_unbiased_and_ignores_skipped_steps(tiny_cfg):
 def test_smoothed_loss_carried_through_a_resume_equals_the_uninterrupted_one(tiny_cfg):
     """Progress.carry() (saved with each checkpoint) makes a resumed run's smoothed loss the same as an
     uninterrupted run's; a fresh start at the resume step would restart the average from that loss."""
-    from jaxdist import metrics
+    from jaxdist.observe import metrics
 
     cfg = tiny_cfg.replace(train={"log_every": 1})
     losses = [5.0 - 0.1 * i + (0.3 if i % 3 else 0.0) for i in range(12)]
@@ -160,7 +161,7 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     import numpy as np
     import yaml
 
-    from jaxdist import data
+    from jaxdist.data import loader
 
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
     tokens = ["data.source=tokens", f"data.path={tmp_path / 't.bin'}"]
@@ -170,7 +171,7 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     ]
     for a, b in cases:
         flat = [
-            plot.read_config(_write(tmp_path / name, data.resolve_token_dtype(config.load(None, over))))
+            plot.read_config(_write(tmp_path / name, loader.resolve_token_dtype(config.load(None, over))))
             for name, over in (("a", a), ("b", b))
         ]
         assert plot.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
@@ -179,7 +180,7 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     from jaxdist.checkpoint import compat
 
     old = config.load(None, ["data.token_dtype=uint16"]).to_dict()
-    assert compat.changed_keys(old, data.resolve_token_dtype(config.load(None, []))) == {}
+    assert compat.changed_keys(old, loader.resolve_token_dtype(config.load(None, []))) == {}
 
 
 def _write(run_dir, cfg):

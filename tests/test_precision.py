@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
-from jaxdist import mesh as mesh_mod
-from jaxdist import step
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.training import step
 
 SMALL = dict(SMALL_MODEL, seq_len=16, compute_dtype="bfloat16")
 
@@ -83,8 +83,8 @@ def test_weight_matmul_names_exactly_the_matrices_it_multiplies(tiny_cfg, monkey
     from flax import nnx
 
     from jaxdist.adapters import lora
-    from jaxdist.mixed import WEIGHT_MATMUL
     from jaxdist.models import llama
+    from jaxdist.parallel.matmul import WEIGHT_MATMUL
 
     # the layers' matmuls go through lora.project, which calls weight_matmul when no adapter is attached
     seen, real = [], lora.weight_matmul

@@ -3,7 +3,8 @@
 import gzip
 import json
 
-from jaxdist import profiling, train
+from jaxdist import train
+from jaxdist.observe import profiling
 
 SMALL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
 

@@ -1,4 +1,4 @@
-"""Explicit data-parallel reduction (jaxdist.parallel.reduce, jaxdist.parallel.compress), 8 CPU devices.
+"""Explicit data-parallel reduction (jaxdist.reduce.reducer, jaxdist.reduce.compress), 8 CPU devices.
 
 Compiled tests use one small model: 2 layers, d_model 128, 4 heads x 32 (2 kv heads), mlp 512,
 vocab 256, seq 16 — 557,696 parameters in 13 tensors. Each codec's bytes are checked two-sided (the
@@ -13,9 +13,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import hlo, measure, step
-from jaxdist.mesh import mesh_from_string
-from jaxdist.parallel import compress, reduce
+from jaxdist.analysis import measure
+from jaxdist.distributed import hlo
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.reduce import compress
+from jaxdist.reduce import reducer as reduce
+from jaxdist.training import step
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
 

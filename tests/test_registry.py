@@ -61,7 +61,7 @@ def test_refusals_are_asked_of_the_registry_up_front():
     """Per-replica methods refuse LoRA and host-resident parameters; DiLoCo refuses cp > 1."""
     import jax
 
-    from jaxdist.mesh import mesh_from_string
+    from jaxdist.distributed.mesh import mesh_from_string
 
     base = config.load(None, [])
     cases = [

@@ -24,10 +24,14 @@ import numpy as np
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist import bench, checkpoint, config, data, optim, plan, quiet, rundir, step
+from jaxdist import bench, checkpoint, config, plan
+from jaxdist.data import loader as data
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import mesh_from_string
+from jaxdist.observe import quiet
+from jaxdist.optim import adamw
 from jaxdist.train import main
+from jaxdist.training import rundir, step
 
 REPO = Path(__file__).resolve().parent.parent
 # The schedule is pinned, so every run here (and in test_faults.py) compiles one program: the
@@ -175,7 +179,7 @@ def test_second_trainer_on_a_run_dir_is_refused(saved, tmp_path, capsys):
         [
             sys.executable,
             "-c",
-            "import sys, time; from jaxdist.rundir import RunLock; "
+            "import sys, time; from jaxdist.training.rundir import RunLock; "
             f"RunLock({str(run_dir)!r}).acquire(); print('locked', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -332,24 +336,24 @@ def test_launch_local_refuses_an_uneven_split():
 
 def test_schedule_clamping_and_extension_are_said_and_schedule_steps_pins_it():
     cfg = config.load(None, ["train.steps=30", "optim.warmup_steps=50"])
-    assert optim.schedule_notes(cfg) == [
+    assert adamw.schedule_notes(cfg) == [
         "note: optim.warmup_steps=50 does not fit the 30-step LR schedule: warm-up is clamped to 29 steps, so the "
         "LR peaks at the end with 1 step(s) of decay; lower optim.warmup_steps or set optim.schedule_steps"
     ]
     longer = config.load(None, ["train.steps=40", "optim.warmup_steps=5"])
-    notes = optim.schedule_notes(longer, 30, {"train.steps": (30, 40)})
-    old = float(optim.schedule(longer.optim, 30, 8)(30))
-    new = float(optim.schedule(longer.optim, 40, 8)(30))
+    notes = adamw.schedule_notes(longer, 30, {"train.steps": (30, 40)})
+    old = float(adamw.schedule(longer.optim, 30, 8)(30))
+    new = float(adamw.schedule(longer.optim, 40, 8)(30))
     assert old < new and notes == [
         f"note: the LR schedule now spans 40 steps instead of 30: from step 30 on the LR follows the new "
         f"schedule ({old:.3g} -> {new:.3g} at step 30); pass optim.schedule_steps=30 to keep the schedule the run had"
     ]
     pinned = longer.replace(optim=dict(schedule_steps=30))
-    assert optim.schedule_notes(pinned, 30, {"train.steps": (30, 40), "optim.schedule_steps": (0, 30)}) == []
+    assert adamw.schedule_notes(pinned, 30, {"train.steps": (30, 40), "optim.schedule_steps": (0, 30)}) == []
     # the pinned 40-step program follows the 30-step schedule (optax clamps it at the end)
-    _, lr = optim.make_optimizer(pinned.optim, pinned.optim.schedule_steps or 40, 8)
+    _, lr = adamw.make_optimizer(pinned.optim, pinned.optim.schedule_steps or 40, 8)
     assert [float(lr(s)) for s in range(0, 40, 3)] == [
-        float(optim.schedule(longer.optim, 30, 8)(s)) for s in range(0, 40, 3)
+        float(adamw.schedule(longer.optim, 30, 8)(s)) for s in range(0, 40, 3)
     ]
 
 
@@ -389,7 +393,7 @@ class FakeMetric:
 def test_mfu_is_timed_from_real_waits_and_never_above_100_percent(monkeypatch, capsys):
     """Step 2's metrics were read late (the host was saving: they were ready before it asked), then
     step 3's at once: step 3 must not be timed from that late read."""
-    from jaxdist import progress
+    from jaxdist.observe import progress
 
     now = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])

@@ -6,8 +6,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import mesh, sharding, step
+from jaxdist.distributed import mesh, sharding
 from jaxdist.errors import JaxdistError
+from jaxdist.training import step
 
 
 def test_rules_to_specs():

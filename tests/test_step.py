@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import learnable_batches, tokens_spec
 
-from jaxdist import mesh as mesh_mod
-from jaxdist import step
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.training import step
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
 MESHES = ["dp=8", "fsdp=8", "tp=2,fsdp=4", "dp=2,fsdp=2,tp=2"]

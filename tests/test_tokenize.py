@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import data, prepare, step, tokenizer
-from jaxdist import mesh as mesh_mod
+from jaxdist.data import loader as data
+from jaxdist.data import prepare, tokenizer
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models.attention import document_segments
+from jaxdist.training import step
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 CORPUS = f"{STDLIB}/[a-c]*.py"  # 29 standard-library modules, ~0.6 MB
@@ -24,7 +26,10 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=256", "model.h
 
 def run_prepare(*argv):
     return subprocess.run(
-        [sys.executable, "-m", "jaxdist.data", "prepare", *map(str, argv)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "jaxdist.data.loader", "prepare", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -351,7 +356,7 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     the tokenizer files beside them) and says uint32, whatever data.token_dtype was left at."""
     from types import SimpleNamespace
 
-    from jaxdist import report
+    from jaxdist.observe import report
 
     a, _ = prepared
     out = tmp_path / "u32"

@@ -125,7 +125,7 @@ def test_tensorboard_import_leaves_torch_out_and_importable():
     """tensorboardX would import torch (seconds of every run's start-up) to accept torch tensors; the
     tracker hides it for that import only: torch is not loaded, and a later `import torch` still works."""
     code = (
-        "import sys, importlib.util; from jaxdist import trackers; trackers.import_tracker('tensorboardX'); "
+        "import sys, importlib.util; from jaxdist.observe import trackers; trackers.import_tracker('tensorboardX'); "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
         "assert importlib.util.find_spec('torch') is None or __import__('torch').zeros(1).shape == (1,)"
     )

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 from conftest import MICRO_MODEL
 
-from jaxdist import checkpoint, config, convert, data, generate, step
+from jaxdist import checkpoint, config, convert, generate
 from jaxdist.checkpoint import integrity
-from jaxdist.mesh import mesh_from_string
+from jaxdist.data import loader
+from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.train import main as train_main
+from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["train.steps=2", "train.eval_every=0"]
@@ -45,7 +47,7 @@ def saved(tmp_path_factory) -> Path:
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(config.dump(cfg))
     saver = checkpoint.Saver(run_dir, cfg, log=lambda *a: None)
-    saver.save(prog.init_state(0), 1, data.Loader(cfg, prog.batch_sharding))
+    saver.save(prog.init_state(0), 1, loader.Loader(cfg, prog.batch_sharding))
     saver.close()
     return run_dir
 
@@ -116,7 +118,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 @pytest.fixture(scope="module")
 def bpe_run(tmp_path_factory):
     """A prepared folder (a trained 300-token BPE, several shards) and a 2-step run trained on it."""
-    from jaxdist import prepare
+    from jaxdist.data import prepare
 
     root = tmp_path_factory.mktemp("bpe")
     texts = root / "texts"
@@ -132,7 +134,7 @@ def bpe_run(tmp_path_factory):
 
 
 def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, capsys, monkeypatch):
-    from jaxdist import tokenizer
+    from jaxdist.data import tokenizer
 
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     monkeypatch.setenv("TQDM_DISABLE", "1")
@@ -174,7 +176,8 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
 
 
 def test_bits_per_byte_only_for_byte_tokens():
-    from jaxdist import report, run_tokenizer
+    from jaxdist.data import run_tokenizer
+    from jaxdist.observe import report
 
     for overrides, bytes_ in [([], True), (["data.tokenizer=tok.json"], False), (["data.source=tokens"], False)]:
         cfg = config.load(None, overrides)
@@ -308,7 +311,7 @@ def _failing_after(n: int, real_open=open):
 
 
 def test_metrics_file_on_a_full_disk_stops_in_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
-    from jaxdist import metrics
+    from jaxdist.observe import metrics
 
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setattr(metrics, "open", _failing_after(3), raising=False)  # step 3's record
@@ -331,7 +334,7 @@ def test_metrics_file_on_a_full_disk_stops_in_one_line_and_the_run_resumes(tmp_p
 
 
 def test_lock_write_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
-    from jaxdist import rundir
+    from jaxdist.training import rundir
 
     def pwrite(*a):
         raise ENOSPC
@@ -458,7 +461,7 @@ def test_plot_outputs_are_checked_and_written_whole(metrics_run, tmp_path, capsy
 
 
 def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
-    from jaxdist import prepare
+    from jaxdist.data import prepare
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -474,8 +477,8 @@ def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
 
 
 def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_path, capsys, monkeypatch):
-    from jaxdist import hf_export
     from jaxdist.errors import JaxdistError
+    from jaxdist.hf import export
 
     def fail(*a):
         raise JaxdistError("data.tokenizer=gone.json does not exist; the export needs the run's tokenizer")
@@ -483,7 +486,7 @@ def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_pa
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     out = tmp_path / "hf"
     with monkeypatch.context() as m:
-        m.setattr(hf_export, "copy_tokenizer", fail)  # after the weights and config.json are written
+        m.setattr(export, "copy_tokenizer", fail)  # after the weights and config.json are written
         assert convert.main(["to-hf", str(saved), str(out)]) == 2
     assert "the export needs the run's tokenizer" in error_line(capsys)
     assert not out.exists() and not list(tmp_path.glob(".hf.*"))
@@ -493,7 +496,7 @@ def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_pa
 
 
 def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
-    from jaxdist import trackers
+    from jaxdist.observe import trackers
 
     def fail(*a):
         raise ENOSPC

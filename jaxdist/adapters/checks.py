@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from jaxdist.adapters import quant
 from jaxdist.adapters.lora import TARGETS, block_axis, per_layer_shapes
+from jaxdist.distributed.mesh import axis_size
+from jaxdist.distributed.sharding import logical_to_spec
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import axis_size
-from jaxdist.sharding import logical_to_spec
 
 
 def check(cfg, mesh, rules) -> None:

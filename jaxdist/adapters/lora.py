@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.adapters import quant
-from jaxdist.mixed import token_matmul, weight_matmul
-from jaxdist.sharding import constrain, current_rules
+from jaxdist.distributed.sharding import constrain, current_rules
+from jaxdist.parallel.matmul import token_matmul, weight_matmul
 
 # lora.targets name -> (submodule of a Block, weight attribute, leading input dims of the weight)
 TARGETS = {

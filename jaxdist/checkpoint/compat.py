@@ -188,7 +188,7 @@ def check_config_drift(meta: dict, cfg: Config, where: Path, allowed: frozenset[
 
 
 def check_allowed_keys(keys: frozenset[str]) -> None:
-    from jaxdist.corpus import ALLOW
+    from jaxdist.data.corpus import ALLOW
 
     known = set(flat(dataclasses.asdict(Config()))) | {ALLOW}  # `data`: the corpus's files may have changed
     unknown = sorted(keys - known)

@@ -17,15 +17,15 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from jaxdist import corpus
 from jaxdist.checkpoint import compat, integrity
 from jaxdist.checkpoint.agree import all_agree
 from jaxdist.checkpoint.saving import train_part
 from jaxdist.checkpoint.storage import checkpoint_dir, open_manager
 from jaxdist.config import Config
+from jaxdist.data import corpus
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import reduce
-from jaxdist.step import Program, TrainState
+from jaxdist.reduce import reducer
+from jaxdist.training.step import Program, TrainState
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ def _restore_step(
         compat.check_resume(meta, cfg, where)
         if drift:
             corpus.check_unchanged(meta, cfg, where, allowed)
-        reduce.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
+        reducer.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
         changes = (
             compat.check_config_drift(meta, cfg, where, allowed)
             if drift

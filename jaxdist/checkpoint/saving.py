@@ -20,7 +20,7 @@ from jaxdist.checkpoint import integrity
 from jaxdist.checkpoint.storage import SUBDIR, TMP_SUFFIX, open_manager
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.step import TrainState
+from jaxdist.training.step import TrainState
 
 
 def train_part(state: TrainState) -> dict:
@@ -63,7 +63,7 @@ class Saver:
     def corpus(self) -> dict | None:
         """The corpus fingerprint the checkpoints record (computed once: a stat per file)."""
         if self._corpus is None:
-            from jaxdist import corpus
+            from jaxdist.data import corpus
 
             try:
                 self._corpus = corpus.fingerprint(self.cfg)

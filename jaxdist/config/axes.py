@@ -1,7 +1,7 @@
 """Mesh axis names and the default logical-axis rules, as data, and the one check of the axes a config names.
 
 They live in the config layer so that config validation (no devices) checks every axis name up front,
-once; `jaxdist.mesh` and `jaxdist.sharding` read them from here. A mesh built by `jaxdist.mesh` has
+once; `jaxdist.distributed.mesh` and `jaxdist.distributed.sharding` read them from here. A mesh built by `jaxdist.distributed.mesh` has
 every axis of `AXES` (size 1 where unused; `mesh.check_mesh` refuses another), so later code indexes
 `mesh.shape` by these names without checking again.
 """
@@ -12,7 +12,7 @@ import difflib
 
 from jaxdist.errors import JaxdistError
 
-# Slowest to fastest (the device order of jaxdist.mesh): consecutive devices land on the fast axes.
+# Slowest to fastest (the device order of jaxdist.distributed.mesh): consecutive devices land on the fast axes.
 AXES = ("dp", "pp", "fsdp", "cp", "ep", "tp")
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {

@@ -44,7 +44,7 @@ def validate_fields(cfg) -> None:
 
 
 def validate_trackers(names) -> None:
-    from jaxdist.trackers import TRACKERS
+    from jaxdist.observe.trackers import TRACKERS
 
     for name in names:
         if name not in TRACKERS:

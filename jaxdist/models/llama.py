@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist import loss, offload
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
-from jaxdist.mixed import WEIGHT_MATMUL, cast_sharded
+from jaxdist.distributed import offload
+from jaxdist.distributed.sharding import constrain, logical_names
 from jaxdist.models import moe
 from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary, window_mask
-from jaxdist.parallel import context, embedding
-from jaxdist.sharding import constrain, logical_names
+from jaxdist.parallel import context, embedding, loss
+from jaxdist.parallel.matmul import WEIGHT_MATMUL, cast_sharded
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -266,12 +266,12 @@ class Llama(nnx.Module):
         return loss.logits(self.head(x_BTD))
 
     def features(self, tokens_BT, segment_ids_BT=None, positions_T=None):
-        """What `jaxdist.loss.cross_entropy` takes instead of logits (never B·T·V): a loss.Head, or
+        """What `jaxdist.parallel.loss.cross_entropy` takes instead of logits (never B·T·V): a loss.Head, or
         (loss.Head, aux) with MoE layers."""
         return self(tokens_BT, segment_ids_BT, positions_T, features=True)
 
     def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None, features: bool = False):
-        """-> logits_BTV (features=True: the loss.Head); with MoE layers (out, aux) (jaxdist.gradients adds
+        """-> logits_BTV (features=True: the loss.Head); with MoE layers (out, aux) (jaxdist.reduce.gradients adds
         aux['objective']). `positions_T`: context parallelism's load-balanced order (None: 0..T-1)."""
         x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
         out = self.head(x_BTD) if features else self.logits(x_BTD)

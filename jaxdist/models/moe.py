@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.distributed.sharding import constrain
 from jaxdist.parallel.moe import expert_ffn
-from jaxdist.sharding import constrain
 
 EXPERT_NAMES = ("expert", "embed", "mlp")
 

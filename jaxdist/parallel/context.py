@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import sharding
+from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
 
 AXIS = "cp"

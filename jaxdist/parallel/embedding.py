@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import constrain, current_rules
+from jaxdist.distributed.sharding import constrain, current_rules
 
 
 def _axes(rules, name: str, mesh) -> tuple[str, ...]:

@@ -44,9 +44,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
+from jaxdist.distributed.sharding import Rules, current_rules, drop_axes, logical_to_spec
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.grouped_ffn import chunk_rows, expert_chunks
-from jaxdist.sharding import Rules, current_rules, drop_axes, logical_to_spec
 
 EXPERT, INNER = "expert", "mlp"  # logical names of the expert dim and the tp-split inner dim
 

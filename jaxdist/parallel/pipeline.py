@@ -30,12 +30,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import sharding
 from jaxdist.config import Config
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import split_microbatches
-from jaxdist.mesh import axis_size
 from jaxdist.parallel import schedules
+from jaxdist.reduce.gradients import split_microbatches
 
 AXIS = "pp"
 VIRTUAL = ("circular", "interleaved_1f1b")  # schedules with pipeline.repeats chunks per stage
@@ -306,7 +306,7 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
 
         return out, combine_layers(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
-    if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.gradients)
+    if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.reduce.gradients)
         from jaxdist.parallel.pipeline_1f1b import schedule_objective
 
         apply_fn.objective_sums = schedule_objective(graphdef, pl, positions_T)

@@ -35,10 +35,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import loss_mask
-from jaxdist.gradients import split_microbatches
-from jaxdist.loss import cross_entropy
+from jaxdist.data import loss_mask
 from jaxdist.parallel import schedules
+from jaxdist.parallel.loss import cross_entropy
+from jaxdist.reduce.gradients import split_microbatches
 
 AXIS, STACK = "pp", "blocks"
 # lax.switch branches
@@ -80,7 +80,7 @@ def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], sch
 
 
 def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
-    """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.gradients`,
+    """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.reduce.gradients`,
     its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
     table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
     consts, used, bufs = switch_constants(table)
@@ -185,7 +185,7 @@ class _Rank:
         blocks = nnx.merge(self.sched.blocks_def, group)
         return self.sched.model.run_layers_aux(x, blocks, positions_T=self.sched.positions_T)[0]
 
-    def embed(self, r, tok_bT):  # chat data: a masked-out token is stored ~id (jaxdist.loss_mask)
+    def embed(self, r, tok_bT):  # chat data: a masked-out token is stored ~id (jaxdist.data.loss_mask)
         return self.whole(r).embed(loss_mask.split(tok_bT)[0])
 
     def head_loss(self, r, y, tgt_bT):  # only the targets the loss mask keeps count

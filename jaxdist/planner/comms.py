@@ -1,6 +1,6 @@
 """Communication of one training step: bytes per device, per mesh axis and collective, and its time.
 
-Cost per collective: the bytes each device *sends*, by `jaxdist.hlo.ring_bytes` (the one ring model:
+Cost per collective: the bytes each device *sends*, by `jaxdist.distributed.hlo.ring_bytes` (the one ring model:
 the compiled program's collectives are costed by the same function, so predictions compare directly
 with `hlo.summarize(hlo.collectives(compiled.as_text()))`), over the axis's link bandwidth (the JAX
 scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency alpha per collective
@@ -9,7 +9,7 @@ scaling book, https://jax-ml.github.io/scaling-book/sharding/), plus a latency a
 What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD partitioner is the same on
 every backend):
 - fsdp: each layer's weights are all-gathered in the compute dtype (cast on their shard first:
-  jaxdist.mixed.weight_matmul) in the forward scan and again in the backward scan
+  jaxdist.parallel.matmul.weight_matmul) in the forward scan and again in the backward scan
   (2 gathers per layer per pass; with remat=full the recompute and the gradient share one backward
   gather, except that with bf16 compute XLA:CPU gathers the attention weights and norms separately for
   each: +1 gather of those per layer).
@@ -25,7 +25,7 @@ every backend):
 - tp (Megatron layout): per layer, all-reduce of the B·T·D activations after the attention and MLP output
   projections (2 forward); backward all-reduces the input gradient of each input projection separately
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
-- head (jaxdist.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
+- head (jaxdist.parallel.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
   tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
   forward and again in the backward's recompute (in the compute dtype), the float32 input gradient and
   three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
@@ -62,9 +62,9 @@ import dataclasses
 from collections import defaultdict
 
 from jaxdist.adapters.quant import KINDS
-from jaxdist.hlo import ring_bytes
-from jaxdist.loss import block_rows
-from jaxdist.mesh import AXES
+from jaxdist.distributed.hlo import ring_bytes
+from jaxdist.distributed.mesh import AXES
+from jaxdist.parallel.loss import block_rows
 from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
 from jaxdist.planner import lora
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
@@ -228,7 +228,7 @@ def _table_traffic(t: _Tally) -> None:
         gathers = 2 if m.tie_embeddings and tp > 1 else 1
         t.add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
         t.add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
-    else:  # jaxdist.loss: every block gathered forward and again for the backward's recompute
+    else:  # jaxdist.parallel.loss: every block gathered forward and again for the backward's recompute
         blocks = head_full * lay.act_bytes / PARAM_BYTES
         t.add("fsdp", "all-gather", "head weight blocks (fwd + bwd)", blocks, 2 * head_passes, n=lay.weight_shards)
         t.add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
@@ -399,7 +399,7 @@ def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:
 
 def link_bandwidth(lay: Layout, axis: str) -> float:
     """Fast links if the axis's device groups stay inside one node / slice, else the slow network.
-    Axes are laid out dp, pp, fsdp, ep, tp from slowest to fastest (jaxdist.mesh), so an axis's group spans
+    Axes are laid out dp, pp, fsdp, ep, tp from slowest to fastest (jaxdist.distributed.mesh), so an axis's group spans
     its size times the sizes of the faster axes."""
     order = AXES
     span = lay.mesh[axis]

@@ -3,7 +3,7 @@
 Step time (per optimizer step, every device in lock-step):
   compute   = hardware FLOPs per device / (peak x matmul efficiency); hardware FLOPs add the recompute of
               the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
-              its stages) to the model FLOPs of `jaxdist.metrics.flops_per_token` (PaLM convention).
+              its stages) to the model FLOPs of `jaxdist.observe.metrics.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
               pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
               1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest
@@ -26,10 +26,10 @@ import dataclasses
 import math
 
 from jaxdist.config import Config
+from jaxdist.distributed.mesh import AXES
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import AXES
-from jaxdist.metrics import flops_per_token
 from jaxdist.models.llama import count_params
+from jaxdist.observe.metrics import flops_per_token
 from jaxdist.parallel import schedules
 from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware
@@ -251,7 +251,7 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
-        if not (mesh["pp"] > 1 and cfg.offload.params == "host")  # refused by jaxdist.offload.check
+        if not (mesh["pp"] > 1 and cfg.offload.params == "host")  # refused by jaxdist.distributed.offload.check
         if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
     ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))

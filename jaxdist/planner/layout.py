@@ -2,7 +2,7 @@
 
 The parameter table comes from the model itself (`nnx.eval_shape`, no memory is allocated), so shapes
 and logical axis names can never drift from `jaxdist.models.llama`; placement follows the same
-logical rules as training (`jaxdist.sharding`).
+logical rules as training (`jaxdist.distributed.sharding`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import dataclasses
 import functools
 import math
 
-from jaxdist import sharding
 from jaxdist.config import Config, ModelConfig
+from jaxdist.distributed import sharding
+from jaxdist.distributed.hlo import dtype_bytes
+from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
-from jaxdist.hlo import dtype_bytes
-from jaxdist.mesh import AXES, format_mesh
 from jaxdist.parallel import schedules
 from jaxdist.parallel.schedules import SCHEDULES
 from jaxdist.planner.hardware import Hardware

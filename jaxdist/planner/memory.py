@@ -1,6 +1,6 @@
 """Per-device memory of one training step: parameters, gradients, AdamW moments, activations, temporaries.
 
-Conventions (those of jaxdist.step): float32 master parameters, float32 gradients, AdamW's two float32
+Conventions (those of jaxdist.training.step): float32 master parameters, float32 gradients, AdamW's two float32
 moments (mu, nu) — 4 + 4 + 8 = 16 bytes per parameter before sharding (so 70B parameters are 280 GB,
 and AdamW adds 560 GB). Each array is divided by the devices that shard it under the logical rules.
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.adapters import quant
-from jaxdist.loss import block_rows
+from jaxdist.parallel.loss import block_rows
 from jaxdist.planner import lora, residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
@@ -123,7 +123,7 @@ def optimizer_bytes(lay: Layout) -> float:
 
 def grad_bytes(lay: Layout) -> float:
     """One set of float32 gradients, sharded like the parameters: the model reduces each layer's
-    gradient to its parameter's sharding inside the backward scan (jaxdist.mixed.cast_sharded). Under
+    gradient to its parameter's sharding inside the backward scan (jaxdist.parallel.matmul.cast_sharded). Under
     LoRA, the adapters' only: the frozen base has none."""
     return trained_bytes(lay)
 
@@ -273,7 +273,7 @@ def loss_bytes(lay: Layout) -> float:
     """The loss's working set per device at its peak, over the tokens of one pass (the pipeline's
     micro-batches rejoin before the head), as the heap traces show it at V=8192 (fsdp=8, fsdp=4,tp=2):
     naive: float32 logits, their exponential and the softmax gradient over the vocab shard
-    (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.loss): a block of logits (the
+    (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.parallel.loss): a block of logits (the
     probabilities and their gradient are fused into its consumers), the block's weight gathered twice
     (the forward's gather is still live when the backward's recompute gathers it again) and the
     input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
@@ -396,7 +396,7 @@ def estimate(lay: Layout) -> Memory:
 
 def fetched_bytes(lay: Layout) -> float:
     """offload.params=host with model.remat=none: the backward keeps every layer's fetched device copy
-    (JAX saves them as residuals; jaxdist.measure.host_transfers counts no second fetch), one layer
+    (JAX saves them as residuals; jaxdist.analysis.measure.host_transfers counts no second fetch), one layer
     stack beside what the model without offload holds, whose saved weights are its arguments' own
     buffers. A GPU's figure: XLA:CPU strips the moves, so there the copies are the host arguments
     themselves and its compiled temp does not show them. With a remat policy one layer is fetched at

@@ -1,7 +1,7 @@
 """Host<->device bytes per device per step of the offload section, and their time at the hardware
 table's host bandwidth (PCIe, NVLink-C2C).
 
-The bytes are those the traced step moves (`jaxdist.measure.host_transfers` counts them; checked
+The bytes are those the traced step moves (`jaxdist.analysis.measure.host_transfers` counts them; checked
 against it in tests/test_offload.py), with P the stored parameters per device (P_L of them in the
 layer stack), O the AdamW state and A the micro-batches:
   optimizer=host: O in for the update, O out with the result.
@@ -9,7 +9,7 @@ layer stack), O the AdamW state and A the micro-batches:
     embedding, norm and head are fetched before it); with a remat policy the backward fetches each
     layer again (P_L), without one it keeps the forward's fetched layer weights as residuals (counted:
     no second fetch). The gradients stay on the device (taken with respect to device zeros added to
-    the fetched copies: jaxdist.offload.differentiable). Then P in and P out for the update.
+    the fetched copies: jaxdist.distributed.offload.differentiable). Then P in and P out for the update.
   host to device = O + (A + 1) P + A P_L (remat), device to host = O + P.
   activations=host moves the policy's residuals: not modelled here (bench counts them).
 

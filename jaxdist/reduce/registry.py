@@ -23,10 +23,11 @@ from jax.sharding import Mesh
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.gradients import GradientStage, implicit_gradients, partial_gradients
-from jaxdist.parallel import compress, context, demo, dgc, diloco
-from jaxdist.parallel import reduce as explicit
-from jaxdist.resolve import ResolvedModel
+from jaxdist.models.resolve import ResolvedModel
+from jaxdist.parallel import context
+from jaxdist.reduce import compress, demo, dgc, diloco
+from jaxdist.reduce import reducer as explicit
+from jaxdist.reduce.gradients import GradientStage, implicit_gradients, partial_gradients
 
 StageBuilder = Callable[..., GradientStage]  # (apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage
 

@@ -1,0 +1,172 @@
+"""Compile and measure: the train step or the reduction alone, and the bytes they send over an axis.
+
+Bytes are the compiled program's collectives whose replica groups span the axis, costed with
+`hlo.py`'s ring model, times their executions. Used by bench, the compression study and the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.config import Config
+from jaxdist.data import loader
+from jaxdist.distributed import hlo, sharding
+from jaxdist.errors import JaxdistError
+from jaxdist.models.resolve import resolve
+from jaxdist.reduce import dgc, diloco, registry
+from jaxdist.reduce import reducer as reduce
+from jaxdist.training import step
+
+
+def dp_bytes_per_step(
+    compiled_hlo_text: str, mesh: Mesh, axis: str = "dp", phase: str | int = "steady", sync_every: int = 1
+) -> float:
+    """Bytes each device sends across `axis` per optimizer step: every collective whose replica
+    groups span the axis, times its executions, costed with the ring model.
+    `phase="steady"` leaves out a reducer's dense warm-up branch (reduce.WARMUP_SCOPE); `"warmup"`
+    leaves out the compressed branch it replaces (reduce.COMPRESSED_SCOPE) instead. Collectives under
+    reduce.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
+    average over a sync period. An int phase i: DGC's sparsity warm-up stage i alone (dgc.stage_scope).
+    A collective across the axis in a loop of unknown trip count raises."""
+    skip = (
+        reduce.COMPRESSED_SCOPE
+        if isinstance(phase, int)
+        else {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}[phase]
+    )
+    shape, total = dict(mesh.shape), 0.0
+    for c in hlo.collectives(compiled_hlo_text):
+        if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
+            continue
+        if isinstance(phase, int) and reduce.WARMUP_SCOPE in c.line and f"{dgc.stage_scope(phase)}/" not in c.line:
+            continue  # another warm-up stage
+        if not c.trips_known:
+            raise JaxdistError(
+                f"a {c.kind} across {axis} sits in a loop without a known trip count "
+                f"({c.computation}): its bytes per step are unknown"
+            )
+        total += c.count * c.sent_bytes / (sync_every if reduce.SYNC_SCOPE in c.line else 1)
+    return float(total)
+
+
+def compile_train_step(cfg: Config, mesh: Mesh, compiler_options: dict | None = None):
+    """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
+    prog = step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg))
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
+    return prog.train_step.lower(prog.abstract_state, tokens).compile(compiler_options)
+
+
+def compile_reduction(cfg: Config, mesh: Mesh):
+    """The reducer of `cfg` compiled alone, on abstract gradients (no model: quick). Its dp bytes
+    are the train step's less the (loss, token count) psum."""
+    axis = cfg.reduce.axis
+    model = resolve(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
+    reducer = registry.reduction(cfg, mesh, model.abstract, model.stacked_dims)
+    state = jax.eval_shape(reducer.init, model.abstract)
+    fn = jax.shard_map(
+        lambda g, s, i: reducer.update(g, s, i),
+        mesh=mesh,
+        in_specs=(P(), P(), P()),
+        out_specs=(P(), P()),
+        axis_names={axis},
+        check_vma=False,
+    )
+    return jax.jit(fn).lower(model.abstract, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+
+
+def compression_ratio(cfg: Config, mesh: Mesh, dp_bytes: float | None = None) -> float:
+    """Dense float32 explicit reduction's `dp_bytes_per_step` over this config's, on the same mesh
+    (compiles the dense program; 1.0 without compiling when nothing crosses the axis or it is dense)."""
+    axis = cfg.reduce.axis
+    if mesh.shape[axis] == 1 or registry.is_baseline(cfg):
+        return 1.0
+    if dp_bytes is None:
+        dp_bytes = dp_bytes_per_step(
+            compile_train_step(cfg, mesh).as_text(), mesh, axis, sync_every=registry.sync_every(cfg)
+        )
+    dense_cfg = cfg.replace(reduce=dict(registry.BASELINE))
+    dense_bytes = dp_bytes_per_step(compile_train_step(dense_cfg, mesh).as_text(), mesh, axis)
+    return dense_bytes / dp_bytes if dp_bytes else float("inf")
+
+
+def run_bytes_per_step(cfg: Config, mesh: Mesh, compiled_hlo_text: str) -> tuple[float, float]:
+    """(steady, run average) dp bytes per step of a compiled train step: the steady state after the
+    dense warm-up, and the average over `train.steps` with the warm-up's dense steps included."""
+    axis, every = cfg.reduce.axis, registry.sync_every(cfg)
+    steady = dp_bytes_per_step(compiled_hlo_text, mesh, axis, sync_every=every)
+    steps = cfg.train.steps
+    if every > 1:  # DiLoCo: ceil(steps / H) syncs, the last one at the run's end (diloco.syncs)
+        sync = (dp_bytes_per_step(compiled_hlo_text, mesh, axis) - steady) * every / (every - 1)
+        return steady, steady + sync * (diloco.syncs(cfg) / steps - 1 / every)
+    # The warm-up: each phase's own bytes for its own steps (dense; DGC: each density stage).
+    phases = registry.warmup_phases(cfg)
+    warm = sum((b - a) * dp_bytes_per_step(compiled_hlo_text, mesh, axis, phase=p) for a, b, p in phases)
+    w = phases[-1][1] if phases else 0
+    return steady, (warm + (steps - w) * steady) / steps
+
+
+def compression_ratio_run(cfg: Config, mesh: Mesh, compiled_hlo_text: str | None = None) -> float:
+    """Dense float32's dp bytes over this config's averaged over the whole run (`train.steps`, the
+    dense warm-up included): what a run really saves. `compression_ratio` is the steady state."""
+    if mesh.shape[cfg.reduce.axis] == 1 or not registry.method(cfg).compresses:
+        return compression_ratio(cfg, mesh)
+    text = compiled_hlo_text or compile_train_step(cfg, mesh).as_text()
+    steady, run = run_bytes_per_step(cfg, mesh, text)
+    return compression_ratio(cfg, mesh, steady) * steady / run
+
+
+def host_transfers(prog) -> dict:
+    """Host<->device bytes per device one train step moves, counted from the traced step's memory-space
+    moves (`offload.moves`: scan trip counts multiplied in) and its outputs kept in host memory:
+    {"host_to_device_bytes", "device_to_host_bytes", "moves", "assumed_bytes", "trips_known"} (False: a
+    move sits in a while loop, counted once: the bytes are a floor).
+
+    Why not the compiled program's copies: XLA:CPU strips the placements before partitioning (its pass
+    strip-memory-placement-annotations), so the program it compiles has none; each move here is one
+    placement of the program lowered for a GPU, which XLA:GPU's host offloader turns into a copy
+    (tests/test_offload.py pairs the two). A move's per-device bytes are those of the state leaf (or
+    stacked layer slice) of its shape and dtype under the state's shardings; a shape that is no state
+    leaf's (activation residuals) is taken as split over the batch axes only, one that several leaves
+    sharded differently share as the largest of them (`assumed_bytes`: those moves' share; a residual
+    also split over tp is overcounted by tp)."""
+    from jaxdist.distributed import offload
+
+    tokens = jax.ShapeDtypeStruct(
+        (prog.cfg.train.global_batch, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+    )
+    with prog.activate():
+        traced = prog.train_step.fn.trace(prog.abstract_state, tokens)
+    sizes: dict[tuple, set[int]] = {}  # (shape, dtype) -> per-device bytes of the state leaves of that shape
+    for part in ("params", "opt_state"):
+        leaves = jax.tree_util.tree_flatten_with_path(getattr(prog.abstract_state, part))[0]
+        for (path, a), s in zip(leaves, jax.tree.leaves(getattr(prog.state_shardings, part)), strict=True):
+            shard = s.shard_shape(a.shape)
+            sizes.setdefault((tuple(a.shape), str(a.dtype)), set()).add(math.prod(shard) * a.dtype.itemsize)
+            if any(getattr(k, "key", None) == "blocks" for k in path):  # the scan moves one layer's slice
+                key = (tuple(a.shape[1:]), str(a.dtype))
+                sizes.setdefault(key, set()).add(math.prod(shard[1:]) * a.dtype.itemsize)
+    out = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "moves": 0, "assumed_bytes": 0, "trips_known": True}
+    for m in offload.moves(traced.jaxpr.jaxpr):
+        out["trips_known"] &= m.trips_known
+        known = sizes.get((m.shape, m.dtype), set())
+        if m.manual:
+            per_device = m.global_bytes
+        elif len(known) == 1:
+            per_device = next(iter(known))
+        else:  # no state leaf of this shape (a residual), or several sharded differently: the largest
+            per_device = max(known, default=m.global_bytes // prog.batch_shards())
+            out["assumed_bytes"] += m.count * per_device
+        out["device_to_host_bytes" if m.to_host else "host_to_device_bytes"] += m.count * per_device
+        out["moves"] += m.count
+    # The step's results kept in host memory (out_shardings) leave the device once, at its end.
+    for a, s in zip(jax.tree.leaves(prog.abstract_state), jax.tree.leaves(prog.state_shardings), strict=True):
+        if s.memory_kind == offload.HOST_KIND:
+            out["device_to_host_bytes"] += math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+            out["moves"] += 1
+    return out

@@ -1,0 +1,82 @@
+"""The documents `prepare` reads: a plain-text file is one document, a JSONL line or a Parquet row one
+(its text field). Bad input is a one-line error naming the file and line."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+
+
+def input_files(patterns: list[str]) -> list[str]:
+    from jaxdist.data.files import expand_path, stdlib_files
+
+    if not patterns:
+        return stdlib_files()
+    files: list[str] = []
+    for pattern in patterns:
+        files += [f for f in expand_path(pattern, what="input") if f not in files]
+    return files
+
+
+def file_format(path: str, forced: str) -> str:
+    if forced != "auto":
+        return forced
+    if path.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    return "parquet" if path.endswith(".parquet") else "text"
+
+
+def documents(files: list[str], fmt: str, field: str) -> Iterator[tuple[str, int]]:
+    """(text, input bytes it stands for) per document, in input order; empty documents are skipped."""
+    for f in files:
+        kind = file_format(f, fmt)
+        try:
+            if kind == "text":
+                raw = Path(f).read_bytes()
+                yield raw.decode("utf-8", errors="replace"), len(raw)
+            elif kind == "jsonl":
+                with open(f, "rb") as fh:
+                    for lineno, line in enumerate(fh, 1):
+                        if line.strip():
+                            yield _field(json_line(line, f, lineno), field, f"{f}:{lineno}"), len(line)
+            else:
+                yield from parquet_documents(f, field)
+        except OSError as e:
+            raise JaxdistError(f"cannot read input {f} ({e.strerror}); fix its permissions or the input list")
+
+
+def json_line(line: bytes, f: str, lineno: int):
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise JaxdistError(f"{f}:{lineno} is not valid JSON; JSONL needs one JSON object per line") from None
+
+
+def _field(record, field: str, where: str) -> str:
+    value = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        raise JaxdistError(f"{where} has no string field {field!r}; pass --field with the name of the text field")
+    return value
+
+
+def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise JaxdistError("reading Parquet needs pyarrow: pip install 'jaxdist[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except pa.ArrowException as e:
+        raise JaxdistError(f"{f} is not a readable Parquet file ({str(e).splitlines()[0][:120]})") from None
+    if field not in pf.schema_arrow.names:
+        raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); pass --field")
+    per_row = os.path.getsize(f) / max(pf.metadata.num_rows, 1)
+    for batch in pf.iter_batches(columns=[field]):
+        for value in batch.column(0).to_pylist():
+            if isinstance(value, str):
+                yield value, per_row

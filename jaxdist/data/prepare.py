@@ -1,0 +1,391 @@
+"""`python -m jaxdist.data prepare`: text, JSONL or Parquet -> flat token shards for `data.source=tokens`.
+
+    python -m jaxdist.data prepare --train-tokenizer 4096 --out data/stdlib          # the standard library
+    python -m jaxdist.data prepare --tokenizer ~/Llama-3.2-1B --out data/mine 'corpus/*.jsonl' --field text
+
+Output folder: `train/NNNNNN.bin`, `val/NNNNNN.bin` (uint16 when the vocabulary fits, else uint32),
+the tokenizer files, and `manifest.json` (dtype, vocab size, BOS/EOS ids, tokenizer sha256, token and
+document counts). `data.path=DIR` trains on `train/` and evaluates on `val/`. `--chat`: conversations
+with a loss mask (jaxdist/data/chatprep.py).
+
+Documents: a plain-text file is one document; a JSONL line or a Parquet row is one (its `--field`).
+Each is encoded `[BOS] tokens EOS` by the tokenizer's rule (jaxdist/data/tokenizer.py). The held-out split
+is chosen by a hash of each document's text: independent of order, worker count and machine, and
+exact duplicates land on the same side. Workers encode chunks in parallel; the main process writes
+them in input order, so the shards are byte-identical whatever `--workers` is. Everything is written
+to a temporary folder that replaces `--out` only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from jaxdist.data import chatprep
+from jaxdist.data import tokenizer as tokenizer_mod
+from jaxdist.data.documents import documents, input_files
+from jaxdist.errors import ArgumentParser, JaxdistError, command
+
+MANIFEST = "manifest.json"
+# Held-out tokens below which `prepare` warns: 32 windows of 2,048 tokens (the default eval reads
+# train.eval_batches=4 x global_batch=8 windows); below it the eval loss is noisy, or absent at long seq_len.
+SMALL_VAL_TOKENS = 65_536
+FORMAT = "jaxdist-tokens/1"
+CHUNK_CHARS = 1 << 20  # text per task sent to a worker
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`prepare ARGS...` (the one subcommand so far); flags and inputs may be intermixed."""
+    if not argv or argv[0] != "prepare":
+        top = ArgumentParser(
+            prog="python -m jaxdist.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        top.add_argument("command", choices=["prepare"])
+        top.parse_args(argv[:1])  # prints usage / help and exits
+    q = ArgumentParser(
+        prog="python -m jaxdist.data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    which = q.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", help="a tokenizer.json or a Hugging Face model folder")
+    which.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
+        help="first train a byte-level BPE of VOCAB tokens on the input (no download)",
+    )
+    q.add_argument("--out", required=True, help="output folder (must be new or empty, unless --overwrite)")
+    q.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="files, globs or folders (default: this Python's standard library source)",
+    )
+    q.add_argument("--field", default="text", help="JSONL/Parquet field holding the text (default text)")
+    q.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "text", "jsonl", "parquet"),
+        help="input format (auto: .jsonl/.ndjson, .parquet, else plain text)",
+    )
+    q.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="encoding processes")
+    q.add_argument("--val-fraction", type=float, default=0.01, help="documents held out (default 0.01)")
+    q.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "uint16", "uint32"),
+        help="token dtype (auto: uint16 when the vocabulary fits)",
+    )
+    q.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
+    q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    c = q.add_argument_group("chat data (jaxdist/data/chatprep.py, docs/chat-data.md)")
+    c.add_argument("--chat", action="store_true", help='JSONL conversations {"messages": [...]} with a loss mask')
+    c.add_argument("--seq-len", type=int, help="window length = the model.seq_len you will train with")
+    c.add_argument("--loss-on", choices=("assistant", "all"), help="tokens trained on (default assistant)")
+    c.add_argument("--on-error", choices=("skip", "stop"), help="a bad line: skip it and count (default), or stop")
+    c.add_argument("--chat-template", metavar="FILE", help="a Jinja template instead of the tokenizer's own")
+    return q.parse_intermixed_args(argv[1:])
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
+
+
+def chunks(docs: Iterator[tuple[str, int]], fraction: float) -> Iterator[tuple[list[str], list[bool], int]]:
+    texts, held, size, nbytes = [], [], 0, 0
+    for text, n in docs:
+        if not text:
+            continue
+        texts.append(text)
+        held.append(is_held_out(text, fraction))
+        size, nbytes = size + len(text), nbytes + n
+        if size >= CHUNK_CHARS:
+            yield texts, held, nbytes
+            texts, held, size, nbytes = [], [], 0, 0
+    if texts:
+        yield texts, held, nbytes
+
+
+# ---------------------------------------------------------------------------------------- encoding
+
+_WORKER_TOK = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _WORKER_TOK
+    _WORKER_TOK = tokenizer_mod.load(tokenizer_dir)
+
+
+def _encode(task, tok=None):
+    """One chunk -> (train ids, held-out ids, train docs, held-out docs, input bytes)."""
+    texts, held, nbytes = task
+    ids = (tok or _WORKER_TOK).encode_documents(texts)
+    train = [a for a, h in zip(ids, held) if not h]
+    val = [a for a, h in zip(ids, held) if h]
+    return _cat(train), _cat(val), len(train), len(val), nbytes
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+
+
+def encoded(tasks: Iterator, tok, tokenizer_dir: Path, workers: int) -> Iterator[tuple]:
+    """Encoded chunks in input order; at most 2 x workers chunks in flight (bounded memory)."""
+    if workers <= 1:
+        for task in tasks:
+            yield _encode(task, tok)
+        return
+    # Workers fork from a fresh server process that has imported only this module: safe even when the
+    # caller is multithreaded (JAX, a trained tokenizer's thread pool) and fast to start.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["jaxdist.data.prepare"])
+    with context.Pool(workers, _init_worker, (str(tokenizer_dir),)) as pool:
+        pending = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class ShardWriter:
+    """Appends token arrays to `folder/000000.bin`, ... of at most `shard_tokens` tokens each."""
+
+    def __init__(self, folder: Path, dtype: str, shard_tokens: int):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.files: list[str] = []
+        self.tokens = self.documents = self._in_shard = 0
+        self._fh = None
+
+    def write(self, ids: np.ndarray, documents: int) -> None:
+        self.documents += documents
+        ids = ids.astype(self.dtype)
+        while len(ids):
+            if self._fh is None or self._in_shard == self.shard_tokens:
+                self._open()
+            take = min(len(ids), self.shard_tokens - self._in_shard)
+            self._fh.write(ids[:take].tobytes())
+            self._in_shard, self.tokens, ids = self._in_shard + take, self.tokens + take, ids[take:]
+
+    def _open(self) -> None:
+        self.close()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = f"{len(self.files):06d}.bin"
+        self.files.append(f"{self.folder.name}/{name}")
+        self._fh, self._in_shard = open(self.folder / name, "wb"), 0  # noqa: SIM115 (closed by close())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def summary(self) -> dict:
+        return {"files": self.files, "tokens": self.tokens, "documents": self.documents}
+
+
+# ------------------------------------------------------------------------------------------ command
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise JaxdistError(f"--out {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise JaxdistError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise JaxdistError(f"--out {out}: {probe} is not writable; choose a folder you can write to")
+
+
+def prepare(args: argparse.Namespace, log=print) -> dict:
+    """Run the preparation; returns the manifest. Input is checked before anything is written."""
+    out = Path(args.out)
+    check_out(out, args.overwrite)
+    if args.workers < 1 or args.shard_tokens < 1 or not 0 <= args.val_fraction < 1:
+        raise JaxdistError("--workers and --shard-tokens must be >= 1 and --val-fraction in [0, 1)")
+    tok = tokenizer_mod.load(args.tokenizer) if args.tokenizer else None
+    files = input_files(args.inputs)
+    chatprep.check_args(args, files)
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    if total_bytes == 0:
+        raise JaxdistError(f"the {len(files)} input file(s) are empty; give files that hold text")
+    if tok is not None:
+        dtype = check_dtype(tok.vocab_size, args.dtype, str(tok.file))
+
+    remove_stale(out, log)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        t0 = time.perf_counter()
+        if tok is None:  # train on the documents that will be training data
+            train_texts = (
+                t for t, _ in documents(files, args.format, args.field) if t and not is_held_out(t, args.val_fraction)
+            )
+            tokenizer_mod.save_trained(tokenizer_mod.train_bpe(train_texts, args.train_tokenizer), tmp)
+            tok = tokenizer_mod.load(str(tmp))
+            dtype = check_dtype(tok.vocab_size, args.dtype, f"the trained tokenizer ({args.train_tokenizer})")
+            log(f"trained a byte-level BPE of {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
+        else:
+            tokenizer_mod.copy_files(tok, tmp)
+        if args.chat:  # conversations -> windows of tokens + loss mask
+            manifest = chatprep.encode_chat(args, files, total_bytes, dtype, tmp, log, is_held_out)
+        else:
+            manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
+        if manifest["splits"]["train"]["documents"] == 0:
+            raise JaxdistError(
+                f"the input ({len(files)} file(s)) holds no training documents (all empty, "
+                "or all held out); give more text or lower --val-fraction"
+            )
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        replace_folder(tmp, out)
+        if (note := held_out_note(manifest)) is not None:
+            log(note)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def held_out_note(manifest: dict) -> str | None:
+    """A warning when the held-out split is empty or small, with a --val-fraction that would fix it (the
+    trainer evaluates on val/ only, and not at all when it holds no window)."""
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    fraction, docs = manifest["val_fraction"], train["documents"] + val["documents"]
+    if val["tokens"] >= SMALL_VAL_TOKENS:
+        return None
+    total = train["tokens"] + val["tokens"]
+    # enough tokens on average, at least two documents, and more than now; at most half the data
+    want = max(SMALL_VAL_TOKENS / max(total, 1), 2 / max(docs, 1), 2 * fraction)
+    suggest = f"{min(0.5, float(f'{want:.2g}')):g}"
+    if val["documents"] == 0:
+        return (
+            f"warning: no document was held out (--val-fraction {fraction:g} of {docs:,} documents): training on "
+            f"this folder will not evaluate; re-run with --val-fraction {suggest} or add documents"
+        )
+    return (
+        f"warning: the held-out split is small ({val['documents']:,} of {docs:,} documents, {val['tokens']:,} "
+        f"tokens, under {SMALL_VAL_TOKENS:,}): its eval loss is noisy, and absent for model.seq_len >= "
+        f"{val['tokens']:,}; re-run with --val-fraction {suggest} or add documents"
+    )
+
+
+def check_dtype(vocab_size: int, requested: str, what: str) -> str:
+    dtype = tokenizer_mod.smallest_dtype(vocab_size) if requested == "auto" else requested
+    if vocab_size > np.iinfo(dtype).max + 1:
+        raise JaxdistError(f"{what} has {vocab_size} token ids, too many for {dtype}; use --dtype uint32 (or auto)")
+    return dtype
+
+
+def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
+    from tqdm import tqdm
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
+    writers = {
+        "train": ShardWriter(tmp / "train", dtype, args.shard_tokens),
+        "val": ShardWriter(tmp / "val", dtype, args.shard_tokens),
+    }
+    t0 = time.perf_counter()
+    tasks = chunks(documents(files, args.format, args.field), args.val_fraction)
+    # A terminal shows the bar (cleared at the end, so an error stays one line); logs do not.
+    with tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="tokenize",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        leave=False,
+        disable=None,
+    ) as bar:
+        for train, val, n_train, n_val, nbytes in encoded(tasks, tok, tmp, args.workers):
+            writers["train"].write(train, n_train)
+            writers["val"].write(val, n_val)
+            bar.update(nbytes)
+    for w in writers.values():
+        w.close()
+    seconds = time.perf_counter() - t0
+    splits = {name: w.summary() for name, w in writers.items()}
+    tokens = sum(s["tokens"] for s in splits.values())
+    log(
+        f"{tokens:,} tokens ({splits['train']['documents']:,} train / {splits['val']['documents']:,} held-out "
+        f"documents) from {len(files)} file(s), {total_bytes / 1e6:.1f} MB, in {seconds:.1f}s: "
+        f"{tokens / seconds:,.0f} tokens/s with {args.workers} worker(s); dtype {dtype} -> {args.out}"
+    )
+    return {
+        "format": FORMAT,
+        "dtype": dtype,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "prefix_ids": list(tok.prefix),
+        "tokenizer": {"file": "tokenizer.json", "sha256": tok.sha256},
+        "splits": splits,
+        "val_fraction": args.val_fraction,
+        "input": {"files": len(files), "bytes": total_bytes, "field": args.field},
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale(out: Path, log=print) -> list[Path]:
+    """The hidden `.OUT.tmp-PID` / `.OUT.old-PID` folders a killed run left beside `out` (their process
+    is gone on this host): removed, so they do not pile up. A live writer's folder is left alone."""
+    removed = []
+    for p in sorted(out.parent.glob(f".{out.name}.*-*")):
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+            log(f"removed {p}, left by a process that is gone (pid {pid})")
+    return removed
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place; an old --out (with --overwrite) goes only after that."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a prepared folder, or None if `folder` is not one."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        raise JaxdistError(f"{path} is not valid JSON; re-run prepare or remove it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    return manifest
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    prepare(parse_args(sys.argv[1:] if argv is None else argv))
+    return 0

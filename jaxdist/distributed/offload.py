@@ -1,0 +1,172 @@
+"""Host offload (the `offload` config section): what lives in pinned host memory between steps, how a
+traced function brings it to the device, the one-line refusals, and the bytes each kind moves per step.
+
+- offload.optimizer=host: the AdamW state is host-resident; the step streams it in for the update.
+- offload.params=host: the float32 parameters are host-resident. The layer scan fetches each layer's
+  slice inside its body (`fetch`); under a remat policy only the layer being computed is on the device
+  (its backward fetches it again), without one JAX saves the fetched weights for the backward. The
+  other parameters (embedding, final norm, head) are fetched before the model runs. Gradients are taken
+  with respect to device zeros added to the fetched copies (`differentiable`), so they stay on the
+  device (the transpose of a fetch would send them to host memory); the update streams parameters in
+  and out like the optimizer state.
+- offload.activations=host: the remat policy of the layer scan saves the block's residuals to host
+  memory (`activation_policy`) instead of keeping them on the device or recomputing them.
+
+`moves` lists the host<->device moves of a traced step (jaxdist.analysis.measure.host_transfers sizes them per
+device: bench's `host_transfers`, the start-up line, the planner's check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxdist.errors import JaxdistError
+
+HOST_KIND = "pinned_host"
+FETCHED = "offload_fetched"  # checkpoint name of a fetched (device) copy
+# The layer scan's remat policy when parameters are offloaded and model.remat=none: every residual but
+# the fetched copies themselves. Values computed from them are still saved, so the backward does not
+# refetch (measure.host_transfers counts no second fetch) and every layer's device copy lives until the
+# backward; a remat policy (model.remat=full / dots_saveable) holds one layer at a time.
+REFETCH_POLICY = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
+
+
+def on_host(x) -> bool:
+    """Whether a traced (or concrete) array lives in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+@jax.tree_util.register_pytree_node_class
+class Offloaded:
+    """A host-resident parameter with a device-resident zero `delta` beside it: `fetch` gives its device
+    copy plus the delta, and the gradient stage differentiates with respect to the delta
+    (`differentiable`), so gradients stay in device memory (the transpose of a fetch would send them to
+    host memory, and the accumulation fetch them back, 2 x the parameters per micro-batch). Scans slice
+    both (a layer's slice is an Offloaded too)."""
+
+    def __init__(self, host, delta):
+        self.host, self.delta = host, delta
+
+    def tree_flatten(self):
+        return (self.host, self.delta), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def is_offloaded(x) -> bool:
+    return isinstance(x, Offloaded)
+
+
+def differentiable(params, deltas):
+    """`params` as the model takes them when gradients are wanted for `deltas` (a params-shaped tree of
+    zeros in device memory): host-resident leaves become Offloaded(leaf, delta), the others leaf + delta
+    (gradients flow through the deltas only; adding zeros changes no value)."""
+    stop = jax.lax.stop_gradient
+    return jax.tree.map(lambda p, d: Offloaded(stop(p), d) if on_host(p) else stop(p) + d, params, deltas)
+
+
+def fetch(tree):
+    """Every host-resident array of `tree` copied to device memory (same sharding), an Offloaded one plus
+    its delta; the rest as is. Traced inside jit: XLA moves the bytes where the copy is used (per layer
+    inside the scan)."""
+
+    def copy(x):
+        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), FETCHED)
+
+    def one(x):
+        if is_offloaded(x):
+            return copy(x.host) + x.delta
+        return copy(x) if on_host(x) else x
+
+    return jax.tree.map(one, tree, is_leaf=is_offloaded)
+
+
+def activation_policy():
+    """The remat policy of offload.activations=host: the layer's matmul outputs (those without batch
+    dimensions in their contraction, what model.remat=dots_saveable keeps on the device) are saved to
+    pinned host memory and brought back for the backward pass; the rest is recomputed."""
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", HOST_KIND)
+
+
+def check(cfg, mesh) -> None:
+    """One-line errors for what offload does not compose with (yet)."""
+    if cfg.offload.activations == "host" and cfg.model.remat not in ("none", "offload_dots"):
+        raise JaxdistError(
+            f"offload.activations=host picks the layer's remat policy itself; it conflicts with "
+            f"model.remat={cfg.model.remat}: set model.remat=none (or offload.activations=none)"
+        )
+    if cfg.offload.params != "host":
+        return
+    pp = dict(mesh.shape).get("pp", 1)
+    if pp > 1:
+        raise JaxdistError("offload.params=host is not supported with pipeline parallelism (pp > 1); use pp=1")
+    if cfg.lora.rank:
+        raise JaxdistError(
+            "offload.params=host is not supported with LoRA (lora.rank > 0) yet; use offload.params=none"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One memory-space move of a traced program (a `device_put` between host and device memory: what
+    JAX lowers to an `annotate_device_placement` and XLA:GPU's host offloader turns into a copy)."""
+
+    to_host: bool
+    shape: tuple[int, ...]  # global shape (one device's inside a shard_map: `manual`)
+    dtype: str
+    count: int  # executions per program run: the lengths of the scans around it multiplied
+    manual: bool = False
+    trips_known: bool = True  # False: inside a while loop (count is a floor)
+
+    @property
+    def global_bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def _subjaxprs(eqn):
+    """(jaxpr, trips, manual, trips_known) of every jaxpr an equation runs; a cond's branches as a list."""
+    from jax.extend import core
+
+    name, params = eqn.primitive.name, eqn.params
+    out = []
+    for key, value in params.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found = [v.jaxpr if isinstance(v, core.ClosedJaxpr) else v for v in values]
+        found = [j for j in found if isinstance(j, core.Jaxpr)]
+        if not found:
+            continue
+        if name == "cond" and key == "branches":
+            out.append(found)  # one branch runs: the caller keeps the largest
+            continue
+        for j in found:
+            out.append((j, params["length"] if name == "scan" else 1, name == "shard_map", name != "while"))
+    return out
+
+
+def moves(jaxpr, count: int = 1, manual: bool = False, known: bool = True) -> list[Move]:
+    """Every host<->device move of a jaxpr (jax.make_jaxpr / `jit(f).trace(...).jaxpr.jaxpr`) with its
+    executions per run: a move inside a scan body counts once per iteration (nested scans multiply), one
+    in a while loop once (flagged), of a cond's branches only the one moving the most bytes."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for a, b in zip(eqn.invars, eqn.outvars, strict=True):
+                src, dst = getattr(a.aval, "memory_space", None), getattr(b.aval, "memory_space", None)
+                if {src, dst} == {host, device}:
+                    found.append(Move(dst == host, tuple(b.aval.shape), str(b.aval.dtype), count, manual, known))
+        for sub in _subjaxprs(eqn):
+            if isinstance(sub, list):  # cond branches
+                branches = [moves(j, count, manual, known) for j in sub]
+                found += max(branches, key=lambda ms: sum(m.count * m.global_bytes for m in ms))
+            else:
+                j, trips, shard_map, trips_known = sub
+                found += moves(j, count * trips, manual or shard_map, known and trips_known)
+    return found

@@ -1,0 +1,224 @@
+"""Next-token cross-entropy over the output head: `naive` (full logits) or `blockwise` (never B·T·V).
+
+naive: logits = x @ W (float32, B·T·V), one-hot labels, softmax cross-entropy — the simple reference.
+
+blockwise (Levanter's blockwise cross-entropy, MaxText's vocabulary tiling, Rabe & Staats' online
+log-sum-exp): the head W (D, V) is viewed as (D, S, nb, vb) — S vocab shards (the mesh axes of the
+`vocab` rule, tp by default), nb blocks of vb rows per shard. A scan takes one block (D, S, vb) at a
+time, i.e. vb rows from every shard, so each device only ever holds its vocab shard of a block; the
+block is cast to the compute dtype while still fsdp-sharded, so FSDP gathers one (bf16) block at a
+time. Per token the scan keeps a running max and sum of exponentials and the target's logit (a masked
+reduction: no gather over a sharded vocab). A custom VJP saves only the log-sum-exp per token; its
+backward scans the blocks again, recomputes each block's logits and emits that block's head gradient
+(sharded like W) and its share of the input gradient. Working set: a few (tokens, vb) blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxdist.distributed.sharding import Rules, constrain, current_rules, use_rules
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import context, matmul
+
+IMPLS = ("blockwise", "naive")
+BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """What the loss needs from the model instead of logits: final-normed hidden states (compute
+    dtype), the head weight (D, V) (float32 master) and how to apply it."""
+
+    x_BTD: jax.Array
+    w_DV: jax.Array
+    impl: str = "blockwise"
+    block: int = 0  # vocab rows per block on each device (of its V/S shard); 0 = from the shapes
+
+
+jax.tree_util.register_dataclass(Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block"])
+
+
+def logits(head: Head) -> jax.Array:
+    """Full float32 logits (B, T, V) — for generation, evaluation and the naive loss."""
+    x, w = head.x_BTD, head.w_DV
+    if context.splits_sequence():  # (batch, seq/cp) does not flatten locally: keep both token dims
+        out = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype))
+    else:
+        out = (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)).reshape(*x.shape[:-1], w.shape[-1])
+    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def cross_entropy(head: Head, targets_BT) -> jax.Array:
+    """Per-token cross-entropy (B, T), float32."""
+    if head.impl == "naive":
+        logits_BTV = logits(head)
+        # One-hot labels, not a gather: the vocab dim stays tp-sharded (a reduction across shards).
+        labels_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+        return optax.softmax_cross_entropy(logits_BTV, labels_BTV)
+    B, T, D = head.x_BTD.shape
+    rules = token_rules(current_rules())
+    shards = vocab_shards(rules)
+    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(rules), D, head.block)
+    losses = _blockwise(
+        head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32), shards, vb, rules
+    )
+    return losses.reshape(B, T)
+
+
+def token_rules(rules: Rules | None) -> Rules | None:
+    """Rules for the flattened (B·T) token dim, named "batch" here: when cp splits the sequence, the
+    flattened dim is split over the batch axes and then cp (row-major), so each device keeps its own
+    tokens — not an all-gather of the sequence."""
+    if rules is None or not context.splits_sequence():
+        return rules
+    return {**rules, "batch": tuple(rules["batch"]) + tuple(rules["seq"])}
+
+
+def _mesh_size(rules, name: str) -> int:
+    """Devices the logical axis `name` is split over here (manual axes of an enclosing shard_map excluded)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in rules[name] if a not in mesh.manual_axes)
+
+
+def vocab_shards(rules) -> int:
+    return _mesh_size(rules, "vocab")
+
+
+def batch_shards(rules) -> int:
+    return _mesh_size(rules, "batch")
+
+
+def block_rows(vocab: int, shards: int, tokens: int, d_model: int, block: int = 0) -> int:
+    """Vocab rows per block on each device: `block` if given (it must divide V / shards), else the
+    largest divisor of V / shards whose float32 block of logits (tokens x rows) and of gathered weight
+    or its unreduced gradient (d_model x rows) each stay under BLOCK_BYTES."""
+    local = vocab // shards
+    if block:
+        if local % block:
+            raise JaxdistError(
+                f"model.loss_block={block} must divide the vocab rows per device, "
+                f"model.vocab_size={vocab} / {shards} vocab shards = {local}; "
+                f"use a divisor of {local} or 0 (automatic)"
+            )
+        return block
+    limit = max(1, BLOCK_BYTES // (4 * max(tokens, d_model, 1)))
+    return max(d for d in range(1, min(local, limit) + 1) if local % d == 0)
+
+
+def _blocks(w_DV, shards: int, vb: int):
+    """(D, V) -> (D, S, nb, vb), a reshape (no copy): [:, s, j] holds rows s·V/S + j·vb + k, so block j
+    is vb rows of every shard s."""
+    D, V = w_DV.shape
+    return constrain(w_DV.reshape(D, shards, V // (shards * vb), vb), ("embed", "vocab", None, None))
+
+
+def _block(w_DSnv, j):
+    """Block j (D, S, vb), sliced on the unsharded block axis (local on every device)."""
+    return jax.lax.dynamic_index_in_dim(w_DSnv, j, axis=2, keepdims=False)
+
+
+def _dot(spec: str, a, b):
+    """einsum in the operands' dtype, then float32 (as the naive head: bf16 matmuls give bf16; XLA:CPU
+    cannot run a stand-alone bf16 x bf16 -> f32 dot)."""
+    return jnp.einsum(spec, a, b).astype(jnp.float32)
+
+
+def _gathered(w_DSv, dtype):
+    """Block j's weight in the compute dtype, cast on its shard and then all-gathered over fsdp (once,
+    for every matmul that uses it)."""
+    w = constrain(w_DSv.astype(dtype), ("embed", "vocab", None))
+    return constrain(w, (None, "vocab", None))
+
+
+def _block_logits(x_ND, w_DSv):
+    """One block's float32 logits (N, S, vb) from its gathered weight."""
+    out = _dot("nd,dsv->nsv", x_ND, w_DSv)
+    return constrain(out, ("batch", "vocab", None))
+
+
+def _target_mask(targets_N, j, shape, nb: int):
+    """Where block j's logits (N, S, vb) hold each token's target (all False for a target elsewhere)."""
+    vb = shape[2]
+    s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
+    hit_N = r // vb == j
+    s_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    v_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
+    return hit_N[:, None, None] & (s_iota == s_y[:, None, None]) & (v_iota == (r % vb)[:, None, None])
+
+
+def _forward(x_ND, w_DV, targets_N, shards, vb):
+    """Losses (N,) and log-sum-exps (N,). Statistics are kept per vocab shard (N, S) and combined once
+    after the scan: one small all-reduce over tp instead of one per block."""
+    w_blocks = _blocks(w_DV, shards, vb)
+    nb = w_blocks.shape[2]
+    N = x_ND.shape[0]
+
+    def body(carry, j):
+        m, s, tgt = carry
+        z = _block_logits(x_ND, _gathered(_block(w_blocks, j), x_ND.dtype))
+        m_new = jnp.maximum(m, z.max(axis=2))
+        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
+        tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
+        return (m_new, s, tgt), None
+
+    stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
+    (m, s, tgt), _ = jax.lax.scan(body, (stat(-jnp.inf), stat(0.0), stat(0.0)), jnp.arange(nb))
+    top = m.max(axis=1)
+    lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
+    return lse - tgt.sum(axis=1), lse
+
+
+def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
+    """The blockwise loss under `rules` (the token rules): set inside the forward and the backward,
+    which JAX traces later, outside the caller's `use_rules`."""
+
+    @jax.custom_vjp
+    def f(x, w, t):
+        with use_rules(rules):
+            return _forward(x, w, t, shards, vb)[0]
+
+    def fwd(x, w, t):
+        with use_rules(rules):
+            losses, lse = _forward(x, w, t, shards, vb)
+        return losses, (x, w, t, lse)
+
+    def bwd(res, g_N):
+        with use_rules(rules):
+            return _backward(res, g_N, shards, vb)
+
+    f.defvjp(fwd, bwd)
+    return f(x_ND, w_DV, targets_N)
+
+
+def _backward(res, g_N, shards, vb):
+    """Recompute each block's logits from the saved log-sum-exps: gradients of x and of the weight."""
+    x, w_DV, t, lse = res
+    w_blocks = _blocks(w_DV, shards, vb)
+    nb = w_blocks.shape[2]
+
+    def body(carry, j):
+        dx, dw_blocks = carry
+        w = _gathered(_block(w_blocks, j), x.dtype)
+        z = _block_logits(x, w)
+        p = jnp.exp(z - lse[:, None, None])
+        dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
+        # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
+        dx = dx + _dot("nsv,dsv->nsd", dz, w)
+        # The weight gradient leaves its matmul in float32, so its reduction over the batch runs in float32.
+        dw = matmul.dot_general_f32(x, dz.reshape(dz.shape[0], -1), (((0,), (0,)), ((), ()))).reshape(w.shape)
+        dw = constrain(dw, ("embed", "vocab", None))
+        # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
+        dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
+        return (dx, dw_blocks), None
+
+    dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None))
+    (dx, dw_blocks), _ = jax.lax.scan(body, (dx0, jnp.zeros_like(w_blocks)), jnp.arange(nb))
+    return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None

@@ -1,0 +1,163 @@
+"""The gradient stage: token-weighted loss sums, micro-batch split and accumulation, the implicit stage.
+
+A leaf: it knows nothing of the trainer, the mesh or the config. `jaxdist.training.step` picks a stage from its
+table (implicit here; the explicit data-parallel reduction in `jaxdist.reduce.reducer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.data import loss_mask
+from jaxdist.distributed import offload
+from jaxdist.models.moe import metrics_from_sums
+from jaxdist.parallel.loss import cross_entropy
+
+
+def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
+    divide into exactly the full-batch mean). Only the targets the loss mask keeps count, in both
+    (`jaxdist.data.loss_mask`; data without a mask: every target). `apply_fn(params, tokens, features=True)`
+    gives the model's final hidden states and head (`jaxdist.parallel.loss.Head`), not logits: the loss applies it.
+    `order_T` (context parallelism): the positions in the order the model computes them — inputs and
+    targets are reordered alike, so the sums are unchanged."""
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    if order_T is not None:
+        inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
+    # Chat data: only the masked-in targets count. Decoded after the reorder, elementwise (a float weight
+    # array reordered by `take` would be all-gathered over cp).
+    inputs_BT = loss_mask.split(inputs_BT)[0]
+    targets_BT, weights_BT = loss_mask.split(targets_BT)
+    losses_BT = cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
+    return (losses_BT * weights_BT).sum(), weights_BT.sum()
+
+
+def model_outputs(out):
+    """A model returns logits (or its loss.Head), or (that, aux): aux['objective'] is a token-weighted sum
+    added to the training loss (MoE balance and z losses), the other entries are summed statistics."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def without_aux(apply_fn: Callable) -> Callable:
+    """`apply_fn` returning only its logits / loss.Head (evaluation: cross-entropy alone)."""
+    return lambda params, x, **kw: model_outputs(apply_fn(params, x, **kw))[0]
+
+
+def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
+    """The training objective: `token_loss_sums` plus the model's auxiliary objective. Returns
+    (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up.
+    An `apply_fn` carrying its own `objective_sums` (a pipeline schedule that computes its gradients
+    itself, behind a custom VJP) is used as it is."""
+    if hasattr(apply_fn, "objective_sums"):
+        return apply_fn.objective_sums(params, tokens_BT1, order_T)
+    aux = {}
+
+    def model_only(p, x, **kw):  # the aux outputs leave through `aux` within this same trace
+        out, a = model_outputs(apply_fn(p, x, **kw))
+        aux.update(a)
+        return out
+
+    loss, count = token_loss_sums(model_only, params, tokens_BT1, order_T)
+    stats = {k: v for k, v in aux.items() if k != "objective"}
+    return loss + aux.get("objective", 0.0), (loss, count, stats)
+
+
+def split_microbatches(x_B, microbatches: int):
+    """(B, ...) -> (M, B/M, ...) taking rows m, m+M, ...: each device keeps its own rows (no resharding).
+    Used for gradient accumulation and for the pipeline's micro-batches."""
+    return x_B.reshape(x_B.shape[0] // microbatches, microbatches, *x_B.shape[1:]).swapaxes(0, 1)
+
+
+def on_device_gradients(apply_fn: Callable, order_T=None) -> Callable:
+    """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
+    device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
+    arrays, as the gradient sums and the update want them."""
+
+    def objective(deltas, params, tokens):
+        return objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def on_device(params, tokens):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        return grad_fn(zeros, params, tokens)
+
+    return on_device
+
+
+def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
+    """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
+    Returns (grad_sum, loss_sum, token_count)."""
+    return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches, order_T)[:3]
+
+
+def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
+    """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
+    Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy."""
+    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t, order_T), has_aux=True)
+    if any(offload.on_host(p) for p in jax.tree.leaves(params)):  # offload.params=host
+        grad_fn = on_device_gradients(apply_fn, order_T)
+    if microbatches == 1:
+        (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
+        return grads, loss, count, stats
+
+    def body(carry, tokens):
+        (_, (loss, count, stats)), grads = grad_fn(params, tokens)
+        return jax.tree.map(jnp.add, carry, (grads, loss, count, stats)), None
+
+    micro = split_microbatches(tokens_BT1, microbatches)
+    shapes = jax.eval_shape(lambda p, t: grad_fn(p, t)[0][1][2], params, micro[0])
+    # Gradient sums on the device, wherever the parameters live (offload.params=host).
+    zeros = (
+        jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params),
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.float32),
+    )
+    init = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    (grads, loss, count, stats), _ = jax.lax.scan(body, init, micro)
+    return grads, loss, count, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStage:
+    """How gradients are computed and reduced over data-parallel replicas.
+
+    `init(params) -> state`; `apply(params, tokens, state, step) -> (mean_grads, mean_loss, state, metrics)`;
+    `state_specs(param_specs) -> PartitionSpecs of that state` (residuals are sharded like parameters).
+    """
+
+    init: Callable
+    apply: Callable
+    state_specs: Callable = lambda param_specs: ()
+    name: str = "implicit"
+
+
+def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> GradientStage:
+    """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
+
+    def apply(params, tokens, state, step):
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
+        return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
+
+    return GradientStage(init=lambda params: (), apply=apply)
+
+
+def partial_gradients(apply_fn: Callable, microbatches: int, split: Callable, combine: Callable, order_T=None):
+    """The implicit stage over part of the parameters (LoRA: the adapters). `split(params) -> (trained,
+    frozen)`, `combine(trained, frozen) -> params`: gradients, and their accumulation buffers, exist for
+    `trained` only; the frozen part is a constant of the differentiated function (no gradient computed)."""
+
+    def apply(params, tokens, state, step):
+        trained, fixed = split(params)
+
+        def apply_trained(t, x, **kw):
+            return apply_fn(combine(t, fixed), x, **kw)
+
+        grads, loss, count, stats = accumulate_with_stats(apply_trained, trained, tokens, microbatches, order_T)
+        return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
+
+    return GradientStage(init=lambda params: (), apply=apply, name="implicit-partial")

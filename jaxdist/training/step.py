@@ -1,0 +1,303 @@
+"""The compiled program: sharded state, the train step and the eval step.
+
+One train step: tokens (global, sharded `batch -> (dp, fsdp)`) -> gradient stage (micro-batch loop,
+loss/grad, data-parallel reduction) -> non-finite guard -> clip + AdamW -> new state (donated).
+
+The gradient stage and any optimizer that replaces clip + AdamW come from `reduce.method`'s entry in
+`jaxdist.reduce.registry` (implicit: XLA inserts the data-parallel all-reduce; the others reduce
+explicitly, once per step, dense or compressed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.adapters import checks as lora_checks
+from jaxdist.adapters import tree as adapters
+from jaxdist.config import Config
+from jaxdist.distributed import offload, sharding
+from jaxdist.distributed.mesh import axis_size, check_mesh
+from jaxdist.errors import JaxdistError
+from jaxdist.models.attention import document_segments
+from jaxdist.models.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
+from jaxdist.optim.adamw import decay_mask, make_optimizer
+from jaxdist.parallel import context, pipeline
+from jaxdist.parallel import moe as moe_parallel
+from jaxdist.reduce import registry
+from jaxdist.reduce.gradients import GradientStage, token_loss_sums, without_aux
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nested dict of float32 arrays (the model's nnx.Param values)
+    opt_state: Any
+    reducer_state: Any  # state of the gradient stage (error-feedback residuals, ...); () if none
+    skipped: jax.Array  # int32: consecutive steps skipped for non-finite loss or gradients
+
+
+def tree_where(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything compiled for one (config, mesh): build with `build_program`."""
+
+    cfg: Config
+    mesh: Mesh
+    rules: dict
+    graphdef: Any
+    param_names: Any  # pytree of logical-name tuples
+    param_specs: Any  # pytree of PartitionSpecs
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    gradients: GradientStage
+    init_state: Callable  # (seed) -> TrainState, created directly in its shards
+    state_from_params: Callable  # float params (LoRA: may lack adapters, e.g. an imported base) -> step-0 TrainState
+    train_step: Callable  # (state, tokens) -> (state, metrics)
+    eval_step: Callable  # (params, tokens) -> (loss_sum, count)
+    abstract_state: TrainState
+    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; features=True: loss.Head; pipelined when pp > 1 (then trace it under jax.set_mesh)
+    model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
+
+    @property
+    def pipeline(self):  # jaxdist.parallel.pipeline.Plan when pp > 1 (params then store the stack by stage)
+        return self.model.pipeline
+
+    def activate(self):
+        """Context to trace or call the model's functions (apply_fn, gradients) outside the jitted steps."""
+        return sharding.activate(self.mesh, self.rules)
+
+    def batch_shards(self) -> int:
+        return axis_size(self.mesh, self.batch_sharding.spec[0])
+
+
+def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
+    shards = axis_size(mesh, sharding.batch_spec(rules)[0])
+    per_step = cfg.train.grad_accum_steps * shards
+    if cfg.train.global_batch % per_step:
+        raise JaxdistError(
+            f"train.global_batch={cfg.train.global_batch} must be divisible by train.grad_accum_steps="
+            f"{cfg.train.grad_accum_steps} x {shards} batch shards (dp*fsdp*ep); use a multiple of {per_step}"
+        )
+
+
+def build_program(
+    cfg: Config, mesh: Mesh, gradient_stage: Callable | None = None, eos_id: int | None = None
+) -> Program:
+    """Resolve the model on `mesh`, pick the gradient stage, build the optimizer and jit the steps.
+
+    `eos_id`: where `data.document_mask` cuts attention (the caller reads it: `data.mask_eos(cfg)`);
+    needed when the mask is on.
+
+    `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the stage
+    of the method `cfg.reduce.method` resolves to (`reduce.registry`).
+    """
+    rules = sharding.make_rules(cfg.mesh.rules)
+    check(cfg, mesh, rules)
+    model = resolve(cfg, mesh, rules)
+    order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
+    apply_fn = model_apply(cfg, model, order_T, eos_id)
+    method = registry.resolve(cfg, mesh, model)  # the one place reduce.method is decided
+    stage = (gradient_stage or method.stage)(apply_fn, cfg, mesh, model)
+    tx, lr_schedule = optimizer(cfg, mesh, model, method)
+
+    def state_from_params(params):
+        """Float32 parameters -> the step-0 state. LoRA: entries `params` lacks (adapters, scales: an
+        imported base) are initialised, the base is stored in lora.base_dtype, and the optimizer and
+        gradient stage see the adapters only."""
+        if cfg.lora.rank:
+            params = adapters.fill_missing(params, model.init_params(cfg, cfg.train.seed))
+            params = adapters.store_base(params, cfg.lora)
+        trained = trained_part(cfg, params)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, tx.init(trained), stage.init(trained), zero)
+
+    def init_state(seed):
+        return state_from_params(model.init_params(cfg, seed))
+
+    abstract_state = jax.eval_shape(lambda: init_state(0))
+    shardings, on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
+    # The abstract state carries its shardings: lowered from it, the step sees host-resident (offloaded)
+    # arrays as host values (their avals' memory space), as it does when called with the arrays.
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    batch_sharding, scalar = NamedSharding(mesh, sharding.batch_spec(rules)), NamedSharding(mesh, P())
+    train_step = make_train_step(cfg, tx, lr_schedule, stage, on_device)
+
+    def eval_step(params, tokens):
+        return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
+
+    jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
+    jit_from_params = jax.jit(state_from_params, out_shardings=shardings)
+    jit_train = jax.jit(
+        train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
+    )
+    jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
+    return Program(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        graphdef=model.graphdef,
+        param_names=model.names,
+        param_specs=model.specs,
+        state_shardings=shardings,
+        batch_sharding=batch_sharding,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        gradients=stage,
+        init_state=_in_mesh(mesh, rules, jit_init),
+        state_from_params=_in_mesh(mesh, rules, jit_from_params),
+        train_step=_in_mesh(mesh, rules, jit_train),
+        eval_step=_in_mesh(mesh, rules, jit_eval),
+        abstract_state=abstract_state,
+        apply_fn=apply_fn,
+        model=model,
+    )
+
+
+def check(cfg: Config, mesh: Mesh, rules) -> None:
+    """Every start-up check that needs the mesh, as one-line errors, before anything is traced."""
+    check_mesh(mesh)  # its axes; the axis names the config uses were checked when it was loaded
+    check_batch(cfg, mesh, rules)
+    moe_parallel.check(cfg, mesh, rules)
+    context.check(cfg, mesh, rules)
+    lora_checks.check(cfg, mesh, rules)
+    offload.check(cfg, mesh)
+    registry.check(cfg, mesh)
+
+
+def trained_part(cfg: Config, tree):
+    """The part of a params-shaped tree that trains: the LoRA adapters, or everything."""
+    return adapters.trainable(tree) if cfg.lora.rank else tree
+
+
+def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None = None) -> Callable:
+    """`apply_fn(params, tokens_BT, features=False)`: the model (pipelined when pp > 1); with
+    `data.document_mask`, attention stays inside the documents that `eos_id` ends."""
+    eos_id = check_document_mask(cfg, model.pipeline, eos_id)
+    if model.pipeline:  # pp > 1: the layer stack runs as a pipeline schedule
+        return pipeline.pipelined_apply(model.graphdef, model.pipeline, order_T)
+
+    def apply_fn(params, tokens_BT, features=False):
+        if cfg.offload.params == "host":  # the layer stack is fetched layer by layer inside the scan
+            params = jax.tree_util.tree_map_with_path(
+                lambda p, x: x if getattr(p[0], "key", None) == "blocks" else offload.fetch(x),
+                params,
+                is_leaf=offload.is_offloaded,
+            )
+        segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
+        return nnx.merge(model.graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
+
+    return apply_fn
+
+
+def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, method: registry.Method):
+    """(tx, lr schedule): clip + AdamW, or what `method` applies instead (DiLoCo's outer move, DGC's and
+    DeMo's LR and decay on the update their stage returns)."""
+    tx, lr_schedule = make_optimizer(
+        cfg.optim,
+        cfg.optim.schedule_steps or cfg.train.steps,
+        cfg.train.global_batch,
+        decay_mask(trained_part(cfg, model.names)),
+        registry.variance_freeze_step(cfg, mesh),
+        cfg.reduce.variance_floor,
+    )
+    if method.optimizer is not None:
+        tx = method.optimizer(cfg, lr_schedule, decay_mask(model.names))
+    return tx, lr_schedule
+
+
+def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: ResolvedModel, abstract_state):
+    """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
+    sharded like its parameters; offload.optimizer=host / offload.params=host keep it / the parameters
+    in pinned host memory between steps."""
+    is_spec = lambda x: isinstance(x, P)
+    trained = trained_part(cfg, model.specs)  # LoRA: optimizer and reducer state cover the adapters only
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_state.opt_state, trained, transform_non_params=lambda _: P(), is_leaf=is_spec
+    )
+    specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(trained), P())
+    shardings = sharding.named(mesh, specs)
+    on_device = {"opt_state": shardings.opt_state, "params": shardings.params}
+    host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(offload.HOST_KIND), tree)
+    if cfg.offload.optimizer == "host":
+        shardings = dataclasses.replace(shardings, opt_state=host(shardings.opt_state))
+    if cfg.offload.params == "host":
+        shardings = dataclasses.replace(shardings, params=host(shardings.params))
+    return shardings, on_device
+
+
+def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_device: dict) -> Callable:
+    """`train_step(state, tokens) -> (state, metrics)`: gradients, then clip + AdamW, behind the
+    non-finite guard (a poisoned step leaves params, optimizer and reducer state untouched).
+    `on_device`: the device shardings of the opt_state and params that offload keeps in host memory."""
+
+    def train_step(state: TrainState, tokens):
+        grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
+        if cfg.offload.optimizer == "host":  # stream it in for the update only; out_shardings send it back
+            state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, on_device["opt_state"]))
+        if cfg.offload.params == "host":  # likewise the parameters (and their gradients, host after the scan)
+            state = dataclasses.replace(state, params=jax.device_put(state.params, on_device["params"]))
+            grads = jax.device_put(grads, on_device["params"])
+        grad_norm = optax.tree.norm(grads)
+        trained = trained_part(cfg, state.params)  # LoRA: the adapters; the frozen base passes through
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        params = optax.apply_updates(trained, updates)
+        if cfg.lora.rank:
+            params = adapters.combine(params, adapters.frozen(state.params))
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new = TrainState(state.step + 1, params, opt_state, reducer_state, jnp.zeros((), jnp.int32))
+        old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
+        skipped = (~ok).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "skipped": skipped, **extra}
+        return tree_where(ok, new, old), metrics
+
+    return train_step
+
+
+def check_document_mask(cfg: Config, plan: pipeline.Plan | None, eos_id: int | None) -> int | None:
+    """The EOS id that `data.document_mask` cuts attention at, or None when it is off."""
+    if not cfg.data.document_mask:
+        return None
+    if plan:
+        raise JaxdistError(
+            "data.document_mask=true is not supported with pipeline parallelism (pp > 1) yet; "
+            "use pp=1 or turn the mask off"
+        )
+    if eos_id is None:
+        raise JaxdistError(
+            "data.document_mask=true needs the end-of-document id: build the program with "
+            "eos_id=data.mask_eos(cfg), as the trainer does"
+        )
+    return eos_id
+
+
+class _in_mesh:
+    """Call (and lower) a jitted function under its mesh and logical rules (`sharding.activate`), so
+    the activation constraints it traces resolve."""
+
+    def __init__(self, mesh: Mesh, rules, fn):
+        self.mesh, self.rules, self.fn = mesh, rules, fn
+
+    def __call__(self, *args):
+        with sharding.activate(self.mesh, self.rules):
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with sharding.activate(self.mesh, self.rules):
+            return self.fn.lower(*args)
