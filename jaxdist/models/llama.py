@@ -265,6 +265,10 @@ class Llama(nnx.Module):
     def logits(self, x_BTD):
         return loss.logits(self.head(x_BTD))
 
+    def combine_aux(self, aux_L):
+        """Per-layer aux sums (leading layer axis) -> the model's (the pipeline calls it too)."""
+        return moe.combine_layers(aux_L)
+
     def features(self, tokens_BT, segment_ids_BT=None, positions_T=None):
         """What `jaxdist.parallel.loss.cross_entropy` takes instead of logits (never B·T·V): a loss.Head, or
         (loss.Head, aux) with MoE layers."""
@@ -275,7 +279,7 @@ class Llama(nnx.Module):
         aux['objective']). `positions_T`: context parallelism's load-balanced order (None: 0..T-1)."""
         x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
         out = self.head(x_BTD) if features else self.logits(x_BTD)
-        return out if aux is None else (out, moe.combine_layers(aux))
+        return out if aux is None else (out, self.combine_aux(aux))
 
     def decode(self, tokens_BT, positions_BT, cache_k_LBSKH, cache_v_LBSKH, index, mask_BTS):
         """KV-cache forward of a chunk of tokens (the prompt, then one token at a time) written at cache

@@ -35,7 +35,7 @@ from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedules
-from jaxdist.reduce.gradients import split_microbatches
+from jaxdist.parallel.microbatch import split_microbatches
 
 AXIS = "pp"
 VIRTUAL = ("circular", "interleaved_1f1b")  # schedules with pipeline.repeats chunks per stage
@@ -302,9 +302,7 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
         out = model.head(x_BTD) if features else model.logits(x_BTD)
         if not sparse:
             return out
-        from jaxdist.models.moe import combine_layers  # the model's own combination of per-layer sums
-
-        return out, combine_layers(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
+        return out, model.combine_aux(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
     if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.reduce.gradients)
         from jaxdist.parallel.pipeline_1f1b import schedule_objective

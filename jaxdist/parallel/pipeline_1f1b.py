@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.data import loss_mask
 from jaxdist.parallel import schedules
 from jaxdist.parallel.loss import cross_entropy
-from jaxdist.reduce.gradients import split_microbatches
+from jaxdist.parallel.microbatch import split_microbatches
 
 AXIS, STACK = "pp", "blocks"
 # lax.switch branches

@@ -1,6 +1,6 @@
-"""The gradient stage: token-weighted loss sums, micro-batch split and accumulation, the implicit stage.
+"""The gradient stage: token-weighted loss sums, micro-batch accumulation, the implicit stage.
 
-A leaf: it knows nothing of the trainer, the mesh or the config. `jaxdist.training.step` picks a stage from its
+It knows nothing of the trainer, the mesh or the config (the micro-batch split is parallel/microbatch.py). `jaxdist.training.step` picks a stage from its
 table (implicit here; the explicit data-parallel reduction in `jaxdist.reduce.reducer`).
 """
 
@@ -16,6 +16,7 @@ from jaxdist.data import loss_mask
 from jaxdist.distributed import offload
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel.loss import cross_entropy
+from jaxdist.parallel.microbatch import split_microbatches
 
 
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
@@ -64,12 +65,6 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
     loss, count = token_loss_sums(model_only, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
     return loss + aux.get("objective", 0.0), (loss, count, stats)
-
-
-def split_microbatches(x_B, microbatches: int):
-    """(B, ...) -> (M, B/M, ...) taking rows m, m+M, ...: each device keeps its own rows (no resharding).
-    Used for gradient accumulation and for the pipeline's micro-batches."""
-    return x_B.reshape(x_B.shape[0] // microbatches, microbatches, *x_B.shape[1:]).swapaxes(0, 1)
 
 
 def on_device_gradients(apply_fn: Callable, order_T=None) -> Callable:
