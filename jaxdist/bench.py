@@ -66,6 +66,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     from jaxdist.data import loader
     from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.distributed import sharding
+    from jaxdist.models import flops
     from jaxdist.observe import metrics
     from jaxdist.parallel import pipeline
     from jaxdist.training import step
@@ -78,7 +79,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
         "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
         "devices": len(devices),
         "platform": devices[0].platform,
-        "flops_per_token": metrics.flops_per_token(cfg.model),
+        "flops_per_token": flops.flops_per_token(cfg.model),
         "compile_s": time.perf_counter() - t0,
         **metrics.compiled_stats(compiled),
         "pipeline": pipeline.describe(pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))),
@@ -98,6 +99,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
 
     from jaxdist.data import loader
     from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.models import flops
     from jaxdist.observe import metrics
     from jaxdist.training import step
 
@@ -127,7 +129,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
 
     step_time = statistics.median(times)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
+    flops_tok = flops.flops_per_token(cfg.model, cfg.lora)
     # as the trainer reports it: MFU only against a datasheet peak (or train.peak_flops); on CPU, whose
     # probed matmul rate moved with the machine's load, achieved FLOP/s alone
     peak = metrics.peak_flops(devices, str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)[0]

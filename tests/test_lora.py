@@ -20,8 +20,8 @@ from jaxdist.adapters.lora import count_adapter_params
 from jaxdist.distributed import hlo
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
+from jaxdist.models import flops
 from jaxdist.models.llama import count_params
-from jaxdist.observe import metrics
 from jaxdist.parallel import pipeline
 from jaxdist.training import step
 
@@ -177,7 +177,7 @@ def test_only_adapters_train(cfg, batches, fsdp8):
     adapter_bytes = nbytes(adapters.trainable(state.params))
     adapter_count = sum(a.size for a in jax.tree.leaves(adapters.trainable(state.params)))
     assert adapter_bytes == 4 * adapter_count == 4 * count_adapter_params(prog.cfg.model, prog.cfg.lora) > 0
-    full, lora = metrics.flops_per_token(prog.cfg.model), metrics.flops_per_token(prog.cfg.model, prog.cfg.lora)
+    full, lora = flops.flops_per_token(prog.cfg.model), flops.flops_per_token(prog.cfg.model, prog.cfg.lora)
     matmul = count_params(prog.cfg.model)["total"] - count_params(prog.cfg.model)["embed"]  # untied: head counts
     assert lora == full - 2 * matmul + 6 * adapter_count  # no weight gradients for the base
     assert nbytes(state.opt_state) - 2 * adapter_bytes == 8  # adam's count + the schedule's, int32 each

@@ -25,7 +25,12 @@ from jaxdist.config import Config
 from jaxdist.data import corpus
 from jaxdist.errors import JaxdistError
 from jaxdist.reduce import reducer
-from jaxdist.training.step import Program, TrainState
+
+# The train state and program are jaxdist.training.step's TrainState and Program, taken as given (checkpoint/
+# sits below training/ in the layering, docs/architecture.md): a restored state is the program's own
+# abstract state with its values replaced.
+TrainState = Any
+Program = Any
 
 
 @dataclasses.dataclass
@@ -91,7 +96,7 @@ def _restore_step(
         manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
     except ValueError:
         loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
-    return TrainState(params=restored["params"], **restored["train"]), changes, meta.get("progress")
+    return dataclasses.replace(abstract, params=restored["params"], **restored["train"]), changes, meta.get("progress")
 
 
 def _meta(manager, step: int) -> dict:

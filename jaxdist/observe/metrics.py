@@ -1,8 +1,6 @@
-"""FLOPs, MFU, throughput; peak FLOP/s; device memory; memory and collectives of a compiled step; metric writer.
+"""Peak FLOP/s; device memory; memory and collectives of a compiled step; metric writer.
 
-Model FLOPs per token (PaLM appendix B convention): 6·N for the matmul parameters (the input embedding
-is a lookup and does not count; the output head does) plus 12·L·T·(heads·head_dim) for attention
-scores and values, forward + backward, without halving for the causal mask.
+The model FLOPs per token that MFU divides are jaxdist/models/flops.py's.
 """
 
 from __future__ import annotations
@@ -13,10 +11,8 @@ from pathlib import Path
 
 import jax
 
-from jaxdist.config import ModelConfig
 from jaxdist.distributed import hlo
 from jaxdist.errors import JaxdistError
-from jaxdist.models.llama import count_params
 from jaxdist.planner import hardware
 
 # device_kind substring -> the planner's hardware entry (its datasheet peak FLOP/s per device).
@@ -29,20 +25,6 @@ DEVICE_KINDS = {
     "tpu v5p": "tpu-v5p",
     "tpu v5": "tpu-v5p",
 }
-
-
-def flops_per_token(cfg: ModelConfig, lora=None) -> float:
-    """MoE models count the active parameters only (router + the K routed experts + shared ones). With
-    LoRA (`lora.rank` > 0) the frozen base costs 4 FLOPs per parameter (forward and input gradients; no
-    weight gradients are computed) and the adapters 6."""
-    counts = count_params(cfg)
-    matmul_params = counts["active"] - counts["embed"] + (counts["embed"] if cfg.tie_embeddings else 0)
-    attention = 12 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.head_dim
-    if lora is not None and lora.rank:
-        from jaxdist.adapters.lora import count_adapter_params
-
-        return 4.0 * matmul_params + 6.0 * count_adapter_params(cfg, lora) + attention
-    return 6.0 * matmul_params + attention
 
 
 def peak_flops(devices, dtype: str, override_per_device: float = 0.0) -> tuple[float, str]:

@@ -167,7 +167,7 @@ def param_and_state_bytes(prog) -> tuple[int, int]:
 def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     from jaxdist.distributed.mesh import format_mesh
     from jaxdist.models.llama import count_params
-    from jaxdist.training import step
+    from jaxdist.models.resolve import compute_dtype
 
     p_bytes, o_bytes = param_and_state_bytes(prog)
     counts = count_params(cfg.model)
@@ -184,7 +184,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"model {n / 1e6:.2f}M params{active}; per device: params {p_bytes / 2**20:.1f} MiB, "
         f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.grad_accum_steps} micro-batch(es), "
-        f"gradient stage {prog.gradients.name}, compute {step.compute_dtype(cfg.model)}",
+        f"gradient stage {prog.gradients.name}, compute {compute_dtype(cfg.model)}",
     ]
     if cfg.lora.rank:
         from jaxdist.adapters.lora import count_adapter_params

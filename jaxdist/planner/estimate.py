@@ -3,7 +3,7 @@
 Step time (per optimizer step, every device in lock-step):
   compute   = hardware FLOPs per device / (peak x matmul efficiency); hardware FLOPs add the recompute of
               the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
-              its stages) to the model FLOPs of `jaxdist.observe.metrics.flops_per_token` (PaLM convention).
+              its stages) to the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
               pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
               1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest
@@ -28,8 +28,8 @@ import math
 from jaxdist.config import Config
 from jaxdist.distributed.mesh import AXES
 from jaxdist.errors import JaxdistError
+from jaxdist.models.flops import flops_per_token
 from jaxdist.models.llama import count_params
-from jaxdist.observe.metrics import flops_per_token
 from jaxdist.parallel import schedules
 from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware

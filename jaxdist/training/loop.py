@@ -145,6 +145,7 @@ def _set_up(cfg, run_dir: Path, log, lock) -> _Setup:
     from jaxdist.data import loader as data
     from jaxdist.data import run_tokenizer
     from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.models import flops
     from jaxdist.observe import metrics
     from jaxdist.training import rundir, step
 
@@ -166,7 +167,7 @@ def _set_up(cfg, run_dir: Path, log, lock) -> _Setup:
     no_eval = data.no_eval_reason(cfg, loader)
     if no_eval:  # decided now, not at the first evaluation (said below the data line)
         cfg = cfg.replace(train=dict(eval_every=0))
-    flops_tok = metrics.flops_per_token(cfg.model, cfg.lora)
+    flops_tok = flops.flops_per_token(cfg.model, cfg.lora)
     peak, peak_source = metrics.peak_flops(
         list(mesh.devices.flat), str(step.compute_dtype(cfg.model)), cfg.train.peak_flops
     )
