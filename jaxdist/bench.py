@@ -189,7 +189,7 @@ def _patient_cpu_collectives() -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxdist import config
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     if args.steps < 1 or args.warmup < 0:
         raise JaxdistError(

@@ -302,7 +302,7 @@ def parse_args(argv):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     args = parse_args(argv)
     setup_platform(args.cpu_devices)

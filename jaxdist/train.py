@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxdist.distributed import launch as distributed
+from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.observe import trackers
 from jaxdist.training.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
@@ -124,40 +125,6 @@ def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = Non
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise JaxdistError(f"--run-dir {path}: {probe} is not writable; choose a folder you can write to")
     return path
-
-
-def setup_platform(cpu_devices: int) -> None:
-    """Simulated CPU devices and GPU overlap flags must be configured before any JAX work."""
-    env = os.environ.get("JAX_NUM_CPU_DEVICES")
-    if env is not None and not (env.strip().isdigit() and int(env) > 0):
-        raise JaxdistError(
-            f"JAX_NUM_CPU_DEVICES={env!r} must be a positive whole number of simulated CPU devices; fix or unset it"
-        )
-    if cpu_devices < 1:
-        raise JaxdistError(f"--cpu-devices {cpu_devices} must be at least 1")
-    from jaxdist.distributed import xla_flags
-
-    xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/distributed/xla_flags.py)
-    import jax
-
-    if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""
-    ):
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-
-
-def enable_compilation_cache() -> None:
-    """Persistent compilation cache for single-process runs: a re-run of the same program loads it
-    instead of compiling (~10x faster start on CPU). JAX_COMPILATION_CACHE_DIR, when set, wins — except
-    for several CPU processes: two that both loaded their step from the cache hung in the first gloo
-    collective (jax 0.10.2), so there the cache is off."""
-    import jax
-
-    if jax.process_count() > 1:
-        if jax.default_backend() == "cpu":
-            jax.config.update("jax_compilation_cache_dir", None)
-    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
 
 
 def allowed_changes(text: str) -> frozenset[str]:

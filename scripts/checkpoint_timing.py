@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(args.cpu_devices)
     import jax

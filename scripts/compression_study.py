@@ -214,7 +214,7 @@ def plot(results, path: Path, title: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)
     from jaxdist import config

@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--cases", nargs="+", default=CASES)
     args = p.parse_args()
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)
     import jax

@@ -73,7 +73,7 @@ echo "== device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
 emit "$(python3 - <<'EOF'
 import json, os
-from jaxdist.train import setup_platform
+from jaxdist.distributed.platform import setup_platform
 setup_platform(1)  # applies jaxdist's GPU XLA flags (jaxdist/distributed/xla_flags.py) before the backend starts
 import jax, flax, optax
 d = jax.devices()[0]

@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--fixture", default=str(REPO / "tests" / "fixtures" / "hf_llama"))
     p.add_argument("--mesh", nargs="+", default=["fsdp=1", "fsdp=4,tp=2"])
     args = p.parse_args()
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)
     import jax

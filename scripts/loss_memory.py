@@ -24,7 +24,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=[128256, 256])
     args = p.parse_args()
     from jaxdist import bench, config
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)
     for mesh in args.mesh:

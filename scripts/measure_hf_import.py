@@ -110,7 +110,7 @@ def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-from jaxdist.train import setup_platform
+from jaxdist.distributed.platform import setup_platform
 setup_platform(8)
 import jax
 from jaxdist import convert, mesh as mesh_mod

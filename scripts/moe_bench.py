@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     from jaxdist import bench, config
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)
     best = {}

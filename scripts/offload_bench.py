@@ -34,8 +34,8 @@ def main() -> int:
     args = p.parse_args()
     from jaxdist import bench, config
     from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.distributed.platform import setup_platform
     from jaxdist.observe import report
-    from jaxdist.train import setup_platform
     from jaxdist.training import step
 
     setup_platform(8)

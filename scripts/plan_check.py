@@ -39,7 +39,7 @@ def main() -> int:
         flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*", "--xla_dump_hlo_as_proto"]
         flags += ["--xla_dump_hlo_as_text"]  # the buffer assignment and live ranges, for donated_live
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
-    from jaxdist.train import setup_platform
+    from jaxdist.distributed.platform import setup_platform
 
     setup_platform(args.devices)
     from jaxdist.analysis import plan_check
