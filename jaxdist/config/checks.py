@@ -10,6 +10,10 @@ from jaxdist.config.axes import check_axes
 from jaxdist.config.types import _base, _field_types
 from jaxdist.errors import JaxdistError
 
+# The trackers train.trackers may name: name -> (module to import, the pyproject extra that installs it).
+# Data here, below observe/trackers.py, which opens them, so the config is checked without importing it.
+TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
 
 def validate(cfg) -> None:
     """Value checks that need no devices, in one place: each field's Literal choices and Range (at
@@ -44,8 +48,6 @@ def validate_fields(cfg) -> None:
 
 
 def validate_trackers(names) -> None:
-    from jaxdist.observe.trackers import TRACKERS
-
     for name in names:
         if name not in TRACKERS:
             raise JaxdistError(f"train.trackers: {name!r} is not one of {', '.join(TRACKERS)}")

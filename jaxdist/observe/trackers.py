@@ -6,7 +6,7 @@ run's summary. W&B follows its own environment (`WANDB_MODE=offline`, `WANDB_PRO
 under the run dir. MLflow logs to `MLFLOW_TRACKING_URI`, or to a file store in `RUN_DIR/mlruns`.
 A resumed run continues the same W&B / MLflow run (its id is kept in the run dir).
 
-A leaf module: imports nothing from jaxdist but the error type.
+A leaf module: imports nothing from jaxdist but the error type and the tracker names (config.checks).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
+from jaxdist.config.checks import TRACKERS  # name -> (module to import, the pyproject extra)
 from jaxdist.errors import JaxdistError
-
-# tracker name -> (module to import, the pyproject extra that installs it)
-TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
 def import_tracker(module: str):
