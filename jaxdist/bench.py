@@ -65,7 +65,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     from jaxdist.analysis import measure
     from jaxdist.data import loader
     from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.distributed import sharding
+    from jaxdist.distributed import offload, sharding
     from jaxdist.models import flops
     from jaxdist.observe import metrics
     from jaxdist.parallel import pipeline
@@ -86,7 +86,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
-    record["host_transfers"] = measure.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
+    record["host_transfers"] = offload.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     return record
 

@@ -5,7 +5,7 @@
 Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
 terms, and the bytes per collective kind on both sides; with offload.params / offload.optimizer=host,
 `host_transfers`: the planner's host<->device bytes per step beside those counted from the traced step
-(the compiled program has no copies on CPU: jaxdist.analysis.measure.host_transfers). Its `arguments` are
+(the compiled program has no copies on CPU: jaxdist.distributed.offload.host_transfers). Its `arguments` are
 memory_analysis()'s, which on CPU count host-resident ones too. `--dump DIR` also writes the compiled HloProto
 there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
 bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1),
@@ -68,13 +68,13 @@ def packing(folder: str) -> dict:
 
 def host_transfers(lay, mesh: str) -> dict:
     """Offload's host<->device bytes per device per step: [planner, counted from the traced step]."""
-    from jaxdist.analysis import measure
     from jaxdist.data import loader
+    from jaxdist.distributed import offload
     from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.planner import transfers
     from jaxdist.training import step
 
-    counted = measure.host_transfers(
+    counted = offload.host_transfers(
         step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=loader.mask_eos(lay.cfg))
     )
     planned = transfers.host_traffic(lay)

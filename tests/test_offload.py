@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
-from jaxdist.distributed import hlo
+from jaxdist.distributed import hlo, offload
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.observe import metrics
 from jaxdist.training import step
@@ -317,9 +317,8 @@ TRANSFER_CASES = {
 @pytest.mark.parametrize("case", list(TRANSFER_CASES))
 def test_planner_predicts_the_counted_host_transfers(cfg, case):
     """The planner's host<->device bytes per device per step (jaxdist.planner.transfers) against those
-    counted from the traced step's memory-space moves (jaxdist.analysis.measure.host_transfers), each direction
+    counted from the traced step's memory-space moves (jaxdist.distributed.offload.host_transfers), each direction
     within 1% either way. Measured: equal to the byte."""
-    from jaxdist.analysis import measure
     from jaxdist.planner import transfers
     from jaxdist.planner.hardware import HARDWARE
     from jaxdist.planner.layout import Layout
@@ -331,7 +330,7 @@ def test_planner_predicts_the_counted_host_transfers(cfg, case):
         pytest.skip(f"needs {n} devices")
     c = cfg.replace(**over)
     prog = step.build_program(c, mesh_mod.mesh_from_string(text, jax.devices()[:n]))
-    counted = measure.host_transfers(prog)
+    counted = offload.host_transfers(prog)
     lay = Layout(c, {a: int(k) for a, k in prog.mesh.shape.items()}, HARDWARE["cpu"])
     predicted = transfers.host_traffic(lay)
     assert counted["assumed_bytes"] == 0 and counted["host_to_device_bytes"] > 0
@@ -340,7 +339,7 @@ def test_planner_predicts_the_counted_host_transfers(cfg, case):
 
 
 def test_counted_moves_are_the_gpu_lowering_placements(cfg):
-    """Each move measure.host_transfers counts is a placement of the program lowered for a GPU (what
+    """Each move offload.host_transfers counts is a placement of the program lowered for a GPU (what
     XLA:GPU turns into copies; XLA:CPU strips them before partitioning): the host placements of float32
     arrays, by shape, are exactly the traced moves to host plus the results kept in host memory."""
     from collections import Counter

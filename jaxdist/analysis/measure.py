@@ -6,8 +6,6 @@ Bytes are the compiled program's collectives whose replica groups span the axis,
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -119,54 +117,3 @@ def compression_ratio_run(cfg: Config, mesh: Mesh, compiled_hlo_text: str | None
     text = compiled_hlo_text or compile_train_step(cfg, mesh).as_text()
     steady, run = run_bytes_per_step(cfg, mesh, text)
     return compression_ratio(cfg, mesh, steady) * steady / run
-
-
-def host_transfers(prog) -> dict:
-    """Host<->device bytes per device one train step moves, counted from the traced step's memory-space
-    moves (`offload.moves`: scan trip counts multiplied in) and its outputs kept in host memory:
-    {"host_to_device_bytes", "device_to_host_bytes", "moves", "assumed_bytes", "trips_known"} (False: a
-    move sits in a while loop, counted once: the bytes are a floor).
-
-    Why not the compiled program's copies: XLA:CPU strips the placements before partitioning (its pass
-    strip-memory-placement-annotations), so the program it compiles has none; each move here is one
-    placement of the program lowered for a GPU, which XLA:GPU's host offloader turns into a copy
-    (tests/test_offload.py pairs the two). A move's per-device bytes are those of the state leaf (or
-    stacked layer slice) of its shape and dtype under the state's shardings; a shape that is no state
-    leaf's (activation residuals) is taken as split over the batch axes only, one that several leaves
-    sharded differently share as the largest of them (`assumed_bytes`: those moves' share; a residual
-    also split over tp is overcounted by tp)."""
-    from jaxdist.distributed import offload
-
-    tokens = jax.ShapeDtypeStruct(
-        (prog.cfg.train.global_batch, prog.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
-    )
-    with prog.activate():
-        traced = prog.train_step.fn.trace(prog.abstract_state, tokens)
-    sizes: dict[tuple, set[int]] = {}  # (shape, dtype) -> per-device bytes of the state leaves of that shape
-    for part in ("params", "opt_state"):
-        leaves = jax.tree_util.tree_flatten_with_path(getattr(prog.abstract_state, part))[0]
-        for (path, a), s in zip(leaves, jax.tree.leaves(getattr(prog.state_shardings, part)), strict=True):
-            shard = s.shard_shape(a.shape)
-            sizes.setdefault((tuple(a.shape), str(a.dtype)), set()).add(math.prod(shard) * a.dtype.itemsize)
-            if any(getattr(k, "key", None) == "blocks" for k in path):  # the scan moves one layer's slice
-                key = (tuple(a.shape[1:]), str(a.dtype))
-                sizes.setdefault(key, set()).add(math.prod(shard[1:]) * a.dtype.itemsize)
-    out = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "moves": 0, "assumed_bytes": 0, "trips_known": True}
-    for m in offload.moves(traced.jaxpr.jaxpr):
-        out["trips_known"] &= m.trips_known
-        known = sizes.get((m.shape, m.dtype), set())
-        if m.manual:
-            per_device = m.global_bytes
-        elif len(known) == 1:
-            per_device = next(iter(known))
-        else:  # no state leaf of this shape (a residual), or several sharded differently: the largest
-            per_device = max(known, default=m.global_bytes // prog.batch_shards())
-            out["assumed_bytes"] += m.count * per_device
-        out["device_to_host_bytes" if m.to_host else "host_to_device_bytes"] += m.count * per_device
-        out["moves"] += m.count
-    # The step's results kept in host memory (out_shardings) leave the device once, at its end.
-    for a, s in zip(jax.tree.leaves(prog.abstract_state), jax.tree.leaves(prog.state_shardings), strict=True):
-        if s.memory_kind == offload.HOST_KIND:
-            out["device_to_host_bytes"] += math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-            out["moves"] += 1
-    return out

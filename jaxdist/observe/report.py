@@ -212,9 +212,9 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         )
     line = None
     if cfg.offload != type(cfg.offload)():
-        from jaxdist.analysis import measure
+        from jaxdist.distributed import offload
 
-        line = offload_line(cfg, measure.host_transfers(prog))
+        line = offload_line(cfg, offload.host_transfers(prog))
     if line:
         lines.append(line)
     return lines
@@ -222,7 +222,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
 
 def offload_line(cfg, moved: dict | None) -> str | None:
     """What lives in host memory and the host<->device bytes per device the step moves (`moved`:
-    jaxdist.analysis.measure.host_transfers, counted from the traced step)."""
+    jaxdist.distributed.offload.host_transfers, counted from the traced step)."""
     o = cfg.offload
     if (o.optimizer, o.params, o.activations) == ("none",) * 3:
         return None

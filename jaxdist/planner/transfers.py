@@ -1,7 +1,7 @@
 """Host<->device bytes per device per step of the offload section, and their time at the hardware
 table's host bandwidth (PCIe, NVLink-C2C).
 
-The bytes are those the traced step moves (`jaxdist.analysis.measure.host_transfers` counts them; checked
+The bytes are those the traced step moves (`jaxdist.distributed.offload.host_transfers` counts them; checked
 against it in tests/test_offload.py), with P the stored parameters per device (P_L of them in the
 layer stack), O the AdamW state and A the micro-batches:
   optimizer=host: O in for the update, O out with the result.
