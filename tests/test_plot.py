@@ -11,7 +11,7 @@ import pytest
 from conftest import MICRO_MODEL
 
 from jaxdist import config, plot, train
-from jaxdist.observe import progress
+from jaxdist.observe import plots, progress
 
 SMALL = MICRO_MODEL
 
@@ -44,7 +44,7 @@ def test_sigterm_still_writes_loss_png(tmp_path):
     result = train.run(five_step_config(), tmp_path / "run", log=log)
     assert result.steps == 4 and any(x.startswith("stopped by SIGTERM at step 4") for x in lines), lines
     assert (tmp_path / "run" / "loss.png").stat().st_size > 20_000
-    assert plot.read_metrics(tmp_path / "run")[-1]["step"] == 4
+    assert plots.read_metrics(tmp_path / "run")[-1]["step"] == 4
 
 
 def test_run_writes_a_decodable_loss_png(five_steps):
@@ -171,10 +171,10 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     ]
     for a, b in cases:
         flat = [
-            plot.read_config(_write(tmp_path / name, loader.resolve_token_dtype(config.load(None, over))))
+            plots.read_config(_write(tmp_path / name, loader.resolve_token_dtype(config.load(None, over))))
             for name, over in (("a", a), ("b", b))
         ]
-        assert plot.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
+        assert plots.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
     assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["data"]["token_dtype"] == "auto"
     # A text run recorded before (token_dtype uint16, which it never read) still resumes without a drift.
     from jaxdist.checkpoint import compat
@@ -191,13 +191,13 @@ def _write(run_dir, cfg):
 
 def test_long_legend_labels_are_broken_at_their_separators():
     label = ", ".join(f"optim.key_{i}=0.00{i}" for i in range(7))  # seven differing keys: 131 characters
-    text = plot.legend_text(label)
+    text = plots.legend_text(label)
     assert all(len(line) <= 48 for line in text.splitlines()) and len(text.splitlines()) == 4
     assert text.replace(",\n", ", ") == label  # nothing lost or reordered
-    assert plot.legend_text("a=1, b=2") == "a=1, b=2"
-    assert plot.legend_text("x" * 60 + ", b=2") == "x" * 60 + ",\nb=2"  # a long pair keeps its own line
+    assert plots.legend_text("a=1, b=2") == "a=1, b=2"
+    assert plots.legend_text("x" * 60 + ", b=2") == "x" * 60 + ",\nb=2"  # a long pair keeps its own line
     edge = "a" * 20 + ", " + "b" * 26 + ", c=1"  # 48 characters before the second comma: that comma counts
-    assert [len(line) for line in plot.legend_text(edge).splitlines()] == [21, 31]
+    assert [len(line) for line in plots.legend_text(edge).splitlines()] == [21, 31]
 
 
 def test_plot_cli_errors_are_one_line(tmp_path, capsys):
@@ -217,7 +217,7 @@ def test_resumed_segments_are_joined_by_step(tmp_path):
         {"step": 6, "loss": 2.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "lo')
-    assert [(r["step"], r["loss"]) for r in plot.read_metrics(tmp_path)] == [(2, 3.0), (4, 2.4), (6, 2.0)]
+    assert [(r["step"], r["loss"]) for r in plots.read_metrics(tmp_path)] == [(2, 3.0), (4, 2.4), (6, 2.0)]
 
 
 def test_tqdm_disable_and_non_terminals_get_plain_lines(monkeypatch):

@@ -15,9 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxdist import plot
 from jaxdist.errors import JaxdistError
-from jaxdist.observe import trackers
+from jaxdist.observe import plots, trackers
 
 # A write that fails for these reasons (the lock, config.yaml, the tokenizer record, ...) is the
 # user's environment, not a bug: one line instead of a traceback.
@@ -155,7 +154,7 @@ def _set_up(cfg, run_dir: Path, log, lock) -> _Setup:
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)
     # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
-    threading.Thread(target=plot.pyplot, daemon=True).start()
+    threading.Thread(target=plots.pyplot, daemon=True).start()
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     cfg = data.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
@@ -413,7 +412,7 @@ def _restore(cfg, run_dir: Path, prog, loader, restore, allowed, is_main: bool, 
 def _plot(run_dir: Path):
     """loss.png, or why there is none: a picture must never hide the run's own outcome or error."""
     try:
-        return plot.loss_png(run_dir)
+        return plots.loss_png(run_dir)
     except Exception as e:
         from jaxdist.observe.metrics import reason
 
