@@ -93,8 +93,9 @@ def generation_rules(cfg) -> dict:
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
-    from jaxdist import convert
     from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.hf import convert as hf_convert
+    from jaxdist.hf import mapping, tensors
 
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
@@ -103,10 +104,10 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
         from jaxdist.hf.hub import local_dir
 
         hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
-        cfg = convert.hf_config(None, [], Path(hf_dir), mesh_text)
-        params, model = convert.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
+        cfg = mapping.hf_config(None, [], Path(hf_dir), mesh_text)
+        params, model = tensors.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
         return cfg, params, model.graphdef, mesh, Path(hf_dir)
-    got = convert.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
+    got = hf_convert.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
     return got.cfg, got.params, got.model.graphdef, mesh, got.run_dir / "hf_source"
 
 

@@ -33,17 +33,17 @@ def main() -> int:
     import numpy as np
     from flax import nnx
 
-    from jaxdist import convert
     from jaxdist.distributed import sharding
     from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.hf import mapping, tensors
 
     fixture = Path(args.fixture)
     ref = np.load(fixture / "reference.npz")
     for mesh_text in args.mesh:
         n = math.prod(int(part.split("=")[1]) for part in mesh_text.split(","))
-        cfg = convert.hf_config(None, [], fixture, mesh_text)
+        cfg = mapping.hf_config(None, [], fixture, mesh_text)
         mesh = mesh_from_string(mesh_text, jax.devices()[:n])
-        params, model = convert.import_params(fixture, cfg, mesh)
+        params, model = tensors.import_params(fixture, cfg, mesh)
         with sharding.activate(mesh, model.rules):
             out = np.asarray(jax.jit(lambda p, t, g=model.graphdef: nnx.merge(g, p)(t))(params, ref["sequences"]))
         diff = float(np.abs(out - ref["logits"]).max())

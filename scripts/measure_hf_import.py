@@ -113,14 +113,15 @@ def status(key):
 from jaxdist.distributed.platform import setup_platform
 setup_platform(8)
 import jax
-from jaxdist import convert, mesh as mesh_mod
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.hf import mapping, tensors
 hf_dir, mesh_text = Path(sys.argv[1]), sys.argv[2]
-cfg = convert.hf_config(None, [], hf_dir, mesh_text)
+cfg = mapping.hf_config(None, [], hf_dir, mesh_text)
 mesh = mesh_mod.mesh_from_string(mesh_text)
 jax.block_until_ready(jax.device_put(jax.numpy.zeros(8), jax.devices()[0]))
 baseline = status('VmRSS')
 t = time.perf_counter()
-params, _ = convert.import_params(hf_dir, cfg, mesh)
+params, _ = tensors.import_params(hf_dir, cfg, mesh)
 jax.block_until_ready(params)
 seconds = time.perf_counter() - t
 param_bytes = sum(a.nbytes for a in jax.tree.leaves(params))

@@ -23,11 +23,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxdist import config, convert, generate
+from jaxdist import config, generate
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.hf import export, mapping
+from jaxdist.hf import export, mapping, tensors
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAMILIES = {  # fixture -> (model.family, the sharded mesh it is checked on)
@@ -52,9 +52,9 @@ def forward(model, params, mesh, tokens):
 
 def imported(name: str, mesh_text: str, overrides=(), devices=None):
     d = FIXTURES / name
-    cfg = convert.hf_config(None, list(overrides), d, mesh_text)
+    cfg = mapping.hf_config(None, list(overrides), d, mesh_text)
     mesh = mesh_from_string(mesh_text, devices)
-    params, model = convert.import_params(d, cfg, mesh)
+    params, model = tensors.import_params(d, cfg, mesh)
     return cfg, mesh, params, model
 
 
@@ -101,7 +101,7 @@ def test_export_is_the_fixture_bit_for_bit(family, tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     source = json.loads((FIXTURES / name / "config.json").read_text())
     assert written["architectures"] == source["architectures"] and written["model_type"] == source["model_type"]
-    again, _ = convert.import_params(tmp_path, cfg, mesh)
+    again, _ = tensors.import_params(tmp_path, cfg, mesh)
     a, b = flat(params), flat(again)
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -151,7 +151,7 @@ def test_switches_are_not_vacuous(name, override):
     cfg, mesh, params, model = imported(name, "fsdp=1", devices=jax.devices()[:1])
     key, value = override.split("=")
     cfg = cfg.replace(model={key.split(".")[1]: config.parse_override(override)[2]})
-    params, model = convert.import_params(FIXTURES / name, cfg, mesh)
+    params, model = tensors.import_params(FIXTURES / name, cfg, mesh)
     assert np.abs(forward(model, params, mesh, ref["sequences"]) - ref["logits"]).max() > 1e-2
 
 

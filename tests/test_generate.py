@@ -109,10 +109,13 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
 
 def test_run_dir_generation_equals_hf_generation(tmp_path):
     """--run-dir: a converted run decodes exactly as the HF directory it came from (and keeps its EOS)."""
-    from jaxdist import convert
+    from jaxdist.hf import convert as hf_convert
+    from jaxdist.hf import mapping
 
     ref = np.load(FIXTURE / "reference.npz")
-    convert.from_hf(FIXTURE, tmp_path / "run", convert.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None)
+    hf_convert.from_hf(
+        FIXTURE, tmp_path / "run", mapping.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None
+    )
     cfg, params, graphdef, mesh, source = generate.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")
     prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
     new, logp, _, _ = generate.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))

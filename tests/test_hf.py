@@ -33,6 +33,7 @@ from jaxdist.data import loader as data
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
+from jaxdist.hf import convert as hf_convert
 from jaxdist.hf import export, mapping
 from jaxdist.hf import tensors as hf_io
 from jaxdist.reduce.gradients import token_loss_sums
@@ -52,9 +53,9 @@ def logits(model, params, mesh, tokens):
 
 
 def imported(hf_dir: Path, mesh_text: str, devices=None):
-    cfg = convert.hf_config(None, [], hf_dir, mesh_text)
+    cfg = mapping.hf_config(None, [], hf_dir, mesh_text)
     mesh = mesh_from_string(mesh_text, devices)
-    params, model = convert.import_params(hf_dir, cfg, mesh)
+    params, model = hf_io.import_params(hf_dir, cfg, mesh)
     return cfg, mesh, params, model
 
 
@@ -85,7 +86,7 @@ def test_logits_match_transformers_on_one_device():
     assert np.abs(out - ref["logits"]).max() <= 1e-4
     # The llama3 rescale matters here: without it the logits are far off (the check is not vacuous).
     plain = cfg.replace(model={"rope_scaling": "none"})
-    params2, model2 = convert.import_params(FIXTURE, plain, mesh)
+    params2, model2 = hf_io.import_params(FIXTURE, plain, mesh)
     assert np.abs(logits(model2, params2, mesh, ref["sequences"]) - ref["logits"]).max() > 1e-2
 
 
@@ -110,7 +111,7 @@ def test_bf16_and_fp16_files_import_exactly(tmp_path):
         d.mkdir()
         shutil.copyfile(FIXTURE / "config.json", d / "config.json")
         save_file({k: v.astype(dt) for k, v in tensors.items()}, str(d / "model.safetensors"))
-        low = flat(convert.import_params(d, cfg, mesh)[0])
+        low = flat(hf_io.import_params(d, cfg, mesh)[0])
         want = {k: v.astype(dt).astype(np.float32) for k, v in flat(params).items()}
         assert all(np.array_equal(low[k], want[k]) for k in want)
         assert any(not np.array_equal(low[k], v) for k, v in flat(params).items())  # it did round
@@ -129,7 +130,7 @@ def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     assert len(files) > 3 and set(index["weight_map"]) == set(original)
     assert all(f.stat().st_size <= 60_000 + 4096 for f in files)  # data + header
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in original.values())
-    again, _ = convert.import_params(tmp_path / "many", cfg, mesh)
+    again, _ = hf_io.import_params(tmp_path / "many", cfg, mesh)
     a, b = flat(params), flat(again)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert mapping.model_fields(tmp_path / "many") == mapping.model_fields(FIXTURE)
@@ -142,7 +143,7 @@ def test_tied_model_round_trips(tmp_path):
     assert np.abs(logits(model, params, mesh, ref["sequences"]) - ref["logits"]).max() <= 1e-4
     export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
-    again = flat(convert.import_params(tmp_path, cfg, mesh)[0])
+    again = flat(hf_io.import_params(tmp_path, cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
 
 
@@ -175,14 +176,14 @@ def test_trained_run_exports_and_reimports_bit_identically(tmp_path):
     cfg = config.load(None, SCRATCH)
     train.run(cfg, tmp_path / "run", log=lambda *a: None)
     mesh = mesh_from_string("fsdp=-1")
-    _, trained, _ = convert.load_run_params(tmp_path / "run", mesh)
-    convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
+    _, trained, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
+    hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["rope_scaling"] is None and written["vocab_size"] == 256 and written["max_position_embeddings"] == 16
-    again = flat(convert.import_params(tmp_path / "hf", convert.hf_config(None, SCRATCH, tmp_path / "hf"), mesh)[0])
+    again = flat(hf_io.import_params(tmp_path / "hf", mapping.hf_config(None, SCRATCH, tmp_path / "hf"), mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(trained).items())
     with pytest.raises(JaxdistError, match="already holds a model"):  # nothing overwritten
-        convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
+        hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
 
 
 def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
@@ -203,18 +204,18 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     cfg = mapping.apply(config.load(None, overrides), FIXTURE)
     result = train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
     mesh = mesh_from_string(cfg.mesh.shape)
-    params, model = convert.import_params(FIXTURE, cfg, mesh)
+    params, model = hf_io.import_params(FIXTURE, cfg, mesh)
     loader = data.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
     with sharding.activate(mesh, model.rules):
         s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
             params, next(loader)
         )
     assert abs(result.final_loss - float(s) / float(n)) < 1e-5
-    convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
+    hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # from the kept hf_source/
-    _, tuned, _ = convert.load_run_params(tmp_path / "run", mesh)
-    again = flat(convert.import_params(tmp_path / "hf", cfg, mesh)[0])
+    _, tuned, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
+    again = flat(hf_io.import_params(tmp_path / "hf", cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(tuned).items())
     assert not np.array_equal(again["['embed_VD']"], flat(params)["['embed_VD']"])  # it did train
     with pytest.raises(JaxdistError, match="conflicts with"):
@@ -309,13 +310,13 @@ def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):
     """from-hf onto pp=2 writes a (stage, layers) checkpoint; reading it back for export or generation
     on a pp=1 mesh gives the plain stack, bit for bit."""
     _, mesh, params, _, _ = sharded
-    cfg = convert.hf_config(None, [], FIXTURE, "pp=2,fsdp=4")
-    convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
-    _, back, _ = convert.load_run_params(tmp_path / "run", mesh)
+    cfg = mapping.hf_config(None, [], FIXTURE, "pp=2,fsdp=4")
+    hf_convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
+    _, back, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
     a, b = flat(params), flat(back)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(JaxdistError, match="already holds a run"):
-        convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
+        hf_convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
 
 
 @pytest.mark.slow

@@ -227,15 +227,15 @@ def test_config_refuses_dropout_and_unknown_targets():
 def peft_run(adapter_dir, mesh_text):
     """The HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
     fn, merged params, cfg). scripts/make_lora_peft_fixture.py runs this same path."""
-    from jaxdist import convert
     from jaxdist.adapters import peft
+    from jaxdist.hf import mapping, tensors
 
-    plain_cfg = convert.hf_config(None, [], BASE, mesh_text)
+    plain_cfg = mapping.hf_config(None, [], BASE, mesh_text)
     lora, blocks = peft.read(adapter_dir, plain_cfg.model)
     cfg = plain_cfg.replace(lora=lora)
     mesh = mesh_mod.mesh_from_string(mesh_text)
     prog, plain = step.build_program(cfg, mesh), step.build_program(plain_cfg, mesh)
-    base, _ = convert.import_params(BASE, plain_cfg, mesh)
+    base, _ = tensors.import_params(BASE, plain_cfg, mesh)
     state = prog.state_from_params(base)
     read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
     params = adapters.combine(read, adapters.frozen(state.params))
@@ -267,8 +267,9 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
     bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
-    from jaxdist import convert, generate, train
+    from jaxdist import generate, train
     from jaxdist.adapters import peft
+    from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping
 
     tokens = tmp_path / "tokens.bin"
@@ -295,14 +296,14 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     straight = train.run(longer, tmp_path / "b", **quiet)
     assert resumed.steps == straight.steps == 3 and resumed.final_loss == straight.final_loss
     mesh = mesh_mod.mesh_from_string("fsdp=8")
-    run_cfg, params, _ = convert.load_run_params(tmp_path / "a", mesh)
-    _, params_b, _ = convert.load_run_params(tmp_path / "b", mesh)
+    run_cfg, params, _ = hf_convert.load_run_params(tmp_path / "a", mesh)
+    _, params_b, _ = hf_convert.load_run_params(tmp_path / "b", mesh)
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params_b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert run_cfg.lora.base_dtype == "nf4" and params["blocks"]["attn"]["wq_DNH"].dtype == jnp.uint8
 
-    convert.to_hf(tmp_path / "a", tmp_path / "merged", "float32", 5 * 10**9, log=lambda *a: None)
-    convert.to_hf(tmp_path / "a", tmp_path / "peft", "float32", 5 * 10**9, log=lambda *a: None, peft=True)
+    hf_convert.to_hf(tmp_path / "a", tmp_path / "merged", "float32", 5 * 10**9, log=lambda *a: None)
+    hf_convert.to_hf(tmp_path / "a", tmp_path / "peft", "float32", 5 * 10**9, log=lambda *a: None, peft=True)
     lora, blocks = peft.read(tmp_path / "peft", run_cfg.model)
     assert lora == {"rank": 4, "alpha": 16.0, "targets": list(run_cfg.lora.targets)}
     for x, y in zip(jax.tree.leaves(blocks), jax.tree.leaves(adapters.trainable(params)["blocks"])):

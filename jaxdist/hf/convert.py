@@ -1,0 +1,293 @@
+"""Hugging Face checkpoints in and out of jaxdist run dirs (the work of `python -m jaxdist.convert`).
+
+from_hf writes a run dir (config.yaml + checkpoints/0 with parameters only) that
+`python -m jaxdist.train --config OUT_RUN_DIR/config.yaml --restore OUT_RUN_DIR checkpoint.params_only=true`
+fine-tunes; `read_run` reads a run's newest parameters onto a mesh (what to_hf and generation start from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+from jaxdist.hf.tensors import import_params
+
+
+def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxdist import checkpoint
+    from jaxdist import config as config_mod
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.hf import export
+
+    # Decided together: process 0 must not write before every process has looked.
+    if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
+        raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
+    mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
+    start = time.perf_counter()
+    params, _ = import_params(hf_dir, cfg, mesh)
+    jax.block_until_ready(params)
+    log(f"read {hf_dir} onto mesh {dict(mesh.shape)} in {time.perf_counter() - start:.1f}s")
+    out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (out / "config.yaml").write_text(config_mod.dump(cfg))
+        export.keep_source(hf_dir, out)
+    from jaxdist.checkpoint import integrity
+    from jaxdist.checkpoint.storage import TMP_SUFFIX
+
+    directory = out / checkpoint.SUBDIR
+    # Checksummed like a training checkpoint: before orbax publishes step 0 (process 0).
+    manager = checkpoint.open_manager(
+        directory, keep=1, before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}")
+    )
+    meta = {
+        "step": 0,
+        "seed": cfg.train.seed,
+        "config": cfg.to_dict(),
+        "source": f"hf:{Path(hf_dir).resolve()}",
+        integrity.META_FLAG: True,
+    }
+    manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+    log(f"wrote {out / checkpoint.SUBDIR / '0'} (parameters only) and {out / 'config.yaml'}")
+    return out
+
+
+def latest_step_dir(path: Path) -> Path:
+    """The newest step folder under `path` (not verified: reading goes through `read_run`)."""
+    from jaxdist import checkpoint
+
+    directory, step = checkpoint.checkpoint_dir(Path(path))
+    if step is None:
+        steps = []
+        if directory.is_dir():
+            manager = checkpoint.open_manager(directory, read_only=True)
+            steps = manager.all_steps()
+            manager.close()
+        if not steps:
+            raise JaxdistError(f"{path} holds no checkpoint; pass a run dir or its checkpoints/<step>")
+        step = max(steps)
+    return directory / str(step)
+
+
+def run_config(step_dir: Path):
+    """The resolved config a checkpoint was saved with (its meta item; not verified)."""
+    from jaxdist import checkpoint
+    from jaxdist import config as config_mod
+    from jaxdist.checkpoint.restoring import _meta
+
+    manager = checkpoint.open_manager(step_dir.parent, read_only=True)
+    try:
+        return config_mod.from_dict(_meta(manager, int(step_dir.name))["config"])
+    finally:
+        manager.close()
+
+
+@dataclasses.dataclass
+class RunParams:
+    cfg: object  # the checkpoint's config, mesh set to the one read onto
+    params: dict
+    model: object  # resolve.Resolved: graphdef, abstract, specs
+    step_dir: Path  # the step read (checksums verified)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.step_dir.parent.parent
+
+
+def read_run(path: Path, mesh, rules_for: Callable | None = None, log: Callable = print) -> RunParams:
+    """A jaxdist checkpoint's parameters on `mesh` as the plain (unstaged) layer stack, read through the
+    same verified path as `train --restore` (checksums, fallback, one-line errors). A pipelined checkpoint
+    is read in its (stage, layers) layout and restacked on the devices. `rules_for(cfg)`: the sharding
+    rules to read with (default: the run's own)."""
+    from jaxdist.checkpoint.restoring import read_checkpoint
+
+    got = read_checkpoint(
+        Path(path), lambda manager, directory, step: _read_params(manager, directory, step, mesh, rules_for), log
+    )
+    cfg, params, model = got.value
+    return RunParams(cfg, params, model, got.path)
+
+
+def _read_params(manager, directory: Path, step: int, mesh, rules_for):
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import checkpoint
+    from jaxdist import config as config_mod
+    from jaxdist.checkpoint.restoring import _meta
+    from jaxdist.distributed import sharding
+    from jaxdist.models.resolve import resolve
+    from jaxdist.parallel import pipeline
+
+    step_dir = directory / str(step)
+    cfg = config_mod.from_dict(_meta(manager, step)["config"])
+    cfg = cfg.replace(mesh={"shape": ",".join(f"{a}={s}" for a, s in mesh.shape.items()), "dcn": ""})
+    rules = rules_for(cfg) if rules_for else sharding.make_rules(cfg.mesh.rules)
+    model = resolve(cfg, mesh, rules)
+    saved = manager.item_metadata(step)["params"]
+    layers = cfg.model.num_layers
+    staged = any(
+        len(s.shape) == len(a.shape) + 1
+        for s, a in zip(jax.tree.leaves(saved[pipeline.STACK]), jax.tree.leaves(model.abstract[pipeline.STACK]))
+    )
+    shardings = sharding.named(mesh, model.specs)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, shardings)
+    if staged:  # (stage, layers/stage, ...): read with the layer sharding, one more unsharded dim in front
+        stages = jax.tree.leaves(saved[pipeline.STACK])[0].shape[0]
+        repeats = cfg.pipeline.repeats if cfg.pipeline.schedule in pipeline.VIRTUAL else 1
+        plan = pipeline.Plan(cfg.pipeline.schedule, stages, 1, repeats, layers // (stages * repeats))
+        stack = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(
+                (stages, a.shape[0] // stages, *a.shape[1:]), a.dtype, sharding=NamedSharding(mesh, P(None, *s.spec))
+            ),
+            model.abstract[pipeline.STACK],
+            shardings[pipeline.STACK],
+        )
+        target = {**target, pipeline.STACK: stack}
+    checkpoint.check_model(saved, target, step_dir)
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    if staged:
+        with jax.set_mesh(mesh):
+            params = jax.jit(lambda p: pipeline.from_stages(p, plan), out_shardings=shardings)(params)
+    return cfg, params, model
+
+
+def load_run_params(path: Path, mesh, rules=None, log: Callable = print):
+    """`read_run` as (cfg, params, model)."""
+    got = read_run(path, mesh, (lambda _: rules) if rules else None, log)
+    return got.cfg, got.params, got.model
+
+
+def to_hf(
+    path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print, peft: bool = False
+) -> list[Path]:
+    """Export a run's newest intact checkpoint as an HF model; a LoRA run's adapters merged into the
+    weights, or (`peft`) alone as a PEFT adapter for the original HF model. The model folder appears
+    whole or not at all: it is written as a hidden sibling and renamed into place."""
+    import jax
+
+    from jaxdist import checkpoint
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.data import run_tokenizer
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.hf import export, tensors
+
+    out = Path(out)
+    _check_export_folder(out)
+    directory, _ = checkpoint.checkpoint_dir(Path(path))
+    recorded = run_tokenizer.of_run(directory.parent)  # checked before any work
+    mesh = mesh_mod.mesh_from_string("fsdp=-1")
+    got = read_run(path, mesh, log=log)
+    cfg, params = got.cfg, got.params
+    source = got.run_dir / tensors.SOURCE
+    source = source if source.is_dir() else None
+    if peft:
+        return _write_peft(path, out, cfg, params, source, dtype, log)
+    if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers
+        params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
+        log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
+    tokenizer, token_ids = _export_tokenizer(cfg, recorded, got.run_dir)
+    export.check_exportable(cfg.model)
+    return _write_whole(
+        out,
+        lambda tmp: export.export(
+            params,
+            cfg.model,
+            tmp,
+            dtype,
+            source,
+            tokenizer,
+            max_shard_bytes,
+            lambda m: log(m.replace(str(tmp), str(out))),
+            token_ids,
+        ),
+        log,
+    )
+
+
+def _check_export_folder(out: Path) -> None:
+    """`out` is a folder (or not there yet) that holds no model: nothing is overwritten."""
+    from jaxdist import checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise JaxdistError(f"{out} is a file; choose a folder for the Hugging Face model")
+    held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
+    if not checkpoint.all_agree(not held):
+        raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
+
+
+def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, log) -> list[Path]:
+    """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from."""
+    import jax
+
+    from jaxdist.adapters import peft as peft_format
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.hf import export
+
+    if not cfg.lora.rank:
+        raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
+    blocks = jax.device_get(adapters.trainable(params))["blocks"]
+    base = export._source_config(source).get("_name_or_path", "")
+    if jax.process_index() != 0:
+        return []
+    files = peft_format.write(out, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype])
+    log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
+    return files
+
+
+def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:
+    """(the tokenizer to copy beside the model, its eos/bos token ids for config.json): the run's
+    recorded one, else data.tokenizer (a run from before recording: checked now)."""
+    from jaxdist.data import run_tokenizer
+
+    tokenizer = getattr(cfg.data, "tokenizer", "")
+    token_ids = {}
+    if recorded is not None and recorded.kind == "tokenizer":
+        tokenizer = str(run_dir / run_tokenizer.FOLDER)
+    elif tokenizer:
+        recorded = run_tokenizer._load(tokenizer, "data.tokenizer")
+    if recorded is not None and recorded.eos_id is not None:
+        token_ids["eos_token_id"] = int(recorded.eos_id)
+        if recorded.bos_ids:
+            token_ids["bos_token_id"] = int(recorded.bos_ids[0])
+    return tokenizer, token_ids
+
+
+def _write_whole(out: Path, write: Callable, log) -> list[Path]:
+    """`write(folder) -> files` into a hidden sibling of `out`, then renamed into place (into an existing
+    folder: the model's files move in, config.json last), so the model appears whole or not at all."""
+    import os
+    import shutil
+
+    import jax
+
+    writer = jax.process_index() == 0
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if writer:
+        from jaxdist.data.prepare import remove_stale
+
+        remove_stale(out, log)  # a killed export's hidden folder
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        files = write(tmp)
+        if writer:
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            if out.exists():
+                for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+                    os.replace(f, out / f.name)
+            else:
+                os.replace(tmp, out)
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [out / f.name for f in files]
