@@ -23,11 +23,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxdist import config, generate
+from jaxdist import config
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import export, mapping, tensors
+from jaxdist.inference import decode
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAMILIES = {  # fixture -> (model.family, the sharded mesh it is checked on)
@@ -82,7 +83,7 @@ def test_logits_match_transformers_one_device_and_sharded(family):
 def test_greedy_generation_matches_transformers(family):
     name, ref, (cfg, mesh, params, model) = family
     prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
-    new, logp, _, _ = generate.generate(cfg, params, model.graphdef, mesh, prompts, len(ref["greedy0"]))
+    new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(ref["greedy0"]))
     for k in (0, 1):
         assert new[k].tolist() == ref[f"greedy{k}"].tolist()
         assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4

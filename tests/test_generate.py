@@ -14,6 +14,7 @@ import pytest
 
 from jaxdist import generate
 from jaxdist.errors import JaxdistError
+from jaxdist.inference import decode
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "hf_llama"
@@ -53,14 +54,14 @@ def test_greedy_cli_matches_transformers_batched_and_sharded(capsys, monkeypatch
 
 
 def test_output_stops_after_eos():
-    assert generate.cut_at_eos([5, 2, 7, 2], [-1.0, -2.0, -3.0, -4.0], {2}) == ([5, 2], [-1.0, -2.0])
-    assert generate.cut_at_eos([5, 7], [-1.0, -2.0], {2}) == ([5, 7], [-1.0, -2.0])
-    assert generate.cut_at_eos([2, 7], [-1.0, -2.0], set()) == ([2, 7], [-1.0, -2.0])
-    assert generate.eos_ids(FIXTURE) == {2}
+    assert decode.cut_at_eos([5, 2, 7, 2], [-1.0, -2.0, -3.0, -4.0], {2}) == ([5, 2], [-1.0, -2.0])
+    assert decode.cut_at_eos([5, 7], [-1.0, -2.0], {2}) == ([5, 7], [-1.0, -2.0])
+    assert decode.cut_at_eos([2, 7], [-1.0, -2.0], set()) == ([2, 7], [-1.0, -2.0])
+    assert decode.eos_ids(FIXTURE) == {2}
 
 
 def test_sampling_nucleus_seed_and_pre_temperature_logprobs():
-    sample = jax.jit(generate.sample, static_argnums=(2, 3))
+    sample = jax.jit(decode.sample, static_argnums=(2, 3))
     logits = jnp.array([[3.0, 2.5, 0.0, -1.0, -5.0]] * 4000)
     probs = jax.nn.softmax(logits[0] / 0.8)
     tok, logp = sample(logits, jax.random.key(0), 0.8, 0.7)
@@ -92,13 +93,13 @@ def test_prompt_text_uses_the_run_tokenizer_else_bytes(tmp_path):
     )
     tok.save(str(tmp_path / "tokenizer.json"))
     byte_cfg = config.load(None, [])
-    text = generate.Text(byte_cfg, tmp_path / "nowhere")
+    text = decode.Text(byte_cfg, tmp_path / "nowhere")
     assert text.encode("hé") == list("hé".encode()) and text.decode(text.encode("hé")) == "hé"
     small = config.load(None, ["model.vocab_size=64"])
     with pytest.raises(JaxdistError, match="needs a tokenizer") as e:  # fewer ids than bytes, no tokenizer
-        generate.Text(small, tmp_path / "nowhere").encode("hello")
+        decode.Text(small, tmp_path / "nowhere").encode("hello")
     assert "\n" not in str(e.value)
-    with_tok = generate.Text(small, tmp_path)  # an imported model's tokenizer.json (hf_source/)
+    with_tok = decode.Text(small, tmp_path)  # an imported model's tokenizer.json (hf_source/)
     ids = with_tok.encode("hello world")
     assert ids == tok.encode("hello world").ids and with_tok.decode(ids) == tok.decode(ids)
     # The export copies the run's tokenizer (data.tokenizer) next to the weights.
@@ -116,10 +117,10 @@ def test_run_dir_generation_equals_hf_generation(tmp_path):
     hf_convert.from_hf(
         FIXTURE, tmp_path / "run", mapping.hf_config(None, [], FIXTURE, "fsdp=4,tp=2"), log=lambda *a: None
     )
-    cfg, params, graphdef, mesh, source = generate.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")
+    cfg, params, graphdef, mesh, source = decode.load(str(tmp_path / "run"), None, "fsdp=4,tp=2")
     prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
-    new, logp, _, _ = generate.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))
+    new, logp, _, _ = decode.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))
     for k in (0, 1):
         assert new[k].tolist() == ref[f"greedy{k}"].tolist()
         assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
-    assert generate.eos_ids(source) == {2}
+    assert decode.eos_ids(source) == {2}

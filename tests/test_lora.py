@@ -267,10 +267,11 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
     bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
-    from jaxdist import generate, train
+    from jaxdist import train
     from jaxdist.adapters import peft
     from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping
+    from jaxdist.inference import decode
 
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 128, 50_000).astype(np.uint16).tofile(tokens)
@@ -310,8 +311,8 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
         np.testing.assert_array_equal(x, np.asarray(y))
 
     prompts = [[5, 17, 42, 8, 99], [3, 1, 4]]
-    got = generate.generate(*generate.load(str(tmp_path / "a"), None, "fsdp=4,tp=2")[:4], prompts, 6)
-    want = generate.generate(*generate.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4], prompts, 6)
+    got = decode.generate(*decode.load(str(tmp_path / "a"), None, "fsdp=4,tp=2")[:4], prompts, 6)
+    want = decode.generate(*decode.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4], prompts, 6)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-4)
 

@@ -1,0 +1,1 @@
+"""Text generation from a trained or imported model: KV-cache decoding on the mesh (decode.py)."""
