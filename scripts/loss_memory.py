@@ -23,7 +23,8 @@ def main() -> int:
     p.add_argument("--impl", nargs="+", default=["blockwise"])
     p.add_argument("--vocab", type=int, nargs="+", default=[128256, 256])
     args = p.parse_args()
-    from jaxdist import bench, config
+    from jaxdist import config
+    from jaxdist.analysis import bench
     from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)

@@ -1,5 +1,5 @@
 """Issue 18's throughput target in one process: dense `tiny` at fsdp=8 against `tiny-moe` (same active
-parameters) at ep=8, dropless and capacity dispatch, each timed by `jaxdist.bench.measure`.
+parameters) at ep=8, dropless and capacity dispatch, each timed by `jaxdist.analysis.bench.measure`.
 
     nice -n 10 python scripts/moe_bench.py [--steps 10] [--rounds 2]
 
@@ -85,7 +85,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    from jaxdist import bench, config
+    from jaxdist import config
+    from jaxdist.analysis import bench
     from jaxdist.distributed.platform import setup_platform
 
     setup_platform(8)

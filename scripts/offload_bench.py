@@ -32,7 +32,8 @@ def main() -> int:
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--kinds", nargs="+", default=list(KINDS))
     args = p.parse_args()
-    from jaxdist import bench, config
+    from jaxdist import config
+    from jaxdist.analysis import bench
     from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.distributed.platform import setup_platform
     from jaxdist.observe import report
