@@ -23,7 +23,7 @@ from jaxdist import config, plan
 from jaxdist.analysis import plan_check
 from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.models.llama import count_params
-from jaxdist.planner import comms, hardware, memory
+from jaxdist.planner import comms, hardware, memory, tables
 from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
 from jaxdist.planner.layout import Layout
 
@@ -347,7 +347,7 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(plan
 
     curves = plan_125m[0]["scaling"]
     png = tmp_path / "s.png"
-    labels = plan.plot(curves, str(png), "125m")
+    labels = tables.plot(curves, str(png), "125m")
     points = [p for mode in ("strong", "weak") for p in curves[mode] if p["fits"]]
     assert len(labels) == len(points)
     for label, p in zip(labels, points):
@@ -359,7 +359,7 @@ def test_scaling_picture_labels_each_point_with_its_mesh_and_micro_batching(plan
         and labels[0] == f"single device acc{single['grad_accum_steps']}"
     )
     assert matplotlib.image.imread(png).shape[1] > 1000
-    assert "acc = gradient-accumulation micro-batches" in plan.memory_table([])
+    assert "acc = gradient-accumulation micro-batches" in tables.memory_table([])
 
 
 def test_long_sequence_gets_context_parallelism():
@@ -524,7 +524,7 @@ def test_plan_says_whether_offload_makes_it_fit():
     """Nothing fits llama2-70b on 8 H200s; plan then sizes offload.params=host (still too big) and with
     the optimizer state too (fits, at a modelled step time above the same layout without offload)."""
     cfg = config.load("llama2-70b", [])
-    options = plan.offload_options(cfg, 8, hardware.get("h200-141gb"))
+    options = tables.offload_options(cfg, 8, hardware.get("h200-141gb"))
     assert [o["overrides"] for o in options] == [
         ["offload.params=host"],
         ["offload.params=host", "offload.optimizer=host"],
@@ -533,4 +533,4 @@ def test_plan_says_whether_offload_makes_it_fit():
     assert not params["fits"] and both["fits"]
     e = both["estimate"]
     assert e.memory.host > 0 and e.host.exposed_s > 0 and e.step_s > both["step_s_without"]
-    assert "fits" in plan.offload_lines(options)[1]
+    assert "fits" in tables.offload_lines(options)[1]
