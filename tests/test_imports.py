@@ -1,4 +1,5 @@
-"""No import cycle inside jaxdist/ (module-level or deferred imports alike): a cycle is a design knot."""
+"""The import rules of jaxdist/ (module-level, deferred and TYPE_CHECKING imports alike): no cycle, and the
+layering of docs/architecture.md (a package imports only from packages below it), and every module imports."""
 
 import ast
 from pathlib import Path
@@ -62,6 +63,101 @@ def test_jaxdist_has_no_import_cycle():
     assert "jaxdist.training.step" in graph and "jaxdist.reduce.gradients" in graph["jaxdist.training.step"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The layering (docs/architecture.md#the-layering-rule): a module may import from its own package and from
+# packages in earlier rows, never from its row or a later one. The commands (the modules at the top of
+# jaxdist/ and the packages' __main__.py) import from everything and from no other command.
+LAYERS = [
+    ("errors", "__init__"),  # jaxdist/__init__.py: empty (the public API is the packages' modules)
+    ("config",),
+    ("distributed",),
+    ("data",),
+    ("parallel",),
+    ("adapters",),
+    ("models",),
+    ("optim",),
+    ("reduce",),
+    ("checkpoint",),
+    ("hf",),
+    ("planner",),
+    ("observe",),
+    ("training",),
+    ("analysis", "inference"),
+    ("train", "bench", "plan", "convert", "generate", "plot", "__main__"),
+]
+RANK = {unit: row for row, units in enumerate(LAYERS) for unit in units}
+RULE = "see docs/architecture.md#the-layering-rule"
+
+
+def layer_of(module: str) -> str:
+    """jaxdist.reduce.dgc -> reduce; jaxdist.train -> train; jaxdist.data.__main__ -> __main__ (a command)."""
+    parts = module.split(".") + ["__init__"]
+    return "__main__" if parts[-2] == "__main__" else parts[1]
+
+
+def imported_modules(module: str, tree: ast.AST, is_package: bool = False):
+    """(line, imported jaxdist module or name) for every import anywhere in the tree, relative ones resolved."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            yield from ((node.lineno, f"{base}.{a.name}") for a in node.names)
+
+
+def layering_violations(module: str, source: str, filename: str, is_package: bool = False) -> list[str]:
+    """`file:line: what imports what, and the rule it breaks`, for each import against LAYERS."""
+    unit, out = layer_of(module), []
+    assert unit in RANK, f"{filename}: jaxdist.{unit} is in no row of LAYERS (tests/test_imports.py); add it"
+    for line, target in imported_modules(module, ast.parse(source, filename), is_package):
+        if not target.startswith("jaxdist.") or target.split(".")[1] == unit and unit != "__main__":
+            continue
+        to = layer_of(target)
+        if to not in RANK:
+            out.append(f"{filename}:{line}: imports {target}, which is in no row of LAYERS; add its package")
+        elif RANK[to] >= RANK[unit]:
+            why = "a command imports no other command" if unit == to == "__main__" or RANK[to] == RANK[unit] else ""
+            out.append(
+                f"{filename}:{line}: {module} imports {target}: {unit} may import only packages below it"
+                f" ({to} is {'beside' if RANK[to] == RANK[unit] else 'above'} it){'; ' + why if why else ''}; {RULE}"
+            )
+    return out
+
+
+def test_layering_check_fails_on_an_upward_import():
+    """The check itself: a planted upward import (deferred, inside a function) and one under TYPE_CHECKING fail,
+    naming file and line; downward and same-package imports pass."""
+    planted = "import typing\n\ndef f():\n    from jaxdist.observe import trackers\n"
+    got = layering_violations("jaxdist.config.checks", planted, "jaxdist/config/checks.py")
+    assert len(got) == 1 and got[0].startswith(
+        "jaxdist/config/checks.py:4: jaxdist.config.checks imports jaxdist.observe"
+    )
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxdist.training.step import Program\n"
+    assert layering_violations("jaxdist.checkpoint.saving", typed, "saving.py")[0].startswith("saving.py:3: ")
+    peers = "from jaxdist.inference import decode\n"  # same row: neither imports the other
+    assert "beside" in layering_violations("jaxdist.analysis.bench", peers, "bench.py")[0]
+    assert layering_violations("jaxdist.generate", "from jaxdist import convert\n", "generate.py")  # command -> command
+    fine = "from jaxdist.errors import JaxdistError\nfrom jaxdist.config import Config\nfrom . import schema\n"
+    assert layering_violations("jaxdist.config.checks", fine, "checks.py") == []
+    assert layering_violations("jaxdist.train", "from jaxdist.training import loop\n", "train.py") == []
+
+
+def test_jaxdist_follows_the_layering():
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = str(path.relative_to(PKG.parent))
+        found += layering_violations(module_name(path), path.read_text(), rel, path.name == "__init__.py")
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    commands = set(LAYERS[-1]) - {"__main__"}
+    assert set(top) == commands | {"errors"}, (
+        f"modules at the top of jaxdist/ that are no command: {set(top) - commands - {'errors'}}"
+    )
 
 
 # Optional extras: each is imported only where its feature is used, behind a one-line "install the
