@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from jaxdist import config
 from jaxdist.analysis.bench import compile_only, measure
+from jaxdist.analysis.bench_table import table
+from jaxdist.distributed import xla_flags
+from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 
 
@@ -46,9 +51,6 @@ def _patient_cpu_collectives() -> None:
     """XLA:CPU aborts the process when a collective's rendezvous waits over 40 s (its default), which a
     long-sequence step on a loaded machine reaches; bench raises it before the backend starts (a value
     already in XLA_FLAGS wins)."""
-    import os
-
-    from jaxdist.distributed import xla_flags
 
     flag = {"xla_cpu_collective_call_terminate_timeout_seconds": str(CPU_COLLECTIVE_TIMEOUT_S)}
     os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), flag)
@@ -57,8 +59,6 @@ def _patient_cpu_collectives() -> None:
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxdist import config
-    from jaxdist.distributed.platform import setup_platform
 
     if args.steps < 1 or args.warmup < 0:
         raise JaxdistError(
@@ -74,8 +74,6 @@ def main(argv=None) -> int:
         records.append(record)
         print(json.dumps(record), flush=True)
     if args.table:
-        from jaxdist.analysis.bench_table import table
-
         print("\n" + table(records))
     return 0
 

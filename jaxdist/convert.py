@@ -15,8 +15,11 @@ import math
 import sys
 from pathlib import Path
 
+from jaxdist.distributed import launch
+from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.hf.convert import from_hf, to_hf
+from jaxdist.hf.hub import local_dir
 from jaxdist.hf.mapping import hf_config
 
 
@@ -62,15 +65,10 @@ def parse_args(argv):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.distributed import launch
-    from jaxdist.distributed.platform import setup_platform
-
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
     launch.initialize(launch.detect(args.coordinator, args.num_processes, args.process_id))
     if args.command == "from-hf":
-        from jaxdist.hf.hub import local_dir
-
         hf_dir = local_dir(args.hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)
         from_hf(hf_dir, Path(args.out_run_dir), cfg)

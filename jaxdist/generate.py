@@ -19,6 +19,7 @@ import json
 import math
 import sys
 
+from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.inference.decode import (
     Text,
@@ -72,8 +73,6 @@ def parse_args(argv):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.distributed.platform import setup_platform
-
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
     recorded = recorded_tokenizer(args.run_dir)  # checked before the weights are read

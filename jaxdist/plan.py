@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -116,9 +118,6 @@ def train_command(args: argparse.Namespace, cfg: config.Config, best: Estimate) 
 
 def check_plot_path(path: str) -> None:
     """Before planning: the plot's folder must exist and be writable (matplotlib would fail at the end)."""
-    import os
-    from pathlib import Path
-
     folder = Path(path).absolute().parent
     if Path(path).is_dir():
         raise JaxdistError(f"--plot {path} is a folder; give a file name such as {Path(path) / 'scaling.png'}")

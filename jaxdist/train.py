@@ -11,16 +11,18 @@ import os
 import sys
 from pathlib import Path
 
+from jaxdist import config
+from jaxdist.checkpoint.signals import StopSignal
 from jaxdist.distributed import launch as distributed
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
-from jaxdist.observe import trackers
+from jaxdist.hf import hub, mapping
+from jaxdist.observe import quiet, trackers
+from jaxdist.training import rundir
 from jaxdist.training.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from jaxdist import config
-
     p = ArgumentParser(
         prog="python -m jaxdist.train",
         description=__doc__,
@@ -84,8 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_config(args: argparse.Namespace):
     """The config file <- overrides <- the shorthand flags (a flag and an override of one key: an error)."""
-    from jaxdist import config
-
     overrides = list(args.overrides)
     for flag, key, value in (("--mesh", "mesh.shape", args.mesh), ("--dcn-mesh", "mesh.dcn", args.dcn_mesh)) + (
         ("--steps", "train.steps", args.steps),
@@ -100,9 +100,8 @@ def resolve_config(args: argparse.Namespace):
 
 
 def print_config(cfg) -> str:
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
-
-    from jaxdist import config
 
     return config.dump(with_resolved_mesh(cfg, jax.device_count()))
 
@@ -110,8 +109,6 @@ def print_config(cfg) -> str:
 def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
     folder named by the config (rundir.default_run_dir), which the same command finds again."""
-    from jaxdist.training import rundir
-
     path = Path(run_dir) if run_dir else rundir.default_run_dir(cfg, config_name, restore)
     rundir.check_storable(path)
     if path.exists() and not path.is_dir():
@@ -128,6 +125,7 @@ def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = Non
 
 
 def allowed_changes(text: str) -> frozenset[str]:
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.checkpoint.compat import check_allowed_keys
 
     keys = frozenset(k.strip() for k in text.split(",") if k.strip())
@@ -136,9 +134,6 @@ def allowed_changes(text: str) -> frozenset[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.checkpoint.signals import StopSignal  # light: SIGTERM from here on stops cleanly
-    from jaxdist.observe import quiet
-
     quiet.libraries()
     with StopSignal() as stopper:
         return _main(argv, stopper)
@@ -150,10 +145,9 @@ def _main(argv: list[str] | None, stopper) -> int:
         cfg = resolve_config(args)
         typed_restore = args.restore  # names the default run dir: a new Hub revision does not move it
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
-            from jaxdist.hf import hub, mapping
-
             args.restore = f"hf:{hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
             cfg = mapping.apply(cfg, Path(args.restore[3:]), mapping.model_overrides(args.overrides))
+        # deferred: grain, jax load on first use, not when python -m jaxdist.train starts
         from jaxdist.data import loader  # the token dtype read: a prepared folder's manifest decides
 
         cfg = loader.resolve_token_dtype(cfg)

@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from jaxdist.adapters.lora import TARGETS, A, B, per_layer_shapes
+from jaxdist.errors import JaxdistError
 
 MODULES = {
     "q": "self_attn.q_proj",
@@ -60,8 +62,6 @@ def adapter_config(lora, base_model: str = "") -> dict:
 
 
 def write(out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32) -> list[Path]:
-    from safetensors.numpy import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(adapter_tensors(blocks, lora, dtype), str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
@@ -72,9 +72,6 @@ def write(out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.floa
 def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     """A PEFT LoRA adapter directory -> (lora config overrides {rank, alpha, targets}, `blocks` adapters in
     jaxdist's stacked layout, numpy float32), the inverse of `adapter_tensors`."""
-    from safetensors.numpy import load_file
-
-    from jaxdist.errors import JaxdistError
 
     adapter_dir = Path(adapter_dir)
     conf = json.loads((adapter_dir / "adapter_config.json").read_text())

@@ -15,6 +15,7 @@ import time
 
 def mesh_devices(text: str, devices: list) -> list:
     """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
+    # deferred: jax loads on first use, not when python -m jaxdist.bench starts
     from jaxdist.distributed.mesh import AXES
 
     try:
@@ -32,6 +33,7 @@ def mesh_devices(text: str, devices: list) -> list:
 
 def compile_only(cfg, mesh_text: str) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
+    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
     import jax
 
     from jaxdist.analysis import measure
@@ -66,6 +68,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
 def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     """Compile and time `cfg`'s train step on one fixed random batch. `probe(prog, tokens, state) -> dict`,
     if given, looks at the state before the first step and after the last (record["probe"])."""
+    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
     import jax
     import jax.numpy as jnp
 
@@ -124,6 +127,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     if stats and "peak_bytes_in_use" in stats:
         record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
+    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
     from jaxdist.analysis import measure
     from jaxdist.distributed import sharding
     from jaxdist.parallel import pipeline

@@ -4,6 +4,15 @@ collectives. Used by tests/test_plan.py and scripts/plan_check.py."""
 
 from __future__ import annotations
 
+import jax
+
+from jaxdist import config
+from jaxdist.analysis import measure
+from jaxdist.distributed import hlo
+from jaxdist.distributed.mesh import mesh_from_string, parse_mesh
+from jaxdist.planner import hardware
+from jaxdist.planner.layout import Layout
+
 DEFAULT_FUSION = {"xla_cpu_use_fusion_emitters": True}
 
 
@@ -11,14 +20,6 @@ def compile_pair(path: str | None, mesh: str, overrides: list[str], default_fusi
     """(Layout on the CPU hardware entry, memory_analysis(), hlo.summarize of the collectives).
     default_fusion=False compiles with whatever XLA_FLAGS says (the tests' faster emitters): the same
     arguments and collectives (checked on test_plan's in-sample pairs), not the same temp bytes."""
-    import jax
-
-    from jaxdist import config
-    from jaxdist.analysis import measure
-    from jaxdist.distributed import hlo
-    from jaxdist.distributed.mesh import mesh_from_string, parse_mesh
-    from jaxdist.planner import hardware
-    from jaxdist.planner.layout import Layout
 
     cfg = config.load(path, ["train.steps=10", *overrides])
     # XLA:CPU's default fusion, whatever XLA_FLAGS says: the tests turn its fusion emitters off to

@@ -13,14 +13,17 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any
 
 import jax
+import yaml
 
 from jaxdist.config import Config
 from jaxdist.config.schema import SHAPE_FIELDS
+from jaxdist.data.corpus import ALLOW
 from jaxdist.errors import JaxdistError
 
 # Keys that may differ from the checkpoint's config without a flag: how long and how the run is
@@ -188,13 +191,9 @@ def check_config_drift(meta: dict, cfg: Config, where: Path, allowed: frozenset[
 
 
 def check_allowed_keys(keys: frozenset[str]) -> None:
-    from jaxdist.data.corpus import ALLOW
-
     known = set(flat(dataclasses.asdict(Config()))) | {ALLOW}  # `data`: the corpus's files may have changed
     unknown = sorted(keys - known)
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "give section.key names, e.g. optim.lr"
         raise JaxdistError(f"--allow-config-change names unknown config key '{unknown[0]}': {hint}")
@@ -204,7 +203,6 @@ def saved_config(run_dir: Path) -> dict | None:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return None
-    import yaml
 
     try:
         return yaml.safe_load(path.read_text())

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from jaxdist.checkpoint import integrity
 from jaxdist.checkpoint.storage import SUBDIR, TMP_SUFFIX, open_manager
 from jaxdist.config import Config
+from jaxdist.data import corpus
 from jaxdist.errors import JaxdistError
 
 TrainState = Any  # jaxdist.training.step.TrainState (checkpoint/ sits below training/: taken as given)
@@ -65,8 +66,6 @@ class Saver:
     def corpus(self) -> dict | None:
         """The corpus fingerprint the checkpoints record (computed once: a stat per file)."""
         if self._corpus is None:
-            from jaxdist.data import corpus
-
             try:
                 self._corpus = corpus.fingerprint(self.cfg)
             except (OSError, JaxdistError):

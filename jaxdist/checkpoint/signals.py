@@ -50,6 +50,7 @@ class StopSignal:
         print(f"{self.received} received: {doing} (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
+        # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
         import jax  # late: the handlers are installed before JAX loads
 
         from jaxdist.checkpoint.agree import all_agree

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
 
 from jaxdist.config.schema import Config, _section_types
 from jaxdist.config.types import _base, _field_types, _type_name
@@ -12,12 +17,6 @@ from jaxdist.errors import JaxdistError
 def field_docs(cls) -> dict[str, str]:
     """Each field's `# comment` in the class source (wherever the formatter wrapped it): the one place a
     key is documented."""
-    import ast
-    import inspect
-    import io
-    import textwrap
-    import tokenize
-
     source = textwrap.dedent(inspect.getsource(cls))
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):

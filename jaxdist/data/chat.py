@@ -36,6 +36,7 @@ import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.errors import JaxdistError
@@ -153,8 +154,6 @@ def compile_template(text: str, where: str):
 
 def load(path: str, template_file: str | None = None) -> ChatTokenizer:
     """The tokenizer at `path` (file or HF folder) with its chat template (or `template_file`)."""
-    from tokenizers import Tokenizer
-
     tok = tokenizer_mod.load(path)
     text, source = read_template(tok.file.parent, template_file)
     parser = Tokenizer.from_file(str(tok.file))  # special-token text parsed: the template's tokens

@@ -12,6 +12,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from jaxdist.data.files import expand_path, stdlib_files
+from jaxdist.data.prepare import read_manifest
 from jaxdist.errors import JaxdistError
 
 ALLOW = "data"  # the --allow-config-change name that accepts a changed corpus
@@ -38,9 +40,6 @@ def check_prepared(folder: Path, manifest: dict) -> None:
 
 def files(cfg) -> list[str]:
     """The files this config's data comes from (both splits of a prepared folder)."""
-    from jaxdist.data.files import expand_path, stdlib_files
-    from jaxdist.data.prepare import read_manifest
-
     d = cfg.data
     folder = Path(d.path).expanduser() if d.path else None
     manifest = read_manifest(folder) if folder is not None and folder.is_dir() else None

@@ -8,12 +8,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxdist.data.files import expand_path, stdlib_files
 from jaxdist.errors import JaxdistError
 
 
 def input_files(patterns: list[str]) -> list[str]:
-    from jaxdist.data.files import expand_path, stdlib_files
-
     if not patterns:
         return stdlib_files()
     files: list[str] = []
@@ -65,6 +64,7 @@ def _field(record, field: str, where: str) -> str:
 
 def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
     try:
+        # deferred: an optional extra, imported only where its feature is used
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:

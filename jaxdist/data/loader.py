@@ -30,14 +30,16 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
+from jaxdist.data import tokenizer
+from jaxdist.data.corpus import check_prepared
 from jaxdist.data.files import expand_path, stdlib_files
+from jaxdist.data.loss_mask import Masked
+from jaxdist.data.prepare import read_manifest
 from jaxdist.errors import JaxdistError
 
 
 def prepared(path: str) -> dict | None:
     """The manifest when `path` is a folder made by `python -m jaxdist.data prepare`."""
-    from jaxdist.data.prepare import read_manifest
-
     return read_manifest(Path(path).expanduser()) if path and os.path.isdir(os.path.expanduser(path)) else None
 
 
@@ -72,8 +74,6 @@ def resolve_token_dtype(cfg: Config) -> Config:
 
 def read_documents(files: list[str], tokenizer_path: str, vocab_size: int) -> np.ndarray:
     """Tokens of all files, one document each, `[BOS] tokens EOS` by the tokenizer's rule."""
-    from jaxdist.data import tokenizer
-
     tok = tokenizer.load(tokenizer_path)
     tokenizer.check_vocab(tok, vocab_size, f"data.tokenizer={tokenizer_path}")
     texts = []
@@ -94,8 +94,6 @@ def mask_eos(cfg: Config) -> int | None:
 
 def document_eos(cfg: Config) -> int:
     """The id that ends a document in this config's token stream (for `data.document_mask`)."""
-    from jaxdist.data import tokenizer
-
     d = cfg.data
     if d.source == "text" and not d.tokenizer:
         return d.separator
@@ -181,8 +179,6 @@ class Subset:
 
 def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """A prepared folder's (train/, val/) shards, with the dtype and vocabulary its manifest records."""
-    from jaxdist.data import tokenizer
-
     d, folder = cfg.data, Path(cfg.data.path).expanduser()
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise JaxdistError(
@@ -194,7 +190,6 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
             f"data.tokenizer={d.tokenizer} is not the tokenizer {folder} was prepared with "
             f"(sha256 differs); use data.tokenizer={folder} or re-run prepare"
         )
-    from jaxdist.data.corpus import check_prepared
 
     check_prepared(folder, manifest)  # every shard there, each split the tokens its manifest records
     arrays = []
@@ -210,8 +205,6 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
 def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.ndarray]]) -> list[list]:
     """Each split's token shards joined with their loss masks (`jaxdist.data.loss_mask.Masked`); the windows
     must be the ones the conversations were packed into."""
-    from jaxdist.data.loss_mask import Masked
-
     seq_len = manifest["chat"]["seq_len"]
     if cfg.model.seq_len != seq_len:
         raise JaxdistError(
@@ -243,8 +236,6 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None
         )
         return train, val, what
     if d.tokenizer:
-        from jaxdist.data import tokenizer
-
         tokenizer.check_vocab(tokenizer.load(d.tokenizer), cfg.model.vocab_size, f"data.tokenizer={d.tokenizer}")
     files = [f for f in expand_path(d.path) if os.path.getsize(f)]
     arrays = read_tokens(files, d.token_dtype)

@@ -23,6 +23,7 @@ def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def split(tokens):
     """(ids, weights float32) of an encoded (jax or numpy) array: ids >= 0, weight 1 where trained on."""
+    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
     import jax.numpy as jnp
 
     trained = tokens >= 0

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxdist.data import chatprep
 from jaxdist.data import tokenizer as tokenizer_mod
@@ -290,8 +291,6 @@ def check_dtype(vocab_size: int, requested: str, what: str) -> str:
 
 
 def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
-    from tqdm import tqdm
-
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
     writers = {
         "train": ShardWriter(tmp / "train", dtype, args.shard_tokens),

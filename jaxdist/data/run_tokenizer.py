@@ -17,6 +17,8 @@ import json
 import shutil
 from pathlib import Path
 
+from jaxdist.data import tokenizer
+from jaxdist.data.tokenizer import CONFIG_FILES
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -48,8 +50,6 @@ def byte_tokens(cfg) -> bool:
 
 
 def _load(path: str | Path, what: str, sha256: str | None = None) -> RunTokenizer:
-    from jaxdist.data import tokenizer
-
     tok = tokenizer.load(str(path))
     digest = hashlib.sha256(tok.file.read_bytes()).hexdigest()
     if sha256 is not None and digest != sha256:
@@ -62,6 +62,7 @@ def _load(path: str | Path, what: str, sha256: str | None = None) -> RunTokenize
 
 def of_config(cfg) -> RunTokenizer:
     """What this config's token ids mean, every file checked (a JaxdistError in one line otherwise)."""
+    # deferred: grain, jax load on first use, not when python -m jaxdist.convert, python -m jaxdist.generate, python -m jaxdist.train starts
     from jaxdist.data import loader
 
     d = cfg.data
@@ -78,8 +79,6 @@ def of_config(cfg) -> RunTokenizer:
 def record(run: RunTokenizer, run_dir: Path) -> Path:
     """Write `<run_dir>/tokenizer/` (files, then the info that makes it count). Kept if already there:
     a resumed run keeps the tokenizer it started with."""
-    from jaxdist.data import tokenizer
-
     folder = Path(run_dir) / FOLDER
     if (folder / INFO).is_file():
         return folder
@@ -108,8 +107,6 @@ def of_run(run_dir: Path) -> RunTokenizer | None:
 
 def copy_to(run: RunTokenizer, out_dir: Path) -> None:
     """The tokenizer files of a recorded run into an export folder."""
-    from jaxdist.data.tokenizer import CONFIG_FILES
-
     if run.tok is None:
         return
     shutil.copyfile(run.tok.file, Path(out_dir) / "tokenizer.json")

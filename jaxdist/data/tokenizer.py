@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxdist.errors import JaxdistError
 
@@ -105,8 +106,6 @@ def _id_of(tokenizer, text: str | None, what: str, file: Path) -> int | None:
 
 def load(path: str) -> Tok:
     """A tokenizer and its BOS/EOS rule (see the module docstring) from a file or an HF model folder."""
-    from tokenizers import Tokenizer
-
     file, folder = _locate(path)
     try:
         tokenizer = Tokenizer.from_file(str(file))
@@ -161,8 +160,6 @@ def check_vocab(tok: Tok, model_vocab: int, where: str) -> None:
 def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None):
     """A byte-level BPE (GPT-2 style: no unknown tokens, exact round trip) trained on `texts`; its only
     special token, `<|endoftext|>` (id 0), ends documents."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab_size < 257:
         raise JaxdistError(
             f"--train-tokenizer {vocab_size} is too small: a byte-level BPE needs 256 byte "

@@ -275,6 +275,7 @@ def initialize(launch: Launch | None, init_timeout: int = 300, heartbeat_timeout
     the task); it also bounds the wait at shutdown for peers that never finish."""
     if launch is None or launch.num_processes == 1:
         return
+    # deferred: jax loads on first use, not when python -m jaxdist.convert, python -m jaxdist.train starts
     import jax
 
     start = time.monotonic()
@@ -308,6 +309,7 @@ def initialize(launch: Launch | None, init_timeout: int = 300, heartbeat_timeout
 
 def topology_line() -> str:
     """One line per process: who it is and which devices it sees (printed by every process at start-up)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.convert, python -m jaxdist.train starts
     import jax
 
     local = jax.local_devices()

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core
 
 from jaxdist.errors import JaxdistError
 
@@ -133,8 +134,6 @@ class Move:
 
 def _subjaxprs(eqn):
     """(jaxpr, trips, manual, trips_known) of every jaxpr an equation runs; a cond's branches as a list."""
-    from jax.extend import core
-
     name, params = eqn.primitive.name, eqn.params
     out = []
     for key, value in params.items():

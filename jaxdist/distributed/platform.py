@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from jaxdist.distributed import xla_flags
 from jaxdist.errors import JaxdistError
 
 
@@ -17,9 +18,9 @@ def setup_platform(cpu_devices: int) -> None:
         )
     if cpu_devices < 1:
         raise JaxdistError(f"--cpu-devices {cpu_devices} must be at least 1")
-    from jaxdist.distributed import xla_flags
 
     xla_flags.apply()  # GPU only: async collectives behind compute (see jaxdist/distributed/xla_flags.py)
+    # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
     import jax
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
@@ -33,6 +34,7 @@ def enable_compilation_cache() -> None:
     instead of compiling (~10x faster start on CPU). JAX_COMPILATION_CACHE_DIR, when set, wins — except
     for several CPU processes: two that both loaded their step from the cache hung in the first gloo
     collective (jax 0.10.2), so there the cache is off."""
+    # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
     import jax
 
     if jax.process_count() > 1:

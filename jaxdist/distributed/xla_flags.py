@@ -66,6 +66,7 @@ def _gpu_plugin_installed() -> bool:
     """Is a CUDA / ROCm PJRT plugin installed? (Found as JAX finds them, without importing JAX.)"""
     names = {ep.value for ep in importlib.metadata.entry_points(group="jax_plugins")}
     try:
+        # deferred: jax_plugins exists only once a PJRT plugin is installed
         import jax_plugins  # namespace package of PJRT plugins
 
         names |= {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
@@ -146,6 +147,7 @@ def apply() -> dict[str, str]:
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off", "no") or not gpu_backend_expected():
         return {}
     if "jax" in sys.modules:
+        # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():

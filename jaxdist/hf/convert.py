@@ -8,22 +8,34 @@ fine-tunes; `read_run` reads a run's newest parameters onto a mesh (what to_hf a
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import checkpoint
+from jaxdist import config as config_mod
+from jaxdist.adapters import peft as peft_format
+from jaxdist.adapters import tree as adapters
+from jaxdist.checkpoint import integrity
+from jaxdist.data import run_tokenizer
+from jaxdist.data.prepare import remove_stale
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
+from jaxdist.hf import export, tensors
 from jaxdist.hf.tensors import import_params
+from jaxdist.parallel import pipeline
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
-    import jax
+    # deferred: orbax loads on first use, not when python -m jaxdist.convert starts
     import orbax.checkpoint as ocp
-
-    from jaxdist import checkpoint
-    from jaxdist import config as config_mod
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.hf import export
 
     # Decided together: process 0 must not write before every process has looked.
     if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
@@ -37,7 +49,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     if jax.process_index() == 0:
         (out / "config.yaml").write_text(config_mod.dump(cfg))
         export.keep_source(hf_dir, out)
-    from jaxdist.checkpoint import integrity
+    # deferred: grain, orbax load on first use, not when python -m jaxdist.convert starts
     from jaxdist.checkpoint.storage import TMP_SUFFIX
 
     directory = out / checkpoint.SUBDIR
@@ -61,8 +73,6 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
 
 def latest_step_dir(path: Path) -> Path:
     """The newest step folder under `path` (not verified: reading goes through `read_run`)."""
-    from jaxdist import checkpoint
-
     directory, step = checkpoint.checkpoint_dir(Path(path))
     if step is None:
         steps = []
@@ -78,8 +88,7 @@ def latest_step_dir(path: Path) -> Path:
 
 def run_config(step_dir: Path):
     """The resolved config a checkpoint was saved with (its meta item; not verified)."""
-    from jaxdist import checkpoint
-    from jaxdist import config as config_mod
+    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
     from jaxdist.checkpoint.restoring import _meta
 
     manager = checkpoint.open_manager(step_dir.parent, read_only=True)
@@ -106,6 +115,7 @@ def read_run(path: Path, mesh, rules_for: Callable | None = None, log: Callable 
     same verified path as `train --restore` (checksums, fallback, one-line errors). A pipelined checkpoint
     is read in its (stage, layers) layout and restacked on the devices. `rules_for(cfg)`: the sharding
     rules to read with (default: the run's own)."""
+    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
     from jaxdist.checkpoint.restoring import read_checkpoint
 
     got = read_checkpoint(
@@ -116,17 +126,11 @@ def read_run(path: Path, mesh, rules_for: Callable | None = None, log: Callable 
 
 
 def _read_params(manager, directory: Path, step: int, mesh, rules_for):
-    import jax
+    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from jaxdist import checkpoint
-    from jaxdist import config as config_mod
     from jaxdist.checkpoint.restoring import _meta
-    from jaxdist.distributed import sharding
     from jaxdist.models.resolve import resolve
-    from jaxdist.parallel import pipeline
 
     step_dir = directory / str(step)
     cfg = config_mod.from_dict(_meta(manager, step)["config"])
@@ -173,13 +177,6 @@ def to_hf(
     """Export a run's newest intact checkpoint as an HF model; a LoRA run's adapters merged into the
     weights, or (`peft`) alone as a PEFT adapter for the original HF model. The model folder appears
     whole or not at all: it is written as a hidden sibling and renamed into place."""
-    import jax
-
-    from jaxdist import checkpoint
-    from jaxdist.adapters import tree as adapters
-    from jaxdist.data import run_tokenizer
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.hf import export, tensors
 
     out = Path(out)
     _check_export_folder(out)
@@ -216,8 +213,6 @@ def to_hf(
 
 def _check_export_folder(out: Path) -> None:
     """`out` is a folder (or not there yet) that holds no model: nothing is overwritten."""
-    from jaxdist import checkpoint
-
     if out.exists() and not out.is_dir():
         raise JaxdistError(f"{out} is a file; choose a folder for the Hugging Face model")
     held = (out / "config.json").exists() or (out / "adapter_config.json").exists() or list(out.glob("*.safetensors"))
@@ -227,11 +222,6 @@ def _check_export_folder(out: Path) -> None:
 
 def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, log) -> list[Path]:
     """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from."""
-    import jax
-
-    from jaxdist.adapters import peft as peft_format
-    from jaxdist.adapters import tree as adapters
-    from jaxdist.hf import export
 
     if not cfg.lora.rank:
         raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
@@ -247,8 +237,6 @@ def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, l
 def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:
     """(the tokenizer to copy beside the model, its eos/bos token ids for config.json): the run's
     recorded one, else data.tokenizer (a run from before recording: checked now)."""
-    from jaxdist.data import run_tokenizer
-
     tokenizer = getattr(cfg.data, "tokenizer", "")
     token_ids = {}
     if recorded is not None and recorded.kind == "tokenizer":
@@ -265,16 +253,10 @@ def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:
 def _write_whole(out: Path, write: Callable, log) -> list[Path]:
     """`write(folder) -> files` into a hidden sibling of `out`, then renamed into place (into an existing
     folder: the model's files move in, config.json last), so the model appears whole or not at all."""
-    import os
-    import shutil
-
-    import jax
 
     writer = jax.process_index() == 0
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if writer:
-        from jaxdist.data.prepare import remove_stale
-
         remove_stale(out, log)  # a killed export's hidden folder
         shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import huggingface_hub
+from huggingface_hub import constants, errors
+
 from jaxdist.errors import JaxdistError
 
 WANTED = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
@@ -33,9 +36,6 @@ def local_dir(spec: str) -> Path:
 
 
 def _snapshot(repo: str, revision: str | None) -> Path:
-    import huggingface_hub
-    from huggingface_hub import constants, errors
-
     name = repo + (f"@{revision}" if revision else "")
     download = f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
     try:

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxdist.config import Config, ModelConfig
+from jaxdist import config
+from jaxdist.config import Config, ModelConfig, parse_override
 from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import families
@@ -195,8 +196,6 @@ def apply(cfg: Config, hf_dir: Path, explicit: dict[str, Any] | None = None) -> 
 
 def model_overrides(overrides: list[str]) -> dict:
     """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
-    from jaxdist.config import parse_override
-
     out = {}
     for text in overrides:
         section, name, value = parse_override(text)
@@ -207,8 +206,6 @@ def model_overrides(overrides: list[str]) -> dict:
 
 def hf_config(cfg_path, overrides: list[str], hf_dir: Path, mesh: str | None = None):
     """The run config for an HF model: a config file and overrides, the model shape from config.json."""
-    from jaxdist import config
-
     overrides = list(overrides) + ([f"mesh.shape={mesh}"] if mesh else [])
     return apply(config.load(cfg_path, overrides), hf_dir, model_overrides(overrides))
 

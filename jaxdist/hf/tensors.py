@@ -13,12 +13,17 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 from jaxdist.adapters.lora import per_layer_shapes
+from jaxdist.checkpoint import Restored
 from jaxdist.config import ModelConfig
+from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping
 
@@ -218,7 +223,7 @@ def _layer_ids(stack: list[range], num_layers: int, stages: int, repeats: int) -
 
 def import_params(hf_dir: Path, cfg, mesh, rules=None):
     """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
-    from jaxdist.distributed import sharding
+    # deferred: optax loads on first use, not when python -m jaxdist.convert starts
     from jaxdist.models.resolve import resolve
 
     rules = rules or sharding.make_rules(cfg.mesh.rules)
@@ -238,11 +243,6 @@ def import_params(hf_dir: Path, cfg, mesh, rules=None):
 
 def check_finite(params, mesh, where: Path) -> None:
     """NaN or Inf in imported weights (a damaged download) is refused here, not found as a NaN loss later."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     replicated = NamedSharding(mesh, P())
     with jax.set_mesh(mesh):
         finite = jax.jit(lambda p: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), p), out_shardings=replicated)(
@@ -259,8 +259,6 @@ def check_finite(params, mesh, where: Path) -> None:
 def restore_for_training(hf_dir: str, prog, cfg):
     """`--restore hf:HF_DIR`: a fresh train state (step 0, new optimizer) holding the HF weights. With
     lora.rank > 0 they are the frozen base: adapters are initialised and the base stored in its dtype."""
-    from jaxdist.checkpoint import Restored
-
     start = time.perf_counter()
     plain = cfg.replace(lora=dict(rank=0, base_dtype="float32")) if cfg.lora.rank else cfg
     params, _ = import_params(Path(hf_dir), plain, prog.mesh, prog.rules)

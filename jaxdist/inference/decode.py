@@ -16,11 +16,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+from tokenizers import Tokenizer
+
+from jaxdist.data import chat, run_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.hf.hub import local_dir
 
 
 def sample(logits_BV, key, temperature: float, top_p: float):
     """-> (token_B, logprob_B): the chosen token and its log-probability before temperature."""
+    # deferred: jax loads on first use, not when python -m jaxdist.generate starts
     import jax
     import jax.numpy as jnp
 
@@ -41,6 +47,7 @@ def sample(logits_BV, key, temperature: float, top_p: float):
 
 def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: float):
     """(params, tokens_BP, pad_B, key) -> (new_BN, logprobs_BN), jitted."""
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.generate starts
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -81,6 +88,7 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
 
 def generation_rules(cfg) -> dict:
     """The run's rules with the batch replicated: a few prompts need not divide the data axes."""
+    # deferred: flax, jax load on first use, not when python -m jaxdist.generate starts
     from jaxdist.distributed import sharding
 
     return {**sharding.make_rules(cfg.mesh.rules), "batch": ()}
@@ -88,6 +96,7 @@ def generation_rules(cfg) -> dict:
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
+    # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.generate starts
     from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping, tensors
@@ -96,8 +105,6 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
     if hf_dir:
-        from jaxdist.hf.hub import local_dir
-
         hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = mapping.hf_config(None, [], Path(hf_dir), mesh_text)
         params, model = tensors.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
@@ -124,8 +131,6 @@ class Text:
             path = path / "tokenizer.json"
         self.folder = path.parent if path.is_file() else None  # its chat template, for --chat
         if path.is_file():
-            from tokenizers import Tokenizer
-
             try:
                 self.tokenizer = Tokenizer.from_file(str(path))
             except Exception as e:  # the Rust side raises plain Exceptions for bad JSON
@@ -166,7 +171,6 @@ def chat_prompts(text: Text, messages: list[str]) -> list[list[int]]:
         return []
     if text.folder is None:
         raise JaxdistError("--chat needs the model's tokenizer folder (with its chat template); use --prompt")
-    from jaxdist.data import chat
 
     ct = chat.load(str(text.folder))
     return [chat.prompt_ids(ct, [{"role": "user", "content": m}]) for m in messages]
@@ -188,8 +192,8 @@ def recorded_tokenizer(run_dir: str | None):
     """The tokenizer a run dir recorded (checked), None for --hf or a run dir from before recording."""
     if not run_dir:
         return None
+    # deferred: grain, jax, orbax load on first use, not when python -m jaxdist.generate starts
     from jaxdist.checkpoint.storage import checkpoint_dir
-    from jaxdist.data import run_tokenizer
 
     directory, _ = checkpoint_dir(Path(run_dir))
     return run_tokenizer.of_run(directory.parent)
@@ -234,8 +238,8 @@ def generate(
     seed: int = 0,
 ):
     """-> (new tokens (B, N), logprobs (B, N), seconds compiling, seconds running) as numpy."""
+    # deferred: jax loads on first use, not when python -m jaxdist.generate starts
     import jax
-    import numpy as np
 
     V = cfg.model.vocab_size
     for p in prompts:
@@ -248,6 +252,7 @@ def generate(
     pad = np.array([P - len(p) for p in prompts], np.int32)
     run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
     key = jax.random.key(seed)
+    # deferred: flax, jax load on first use, not when python -m jaxdist.generate starts
     from jaxdist.distributed import sharding
 
     with sharding.activate(mesh, generation_rules(cfg)):  # the layers' constraints, batch replicated

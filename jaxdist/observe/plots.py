@@ -10,6 +10,7 @@ and records are joined by step, the later one winning.
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -68,9 +69,11 @@ def legend_text(label: str, width: int = 48) -> str:
 
 
 def pyplot():
+    # deferred: matplotlib loads on first use, not when python -m jaxdist.plot, python -m jaxdist.train starts
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib loads on first use, not when python -m jaxdist.plot, python -m jaxdist.train starts
     import matplotlib.pyplot as plt
 
     return plt
@@ -152,8 +155,6 @@ def check_out(out: Path) -> Path:
 def save(fig, out: Path) -> Path:
     """Write a figure whole or not at all: into a hidden file beside `out`, renamed over it. A failure
     (full disk, read-only folder) is one line and leaves no empty or partial PNG behind."""
-    import os
-
     plt = pyplot()
     out = check_out(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}.png"

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from jaxdist.data.run_tokenizer import byte_tokens
 from jaxdist.errors import JaxdistError
+from jaxdist.planner import hardware
 
 MiB = 2**20
 
@@ -64,7 +66,6 @@ def data_line(cfg, loader) -> str:
 def units_line(cfg) -> str:
     v = cfg.model.vocab_size
     line = f"loss in nats/token; uniform baseline ln {v} = {math.log(v):.3f}"
-    from jaxdist.data.run_tokenizer import byte_tokens
 
     if byte_tokens(cfg):
         line += f" nats/token = {math.log(v) / math.log(2):.2f} bits/byte (byte tokens: bits/byte = nats / ln 2)"
@@ -82,8 +83,8 @@ def peak_line(peak: float, source: str) -> str:
 
 def hardware_for(device):
     """The planner's hardware entry for this device, or None."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.observe.metrics import DEVICE_KINDS
-    from jaxdist.planner import hardware
 
     if device.platform == "cpu":
         return hardware.get("cpu")
@@ -93,6 +94,7 @@ def hardware_for(device):
 
 def predicted_bytes(cfg, mesh) -> float | None:
     """The planner's per-device memory for this config on this mesh (None if it cannot model it)."""
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
     from jaxdist.planner import memory
     from jaxdist.planner.layout import Layout
 
@@ -107,6 +109,7 @@ def predicted_bytes(cfg, mesh) -> float | None:
 
 def memory_summary(compiled, predicted: float | None, device_memory: dict | None) -> dict:
     """Memory figures for metrics.jsonl's summary: the compiled step's, the device's, the planner's."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.observe import metrics
 
     out = {}
@@ -136,6 +139,7 @@ def memory_line(figures: dict) -> str:
 
 
 def compiled_line(compiled) -> str:
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.observe import metrics
 
     c = metrics.compiled_memory(compiled)
@@ -152,6 +156,7 @@ def compiled_line(compiled) -> str:
 
 def param_and_state_bytes(prog) -> tuple[int, int]:
     """Bytes per device of parameters and of optimizer state (the largest shard, from shardings)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
 
     def per_device(abstract, shardings):
@@ -165,6 +170,7 @@ def param_and_state_bytes(prog) -> tuple[int, int]:
 
 
 def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
     from jaxdist.distributed.mesh import format_mesh
     from jaxdist.models.llama import count_params
     from jaxdist.models.resolve import compute_dtype
@@ -187,6 +193,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"gradient stage {prog.gradients.name}, compute {compute_dtype(cfg.model)}",
     ]
     if cfg.lora.rank:
+        # deferred: flax, jax load on first use, not when python -m jaxdist.train starts
         from jaxdist.adapters.lora import count_adapter_params
 
         lo, trained = cfg.lora, count_adapter_params(cfg.model, cfg.lora)
@@ -202,6 +209,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
             f"sequence per device, load-balanced chunks of {cfg.model.seq_len // (2 * cp)}"
         )
     if prog.pipeline is not None:
+        # deferred: flax, jax load on first use, not when python -m jaxdist.train starts
         from jaxdist.parallel import pipeline
 
         d = pipeline.describe(prog.pipeline)
@@ -212,6 +220,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         )
     line = None
     if cfg.offload != type(cfg.offload)():
+        # deferred: jax loads on first use, not when python -m jaxdist.train starts
         from jaxdist.distributed import offload
 
         line = offload_line(cfg, offload.host_transfers(prog))

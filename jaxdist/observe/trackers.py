@@ -84,6 +84,7 @@ class TensorBoard:
 
     def __init__(self, run_dir: Path, config: dict, config_text: str):
         import_tracker("tensorboardX")
+        # deferred: an optional extra, imported only where its feature is used
         from tensorboardX import summary
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto import event_pb2
@@ -111,6 +112,7 @@ class TensorBoard:
 
 class WandB:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
+        # deferred: an optional extra, imported only where its feature is used
         import wandb
 
         run_id = _run_id(run_dir, "wandb", lambda: uuid.uuid4().hex[:12])
@@ -133,6 +135,7 @@ class WandB:
 
 class MLflow:
     def __init__(self, run_dir: Path, config: dict, config_text: str):
+        # deferred: an optional extra, imported only where its feature is used
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -152,14 +155,14 @@ class MLflow:
         self.client.log_text(self.run_id, config_text, "config.yaml")
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        import time
-
+        # deferred: an optional extra, imported only where its feature is used
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
     def finish(self, summary: dict[str, float]) -> None:
+        # deferred: an optional extra, imported only where its feature is used
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(f"summary.{k}", f"{v:.6g}") for k, v in summary.items()])

@@ -305,6 +305,7 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
         return out, model.combine_aux(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
     if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.reduce.gradients)
+        # deferred: optax loads on first use, not when python -m jaxdist.convert, python -m jaxdist.plan starts
         from jaxdist.parallel.pipeline_1f1b import schedule_objective
 
         apply_fn.objective_sums = schedule_objective(graphdef, pl, positions_T)

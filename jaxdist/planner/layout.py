@@ -11,6 +11,9 @@ import dataclasses
 import functools
 import math
 
+import jax
+from flax import nnx
+
 from jaxdist.config import Config, ModelConfig
 from jaxdist.distributed import sharding
 from jaxdist.distributed.hlo import dtype_bytes
@@ -45,9 +48,7 @@ class ParamGroup:
 @functools.lru_cache(maxsize=32)
 def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model with its shape, logical names and role."""
-    import jax
-    from flax import nnx
-
+    # deferred: optax loads on first use, not when python -m jaxdist.plan starts
     from jaxdist.models.llama import Llama
 
     abstract = nnx.eval_shape(lambda: Llama(model, nnx.Rngs(params=0)))

@@ -40,6 +40,7 @@ import dataclasses
 
 from jaxdist.adapters import quant
 from jaxdist.parallel.loss import block_rows
+from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora, residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 
@@ -234,8 +235,6 @@ def dropless_tier_bytes(lay: Layout) -> float:
     lax.switch returns every branch's residuals (jaxdist.parallel.moe; read from the compiled step's
     heap trace: the layers' stacks of each tier's buffers are live at its peak). 0 otherwise: remat
     and the pipeline's stage recompute rebuild them in the backward."""
-    from jaxdist.parallel.moe import dropless_tiers
-
     m = lay.cfg.model
     if not m.moe_experts or m.moe_dispatch != "dropless" or m.remat != "none" or lay.mesh["pp"] > 1:
         return 0.0

@@ -7,6 +7,9 @@ log axes, so the picture shows what differs: tokens/s per device (left) and scal
 
 from __future__ import annotations
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 COLORS = {"strong": "tab:blue", "weak": "tab:orange"}
 
 
@@ -20,10 +23,7 @@ def point_label(p: dict) -> str:
 
 def scaling_png(curves: dict, path: str, title: str) -> list[str]:
     """Write the picture; returns the point labels drawn (strong first, then weak)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (tput, eff) = plt.subplots(1, 2, figsize=(13, 5.2))
     labels = []

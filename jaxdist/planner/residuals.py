@@ -40,6 +40,7 @@ class Saved:
 def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     """Residual bytes of one layer, per token and per token pair, float32, on a device holding 1/tp of
     the heads and of the MLP (dense layers; the caller models MoE and context-parallel attention)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
     import jax
     import jax.numpy as jnp
     from jax import export
@@ -69,6 +70,7 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     it (`jax.eval_shape` at two concrete lengths; nothing merged): for context parallelism, whose
     attention (jaxdist.parallel.context) is not the Block's traced here, so the Block's merges do not
     describe its program (jaxdist.planner.memory)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
     import jax
     import jax.numpy as jnp
 
@@ -87,6 +89,7 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
 def _traced_layer(model: ModelConfig, tp: int, policy: str):
     """(layer(x_BTD, state) under the remat policy, the abstract state) of one dense Block as one device
     computes it under tp (nothing is allocated)."""
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
     import jax
     import jax.numpy as jnp
     from flax import nnx

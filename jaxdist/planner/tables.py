@@ -123,6 +123,7 @@ def scaling_table(curves: dict) -> str:
 
 
 def plot(curves: dict, path: str, title: str) -> list[str]:
+    # deferred: matplotlib loads on first use, not when python -m jaxdist.plan starts
     from jaxdist.planner.picture import scaling_png
 
     return scaling_png(curves, path, title)

@@ -15,8 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jaxdist import checkpoint
+from jaxdist import config as config_mod
+from jaxdist.config import relative
+from jaxdist.data import run_tokenizer
 from jaxdist.errors import JaxdistError
-from jaxdist.observe import plots, trackers
+from jaxdist.observe import plots, report, trackers
+from jaxdist.training import hooks, rundir
 
 # A write that fails for these reasons (the lock, config.yaml, the tokenizer record, ...) is the
 # user's environment, not a bug: one line instead of a traceback.
@@ -25,6 +30,7 @@ WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def with_resolved_mesh(cfg, num_devices: int):
     """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.distributed import mesh as mesh_mod
 
     return cfg.replace(mesh=dict(shape=mesh_mod.format_mesh(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
@@ -56,9 +62,6 @@ def run(
     `allowed`: config keys that may differ from the resumed checkpoint's. `origin`: how the run dir was
     chosen, for the start-up line that says whether it resumed.
     """
-    from jaxdist import checkpoint
-    from jaxdist.training import rundir
-
     own = stopper is None
     stopper = stopper or checkpoint.StopSignal()
     lock = rundir.RunLock(run_dir)
@@ -138,15 +141,14 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
 
 def _set_up(cfg, run_dir: Path, log, lock) -> _Setup:
     """Every check on input, then the config resolved on the mesh, the program and the data loader."""
+    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.train starts
     import jax
 
-    from jaxdist.config import relative
     from jaxdist.data import loader as data
-    from jaxdist.data import run_tokenizer
     from jaxdist.distributed import mesh as mesh_mod
     from jaxdist.models import flops
     from jaxdist.observe import metrics
-    from jaxdist.training import rundir, step
+    from jaxdist.training import step
 
     rundir.check_storable(run_dir)
     cfg = data.source_of_prepared(cfg, log)
@@ -188,13 +190,9 @@ def _before_writing(s: _Setup, run_dir: Path, stopper, restored, start: int) -> 
 
 def _start_writing(s: _Setup, run_dir: Path, lock, closers, restored, resuming, restore, origin, start: int):
     """Take the lock, record the config and tokenizer, say the start-up lines; -> the metrics writer."""
-    from jaxdist import checkpoint
-    from jaxdist import config as config_mod
-    from jaxdist.config import relative
-    from jaxdist.data import run_tokenizer
-    from jaxdist.observe import metrics, report
+    # deferred: jax, optax load on first use, not when python -m jaxdist.train starts
+    from jaxdist.observe import metrics
     from jaxdist.optim import adamw
-    from jaxdist.training import rundir
 
     cfg, log, is_main = s.cfg, s.log, s.is_main
     if not checkpoint.all_agree(not is_main or _take(lock, log)):
@@ -225,11 +223,10 @@ def _start_writing(s: _Setup, run_dir: Path, lock, closers, restored, resuming, 
 
 def _restored_lines(s: _Setup, run_dir: Path, restored, resuming: bool, from_hf: bool, start: int) -> None:
     """After a restore: newer checkpoints set aside, a Hugging Face source kept, the line that says what."""
-    from jaxdist import checkpoint
-
     if resuming:
         checkpoint.set_aside_newer(run_dir, restored.step, s.log)
     if from_hf and s.is_main:
+        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
         from jaxdist.hf import export
 
         export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
@@ -238,16 +235,12 @@ def _restored_lines(s: _Setup, run_dir: Path, restored, resuming: bool, from_hf:
 
 
 def _saver(s: _Setup, run_dir: Path):
-    from jaxdist import checkpoint
-
     return checkpoint.Saver(run_dir, s.cfg, log=s.log if s.is_main else lambda *a: None)
 
 
 def _compile(s: _Setup, restored):
     """-> (the first state, the first batch, the compiled step, seconds, the planner's predicted bytes
     per device)."""
-    from jaxdist.observe import report
-
     t0 = time.perf_counter()
     state = restored.state if restored else s.prog.init_state(s.cfg.train.seed)
     first = next(s.loader)
@@ -263,6 +256,7 @@ def _compile(s: _Setup, restored):
 
 
 def _local_devices(mesh):
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
 
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -271,6 +265,7 @@ def _local_devices(mesh):
 def _progress(s: _Setup, writer, closers, saver, state, resumed, start: int):
     """The progress bar and per-step bookkeeping (`resumed`: the checkpoint it carries on from, or None);
     checkpoint messages go above the bar from now on."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
 
     from jaxdist.observe import metrics
@@ -298,8 +293,8 @@ def _progress(s: _Setup, writer, closers, saver, state, resumed, start: int):
 def _train(s: _Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int):
     """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
     plot or why there is none). The plot is drawn however the loop ends."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.observe import metrics, profiling
-    from jaxdist.training import hooks
 
     def evaluate(params) -> float:
         sums = [s.prog.eval_step(params, b) for b in eval_arrays]
@@ -341,7 +336,8 @@ def _train(s: _Setup, run_dir: Path, stopper, saver, progress, compiled, state, 
 
 def _finish(s: _Setup, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted):
     """The summary line of metrics.jsonl, the closing lines; -> the run's result."""
-    from jaxdist.observe import metrics, report
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    from jaxdist.observe import metrics
 
     summary = progress.summary(steps_done, compile_s)
     summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(_local_devices(s.mesh))))
@@ -382,14 +378,13 @@ def _stopped_line(stopper, saver, steps_done: int) -> str:
 def _restore(cfg, run_dir: Path, prog, loader, restore, allowed, is_main: bool, log):
     """-> (resuming, from_hf, restored or None): this run dir's latest checkpoint, else `restore` (another
     run's checkpoint, or hf:DIR for a Hugging Face model's weights with a fresh optimizer), else nothing."""
-    from jaxdist import checkpoint
-
     resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
     if not resuming:
         checkpoint.check_run_dir_model(run_dir, cfg)
     restored = None
     from_hf = bool(restore and restore.startswith("hf:")) and not resuming
     if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
+        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
         from jaxdist.hf import tensors
 
         restored = tensors.restore_for_training(restore[3:], prog, cfg)
@@ -414,6 +409,7 @@ def _plot(run_dir: Path):
     try:
         return plots.loss_png(run_dir)
     except Exception as e:
+        # deferred: jax loads on first use, not when python -m jaxdist.train starts
         from jaxdist.observe.metrics import reason
 
         return str(e) if isinstance(e, JaxdistError) else reason(e)
@@ -421,8 +417,6 @@ def _plot(run_dir: Path):
 
 def _save_after_failure(saver, per_step, loader) -> str:
     """After metrics or a tracker failed: a checkpoint of the last step if there is room, else why not."""
-    from jaxdist.training import hooks
-
     ckpt = next(h for h in per_step if isinstance(h, hooks.Checkpoint))
     batches = next(h for h in per_step if isinstance(h, hooks.Batches))
     then = "free space or fix the folder, then run the same command to resume"

@@ -46,6 +46,7 @@ def check_storable(path: Path, flag: str = "--run-dir") -> None:
 def identity(cfg, restore: str | None = None) -> str:
     """8 hex digits naming what a run computes: the resolved config without the keys a resume may
     change, and where it starts from."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.checkpoint.compat import FREE_KEYS
 
     flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
