@@ -160,6 +160,49 @@ def test_jaxdist_follows_the_layering():
     )
 
 
+def unmarked_deferred_imports(source: str, filename: str) -> list[str]:
+    """`file:line` of each import inside a function that no `# deferred: <why>` comment explains: one on the
+    line above a group of adjacent imports, or on one of the group's lines, covers the group. An import belongs
+    at the top of its module unless deferring it does something."""
+    lines = source.splitlines()
+    out = []
+    for func in ast.walk(ast.parse(source, filename)):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        bodies = [getattr(n, f, None) for n in ast.walk(func) for f in ("body", "orelse", "finalbody")]
+        for body in (b for b in bodies if isinstance(b, list)):
+            group: list[ast.stmt] = []
+            for st in [*body, None]:
+                if isinstance(st, ast.Import | ast.ImportFrom):
+                    group.append(st)
+                    continue
+                if group and not any(
+                    "# deferred: " in line for line in lines[group[0].lineno - 2 : group[-1].end_lineno]
+                ):
+                    out += [f"{filename}:{n.lineno}: {lines[n.lineno - 1].strip()}" for n in group]
+                group = []
+    return sorted(set(out))
+
+
+def test_deferred_import_check_fails_on_an_unmarked_one():
+    """A comment above a group of adjacent imports covers the group; an import after other code needs its own."""
+    source = (
+        "import os\n\ndef f():\n    # deferred: loads jax when called\n    import jax\n\n    from jaxdist import config\n"
+        "    x = 1\n    from jaxdist import errors\n"
+    )
+    assert unmarked_deferred_imports(source, "m.py") == ["m.py:9: from jaxdist import errors"]
+    marked = source.replace("from jaxdist import errors", "from jaxdist import errors  # deferred: a reason")
+    assert unmarked_deferred_imports(marked, "m.py") == []
+
+
+def test_every_deferred_import_says_why():
+    """docs/architecture.md#deferred-imports: each import inside a function carries `# deferred: <why>`."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        found += unmarked_deferred_imports(path.read_text(), str(path.relative_to(PKG.parent)))
+    assert not found, "imports inside functions without a `# deferred: <why>` comment:\n" + "\n".join(found)
+
+
 # Optional extras: each is imported only where its feature is used, behind a one-line "install the
 # extra" error (tests/test_trackers.py and test_tokenize.py check those lines).
 EXTRAS = {"wandb", "mlflow", "pyarrow", "tensorboard"}
