@@ -2,6 +2,7 @@
 layering of docs/architecture.md (a package imports only from packages below it), and every module imports."""
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "jaxdist"
@@ -201,6 +202,39 @@ def test_every_deferred_import_says_why():
     for path in sorted(PKG.rglob("*.py")):
         found += unmarked_deferred_imports(path.read_text(), str(path.relative_to(PKG.parent)))
     assert not found, "imports inside functions without a `# deferred: <why>` comment:\n" + "\n".join(found)
+
+
+def architecture_tree(text: str) -> dict[str, set[str]]:
+    """docs/architecture.md's tree table: package -> the modules its row names (`x.py`), rows in order."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"^\| `(\w+)/` \| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"`([\w]+)\.py`", m.group(2)))
+    return rows
+
+
+def test_the_architecture_tree_is_the_real_one():
+    """Every package under jaxdist/ has its row in docs/architecture.md's tree, naming each of its modules,
+    in the order of the layering the import test enforces (tests/test_imports.py LAYERS)."""
+    rows = architecture_tree((PKG.parent / "docs" / "architecture.md").read_text())
+    real = {
+        d.name: {p.stem for p in d.glob("*.py") if p.stem != "__init__"}
+        for d in sorted(PKG.iterdir())
+        if (d / "__init__.py").exists()
+    }
+    missing = {
+        name: sorted(mods - rows.get(name, set())) for name, mods in real.items() if mods - rows.get(name, set())
+    }
+    assert not missing, f"docs/architecture.md's tree lacks these modules (package: modules): {missing}"
+    assert not set(rows) - set(real), f"rows for packages that do not exist: {set(rows) - set(real)}"
+    order = [u for units in LAYERS for u in units if u in rows]
+    assert list(rows) == order, f"the tree's rows should run in the layering order {order}"
+
+
+def test_the_tree_check_can_fail():
+    text = "| `data/` | `loader.py`, `files.py` | what |\n| `hf/` | `mapping.py` | what |\n"
+    assert architecture_tree(text) == {"data": {"loader", "files"}, "hf": {"mapping"}}
 
 
 # Optional extras: each is imported only where its feature is used, behind a one-line "install the
