@@ -14,6 +14,7 @@ from pathlib import Path
 from jaxdist import config
 from jaxdist.checkpoint.signals import StopSignal
 from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import peers
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
@@ -134,6 +135,9 @@ def allowed_changes(text: str) -> frozenset[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    supervised = peers.supervise(sys.argv[1:] if argv is None else list(argv))  # multi-process: names a dead peer
+    if supervised is not None:
+        return supervised
     quiet.libraries()
     with StopSignal() as stopper:
         return _main(argv, stopper)
@@ -161,6 +165,7 @@ def _main(argv: list[str] | None, stopper) -> int:
         allowed = allowed_changes(args.allow_config_change)
         launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
         distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        peers.join(launch, run_dir)  # the peers' supervisors, for naming one that dies
         stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
         print(distributed.topology_line(), flush=True)

@@ -254,6 +254,22 @@ def test_only_process_zero_speaks(runs):
     assert all(log.count(f"[p{i}] gloo: rank ") <= 2 for i in (0, 1))
 
 
+def test_clean_runs_leave_no_process_behind(runs):
+    """Each multi-process command is a supervisor (jaxdist.peers) and a training process: after the runs
+    ended well, no process of theirs runs, and they said nothing about peers."""
+    tmp, _ = runs
+    left = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(tmp) in (d / "cmdline").read_text() and not gone(int(d.name), 0.5):
+                left.append(int(d.name))
+        except OSError:
+            pass
+    assert left == []
+    for name in ("2x4_dp", "1to2"):
+        assert "stopped answering" not in (log := (tmp / f"{name}.log").read_text()) and "cannot reach" not in log
+
+
 def test_checkpoint_moves_between_process_counts(runs):
     tmp, _ = runs
     want = losses(tmp / "1x8")
@@ -316,18 +332,56 @@ def test_sigterm_stops_two_processes_at_one_step_with_a_checkpoint(tmp_path):
     assert [q.name for q in (tmp_path / "run" / "checkpoints").iterdir() if q.name.isdigit()] == [str(stopped)]
 
 
-def test_killed_process_stops_the_other(tmp_path):
+def children(pid: int) -> list[int]:
+    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+
+
+def gone(pid: int, within: float = 10) -> bool:
+    """The process has ended (a zombie counts: nothing of it runs) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("victim", ["process", "training process"])
+def test_a_killed_process_is_named_by_the_survivor(tmp_path, victim):
+    """SIGKILL process 1 mid-run (the pid its launcher started, or its training process: the kernel's
+    out-of-memory killer picks the big one): process 0 stops in about a second, and its last line names
+    process 1 (index, host, pid) as the one that stopped, not the user's code; process 1 says what happened
+    where it can. Without jaxdist.peers, process 0 aborted in C++ at JAX's heartbeat timeout (gloo's
+    "collective mismatch in your code?" or "another task died"), naming no pid or host."""
     procs = two_trainers_mid_run(tmp_path, "--heartbeat-timeout", "10")
+    workers = [(children(p.pid) or [p.pid])[0] for p in procs]  # the training processes
     try:
-        procs[1].send_signal(signal.SIGKILL)
+        target = procs[1].pid if victim == "process" else workers[1]
+        os.kill(target, signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=60)
         waited = time.monotonic() - t0
+        rc1 = procs[1].wait(timeout=60)
     finally:
         stop(procs)
     out = (tmp_path / "p0.log").read_text()
-    assert rc != 0 and waited < 60
-    assert "heartbeat" in out and "another task died" in out  # JAX names the silent task
+    host = socket.gethostname()
+    line = re.escape(f"error: process 1 (host {host}, pid {procs[1].pid}) stopped answering at ") + r"\d\d:\d\d:\d\d "
+    assert rc == 1 and waited < 8, (rc, waited, out[-3000:])
+    assert re.search(line, out.splitlines()[-1]), out[-3000:]  # the last word is the named peer
+    assert "process 0 cannot continue the collectives it shares with it. Resume with the same command once all 2" in out
+    mine = (tmp_path / "p1.log").read_text()
+    if victim == "process":  # its training process saw its parent go, said so and told process 0
+        assert "(gone: killed or crashed)" in out
+        assert f"error: process 1 (host {host}, pid {procs[1].pid}) stopped at " in mine
+        assert f": it was killed; its training process (pid {workers[1]}) stops too." in mine
+    else:  # its supervisor saw the training process die and says how
+        assert "(killed by SIGKILL)" in out and rc1 == 128 + signal.SIGKILL
+        assert f"its training process (pid {workers[1]}) was killed by SIGKILL (by hand, or the kernel's" in mine
+    assert all(gone(w) for w in workers)  # no training process outlives its run
 
 
 def test_unreachable_coordinator_is_named(tmp_path):

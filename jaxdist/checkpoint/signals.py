@@ -43,6 +43,8 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: abort without saving
+        if self.received == signal.Signals(signum).name:
+            return  # the same SIGTERM twice (a scheduler signals every process, the supervisor passes it on)
         self.received = signal.Signals(signum).name
         doing = (
             "finishing the current step and saving a checkpoint" if self.training else "stopping before the first step"

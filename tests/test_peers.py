@@ -1,0 +1,117 @@
+"""jaxdist.peers without JAX: the lines, who is blamed, the supervisors' questions and news, the ring watch.
+Real processes killed mid-run: tests/test_distributed.py::test_a_killed_process_is_named_by_the_survivor."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import peers
+
+
+def test_how_a_process_ended():
+    assert peers.ending(-9) == "killed by SIGKILL"
+    assert peers.ending(-6) == "aborted (SIGABRT)"
+    assert peers.ending(3) == "exited with status 3; see its output"
+
+
+def test_the_line_names_the_peer_and_the_checkpoint_to_resume_from(tmp_path):
+    for d in ("5", "10", "15.orbax-checkpoint-tmp-1"):  # a save in progress is not a checkpoint
+        (tmp_path / "checkpoints" / d).mkdir(parents=True)
+    dead = {"index": 1, "host": "node2", "pid": 4242, "how": "killed by SIGKILL", "at": time.time()}
+    line = peers.blame_line(0, 2, dead, str(tmp_path))
+    assert line.startswith("error: process 1 (host node2, pid 4242) stopped answering at ")
+    assert line.endswith(
+        "(killed by SIGKILL); process 0 cannot continue the collectives it shares with it. Resume with the same "
+        "command once all 2 processes can run (the latest checkpoint is step 10)."
+    )
+    assert "(no checkpoint yet: it starts again from step 0)" in peers.blame_line(0, 2, dead, str(tmp_path / "x"))
+
+
+def test_the_first_death_is_blamed_not_those_it_caused():
+    gone = {
+        2: {"index": 2, "at": 5.0, "cause": 1},  # stopped because of process 1, before anyone heard of 1
+        1: {"index": 1, "at": 7.0},
+        3: {"index": 3, "at": 9.0},
+    }
+    assert peers.root(gone)["index"] == 1
+    assert peers.root({}) is None
+
+
+def test_a_listener_answers_and_takes_news_only_with_its_token():
+    lis = peers.Listener(0)
+    try:
+        assert peers.ask("127.0.0.1", lis.port, {"op": "status"}) == {"index": 0, "gone": None}
+        news = [{"index": 1, "host": "h", "pid": 7, "how": "killed by SIGKILL", "at": 2.0}]
+        peers.ask("127.0.0.1", lis.port, {"op": "gone", "token": "wrong", "records": news})
+        assert lis.gone == {} and not lis.news.is_set()  # a stray connection stops nothing
+        peers.ask("127.0.0.1", lis.port, {"op": "gone", "token": lis.token, "records": news})
+        later = {**news[0], "how": "gone: killed or crashed", "at": 3.0}
+        peers.ask("127.0.0.1", lis.port, {"op": "gone", "token": lis.token, "records": [later]})
+        assert lis.news.is_set() and lis.gone[1]["how"] == "killed by SIGKILL"  # the earliest word kept
+    finally:
+        lis.close(clean=False)
+    assert peers.ask("127.0.0.1", lis.port, {"op": "status"}) == "refused"
+
+
+def supervisor() -> peers.Supervisor:
+    return peers.Supervisor(distributed.Launch("127.0.0.1:1", 2, 0, "flags"))
+
+
+def record(lis: peers.Listener, index: int = 1) -> dict:
+    return {"index": index, "host": "h", "pid": 99, "addr": "127.0.0.1", "port": lis.port, "token": lis.token}
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_the_ring_watch_hears_an_end_at_once_unless_it_was_clean(clean):
+    sup, peer = supervisor(), peers.Listener(1)
+    watch = threading.Thread(target=sup._watch, args=(record(peer),))
+    watch.start()
+    deadline = time.monotonic() + 5
+    while not peer.watchers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    peer.close(clean=clean)
+    watch.join(timeout=5)
+    assert not watch.is_alive()
+    assert (1 in sup.listener.gone) is not clean
+    if not clean:
+        assert sup.listener.gone[1]["how"] == "gone: killed or crashed"
+    sup.listener.close(clean=True)
+
+
+def test_a_peer_that_no_longer_listens_is_found_dead_and_a_live_one_is_not():
+    sup, alive, dead = supervisor(), peers.Listener(1), peers.Listener(2)
+    dead.close(clean=False)
+    try:
+        sup.peers = [record(alive, 1)]
+        t0 = time.monotonic()
+        assert sup._find_dead() is None and time.monotonic() - t0 < 2  # asked twice, 0.5 s apart
+        sup.peers.append(record(dead, 2))
+        found = sup._find_dead()
+        assert (found["index"], found["pid"], found["how"]) == (2, 99, "gone: killed or crashed")
+    finally:
+        alive.close(clean=True)
+        sup.listener.close(clean=True)
+
+
+def test_single_process_commands_are_not_supervised(monkeypatch):
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
+    assert peers.supervise(["--steps", "1"]) is None
+    assert peers.supervise(["--coordinator", "h:1", "--num-processes", "1", "--process-id", "0"]) is None
+    assert peers.launch_of(["--num-processes", "two"]) is None  # train itself refuses it, in its own words
+    two = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+    assert peers.launch_of(two).num_processes == 2
+    monkeypatch.setenv(peers.SWITCH, "0")
+    assert peers.supervise(two) is None  # switched off
+    monkeypatch.delenv(peers.SWITCH)
+    monkeypatch.setenv(peers.CHILD, "3 4 t")
+    assert peers.supervise(two) is None  # the training process itself
+
+
+def test_addresses_start_with_the_route_to_the_coordinator():
+    assert peers.addresses("127.0.0.1:1")[0] == "127.0.0.1"
+    assert all(socket.inet_aton(a) for a in peers.addresses("127.0.0.1:1"))
