@@ -357,8 +357,8 @@ def test_a_killed_process_is_named_by_the_survivor(tmp_path, victim):
     where it can. Without jaxdist.peers, process 0 aborted in C++ at JAX's heartbeat timeout (gloo's
     "collective mismatch in your code?" or "another task died"), naming no pid or host."""
     procs = two_trainers_mid_run(tmp_path, "--heartbeat-timeout", "10")
-    workers = [(children(p.pid) or [p.pid])[0] for p in procs]  # the training processes
     try:
+        workers = [(children(p.pid) or [p.pid])[0] for p in procs]  # the training processes
         target = procs[1].pid if victim == "process" else workers[1]
         os.kill(target, signal.SIGKILL)
         t0 = time.monotonic()

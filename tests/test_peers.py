@@ -96,6 +96,19 @@ def test_a_peer_that_no_longer_listens_is_found_dead_and_a_live_one_is_not():
         sup.listener.close(clean=True)
 
 
+def test_a_peer_that_accepts_but_never_answers_is_named_after_the_timeout(monkeypatch):
+    """A hung process or host: the connection may open (the kernel's backlog) but no answer comes."""
+    monkeypatch.setattr(peers, "ASK_S", 0.3)
+    sup = supervisor()
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # listens, never accepts
+        sup.peers = [{"index": 1, "host": "h", "pid": 99, "addr": "127.0.0.1", "port": mute.getsockname()[1]}]
+        t0 = time.monotonic()
+        found = sup._find_dead(tries=1)
+        assert 0.3 <= time.monotonic() - t0 < 2
+    assert found["how"] == "no answer within 0.3s: killed, crashed, or its host is down"
+    sup.listener.close(clean=True)
+
+
 def test_single_process_commands_are_not_supervised(monkeypatch):
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(k, raising=False)

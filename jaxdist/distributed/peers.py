@@ -45,7 +45,7 @@ SWITCH = "JAXDIST_WATCH_PEERS"  # "0": no supervisor
 CHILD = "JAXDIST_SUPERVISOR"  # set in the training process: "FD PORT TOKEN" (its socket pair, its supervisor)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 ASK_S = 2.0  # one question to a peer: connect, ask, answer
-GRACE_S = 1.0  # a training process told that a peer died may end by itself this long (its own error wins)
+GRACE_S = 0.5  # a training process told that a peer died may end by itself this long (its own error wins)
 PEER_DIED = 1  # exit status of a process stopped because another one died
 KEY = "jaxdist_peers/{}"
 _keep: list = []  # the training process's end of its socket pair: alive as long as the process
@@ -116,8 +116,10 @@ def _readline(conn: socket.socket) -> bytes:
     return data
 
 
-def ask(addr: str, port: int, msg: dict, timeout: float = ASK_S) -> dict | str | None:
-    """A peer's answer; "refused" when its host answers but nothing listens (gone); None: no answer."""
+def ask(addr: str, port: int, msg: dict, timeout: float | None = None) -> dict | str | None:
+    """A peer's answer; "refused" when its host answers but nothing listens (gone); None: no answer
+    within `timeout` (ASK_S)."""
+    timeout = ASK_S if timeout is None else timeout
     try:
         with socket.create_connection((addr, port), timeout=timeout) as s:
             s.settimeout(timeout)
@@ -337,7 +339,12 @@ class Supervisor:
         at = time.time()
         self.listener.mine = {**self.me, "how": ending(rc), "at": at}
         # 2 (bad input) and 130 (interrupted) are the training process's own verdicts
-        dead = None if rc in (2, 130) and not stopped else self._find_dead()
+        # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
+        dead = (
+            None
+            if rc in (2, 130) and not stopped
+            else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
+        )
         if dead is not None:
             print(blame_line(self.index, self.n, dead, self.run_dir), file=sys.stderr, flush=True)
             self.listener.mine["cause"] = dead["index"]
@@ -348,10 +355,10 @@ class Supervisor:
         tell(self.peers, [self.listener.mine])
         return code
 
-    def _find_dead(self) -> dict | None:
-        """A peer known or found to be dead: heard of, or asked (twice, a moment apart: a peer that died
-        with us may not have noticed yet)."""
-        for attempt in range(2):
+    def _find_dead(self, tries: int = 2) -> dict | None:
+        """A peer known or found to be dead: heard of, or asked (`tries` times, a moment apart: a peer that
+        died with us may not have noticed yet)."""
+        for attempt in range(tries):
             if (dead := root(self.listener.gone)) is not None:
                 return dead
             answers = _each(self.peers, lambda p: ask(p["addr"], p["port"], {"op": "status"}))
@@ -364,7 +371,7 @@ class Supervisor:
                 elif a is None:
                     how = f"no answer within {ASK_S:g}s: killed, crashed, or its host is down"
                     self.listener.hear([{**_public(p), "how": how, "at": now}])
-            if attempt == 0 and not self.listener.gone:
+            if attempt + 1 < tries and not self.listener.gone:
                 time.sleep(0.5)
         return root(self.listener.gone)
 
