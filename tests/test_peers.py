@@ -56,6 +56,23 @@ def test_a_listener_answers_and_takes_news_only_with_its_token():
     assert peers.ask("127.0.0.1", lis.port, {"op": "status"}) == "refused"
 
 
+def test_a_peers_own_error_exit_does_not_stop_this_one_a_death_does():
+    """A peer that exited 2 (bad input on its host) or 130 said so itself: ours may end by itself (its
+    own error, or the collective failing), and then names it; a death stops ours at once."""
+    lis = peers.Listener(0)
+    lis.hear(
+        [{"index": 1, "host": "h", "pid": 7, "how": "exited with status 2; see its output", "at": 1.0, "fatal": False}]
+    )
+    assert 1 in lis.gone and not lis.news.is_set()
+    lis.hear(
+        [{"index": 1, "host": "h", "pid": 7, "how": "gone: killed or crashed", "at": 2.0}]
+    )  # its ring watch, later
+    assert not lis.news.is_set()  # the first word about process 1 stands
+    lis.hear([{"index": 2, "host": "h", "pid": 8, "how": "killed by SIGKILL", "at": 3.0}])
+    assert lis.news.is_set()
+    lis.close(clean=True)
+
+
 def supervisor() -> peers.Supervisor:
     return peers.Supervisor(distributed.Launch("127.0.0.1:1", 2, 0, "flags"))
 

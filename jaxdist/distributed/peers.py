@@ -106,9 +106,9 @@ def root(gone: dict[int, dict]) -> dict | None:
 # ---- talking to peers: one JSON line each way ---------------------------------------------------------
 
 
-def _readline(conn: socket.socket) -> bytes:
+def _readline(conn: socket.socket, limit: int = 1 << 16) -> bytes:
     data = b""
-    while not data.endswith(b"\n") and len(data) < 1 << 16:
+    while not data.endswith(b"\n") and len(data) < limit:
         chunk = conn.recv(4096)
         if not chunk:
             break
@@ -193,8 +193,8 @@ class Listener:
                 i = r["index"]
                 if i != self.index and (i not in self.gone or r["at"] < self.gone[i]["at"]):
                     self.gone[i] = r
-            if self.gone:
-                self.news.set()
+            if any(r.get("fatal", True) for r in self.gone.values()):
+                self.news.set()  # a death; a peer's own error exit (2, 130) lets ours end by itself
 
     def close(self, clean: bool) -> None:
         """Stop listening; a watching peer reads "clean" first when the run ended well here."""
@@ -269,13 +269,13 @@ class Supervisor:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            self.listener.close(clean=rc == 0)
+            self.listener.close(clean=rc in (0, 2, 130))  # the ring watch hears of deaths only
             ours.close()
 
     def _table(self, ours: socket.socket) -> None:
         """The peers' table from the training process, then which of their supervisors we can reach."""
         try:
-            msg = json.loads(_readline(ours))
+            msg = json.loads(_readline(ours, 1 << 28))  # ~250 bytes a process
         except (OSError, ValueError):
             return
         self.run_dir = msg.get("run_dir")
@@ -314,7 +314,7 @@ class Supervisor:
                     data += chunk
         except OSError:
             return
-        if b"clean" not in data:
+        if not data.endswith(b"clean\n"):
             self.listener.hear([{**_public(p), "how": "gone: killed or crashed", "at": time.time()}])
 
     def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
@@ -337,14 +337,10 @@ class Supervisor:
         if rc == 0 or not self.peers:
             return code
         at = time.time()
-        self.listener.mine = {**self.me, "how": ending(rc), "at": at}
-        # 2 (bad input) and 130 (interrupted) are the training process's own verdicts
+        verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
+        self.listener.mine = {**_public(self.me), "how": ending(rc), "at": at, "fatal": not verdict}
         # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
-        dead = (
-            None
-            if rc in (2, 130) and not stopped
-            else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
-        )
+        dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
         if dead is not None:
             print(blame_line(self.index, self.n, dead, self.run_dir), file=sys.stderr, flush=True)
             self.listener.mine["cause"] = dead["index"]
@@ -429,6 +425,7 @@ def join(launch: distributed.Launch | None, run_dir: Path | str, timeout_s: int 
     if fd is None:
         return
     sock = socket.socket(fileno=int(fd))
+    sock.set_inheritable(False)  # our own subprocesses must not keep it open
     _keep.append(sock)
     sock.sendall(json.dumps({"peers": table, "run_dir": str(run_dir)}).encode() + b"\n")
     threading.Thread(target=_orphaned, args=(sock, me, table, launch.num_processes, str(run_dir)), daemon=True).start()
