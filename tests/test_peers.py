@@ -1,4 +1,4 @@
-"""jaxdist.peers without JAX: the lines, who is blamed, the supervisors' questions and news, the ring watch.
+"""jaxdist.distributed.peers without JAX: the lines, who is blamed, the supervisors' questions and news, the ring watch.
 Real processes killed mid-run: tests/test_distributed.py::test_a_killed_process_is_named_by_the_survivor."""
 
 import socket
