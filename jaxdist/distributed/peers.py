@@ -242,6 +242,9 @@ def supervise(argv: list[str]) -> int | None:
 
 
 class Supervisor:
+    """The pid the launcher started, in a multi-process run: runs the training process, passes signals on,
+    hears of and asks about peers, and says who died."""
+
     def __init__(self, launch: distributed.Launch):
         self.index, self.n = launch.process_id, launch.num_processes
         self.listener = Listener(self.index)
@@ -283,7 +286,8 @@ class Supervisor:
 
         def reach(p: dict) -> dict | None:
             for addr in p.get("addrs") or []:
-                if p.get("port") and isinstance(ask(addr, p["port"], {"op": "status"}), dict):
+                answer = ask(addr, p["port"], {"op": "status"}) if p.get("port") else None
+                if isinstance(answer, dict) and answer.get("index") == p["index"]:  # not another one's port
                     return {**p, "addr": addr}
             return None
 
