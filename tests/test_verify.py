@@ -256,7 +256,7 @@ ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 TB_FAULT = """
 import errno, sys
-from jaxdist import trackers
+from jaxdist.observe import trackers
 trackers.import_tracker("tensorboardX")
 import tensorboardX.record_writer as rw
 calls, write = [0], rw.RecordWriter.write

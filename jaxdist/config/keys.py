@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import textwrap
@@ -14,6 +15,7 @@ from jaxdist.config.types import _base, _field_types, _type_name
 from jaxdist.errors import JaxdistError
 
 
+@functools.cache  # parsed once per process: --help and the docs table read every section
 def field_docs(cls) -> dict[str, str]:
     """Each field's `# comment` in the class source (wherever the formatter wrapped it): the one place a
     key is documented."""

@@ -1,6 +1,6 @@
 """XLA flags that let GPU collectives run behind compute; set on GPU only, before the backend starts.
 
-    from jaxdist import xla_flags
+    from jaxdist.distributed import xla_flags
     xla_flags.apply()        # the CLIs call this first; library users call it before any JAX work
 
 What each flag does (defaults checked in xla/debug_options_flags.cc of jaxlib 0.10):
