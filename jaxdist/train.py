@@ -14,7 +14,7 @@ from pathlib import Path
 from jaxdist import config
 from jaxdist.checkpoint.signals import StopSignal
 from jaxdist.distributed import launch as distributed
-from jaxdist.distributed import peers
+from jaxdist.distributed import peers, supervisor
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
@@ -135,7 +135,7 @@ def allowed_changes(text: str) -> frozenset[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    supervised = peers.supervise(sys.argv[1:] if argv is None else list(argv))  # multi-process: names a dead peer
+    supervised = supervisor.supervise(sys.argv[1:] if argv is None else list(argv))  # multi-process: names a dead peer
     if supervised is not None:
         return supervised
     quiet.libraries()

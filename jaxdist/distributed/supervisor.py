@@ -1,0 +1,200 @@
+"""The supervisor of a multi-process command: runs the training process, passes signals on, says who died.
+
+The pid the launcher started (it never imports JAX): `supervise(argv)` runs the same command again as
+its child, in the child's own process group, forwards SIGTERM / SIGINT / SIGHUP / SIGUSR1 / SIGUSR2, and
+listens for its peers (`peer_wire.Listener`). When its training process ends abnormally it names the
+peer whose death caused it (heard of, or asked), or its own end, and tells every peer. The whole
+mechanism, and why, is in `peers.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import peer_lines, peer_wire
+from jaxdist.errors import JaxdistError
+
+SWITCH = "JAXDIST_WATCH_PEERS"  # "0": no supervisor
+CHILD = "JAXDIST_SUPERVISOR"  # set in the training process: "FD PORT TOKEN" (its socket pair, its supervisor)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+GRACE_S = 0.5  # a training process told that a peer died may end by itself this long (its own error wins)
+PEER_DIED = 1  # exit status of a process stopped because another one died
+
+
+class _Flags(argparse.ArgumentParser):
+    def error(self, message):
+        raise JaxdistError(message)
+
+
+def launch_of(argv: list[str]) -> distributed.Launch | None:
+    """This command's place in the run, as `train` will resolve it (None: one process, or input that
+    `train` itself will refuse in its own words)."""
+    p = _Flags(add_help=False)
+    p.add_argument("--coordinator")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    try:
+        args, _ = p.parse_known_args(argv)
+        return distributed.detect(args.coordinator, args.num_processes, args.process_id)
+    except JaxdistError:
+        return None
+
+
+def supervise(argv: list[str]) -> int | None:
+    """Run this multi-process command as a supervised child and return its exit status; None (do
+    nothing) in the training process itself, for a single process, or with JAXDIST_WATCH_PEERS=0."""
+    if CHILD in os.environ or os.environ.get(SWITCH, "1") == "0":
+        return None
+    launch = launch_of(argv)
+    if launch is None or launch.num_processes < 2:
+        return None
+    return Supervisor(launch).run(argv)
+
+
+class Supervisor:
+    """The pid the launcher started, in a multi-process run: runs the training process, passes signals on,
+    hears of and asks about peers, and says who died."""
+
+    def __init__(self, launch: distributed.Launch):
+        self.index, self.n = launch.process_id, launch.num_processes
+        self.listener = peer_wire.Listener(self.index)
+        self.peers: list[dict] = []  # reachable peers' records, once the training process sent the table
+        self.me = {"index": self.index, "host": socket.gethostname(), "pid": os.getpid()}
+        self.run_dir: str | None = None
+
+    def run(self, argv: list[str]) -> int:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, CHILD: f"{theirs.fileno()} {self.listener.port} {self.listener.token}"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.train", *argv], env=env, pass_fds=(theirs.fileno(),), process_group=0
+        )
+        theirs.close()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in FORWARDED:  # the child has its own process group: a terminal's Ctrl-C reaches it once, from here
+                previous[s] = signal.signal(s, lambda signum, _: proc.send_signal(signum))
+        self._reader = threading.Thread(target=self._table, args=(ours,), daemon=True)
+        self._reader.start()
+        rc = None
+        try:
+            rc, stopped = self._wait(proc)
+            return self._after(rc, stopped, proc.pid)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self.listener.close(clean=rc in (0, 2, 130))  # the ring watch hears of deaths only
+            ours.close()
+
+    def _table(self, ours: socket.socket) -> None:
+        """The peers' table from the training process, then which of their supervisors we can reach."""
+        try:
+            msg = json.loads(peer_wire.readline(ours, 1 << 28))  # ~250 bytes a process
+        except (OSError, ValueError):
+            return
+        self.run_dir = msg.get("run_dir")
+        self.me.update(next(p for p in msg["peers"] if p["index"] == self.index))
+
+        def reach(p: dict) -> dict | None:
+            for addr in p.get("addrs") or []:
+                answer = peer_wire.ask(addr, p["port"], {"op": "status"}) if p.get("port") else None
+                if isinstance(answer, dict) and answer.get("index") == p["index"]:  # not another one's port
+                    return {**p, "addr": addr}
+            return None
+
+        others = [p for p in msg["peers"] if p["index"] != self.index]
+        found = peer_wire.each(others, reach)
+        self.peers = [p for p in found if p]
+        if self.peers:  # watch the next one round the ring: each process is watched by one other
+            after = [p for p in self.peers if p["index"] > self.index] or self.peers
+            threading.Thread(target=self._watch, args=(after[0],), daemon=True).start()
+        lost = [str(p["index"]) for p, f in zip(others, found) if not f]
+        if lost and self.index == 0:
+            print(
+                f"warning: process 0 cannot reach the supervisors of process(es) {', '.join(lost)} (a firewall "
+                f"between hosts?); if one of them dies, this run stops without naming it",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _watch(self, p: dict) -> None:
+        """Hold a connection to a peer's supervisor: if it closes without "clean", that process has
+        ended (killed outright, both of its processes): a death heard of at once, not at the heartbeat."""
+        data = b""
+        try:
+            with socket.create_connection((p["addr"], p["port"]), timeout=peer_wire.ASK_S) as s:
+                s.sendall(json.dumps({"op": "watch", "token": p["token"]}).encode() + b"\n")
+                s.settimeout(None)
+                while chunk := s.recv(4096):
+                    data += chunk
+        except OSError:
+            return
+        if not data.endswith(b"clean\n"):
+            self.listener.hear([{**peer_lines.public(p), "how": "gone: killed or crashed", "at": time.time()}])
+
+    def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
+        """The child's exit status, and whether we stopped it because a peer died (after GRACE_S)."""
+        told = None
+        while (rc := proc.poll()) is None:
+            if told is None:
+                if self.listener.news.wait(0.1):
+                    told = time.monotonic()
+            elif time.monotonic() - told > GRACE_S:
+                proc.kill()  # stuck in a collective with the dead peer: it could only abort
+                return proc.wait(), True
+            else:
+                time.sleep(0.05)
+        return rc, False
+
+    def _after(self, rc: int, stopped: bool, worker: int) -> int:
+        code = rc if rc >= 0 else 128 - rc
+        self._reader.join(timeout=2 * peer_wire.ASK_S)  # the table may still be on its way
+        if rc == 0 or not self.peers:
+            return code
+        at = time.time()
+        verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
+        self.listener.mine = {
+            **peer_lines.public(self.me),
+            "how": peer_lines.ending(rc),
+            "at": at,
+            "fatal": not verdict,
+        }
+        # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
+        dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
+        if dead is not None:
+            print(peer_lines.blame_line(self.index, self.n, dead, self.run_dir), file=sys.stderr, flush=True)
+            self.listener.mine["cause"] = dead["index"]
+            peer_wire.tell(self.peers, [dead, self.listener.mine])
+            return PEER_DIED
+        if rc < 0:  # a signal: nothing in the training process could say it
+            print(peer_lines.own_line(self.me, worker, rc, at, self.n, self.run_dir), file=sys.stderr, flush=True)
+        peer_wire.tell(self.peers, [self.listener.mine])
+        return code
+
+    def _find_dead(self, tries: int = 2) -> dict | None:
+        """A peer known or found to be dead: heard of, or asked (`tries` times, a moment apart: a peer that
+        died with us may not have noticed yet)."""
+        for attempt in range(tries):
+            if (dead := peer_lines.root(self.listener.gone)) is not None:
+                return dead
+            answers = peer_wire.each(self.peers, lambda p: peer_wire.ask(p["addr"], p["port"], {"op": "status"}))
+            now = time.time()
+            for p, a in zip(self.peers, answers):
+                if isinstance(a, dict) and a.get("gone"):
+                    self.listener.hear([a["gone"]])
+                elif a == "refused":
+                    self.listener.hear([{**peer_lines.public(p), "how": "gone: killed or crashed", "at": now}])
+                elif a is None:
+                    how = f"no answer within {peer_wire.ASK_S:g}s: killed, crashed, or its host is down"
+                    self.listener.hear([{**peer_lines.public(p), "how": how, "at": now}])
+            if attempt + 1 < tries and not self.listener.gone:
+                time.sleep(0.5)
+        return peer_lines.root(self.listener.gone)
