@@ -18,7 +18,6 @@ from pathlib import Path
 from jaxdist.distributed import launch
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
-from jaxdist.hf.convert import from_hf, to_hf
 from jaxdist.hf.hub import local_dir
 from jaxdist.hf.mapping import hf_config
 
@@ -68,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
     launch.initialize(launch.detect(args.coordinator, args.num_processes, args.process_id))
+    # deferred: flax, grain, jax, optax, orbax load after the platform set-up, not when python -m jaxdist.convert starts
+    from jaxdist.hf.convert import from_hf, to_hf
+
     if args.command == "from-hf":
         hf_dir = local_dir(args.hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)

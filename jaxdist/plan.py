@@ -17,24 +17,16 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from jaxdist import config
-from jaxdist.distributed.mesh import format_mesh, parse_mesh
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.planner import hardware
-from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
-from jaxdist.planner.layout import Layout
-from jaxdist.planner.tables import (
-    STEP_TIME_NOTE,
-    comm_table,
-    memory_table,
-    offload_lines,
-    offload_options,
-    plot,
-    scaling_table,
-)
+
+if TYPE_CHECKING:
+    from jaxdist.planner.estimate import Estimate
 
 SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024
 
@@ -60,6 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts (--help stays instant)
+    from jaxdist.distributed.mesh import parse_mesh
+    from jaxdist.planner.estimate import candidates, estimate, recommend, scaling
+    from jaxdist.planner.layout import Layout
+    from jaxdist.planner.tables import STEP_TIME_NOTE, offload_options
+
     cfg = config.load(args.config, args.overrides)
     hw = hardware.get(args.hardware)
     if args.plot:
@@ -103,6 +101,9 @@ def _yaml_value(value) -> str:
 def train_command(args: argparse.Namespace, cfg: config.Config, best: Estimate) -> str:
     """The `python -m jaxdist.train` line that runs `best`: the user's --config and overrides, the mesh, and
     every config key the planner chose differently (accumulation, pipeline micro-batches, rules)."""
+    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
+    from jaxdist.distributed.mesh import format_mesh
+
     chosen, given = best.layout.cfg.to_dict(), cfg.to_dict()
     changed = {
         f"{section}.{key}": value
@@ -130,6 +131,9 @@ def check_plot_path(path: str) -> None:
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts (--help stays instant)
+    from jaxdist.planner.tables import STEP_TIME_NOTE, comm_table, memory_table, offload_lines, plot, scaling_table
+
     out = run(args)
     if args.plot and out["scaling"]:
         plot(out["scaling"], args.plot, f"{out['config']} on {out['hardware']}")

@@ -204,6 +204,60 @@ def test_every_deferred_import_says_why():
     assert not found, "imports inside functions without a `# deferred: <why>` comment:\n" + "\n".join(found)
 
 
+CLAIM = re.compile(r"# deferred: ([\w, ]+?) loads? on first use, not when (.+?) starts")
+
+
+def start_claims(text: str) -> list[tuple[int, list[str], list[str]]]:
+    """Each `# deferred: LIBS load(s) on first use, not when python -m jaxdist.CMD[, ...] starts`:
+    (line, libraries, commands)."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if m := CLAIM.search(line):
+            libs = [x.strip() for x in m.group(1).split(",")]
+            out.append((i, libs, re.findall(r"python -m jaxdist\.(\w+)", m.group(2))))
+    return out
+
+
+def libraries_at_start(commands) -> dict[str, set[str]]:
+    """The top-level packages in sys.modules once each command's module is imported, each in a fresh
+    interpreter (in parallel), as `python -m jaxdist.CMD` does before its main runs."""
+    import subprocess
+    import sys
+
+    code = "import importlib, sys; importlib.import_module(sys.argv[1]); print(' '.join({m.split('.')[0] for m in sys.modules}))"
+    entry = {c: f"jaxdist.{c}.__main__" if (PKG / c / "__main__.py").exists() else f"jaxdist.{c}" for c in commands}
+    procs = {
+        c: subprocess.Popen([sys.executable, "-c", code, m], stdout=subprocess.PIPE, text=True, cwd=PKG.parent)
+        for c, m in entry.items()
+    }
+    out = {}
+    for c, p in procs.items():
+        stdout, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, f"importing {entry[c]} failed"
+        out[c] = set(stdout.split())
+    return out
+
+
+def test_start_claim_parser_reads_libraries_and_commands():
+    text = "x\n    # deferred: flax, jax load on first use, not when python -m jaxdist.plan, python -m jaxdist.train starts\n"
+    assert start_claims(text) == [(2, ["flax", "jax"], ["plan", "train"])]
+
+
+def test_deferred_imports_keep_what_they_say_out_of_start_up():
+    """A deferral that says 'jax loads on first use, not when python -m jaxdist.plan starts' is only worth
+    its line if importing that command really leaves jax unloaded: checked for every such comment."""
+    claims = [(p, *c) for p in sorted(PKG.rglob("*.py")) for c in start_claims(p.read_text())]
+    assert len(claims) > 10  # the parser still reads the comments
+    loaded = libraries_at_start({c for *_, cmds in claims for c in cmds})
+    false = [
+        f"{p.relative_to(PKG.parent)}:{line}: python -m jaxdist.{c} loads {sorted(set(libs) & loaded[c])} at start"
+        for p, line, libs, cmds in claims
+        for c in cmds
+        if set(libs) & loaded[c]
+    ]
+    assert not false, "deferred-import reasons that are not true:\n" + "\n".join(false)
+
+
 def architecture_tree(text: str) -> dict[str, set[str]]:
     """docs/architecture.md's tree table: package -> the modules its row names (`x.py`), rows in order."""
     rows = {}
