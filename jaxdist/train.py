@@ -20,7 +20,8 @@ from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
 from jaxdist.observe import quiet, trackers
 from jaxdist.training import rundir
-from jaxdist.training.loop import RunResult, run, with_resolved_mesh  # noqa: F401 (the library entry, re-exported)
+from jaxdist.training.loop import run  # also the library entry: tests and notebooks call train.run
+from jaxdist.training.startup import with_resolved_mesh
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

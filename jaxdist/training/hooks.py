@@ -3,7 +3,7 @@
     for each step: every hook's before_step; dispatch the step (asynchronous); every hook's after_step,
     in list order; stop if a stop was requested.
 
-The default list (jaxdist.training.loop): profile window, checkpoint (before the next batch is drawn, so the
+The default list (jaxdist.training.stepping): profile window, checkpoint (before the next batch is drawn, so the
 saved data iterator is at this step; it first has the metrics hook read this step, so a step's log line
 comes before its checkpoint message and the checkpoint holds the smoothed loss up to its step), next
 batch (drawn while the device works), metrics (the previous step's, read one step late; the last step's

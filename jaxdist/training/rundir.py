@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,6 +28,9 @@ from pathlib import Path
 
 from jaxdist.errors import JaxdistError
 
+# A write that fails for these reasons (the lock, config.yaml, the tokenizer record, ...) is the
+# user's environment, not a bug: one line instead of a traceback.
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
 UNSTORABLE = {"*": "glob", "?": "glob", "[": "glob", "]": "glob", "\\": "path separator"}
 LOCK = "jaxdist.lock"
 
@@ -70,7 +74,7 @@ def _owner(path: Path) -> str:
 
 
 class RunLock:
-    """`check()` before any write (reads only); `acquire()` when the run starts writing; `release()`."""
+    """`check()` before any write (reads only); `take()` (`acquire()`) when the run starts writing; `release()`."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
@@ -109,6 +113,24 @@ class RunLock:
         os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
         self.fd = fd
         return stale
+
+    def take(self, log) -> bool:
+        """`acquire()` as the run starts writing: False when another trainer holds it; a full disk or a
+        read-only folder is one line; a stale lock taken over is said."""
+        try:
+            note = self.acquire()
+        except JaxdistError:
+            return False
+        except OSError as e:  # e.g. a full disk at the lock's write: not another trainer
+            if e.errno not in WRITE_ERRORS:
+                raise
+            raise JaxdistError(
+                f"cannot write the lock {self.path} ({(e.strerror or str(e)).lower()}); free space or fix the "
+                "folder, then run the same command to resume"
+            ) from None
+        if note:
+            log(note)
+        return True
 
     def release(self) -> None:
         if self.fd is not None:

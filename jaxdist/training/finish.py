@@ -1,0 +1,85 @@
+"""How a run ends: its `RunResult`; the results of a run that ends before writing (stopped during
+start-up, nothing left to train); the summary line of metrics.jsonl and the closing lines."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxdist.observe import report
+from jaxdist.training.opening import local_devices
+from jaxdist.training.startup import Setup
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_sec: float
+    steps: int
+
+
+def stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
+    """A stop (SIGTERM, Ctrl-C) that came before the first step: said, nothing saved."""
+    if not stopper.requested():
+        return None
+    log(
+        f"stopped by {stopper.received} during start-up: no step was taken and nothing was saved; "
+        "run the same command to start"
+    )
+    return RunResult(run_dir, float("nan"), None, 0.0, 0)
+
+
+def before_writing(s: Setup, run_dir: Path, stopper, restored, start: int) -> RunResult | None:
+    """A result without writing anything: stopped during start-up, or nothing left to train."""
+    if (stopped := stopped_before_training(stopper, run_dir, s.log)) is not None:
+        return stopped
+    if start >= s.cfg.train.steps:
+        s.log(
+            f"nothing to do: {restored.path} is already at step {start} of train.steps={s.cfg.train.steps} "
+            "(raise --steps to train further, or pass --run-dir for a new run)"
+        )
+        return RunResult(run_dir, float("nan"), None, 0.0, start)
+    return None
+
+
+def finish(s: Setup, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted):
+    """The summary line of metrics.jsonl, the closing lines; -> the run's result."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    from jaxdist.observe import metrics
+
+    summary = progress.summary(steps_done, compile_s)
+    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local_devices(s.mesh))))
+    try:
+        writer.write(summary)
+        writer.close()
+    except (metrics.OutputFailed, OSError) as e:
+        kept = f"checkpoint step {saver.last_saved} is saved" if saver.last_saved else "no checkpoint was saved"
+        raise metrics.OutputFailed(
+            f"{e if isinstance(e, metrics.OutputFailed) else metrics.reason(e)}; stopping: {kept}; free space "
+            "or fix the folder, then run the same command to resume"
+        ) from None
+    log = s.log
+    ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+    log(report.memory_line(summary))
+    log(
+        f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
+        f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, {progress.throughput_text(summary)}, "
+        f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
+    )
+    if stopper.received:
+        log(_stopped_line(stopper, saver, steps_done))
+    return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
+
+
+def _stopped_line(stopper, saver, steps_done: int) -> str:
+    if saver.last_saved is not None:
+        return (
+            f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "
+            f"in {saver.directory}; run the same command to resume"
+        )
+    return (
+        f"stopped by {stopper.received} at step {steps_done}; no checkpoint was saved in {saver.directory}; "
+        "run the same command to start again"
+    )

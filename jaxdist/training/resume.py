@@ -1,0 +1,52 @@
+"""Where a run starts from: this run dir's latest checkpoint, else another run's (`--restore`), else a
+Hugging Face model's weights (`hf:DIR`, a fresh optimizer), else nothing; and, once the run writes, what
+restoring leaves behind (newer checkpoints set aside, the Hugging Face source kept) and the line that says it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxdist import checkpoint
+
+
+def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, is_main: bool, log):
+    """-> (resuming, from_hf, restored or None): this run dir's latest checkpoint, else `restore` (another
+    run's checkpoint, or hf:DIR for a Hugging Face model's weights with a fresh optimizer), else nothing."""
+    resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
+    if not resuming:
+        checkpoint.check_run_dir_model(run_dir, cfg)
+    restored = None
+    from_hf = bool(restore and restore.startswith("hf:")) and not resuming
+    if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
+        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
+        from jaxdist.hf import tensors
+
+        restored = tensors.restore_for_training(restore[3:], prog, cfg)
+    elif resuming or restore:
+        if resuming and restore and is_main:
+            log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
+        restored = checkpoint.restore(
+            run_dir if resuming else Path(restore),
+            prog,
+            loader,
+            cfg,
+            params_only=cfg.checkpoint.params_only and not resuming,
+            log=log,
+            allowed=allowed,
+            drift=resuming,
+        )
+    return resuming, from_hf, restored
+
+
+def after_restore(s, run_dir: Path, restored, resuming: bool, from_hf: bool, start: int) -> None:
+    """Once writing (`s`: the run's `startup.Setup`): newer checkpoints set aside, a Hugging Face source
+    kept, the line that says what was restored."""
+    if resuming:
+        checkpoint.set_aside_newer(run_dir, restored.step, s.log)
+    if from_hf and s.is_main:
+        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
+        from jaxdist.hf import export
+
+        export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
+    what = "parameters" if (s.cfg.checkpoint.params_only or from_hf) and not resuming else f"step {start}"
+    s.log(f"restored {what} from {restored.path} in {restored.seconds:.1f}s")

@@ -1,0 +1,107 @@
+"""Compile the train step and run the step loop with its hooks (profile, checkpoint, batches, metrics);
+after a failed output, save what there is; draw the loss plot however the loop ends."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from jaxdist.errors import JaxdistError
+from jaxdist.observe import plots, report
+from jaxdist.training import hooks
+from jaxdist.training.startup import Setup
+
+
+def compile_step(s: Setup, restored):
+    """-> (the first state, the first batch, the compiled step, seconds, the planner's predicted bytes
+    per device)."""
+    t0 = time.perf_counter()
+    state = restored.state if restored else s.prog.init_state(s.cfg.train.seed)
+    first = next(s.loader)
+    compiled = s.prog.train_step.lower(state, first).compile()
+    compile_s = time.perf_counter() - t0
+    predicted = report.predicted_bytes(s.cfg, s.mesh)
+    if s.is_main:
+        s.log(
+            f"compiled in {compile_s:.1f}s; {report.compiled_line(compiled)}"
+            + (f"; planner predicts {predicted / 2**20:,.1f} MiB per device" if predicted else "")
+        )
+    return state, first, compiled, compile_s, predicted
+
+
+def train(s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int):
+    """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
+    plot or why there is none). The plot is drawn however the loop ends."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    from jaxdist.observe import metrics, profiling
+
+    def evaluate(params) -> float:
+        sums = [s.prog.eval_step(params, b) for b in eval_arrays]
+        return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
+
+    stopper.training = True
+    batches = hooks.Batches(s.loader, first)
+    saver.carry = progress.carry  # the smoothed loss goes into each checkpoint
+    metrics_hook = hooks.Metrics(progress, evaluate, s.cfg.train.eval_every)
+    per_step = [
+        hooks.Profile(profiling.StepTrace(s.cfg.train.profile_steps, run_dir / "profile", progress.say)),
+        hooks.Checkpoint(saver, s.loader, before_save=metrics_hook.flush),
+        batches,
+        metrics_hook,
+    ]
+    steps_done = start
+    plotted = None
+    try:
+        with contextlib.closing(saver):
+            try:
+                state, steps_done = hooks.run_steps(
+                    lambda st: compiled(st, batches.current),
+                    state,
+                    start,
+                    s.cfg.train.steps,
+                    stopper.requested,
+                    per_step,
+                )
+            except metrics.OutputFailed as e:  # metrics.jsonl or a tracker: stop, keeping the work if there is room
+                raise metrics.OutputFailed(f"{e}; stopping: {_save_after_failure(saver, per_step, s.loader)}") from None
+        for h in per_step:
+            h.close(state)
+    finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
+        progress.close()
+        if s.is_main:
+            plotted = _plot(run_dir)
+    return steps_done, plotted
+
+
+def _plot(run_dir: Path):
+    """loss.png, or why there is none: a picture must never hide the run's own outcome or error."""
+    try:
+        return plots.loss_png(run_dir)
+    except Exception as e:
+        # deferred: jax loads on first use, not when python -m jaxdist.train starts
+        from jaxdist.observe.metrics import reason
+
+        return str(e) if isinstance(e, JaxdistError) else reason(e)
+
+
+def _save_after_failure(saver, per_step, loader) -> str:
+    """After metrics or a tracker failed: a checkpoint of the last step if there is room, else why not."""
+    ckpt = next(h for h in per_step if isinstance(h, hooks.Checkpoint))
+    batches = next(h for h in per_step if isinstance(h, hooks.Batches))
+    then = "free space or fix the folder, then run the same command to resume"
+    if ckpt.latest is None:
+        return f"no step was completed; {then}"
+    state, done = ckpt.latest
+    try:
+        saver.wait()
+        if saver.last_saved != done:
+            if batches.before is not None and batches.before[0] == done:
+                loader.set_state(batches.before[1])  # the iterator as it was at this step, as a save expects
+            saver.save(state, done, loader)
+            saver.wait()
+    except JaxdistError as e:
+        return f"no checkpoint for step {done} either ({e})"
+    if saver.last_saved == done:
+        return f"checkpoint step {done} saved in {saver.directory}; {then}"
+    return f"step {done} was not saved (non-finite); the latest checkpoint is {saver.last_saved}; {then}"
