@@ -14,7 +14,9 @@ O(T) statistics where attention is fused or a ring; MoE layers use these formula
                   uses a fused (flash) attention.
 With pipeline parallelism (jaxdist.parallel.pipeline) each stage keeps one stage input per pipeline
 iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward
-(with one layer per group XLA inlines the group's scan, so no residual stack is kept: flat_group_bytes).
+(with one layer per group XLA inlines the group's scan, so no residual stack is kept: flat_group_bytes);
+GPipe's backward also carries two (M, b, T, D) cotangent buffers (carried_cotangents), and the loss,
+run once over the M micro-batches after the pipeline, has a peak of its own (loss_side_bytes).
 With context parallelism (jaxdist.parallel.context) a device holds T/cp tokens of each sequence, so
 every per-token term above divides by cp; the attention scores are (T/cp) x T per head for allgather
 and ulysses, while the ring (like a fused attention) keeps only O(T/cp) statistics. allgather also holds
@@ -63,6 +65,7 @@ class Memory:
     moment_copies: float = 0.0  # the old AdamW moments' copies, held through the step (moment_copy_bytes)
     host: float = 0.0  # of params + optimizer, what lives in host memory between steps (offload.*=host)
     fetched: float = 0.0  # offload.params=host without remat: the fetched layer weights the backward keeps
+    loss_activations: float = 0.0  # what is live beside the loss's working set at its peak (loss_side_bytes)
 
     @property
     def arguments(self) -> float:
@@ -173,11 +176,37 @@ def activation_bytes(lay: Layout) -> float:
     if lay.table is not None:  # the table's buffers (schedules.buffers), whatever M is
         stage_inputs = table_buffers(lay) * tokens * m.d_model * lay.act_bytes
     else:
-        stage_inputs = lay.pipe_iterations * tokens * m.d_model * lay.act_bytes
+        stage_inputs = (lay.pipe_iterations + carried_cotangents(lay)) * tokens * m.d_model * lay.act_bytes
     if flattened_group(lay):  # no residual stack: the recompute feeds the backward directly
         return stage_inputs
     group_layers = m.num_layers // (lay.mesh["pp"] * lay.repeats)
     return stage_inputs + saved_per_token_layer(lay, m.remat) * group_layers * tokens
+
+
+def carried_cotangents(lay: Layout) -> int:
+    """GPipe's backward scan carries the cotangents of its forward carry's two (M, b, T, D) buffers, the
+    micro-batch inputs and the last stage's outputs: 2 M micro-batches beside the stage inputs (heap trace
+    of pp=4,fsdp=2, 8 layers, M=16: two 0.5 MB (16, 1, 64, 128) buffers at the backward's peak). Circular's
+    backward holds such buffers too (six (M, ...) ones at M=4), but its other terms are already over at
+    small M (+5.7% at M=4), so they are left out there: not modelled."""
+    return 2 * lay.pipe_micro if lay.mesh["pp"] > 1 and lay.table is None and lay.repeats == 1 else 0
+
+
+def loss_side_bytes(lay: Layout) -> float:
+    """What is live beside the loss's working set (and the moment copies) at the loss's peak. Without a
+    pipeline, or with a table schedule (whose loss runs per micro-batch inside the schedule), the saved
+    activations. GPipe / circular run the head once over the pass's M micro-batches after the pipeline,
+    and the heap traces of pp=4,fsdp=2 (8 layers, d_model 128, seq 64; gpipe M=32, circular V=2 M=16 and
+    32) show at the loss's peak: the stage inputs (no recomputed residual stack: that is the backward's),
+    the pipeline's (M, b, T, D) output buffer and its all-reduce over pp (the last stage's outputs sent to
+    every stage), and two of the stage's three MLP gradient stacks (w_down's and one of w_gate / w_up's,
+    in all four traces), zero-filled for the backward scan's carry before the loss runs."""
+    m = lay.cfg.model
+    if lay.mesh["pp"] == 1 or lay.table is not None:
+        return activation_bytes(lay)
+    one = lay.micro_tokens * m.d_model * lay.act_bytes
+    mlp = lambda g: g.role == "layer" and len(g.shape) > 2 and ("/mlp/" in f"/{g.path}/" or "expert" in g.names)
+    return (lay.pipe_iterations + 2 * lay.pipe_micro) * one + 2 / 3 * stored_bytes(lay, mlp)
 
 
 def table_buffers(lay: Layout) -> int:
@@ -283,7 +312,11 @@ def loss_bytes(lay: Layout) -> float:
         rows = m.vocab_size // shards
         return 3 * tokens * rows * 4 + m.d_model * rows * lay.act_bytes
     rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
-    return tokens * rows * 4 + 2 * m.d_model * rows * lay.act_bytes + tokens * m.d_model * 4
+    # After a GPipe / circular pipeline XLA schedules the backward's recomputed logits early: the
+    # forward's block, its target select and the recomputed block are live together at the peak (heap
+    # traces of gpipe M=32, circular M=16 and 32; one vocab block there). Not seen without a pipeline.
+    blocks = 3 if lay.mesh["pp"] > 1 and lay.table is None else 1
+    return blocks * tokens * rows * 4 + 2 * m.d_model * rows * lay.act_bytes + tokens * m.d_model * 4
 
 
 def layer_weight_shards(lay: Layout) -> float:
@@ -371,7 +404,7 @@ def compiled_temp_bytes(mem: Memory) -> float:
     layer gradient exists), or the gradients and the layers' working set (the copies included). The optimizer update adds no peak of its own: clip, AdamW and the non-finite guard fuse
     into elementwise passes that write the new parameters and moments into the donated state's buffers,
     reading the gradients and the old moments' copies, which the backward already holds."""
-    return mem.activations + max(mem.grads + mem.temporary, mem.loss + mem.moment_copies)
+    return max(mem.activations + mem.grads + mem.temporary, mem.loss_activations + mem.loss + mem.moment_copies)
 
 
 def estimate(lay: Layout) -> Memory:
@@ -390,6 +423,7 @@ def estimate(lay: Layout) -> Memory:
         moment_copies=moment_copy_bytes(lay),
         host=host_bytes(lay),
         fetched=fetched_bytes(lay),
+        loss_activations=loss_side_bytes(lay),
     )
 
 
