@@ -202,8 +202,8 @@ def check_export(fixture: Path) -> None:
         np.save(tmp / "seqs.npy", seqs)
         code = (
             "import sys, numpy as np; from pathlib import Path; from jaxdist.distributed.platform import setup_platform; "
-            "setup_platform(1); from jaxdist.hf import convert; from jaxdist.distributed import mesh; import jax; "
-            "cfg, p, m = convert.load_run_params(Path(sys.argv[1]), mesh.mesh_from_string('fsdp=-1')); "
+            "setup_platform(1); from jaxdist.checkpoint import run_params; from jaxdist.distributed import mesh; import jax; "
+            "cfg, p, m = run_params.load_run_params(Path(sys.argv[1]), mesh.mesh_from_string('fsdp=-1')); "
             "from flax import nnx; model = nnx.merge(m.graphdef, p); "
             "np.save(sys.argv[2], np.asarray(model(np.load(sys.argv[3]))))"
         )

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from jaxdist import config, convert, train
+from jaxdist.checkpoint import run_params
 from jaxdist.data import loader as data
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
@@ -176,7 +177,7 @@ def test_trained_run_exports_and_reimports_bit_identically(tmp_path):
     cfg = config.load(None, SCRATCH)
     train.run(cfg, tmp_path / "run", log=lambda *a: None)
     mesh = mesh_from_string("fsdp=-1")
-    _, trained, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
+    _, trained, _ = run_params.load_run_params(tmp_path / "run", mesh)
     hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["rope_scaling"] is None and written["vocab_size"] == 256 and written["max_position_embeddings"] == 16
@@ -214,7 +215,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # from the kept hf_source/
-    _, tuned, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
+    _, tuned, _ = run_params.load_run_params(tmp_path / "run", mesh)
     again = flat(hf_io.import_params(tmp_path / "hf", cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(tuned).items())
     assert not np.array_equal(again["['embed_VD']"], flat(params)["['embed_VD']"])  # it did train
@@ -312,7 +313,7 @@ def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):
     _, mesh, params, _, _ = sharded
     cfg = mapping.hf_config(None, [], FIXTURE, "pp=2,fsdp=4")
     hf_convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
-    _, back, _ = hf_convert.load_run_params(tmp_path / "run", mesh)
+    _, back, _ = run_params.load_run_params(tmp_path / "run", mesh)
     a, b = flat(params), flat(back)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(JaxdistError, match="already holds a run"):

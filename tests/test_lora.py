@@ -269,6 +269,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
     from jaxdist import train
     from jaxdist.adapters import peft
+    from jaxdist.checkpoint import run_params
     from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping
     from jaxdist.inference import decode
@@ -297,8 +298,8 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path):
     straight = train.run(longer, tmp_path / "b", **quiet)
     assert resumed.steps == straight.steps == 3 and resumed.final_loss == straight.final_loss
     mesh = mesh_mod.mesh_from_string("fsdp=8")
-    run_cfg, params, _ = hf_convert.load_run_params(tmp_path / "a", mesh)
-    _, params_b, _ = hf_convert.load_run_params(tmp_path / "b", mesh)
+    run_cfg, params, _ = run_params.load_run_params(tmp_path / "a", mesh)
+    _, params_b, _ = run_params.load_run_params(tmp_path / "b", mesh)
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params_b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert run_cfg.lora.base_dtype == "nf4" and params["blocks"]["attn"]["wq_DNH"].dtype == jnp.uint8

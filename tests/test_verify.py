@@ -21,10 +21,9 @@ import pytest
 from conftest import MICRO_MODEL
 
 from jaxdist import checkpoint, config, convert, generate
-from jaxdist.checkpoint import integrity
+from jaxdist.checkpoint import integrity, run_params
 from jaxdist.data import loader
 from jaxdist.distributed.mesh import mesh_from_string
-from jaxdist.hf import convert as hf_convert
 from jaxdist.train import main as train_main
 from jaxdist.training import step
 
@@ -106,7 +105,7 @@ def test_every_reader_refuses_a_damaged_checkpoint_in_one_line(reader, damage, s
 
 def test_the_intact_checkpoint_reads_through_the_same_path(saved, capsys, monkeypatch):
     """The control: the undamaged run passes every reader's checks (what the damage test flips)."""
-    got = hf_convert.read_run(saved, mesh_from_string("fsdp=-1"), log=print)
+    got = run_params.read_run(saved, mesh_from_string("fsdp=-1"), log=print)
     assert got.step_dir == saved / "checkpoints" / "1" and got.cfg.model.d_model == MICRO_MODEL["d_model"]
     assert "warning" not in capsys.readouterr().out
 

@@ -15,6 +15,7 @@ One module per job:
   compat     which checkpoint may continue which run (model, seed, config drift, state layout)
   setaside   unreadable checkpoints renamed, never deleted
   agree      multi-host agreement on decisions
+  run_params a run's parameters alone, read onto a mesh (what export and generation start from)
   signals    SIGTERM / SIGINT: stop after the current step with a checkpoint
 
 Integrity, as orbax 0.12.8 implements it (checked in its source and in tests/test_checkpoint.py):

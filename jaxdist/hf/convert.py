@@ -2,12 +2,11 @@
 
 from_hf writes a run dir (config.yaml + checkpoints/0 with parameters only) that
 `python -m jaxdist.train --config OUT_RUN_DIR/config.yaml --restore OUT_RUN_DIR checkpoint.params_only=true`
-fine-tunes; `read_run` reads a run's newest parameters onto a mesh (what to_hf and generation start from).
+fine-tunes; to_hf exports a run's newest parameters (read by `checkpoint.run_params.read_run`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import time
@@ -15,22 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
 from jaxdist.adapters import peft as peft_format
 from jaxdist.adapters import tree as adapters
-from jaxdist.checkpoint import integrity
+from jaxdist.checkpoint import integrity, run_params
 from jaxdist.data import run_tokenizer
 from jaxdist.data.prepare import remove_stale
 from jaxdist.distributed import mesh as mesh_mod
-from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import export, tensors
 from jaxdist.hf.tensors import import_params
-from jaxdist.parallel import pipeline
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
@@ -71,106 +66,6 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     return out
 
 
-def latest_step_dir(path: Path) -> Path:
-    """The newest step folder under `path` (not verified: reading goes through `read_run`)."""
-    directory, step = checkpoint.checkpoint_dir(Path(path))
-    if step is None:
-        steps = []
-        if directory.is_dir():
-            manager = checkpoint.open_manager(directory, read_only=True)
-            steps = manager.all_steps()
-            manager.close()
-        if not steps:
-            raise JaxdistError(f"{path} holds no checkpoint; pass a run dir or its checkpoints/<step>")
-        step = max(steps)
-    return directory / str(step)
-
-
-def run_config(step_dir: Path):
-    """The resolved config a checkpoint was saved with (its meta item; not verified)."""
-    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
-    from jaxdist.checkpoint.restoring import _meta
-
-    manager = checkpoint.open_manager(step_dir.parent, read_only=True)
-    try:
-        return config_mod.from_dict(_meta(manager, int(step_dir.name))["config"])
-    finally:
-        manager.close()
-
-
-@dataclasses.dataclass
-class RunParams:
-    cfg: object  # the checkpoint's config, mesh set to the one read onto
-    params: dict
-    model: object  # resolve.Resolved: graphdef, abstract, specs
-    step_dir: Path  # the step read (checksums verified)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.step_dir.parent.parent
-
-
-def read_run(path: Path, mesh, rules_for: Callable | None = None, log: Callable = print) -> RunParams:
-    """A jaxdist checkpoint's parameters on `mesh` as the plain (unstaged) layer stack, read through the
-    same verified path as `train --restore` (checksums, fallback, one-line errors). A pipelined checkpoint
-    is read in its (stage, layers) layout and restacked on the devices. `rules_for(cfg)`: the sharding
-    rules to read with (default: the run's own)."""
-    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
-    from jaxdist.checkpoint.restoring import read_checkpoint
-
-    got = read_checkpoint(
-        Path(path), lambda manager, directory, step: _read_params(manager, directory, step, mesh, rules_for), log
-    )
-    cfg, params, model = got.value
-    return RunParams(cfg, params, model, got.path)
-
-
-def _read_params(manager, directory: Path, step: int, mesh, rules_for):
-    # deferred: grain, optax, orbax load on first use, not when python -m jaxdist.convert starts
-    import orbax.checkpoint as ocp
-
-    from jaxdist.checkpoint.restoring import _meta
-    from jaxdist.models.resolve import resolve
-
-    step_dir = directory / str(step)
-    cfg = config_mod.from_dict(_meta(manager, step)["config"])
-    cfg = cfg.replace(mesh={"shape": ",".join(f"{a}={s}" for a, s in mesh.shape.items()), "dcn": ""})
-    rules = rules_for(cfg) if rules_for else sharding.make_rules(cfg.mesh.rules)
-    model = resolve(cfg, mesh, rules)
-    saved = manager.item_metadata(step)["params"]
-    layers = cfg.model.num_layers
-    staged = any(
-        len(s.shape) == len(a.shape) + 1
-        for s, a in zip(jax.tree.leaves(saved[pipeline.STACK]), jax.tree.leaves(model.abstract[pipeline.STACK]))
-    )
-    shardings = sharding.named(mesh, model.specs)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, shardings)
-    if staged:  # (stage, layers/stage, ...): read with the layer sharding, one more unsharded dim in front
-        stages = jax.tree.leaves(saved[pipeline.STACK])[0].shape[0]
-        repeats = cfg.pipeline.repeats if cfg.pipeline.schedule in pipeline.VIRTUAL else 1
-        plan = pipeline.Plan(cfg.pipeline.schedule, stages, 1, repeats, layers // (stages * repeats))
-        stack = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(
-                (stages, a.shape[0] // stages, *a.shape[1:]), a.dtype, sharding=NamedSharding(mesh, P(None, *s.spec))
-            ),
-            model.abstract[pipeline.STACK],
-            shardings[pipeline.STACK],
-        )
-        target = {**target, pipeline.STACK: stack}
-    checkpoint.check_model(saved, target, step_dir)
-    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
-    if staged:
-        with jax.set_mesh(mesh):
-            params = jax.jit(lambda p: pipeline.from_stages(p, plan), out_shardings=shardings)(params)
-    return cfg, params, model
-
-
-def load_run_params(path: Path, mesh, rules=None, log: Callable = print):
-    """`read_run` as (cfg, params, model)."""
-    got = read_run(path, mesh, (lambda _: rules) if rules else None, log)
-    return got.cfg, got.params, got.model
-
-
 def to_hf(
     path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print, peft: bool = False
 ) -> list[Path]:
@@ -183,7 +78,7 @@ def to_hf(
     directory, _ = checkpoint.checkpoint_dir(Path(path))
     recorded = run_tokenizer.of_run(directory.parent)  # checked before any work
     mesh = mesh_mod.mesh_from_string("fsdp=-1")
-    got = read_run(path, mesh, log=log)
+    got = run_params.read_run(path, mesh, log=log)
     cfg, params = got.cfg, got.params
     source = got.run_dir / tensors.SOURCE
     source = source if source.is_dir() else None

@@ -97,8 +97,8 @@ def generation_rules(cfg) -> dict:
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
     # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.generate starts
+    from jaxdist.checkpoint import run_params
     from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping, tensors
 
     mesh = mesh_mod.mesh_from_string(mesh_text)
@@ -109,7 +109,7 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
         cfg = mapping.hf_config(None, [], Path(hf_dir), mesh_text)
         params, model = tensors.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
         return cfg, params, model.graphdef, mesh, Path(hf_dir)
-    got = hf_convert.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
+    got = run_params.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
     return got.cfg, got.params, got.model.graphdef, mesh, got.run_dir / "hf_source"
 
 
