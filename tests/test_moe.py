@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import config
 from jaxdist.analysis import measure
+from jaxdist.data import loss_mask
 from jaxdist.distributed import hlo, sharding
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
@@ -26,6 +27,7 @@ from jaxdist.models import moe
 from jaxdist.models.llama import count_params
 from jaxdist.parallel import moe as moe_parallel
 from jaxdist.parallel import pipeline
+from jaxdist.reduce import gradients
 from jaxdist.training import step
 
 SMALL = dict(
@@ -139,6 +141,23 @@ def test_pipeline_with_experts_equals_single_device_reference(cfg, batches, refe
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.abs(r).max()))
     np.testing.assert_allclose(curve, ref_curve, rtol=1e-5)
+
+    # The stages' aux sums get the per-routed-token weight (gradients.aux_scale, as the stage computes
+    # it): with about 1 of 8 targets kept, the aux part of the objective the stage divides by the kept
+    # count is the unmasked one (without the weight it is about 8 times larger).
+    mask = np.arange(batches.shape[2]) % 8 == 0
+    thin = loss_mask.encode(batches[0], np.broadcast_to(mask, batches[0].shape))
+
+    def aux_per_count(params, tokens):
+        obj, (ce, count, _) = gradients.objective_sums(prog.apply_fn, params, tokens, None, gradients.aux_scale(tokens))
+        return (obj - ce) / count
+
+    with prog.activate():
+        fn = jax.jit(aux_per_count)
+        full_aux, thin_aux = (
+            float(fn(state.params, jax.device_put(t, prog.batch_sharding))) for t in (batches[0], thin)
+        )
+    assert thin_aux == pytest.approx(full_aux, rel=1e-5) and full_aux > 0
 
 
 @pytest.fixture(scope="module")

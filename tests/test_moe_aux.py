@@ -130,3 +130,51 @@ def test_one_aux_gradient_step_lowers_load_cv(tiny_cfg, router):
     after = load_cv(x, router_DE - 0.2 * grad / np.linalg.norm(grad), 2, router)
     assert 1.1 < before < 1.25, before  # skewed: 70% of the assignments on two of eight experts
     assert after < 0.75 * before, (before, after)
+
+
+def test_aux_objective_is_per_routed_token_whatever_the_loss_mask():
+    """The router sees every position, so the aux objective's weight is per routed token (as
+    transformers' load_balancing_loss_func with an attention mask): thinning the loss mask leaves its
+    gradient and logged value unchanged, while the cross-entropy is still per kept target; unmasked,
+    the stage's gradients are bit-identical to the plain objective's (the weight is exactly 1.0)."""
+    from jaxdist.data import loss_mask
+    from jaxdist.parallel.loss import Head
+    from jaxdist.reduce import gradients
+
+    V, Bt, Tt = 16, 4, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "emb": jax.random.normal(keys[0], (V, D)),
+        "w": jax.random.normal(keys[1], (D, V)) * 0.1,
+        "r": jax.random.normal(keys[2], (D, E)),  # only the aux objective reads it
+    }
+    ids = np.asarray(jax.random.randint(keys[3], (Bt, Tt + 1), 0, V), np.int32)
+
+    def apply_fn(p, x_BT, features=True):
+        x_BTD = p["emb"][x_BT]
+        aux = jnp.sum(jnp.square(jax.nn.softmax(x_BTD @ p["r"], axis=-1)))  # a sum over routed tokens
+        stats = dict(objective=aux, moe_aux_loss=aux, moe_z_loss=aux, moe_dropped=jnp.float32(0))
+        return Head(x_BTD, p["w"], "naive"), {**stats, "moe_load": jnp.ones((1, E))}
+
+    stage = gradients.implicit_gradients(apply_fn, microbatches=2)
+    run = jax.jit(lambda tokens: stage.apply(params, tokens, (), 0))
+    mask = np.ones((Bt, Tt + 1), bool)
+    mask[:, 1:6] = False  # 3 of 8 targets kept per row
+    full, thin = run(jnp.asarray(ids)), run(jnp.asarray(loss_mask.encode(ids, mask)))
+    aux_sum = lambda p: apply_fn(p, jnp.asarray(ids[:, :-1]))[1]["objective"]
+    per_routed = jax.grad(aux_sum)(params)["r"] / (Bt * Tt)
+    np.testing.assert_allclose(thin[0]["r"], per_routed, rtol=1e-4, atol=1e-7)  # today: x 8/3
+    np.testing.assert_allclose(full[0]["r"], per_routed, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(thin[3]["moe_aux_loss"], aux_sum(params) / (Bt * Tt), rtol=1e-6)
+    assert float(thin[1]) != pytest.approx(float(full[1]))  # the cross-entropy is over the kept targets
+
+    # unmasked: the weight is exactly 1.0, and the stage's gradients are the old objective's (loss +
+    # aux, unweighted: objective_sums' default) over the kept count (x * 1.0 is x; the two programs are
+    # compiled apart, so to float32 rounding)
+    tokens = jnp.asarray(ids)
+    assert float(gradients.aux_scale(tokens)) == 1.0
+    one = gradients.implicit_gradients(apply_fn, microbatches=1)
+    grads = jax.jit(lambda t: one.apply(params, t, (), 0)[0])(tokens)
+    old = jax.jit(jax.grad(lambda p, t: gradients.objective_sums(apply_fn, p, t)[0]))(params, tokens)
+    for k in params:
+        np.testing.assert_allclose(grads[k], old[k] / (Bt * Tt), rtol=1e-6, atol=1e-9)

@@ -135,16 +135,17 @@ def combine_layers(aux_L):
 
 def metrics_from_sums(stats: dict, count) -> dict:
     """Summed statistics of a step (over micro-batches and replicas) -> logged scalars: the two aux
-    losses per token, dropped assignments (count and fraction), and the expert-load coefficient of
+    losses per routed token (`moe_routed`: every position, whatever the loss mask keeps), dropped assignments (count and fraction), and the expert-load coefficient of
     variation (std/mean of tokens per expert, averaged over layers; 0 = perfectly balanced)."""
     if "moe_load" not in stats:
         return {}
     load_LE = stats["moe_load"]
     cv = jnp.mean(jnp.std(load_LE, axis=-1) / jnp.mean(load_LE, axis=-1))
     assignments = jnp.sum(load_LE)  # over layers, like the dropped count
+    routed = stats.get("moe_routed", count)  # per routed token (every position), not per kept target
     return {
-        "moe_aux_loss": stats["moe_aux_loss"] / count,
-        "moe_z_loss": stats["moe_z_loss"] / count,
+        "moe_aux_loss": stats["moe_aux_loss"] / routed,
+        "moe_z_loss": stats["moe_z_loss"] / routed,
         "moe_dropped": stats["moe_dropped"],
         "moe_dropped_fraction": stats["moe_dropped"] / assignments,
         "moe_load_cv": cv,

@@ -53,7 +53,7 @@ from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
 from jaxdist.reduce import compress
 from jaxdist.reduce import reducer as reduce
-from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats
+from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats, aux_scale
 
 WARMUP_STAGES = 4  # DGC's four warm-up epochs
 
@@ -195,7 +195,10 @@ def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> Gr
     red = reducer(cfg, replicas)
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, cfg.train.grad_accum_steps, order_T)
+        scale = lambda: jax.lax.psum(aux_scale(tokens), axis) / replicas  # the global aux weight (MoE only)
+        grads, loss, count, stats = accumulate_with_stats(
+            apply_fn, params, tokens, cfg.train.grad_accum_steps, order_T, scale
+        )
         local_sq = optax.tree.norm(grads, squared=True) / count**2  # this replica's own mean gradient, squared
         loss, count, sq = jax.lax.psum(jnp.stack([loss, count, local_sq]), axis)
         share = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean

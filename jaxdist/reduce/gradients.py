@@ -48,9 +48,22 @@ def without_aux(apply_fn: Callable) -> Callable:
     return lambda params, x, **kw: model_outputs(apply_fn(params, x, **kw))[0]
 
 
-def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
-    """The training objective: `token_loss_sums` plus the model's auxiliary objective. Returns
-    (objective_sum, (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up.
+def aux_scale(tokens_BT1):
+    """The weight that makes the auxiliary objective a mean over the routed tokens, not over the kept
+    targets: the stage divides the objective sum by the kept-target count, and the router sees every
+    position, masked or not (as transformers' Mixtral / Qwen3-MoE `load_balancing_loss_func` averages
+    over the attention mask's tokens, whatever the labels mask). kept targets / positions of the batch
+    the stage divides by: exactly 1.0 without a mask (x * 1.0 is x, so unmasked runs are unchanged)."""
+    kept = loss_mask.split(tokens_BT1[:, 1:])[1].sum()
+    return kept / (tokens_BT1.shape[0] * (tokens_BT1.shape[1] - 1))
+
+
+def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale=1.0):
+    """The training objective: `token_loss_sums` plus the model's auxiliary objective times `scale`
+    (`aux_scale` of the whole batch the sums are divided over; a callable is called only when the model
+    has an aux objective, so a dense model's program holds none of it). Returns (objective_sum,
+    (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up; MoE stats gain
+    `moe_routed`, the positions routed, which their per-token metrics divide by.
     An `apply_fn` carrying its own `objective_sums` (a pipeline schedule that computes its gradients
     itself, behind a custom VJP) is used as it is."""
     if hasattr(apply_fn, "objective_sums"):
@@ -64,16 +77,19 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None):
 
     loss, count = token_loss_sums(model_only, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
-    return loss + aux.get("objective", 0.0), (loss, count, stats)
+    if "objective" not in aux:
+        return loss, (loss, count, stats)
+    stats["moe_routed"] = jnp.float32(tokens_BT1.shape[0] * (tokens_BT1.shape[1] - 1))
+    return loss + aux["objective"] * (scale() if callable(scale) else scale), (loss, count, stats)
 
 
-def on_device_gradients(apply_fn: Callable, order_T=None) -> Callable:
+def on_device_gradients(apply_fn: Callable, order_T=None, scale=1.0) -> Callable:
     """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
     device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
     arrays, as the gradient sums and the update want them."""
 
     def objective(deltas, params, tokens):
-        return objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T)
+        return objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T, scale)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -90,12 +106,16 @@ def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: i
     return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches, order_T)[:3]
 
 
-def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
+def accumulate_with_stats(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None, scale=None):
     """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
-    Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy."""
-    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t, order_T), has_aux=True)
+    Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy.
+    `scale`: the auxiliary objective's weight (`aux_scale`, or a callable giving it); None = that of
+    `tokens_BT1` (the whole batch under plain jit; a replica's own under a per-replica stage, which
+    passes the global one)."""
+    scale = (lambda: aux_scale(tokens_BT1)) if scale is None else scale
+    grad_fn = jax.value_and_grad(lambda p, t: objective_sums(apply_fn, p, t, order_T, scale), has_aux=True)
     if any(offload.on_host(p) for p in jax.tree.leaves(params)):  # offload.params=host
-        grad_fn = on_device_gradients(apply_fn, order_T)
+        grad_fn = on_device_gradients(apply_fn, order_T, scale)
     if microbatches == 1:
         (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
         return grads, loss, count, stats

@@ -33,7 +33,7 @@ from jaxdist.models.moe import metrics_from_sums
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
 from jaxdist.reduce import compress
-from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats
+from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats, aux_scale
 
 # The dense warm-up branch (topk / powersgd's first `registry.warmup_steps(cfg)` steps) runs under this name
 # scope; `measure.dp_bytes_per_step` leaves its collectives out to report the steady state.
@@ -175,7 +175,9 @@ def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: Resol
     replicas, microbatches = mesh.shape[axis], cfg.train.grad_accum_steps
 
     def per_replica(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
+        # the aux objective's weight over the global batch (kept targets / positions, all replicas)
+        scale = lambda: jax.lax.psum(aux_scale(tokens), axis) / replicas  # called by MoE models only
+        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T, scale)
         loss, count = jax.lax.psum(jnp.stack([loss, count]), axis)  # token-weighted over all replicas
         mine = jax.tree.map(lambda g: g / count, grads)  # replica shares sum to the full-batch mean
         summed, state = reducer.update(mine, jax.tree.map(lambda s: s[0], state), step)
