@@ -224,23 +224,23 @@ def test_config_refuses_dropout_and_unknown_targets():
         config.load(None, ["lora.rank=4", "lora.targets=[q,qkv]"])
 
 
-def peft_run(adapter_dir, mesh_text):
-    """The HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
-    fn, merged params, cfg). scripts/make_lora_peft_fixture.py runs this same path."""
+def peft_run(adapter_dir, mesh_text, base_dir=BASE):
+    """An HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
+    fn, merged params, cfg, LoRA program). scripts/make_lora_peft_fixture.py runs this same path."""
     from jaxdist.adapters import peft
     from jaxdist.hf import mapping, tensors
 
-    plain_cfg = mapping.hf_config(None, [], BASE, mesh_text)
+    plain_cfg = mapping.hf_config(None, [], base_dir, mesh_text)
     lora, blocks = peft.read(adapter_dir, plain_cfg.model)
     cfg = plain_cfg.replace(lora=lora)
     mesh = mesh_mod.mesh_from_string(mesh_text)
     prog, plain = step.build_program(cfg, mesh), step.build_program(plain_cfg, mesh)
-    base, _ = tensors.import_params(BASE, plain_cfg, mesh)
+    base, _ = tensors.import_params(base_dir, plain_cfg, mesh)
     state = prog.state_from_params(base)
     read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
     params = adapters.combine(read, adapters.frozen(state.params))
     merged = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
-    return logits_fn(prog), params, logits_fn(plain), merged, cfg
+    return logits_fn(prog), params, logits_fn(plain), merged, cfg, prog
 
 
 def test_peft_adapters_match_peft_and_transformers():
@@ -252,7 +252,7 @@ def test_peft_adapters_match_peft_and_transformers():
     from jaxdist.adapters import peft
 
     ref = np.load(PEFT_FIXTURE / "reference.npz")
-    lora_logits, params, plain_logits, merged, cfg = peft_run(PEFT_FIXTURE, "fsdp=4,tp=2")
+    lora_logits, params, plain_logits, merged, cfg, _ = peft_run(PEFT_FIXTURE, "fsdp=4,tp=2")
     ours = lora_logits(params, ref["sequences"])
     np.testing.assert_allclose(ours, ref["logits"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(plain_logits(merged, ref["sequences"]), ref["logits"], atol=1e-4, rtol=0)
@@ -261,6 +261,116 @@ def test_peft_adapters_match_peft_and_transformers():
     assert sorted(written) == sorted(original)
     for k, v in original.items():
         np.testing.assert_array_equal(written[k], v)
+
+
+# The dense non-Llama families, each with a peft-made adapter (scripts/make_lora_peft_fixture.py): Qwen2
+# (q/k/v biases; all seven projections), Qwen3 (q/k norms; q, k, o, up, down), Mistral (window 5 < the
+# 16-token sequences; q, v, gate, down).
+PEFT_FAMILIES = {
+    f: (REPO / "tests" / "fixtures" / f"hf_{f}", REPO / "tests" / "fixtures" / f"lora_peft_{f}")
+    for f in ("qwen2", "qwen3", "mistral")
+}
+FAMILY_TOL = 1e-5  # of the largest |logit| (4.4 to 5.1); measured 1.1e-5 / 4.8e-6 / 6.0e-6 absolute
+
+
+@pytest.fixture(scope="module", params=list(PEFT_FAMILIES))
+def family_peft(request):
+    """One family's base + peft adapter read by jaxdist on fsdp=4,tp=2: compiled once, shared by its tests."""
+    base_dir, adapter_dir = PEFT_FAMILIES[request.param]
+    lora_logits, params, plain_logits, merged, cfg, prog = peft_run(adapter_dir, "fsdp=4,tp=2", base_dir)
+    ref = dict(np.load(adapter_dir / "reference.npz"))
+    return dict(
+        family=request.param,
+        base_dir=base_dir,
+        adapter_dir=adapter_dir,
+        ref=ref,
+        lora_logits=lora_logits,
+        params=params,
+        plain_logits=plain_logits,
+        merged=merged,
+        cfg=cfg,
+        prog=prog,
+    )
+
+
+def test_family_peft_adapter_matches_peft(family_peft):
+    """Qwen2 / Qwen3 / Mistral: a peft-written adapter read onto the float32 base gives peft's logits, and
+    jaxdist's merged parameters run by the plain model give peft's merge_and_unload() logits, to 1e-5 of
+    the largest logit. The adapter moves the logits far beyond that (B != 0 matters)."""
+    f = family_peft
+    ref, seqs = f["ref"], f["ref"]["sequences"]
+    tol = FAMILY_TOL * np.abs(ref["logits"]).max()
+    base_logits = np.load(f["base_dir"] / "reference.npz")["logits"]  # transformers' base model, no adapter
+    assert np.abs(ref["logits"] - base_logits).max() > 1000 * tol
+    ours = f["lora_logits"](f["params"], seqs)
+    np.testing.assert_allclose(ours, ref["logits"], atol=tol, rtol=0)
+    merged = f["plain_logits"](f["merged"], seqs)[: len(ref["merged_logits"])]
+    np.testing.assert_allclose(merged, ref["merged_logits"], atol=tol, rtol=0)
+
+
+def test_family_peft_export_is_what_peft_reads(family_peft, tmp_path):
+    """Qwen2 / Qwen3 / Mistral: jaxdist's own adapters (its init, seeded random B, on the fixture's targets)
+    exported as PEFT have exactly the peft-made fixture's tensor names, shapes and dtype, and a config
+    that agrees with peft's on every field peft's loader uses (and no key peft's LoraConfig lacks); the
+    export reads back bit-identically, to the same logits."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxdist.adapters import peft
+
+    f = family_peft
+    prog, cfg, seqs = f["prog"], f["cfg"], f["ref"]["sequences"]
+    own = adapters.trainable(with_random_b(prog, prog.init_state(3), seed=3).params)
+    blocks = jax.device_get(own)["blocks"]
+    peft.write(tmp_path, blocks, cfg.lora, f"tests/fixtures/{f['base_dir'].name}")
+    written = load_file(str(tmp_path / "adapter_model.safetensors"))
+    original = load_file(str(f["adapter_dir"] / "adapter_model.safetensors"))
+    assert {k: (v.shape, v.dtype) for k, v in written.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
+    assert not any(np.array_equal(written[k], original[k]) for k in original)  # jaxdist's values, not peft's
+    ours = json.loads((tmp_path / "adapter_config.json").read_text())
+    theirs = json.loads((f["adapter_dir"] / "adapter_config.json").read_text())
+    assert set(ours) <= set(theirs)
+    for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "bias", "fan_in_fan_out", "use_dora", "use_rslora"):
+        assert ours[key] == theirs[key], key
+    assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"])
+    lora, back = peft.read(tmp_path, cfg.model)
+    assert lora == {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
+    assert jax.tree.structure(back) == jax.tree.structure(blocks)
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(blocks)):
+        np.testing.assert_array_equal(x, y)
+    read = jax.device_put({"blocks": back}, adapters.trainable(prog.state_shardings.params))
+    params = adapters.combine(read, adapters.frozen(f["params"]))
+    own_params = adapters.combine(own, adapters.frozen(f["params"]))
+    got, want = f["lora_logits"](params, seqs), f["lora_logits"](own_params, seqs)
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got - f["ref"]["logits"]).max() > 1e-2  # a different adapter from peft's
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(bias="lora_only"), "bias=lora_only"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(r=2), "lora_A"),
+    ],
+)
+def test_peft_read_refuses_what_it_would_drop(tmp_path, change, words):
+    """A PEFT adapter that trains more than A and B (biases, whole modules) or does not fit the base is a
+    one-line error, not an adapter read with parts silently dropped."""
+    import json
+    import shutil
+
+    from jaxdist.adapters import peft
+    from jaxdist.hf import mapping
+
+    base_dir, adapter_dir = PEFT_FAMILIES["qwen2"]
+    shutil.copytree(adapter_dir, tmp_path / "a")
+    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**conf, **change}))
+    with pytest.raises(JaxdistError, match=words) as e:
+        peft.read(tmp_path / "a", mapping.hf_config(None, [], base_dir).model)
+    assert "\n" not in str(e.value)
 
 
 def test_hf_recipe_resumes_generates_and_exports(tmp_path):

@@ -10,6 +10,7 @@ transpose, B -> flatten -> transpose.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -79,9 +80,23 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     modules = conf["target_modules"]
     modules = [modules] if isinstance(modules, str) else modules
     unknown = [x for x in modules if x not in by_module]
+    # Anything peft trains beside A and B (biases, lm_head / embeddings via modules_to_save, DoRA
+    # magnitudes) would be dropped silently by a reader that takes A and B only: refuse it by name.
     special = [
-        k for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "layers_to_transform") if conf.get(k)
+        k
+        for k in (
+            "use_dora",
+            "use_rslora",
+            "rank_pattern",
+            "alpha_pattern",
+            "layers_to_transform",
+            "modules_to_save",
+            "lora_bias",
+            "exclude_modules",
+        )
+        if conf.get(k)
     ]
+    special += [f"bias={conf['bias']}"] if conf.get("bias", "none") != "none" else []
     if conf.get("peft_type") != "LORA" or unknown or special:
         raise JaxdistError(
             f"{adapter_dir}: only plain LoRA on {', '.join(by_module)} reads into jaxdist "
@@ -90,6 +105,19 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     targets = [t for t in MODULES if MODULES[t].split(".")[-1] in modules]
     r = int(conf["r"])
     tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    expected = {
+        f"base_model.model.model.layers.{i}.{MODULES[t]}.lora_{x}.weight"
+        for t in targets
+        for i in range(m.num_layers)
+        for x in "AB"
+    }
+    missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or extra:
+        raise JaxdistError(
+            f"{adapter_dir}/adapter_model.safetensors does not hold exactly the A and B tensors of "
+            f"{len(targets)} module(s) x {m.num_layers} layers: missing {missing[:2]}, unexpected {extra[:2]} "
+            f"({len(missing)} / {len(extra)} in all); is it an adapter for this base model?"
+        )
     shapes = per_layer_shapes(m)
     blocks: dict = {}
     for target in targets:
@@ -98,8 +126,15 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
         a, b = [], []
         for i in range(m.num_layers):
             name = f"base_model.model.model.layers.{i}.{MODULES[target]}"
-            a.append(tensors[f"{name}.lora_A.weight"].T.reshape(*shape[:n_in], r))
-            b.append(tensors[f"{name}.lora_B.weight"].T.reshape(r, *shape[n_in:]))
+            ta, tb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            want = ((r, math.prod(shape[:n_in])), (math.prod(shape[n_in:]), r))
+            if (ta.shape, tb.shape) != want:
+                raise JaxdistError(
+                    f"{adapter_dir}: {name} has lora_A {ta.shape} / lora_B {tb.shape}, this base model needs "
+                    f"{want[0]} / {want[1]} (r={r}); is it an adapter for this base model?"
+                )
+            a.append(ta.T.reshape(*shape[:n_in], r))
+            b.append(tb.T.reshape(r, *shape[n_in:]))
         blocks.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
         blocks[part][weight + B] = np.stack(b).astype(np.float32)
     return {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}, blocks
