@@ -58,10 +58,29 @@ def peft_reference(base_dir: Path, out: Path, modules: list[str], tokens, merged
     conf = json.loads(conf_file.read_text().replace(str(base_dir), f"tests/fixtures/{base_dir.name}"))
     conf["target_modules"] = sorted(conf["target_modules"])
     conf_file.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    import numpy as np
+
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     with torch.no_grad():
         logits = model(tokens).logits.numpy()
-        return logits, (model.merge_and_unload()(tokens).logits.numpy() if merged else None)
+    if not merged:  # Llama's fixture: logits only, as first committed
+        return logits, {}
+    # The adapters' gradients of the mean next-token cross-entropy, as a few numbers per tensor (KBs, not
+    # a second adapter): its norm and its dot product with the tensor itself (sign and layout matter).
+    logits_t = model(tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits_t[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
+    keys = sorted(grads)
+    extra = {
+        "loss": np.float32(loss.item()),
+        "grad_keys": np.array(keys),
+        "grad_norm": np.array([grads[k].grad.norm().item() for k in keys], np.float32),
+        "grad_dot": np.array([(grads[k].grad * grads[k]).sum().item() for k in keys], np.float32),
+    }
+    with torch.no_grad():
+        extra["merged_logits"] = model.merge_and_unload()(tokens).logits.numpy()[:1]  # one sequence: fewer KB
+    return logits, extra
 
 
 def hf_logits(base_dir: Path, tokens, model_dir=None, adapter_dir=None):
@@ -88,12 +107,12 @@ def make(family: str) -> None:
     base_dir, out_dir = FIXTURES / base_name, FIXTURES / out_name
     print(f"== {family}")
     sequences = np.load(base_dir / "reference.npz")["sequences"]
-    expected, merged_ref = peft_reference(base_dir, out_dir, modules, sequences, merged=family != "llama")
-    extra = {} if merged_ref is None else {"merged_logits": merged_ref[:1]}  # one sequence: fewer KB
+    expected, extra = peft_reference(base_dir, out_dir, modules, sequences, merged=family != "llama")
     np.savez(out_dir / "reference.npz", sequences=sequences, logits=expected, **extra)
     print(f"wrote {out_dir}: peft's adapter files and its logits {expected.shape}")
+    merged_ref = extra.get("merged_logits")
     if merged_ref is not None:
-        print(f"peft merge_and_unload vs peft adapted: max |diff| {np.abs(merged_ref - expected).max():.2e}")
+        print(f"peft merge_and_unload vs peft adapted: max |diff| {np.abs(merged_ref - expected[:1]).max():.2e}")
 
     import jax
     from test_lora import peft_run  # the code path tests/test_lora.py checks (its conftest: 8 CPU devices)
@@ -118,7 +137,7 @@ def make(family: str) -> None:
     if merged_ref is not None:
         print(
             f"jaxdist's merged params (plain model) vs peft's merged model: max |diff| "
-            f"{np.abs(base_logits(merged, sequences) - merged_ref).max():.2e}"
+            f"{np.abs(base_logits(merged, sequences)[:1] - merged_ref).max():.2e}"
         )
     print(f"logit scale: max |logit| {np.abs(expected).max():.2f}")
 
