@@ -7,8 +7,10 @@ print how closely jaxdist agrees.
 1. Per family, peft puts a random LoRA (r=4, alpha=8, `init_lora_weights=False` so B != 0) on that
    family's HF fixture model (tests/fixtures/hf_<family>) and saves it with `save_pretrained`: the
    fixture's adapter_config.json + adapter_model.safetensors, in PEFT's own format and key names. Its
-   logits on the base fixture's sequences are saved as reference.npz, and for the non-Llama families
-   also the logits of peft's `merge_and_unload()` model on the first sequence (`merged_logits`). Targets: Llama and Qwen2 all
+   logits on the base fixture's sequences are saved as reference.npz. For the non-Llama families it
+   also holds the mean next-token cross-entropy (`loss`), each adapter tensor's gradient norm and
+   gradient . tensor (`grad_keys`, `grad_norm`, `grad_dot`), and the logits of peft's
+   `merge_and_unload()` model on the first sequence (`merged_logits`). Targets: Llama and Qwen2 all
    seven projections (Qwen2's q/k/v carry biases), Qwen3 q, k, o, up, down (q/k norms after q/k),
    Mistral q, v, gate, down (window 5 < the 16-token sequences).
 2. jaxdist reads that adapter onto the imported base (float32) and computes the same logits; it exports
