@@ -65,8 +65,9 @@ FRESH = [  # compiled once after the model was final: a new shape, GPipe with ac
 MOE = [("configs/tiny-moe.yaml", "ep=8", [])]
 # Table schedules (issue 32: jaxdist.parallel.pipeline_1f1b) and LoRA / QLoRA (issue 30), compiled once
 # each after their terms were written (the LoRA terms after reading the two LoRA pairs' heap traces):
-# arguments within 1%, temp and total within 10%, both ways; LoRA's collectives within 5% (the table
-# schedules' are not modelled: comms counts GPipe's).
+# arguments within 1%, temp and total within 10%, both ways; collectives within 5% (the table
+# schedules' per slot of their table, comms._schedule_table_traffic, written after reading these two
+# pairs' HLO: exact on both; 60 / 89 MB of all-reduce / all-gather on the 1f1b pair before, of 122).
 TABLE_SCHEDULES = [
     (None, "pp=2,fsdp=4", ["pipeline.schedule=1f1b", "pipeline.microbatches=4", "train.global_batch=16"]),
     (
@@ -176,8 +177,7 @@ def test_schedules_and_lora_match_compiler(pair):
     assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=0.10)
     total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     assert predicted.total == pytest.approx(total, rel=0.10)
-    if pair in LORA:  # no base gradient is reduced; QLoRA gathers codes and scales
-        check_collectives(lay, measured)
+    check_collectives(lay, measured)  # LoRA: no base gradient is reduced; QLoRA gathers codes and scales
 
 
 def test_table_schedules_activations_flat_in_microbatches():
