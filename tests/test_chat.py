@@ -172,6 +172,22 @@ def test_loader_carries_the_mask_to_the_step(prepared_chat, tiny_cfg):
         loader.load_windows(cfg.replace(model=dict(seq_len=64)))
 
 
+def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepared_chat, tiny_cfg, tmp_path):
+    """docs/chat-data.md's recipe: train on a prepared folder, then `generate --run-dir RUN --chat MSG`
+    reads the template from the tokenizer the run recorded (it was left behind: a one-line error)."""
+    from jaxdist.data import run_tokenizer
+    from jaxdist.inference import decode
+
+    out, _ = prepared_chat
+    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(out)), model=dict(vocab_size=320, seq_len=128))
+    run_tokenizer.record(run_tokenizer.of_config(cfg), tmp_path)
+    text = decode.Text(cfg, tmp_path / "hf_source", recorded=run_tokenizer.of_run(tmp_path))
+    want = chat.prompt_ids(chat_tokenizer("qwen"), [{"role": "user", "content": "Say hello."}])
+    assert decode.chat_prompts(text, ["Say hello."]) == [want]
+    run_tokenizer.copy_to(run_tokenizer.of_run(tmp_path), tmp_path)  # convert to-hf exports it too
+    assert (tmp_path / "chat_template.jinja").read_text() == (FIX / "qwen" / "chat_template.jinja").read_text()
+
+
 def test_bad_lines_are_counted_by_line_or_stop(tmp_path, capsys):
     good = json.dumps(CONVERSATIONS[1])
     bad = [

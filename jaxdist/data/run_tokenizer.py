@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from jaxdist.data import tokenizer
-from jaxdist.data.tokenizer import CONFIG_FILES
+from jaxdist.data.tokenizer import CHAT_TEMPLATE, CONFIG_FILES
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -110,6 +110,6 @@ def copy_to(run: RunTokenizer, out_dir: Path) -> None:
     if run.tok is None:
         return
     shutil.copyfile(run.tok.file, Path(out_dir) / "tokenizer.json")
-    for name in CONFIG_FILES:
+    for name in (*CONFIG_FILES, CHAT_TEMPLATE):
         if (run.tok.file.parent / name).is_file():
             shutil.copyfile(run.tok.file.parent / name, Path(out_dir) / name)

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from jaxdist.errors import JaxdistError
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE = "chat_template.jinja"  # travels with the tokenizer: generate --chat reads it from the run's copy
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 TRAINED_EOS = "<|endoftext|>"
 
@@ -199,6 +200,8 @@ def copy_files(tok: Tok, folder: Path) -> None:
     present = [n for n in CONFIG_FILES if (tok.file.parent / n).is_file()]
     for name in present:
         shutil.copyfile(tok.file.parent / name, folder / name)
+    if (tok.file.parent / CHAT_TEMPLATE).is_file():
+        shutil.copyfile(tok.file.parent / CHAT_TEMPLATE, folder / CHAT_TEMPLATE)
     if not present:
         rule = {
             "eos_token": tok.tokenizer.id_to_token(tok.eos_id),
