@@ -186,6 +186,9 @@ def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepar
     assert decode.chat_prompts(text, ["Say hello."]) == [want]
     run_tokenizer.copy_to(run_tokenizer.of_run(tmp_path), tmp_path)  # convert to-hf exports it too
     assert (tmp_path / "chat_template.jinja").read_text() == (FIX / "qwen" / "chat_template.jinja").read_text()
+    (tmp_path / "tokenizer" / "chat_template.jinja").unlink()  # a run recorded without it: generate's own fix
+    with pytest.raises(JaxdistError, match="no chat template.*copy the model's chat_template.jinja into it"):
+        decode.chat_prompts(decode.Text(cfg, tmp_path, recorded=run_tokenizer.of_run(tmp_path)), ["Hi"])
 
 
 def test_bad_lines_are_counted_by_line_or_stop(tmp_path, capsys):

@@ -172,7 +172,16 @@ def chat_prompts(text: Text, messages: list[str]) -> list[list[int]]:
     if text.folder is None:
         raise JaxdistError("--chat needs the model's tokenizer folder (with its chat template); use --prompt")
 
-    ct = chat.load(str(text.folder))
+    try:
+        ct = chat.load(str(text.folder))
+    except JaxdistError as e:
+        if "no chat template" not in str(e):
+            raise
+        # chat.load's fix names prepare's --chat-template, which generate does not have
+        raise JaxdistError(
+            f"{text.folder} has no chat template (chat_template.jinja or tokenizer_config.json's chat_template); "
+            "copy the model's chat_template.jinja into it, or use --prompt"
+        ) from None
     return [chat.prompt_ids(ct, [{"role": "user", "content": m}]) for m in messages]
 
 
