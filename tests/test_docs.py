@@ -1,10 +1,13 @@
 """The documentation stays true: every relative link in README.md, CONTRIBUTING.md and docs/ resolves
-(files and #anchors), every `python -m jaxdist.X ...` command they show parses with that entry point's
+(files and #anchors), every repository path (`jaxdist/hf/hub.py`, `tests/fixtures/...`) and module name
+(`jaxdist.parallel.matmul.weight_matmul`) they name exists, every `python -m jaxdist.X ...` command they show parses with that entry point's
 own argument parser (and its config overrides load), and docs/configuration.md's key reference is what
 the dataclasses generate. Nothing here trains or compiles: the whole file runs in a few seconds."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import math
 import re
@@ -105,6 +108,81 @@ def test_the_link_checker_can_fail(tmp_path):
         slug("Compressed data parallelism: defaults, `exact` bytes")
         == "compressed-data-parallelism-defaults-exact-bytes"
     )
+
+
+# Paths into the repository and dotted module names, in prose and code alike: what a move of modules
+# (issue 28's packages) leaves stale when a script rewrites imports but not the words around them.
+REPO_PATH = re.compile(r"(?<![\w/.~-])((?:jaxdist|tests|scripts|configs|docs)/[\w./-]*\w)(?![\w*<{])")
+MODULE_NAME = re.compile(r"(?<![\w./-])(jaxdist(?:\.\w+)+)")
+# a run dir's lock file; a placeholder; configs/ as a wheel installs it (pyproject's package-dir)
+NOT_MODULES = {"jaxdist.lock", "jaxdist.X", "jaxdist.configs", "jaxdist/configs"}
+
+
+@functools.cache
+def top_level_names(source: Path) -> frozenset[str]:
+    """What a module defines or imports at its top level (or lists in a lazy `__getattr__` table)."""
+    tree = ast.parse(source.read_text())
+    got = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            got |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            got |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+            got.add(n.value)  # __all__ / lazy-export tables
+    return frozenset(got)
+
+
+def stale_names(text: str, root: Path = ROOT) -> list[str]:
+    """Repository paths that do not exist and `jaxdist.a.b` names that are no module (or no attribute of
+    the module they start with)."""
+    stale = [m for m in REPO_PATH.findall(text) if not (root / m.rstrip(".")).exists()]
+    for name in MODULE_NAME.findall(text):
+        parts = name.split(".")
+        if any(part.startswith("__") for part in parts):  # jaxdist.__path__, __main__: Python's own
+            continue
+        for k in range(len(parts), 0, -1):
+            base = root.joinpath(*parts[:k])
+            source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+            if source.is_file():
+                if k < len(parts) and parts[k] not in top_level_names(source) and not (base / parts[k]).exists():
+                    stale.append(name)
+                break
+        else:
+            stale.append(name)
+    return [s for s in stale if s not in NOT_MODULES]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_path_and_module_named_exists(page):
+    assert not stale_names(page.read_text()), f"{rel(page)}: names that do not exist: {stale_names(page.read_text())}"
+
+
+def test_every_path_and_module_named_in_code_exists():
+    """The same for docstrings and comments of the package, the scripts and the tests."""
+    sources = sorted(
+        [*(ROOT / "jaxdist").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+    )
+    stale = {
+        str(f.relative_to(ROOT)): got
+        for f in sources
+        if f.name != "test_docs.py" and (got := stale_names(f.read_text()))
+    }
+    assert not stale, f"names that do not exist: {stale}"
+
+
+def test_the_name_checker_can_fail():
+    """Names from before the move into packages are caught; their new homes are not."""
+    old = "see `jaxdist/step.py`, jaxdist.loop, `jaxdist.models.llama.weight_matmul` and tests/fixtures/hf_nope"
+    assert stale_names(old) == [
+        "jaxdist/step.py",
+        "tests/fixtures/hf_nope",
+        "jaxdist.loop",
+        "jaxdist.models.llama.weight_matmul",
+    ]
+    new = "see `jaxdist/training/step.py`, jaxdist.training.loop, `jaxdist.parallel.matmul.weight_matmul`, tests/fixtures/hf_*"
+    assert stale_names(new) == []
 
 
 def commands(page: Path) -> list[str]:

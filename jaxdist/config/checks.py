@@ -18,7 +18,7 @@ TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "
 def validate(cfg) -> None:
     """Value checks that need no devices, in one place: each field's Literal choices and Range (at
     the field), finiteness of every float, then the checks that relate fields. Mesh/device checks
-    live in mesh.py and train.py."""
+    live in distributed/mesh.py (and its callers)."""
     validate_fields(cfg)
     validate_trackers(cfg.train.trackers)
     validate_model(cfg.model)

@@ -43,7 +43,7 @@ class ModelConfig:
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
     family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = (
-        "llama"  # Hugging Face architecture of import/export (hf_families.py); the switches set the math
+        "llama"  # Hugging Face architecture of import/export (hf/families.py); the switches set the math
     )
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)

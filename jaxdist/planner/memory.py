@@ -429,7 +429,7 @@ def estimate(lay: Layout) -> Memory:
 
 def fetched_bytes(lay: Layout) -> float:
     """offload.params=host with model.remat=none: the backward keeps every layer's fetched device copy
-    (JAX saves them as residuals; jaxdist.analysis.measure.host_transfers counts no second fetch), one layer
+    (JAX saves them as residuals; jaxdist.distributed.offload.host_transfers counts no second fetch), one layer
     stack beside what the model without offload holds, whose saved weights are its arguments' own
     buffers. A GPU's figure: XLA:CPU strips the moves, so there the copies are the host arguments
     themselves and its compiled temp does not show them. With a remat policy one layer is fetched at
