@@ -114,8 +114,8 @@ def test_the_link_checker_can_fail(tmp_path):
 # (issue 28's packages) leaves stale when a script rewrites imports but not the words around them.
 REPO_PATH = re.compile(r"(?<![\w/.~-])((?:jaxdist|tests|scripts|configs|docs)/[\w./-]*\w)(?![\w*<{])")
 MODULE_NAME = re.compile(r"(?<![\w./-])(jaxdist(?:\.\w+)+)")
-# a run dir's lock file; a placeholder; configs/ as a wheel installs it (pyproject's package-dir)
-NOT_MODULES = {"jaxdist.lock", "jaxdist.X", "jaxdist.configs", "jaxdist/configs"}
+# a run dir's lock file; configs/ as a wheel installs it (pyproject's package-dir)
+NOT_MODULES = {"jaxdist.lock", "jaxdist.configs", "jaxdist/configs"}
 
 
 @functools.cache
@@ -140,7 +140,7 @@ def stale_names(text: str, root: Path = ROOT) -> list[str]:
     stale = [m for m in REPO_PATH.findall(text) if not (root / m.rstrip(".")).exists()]
     for name in MODULE_NAME.findall(text):
         parts = name.split(".")
-        if any(part.startswith("__") for part in parts):  # jaxdist.__path__, __main__: Python's own
+        if any(part.startswith("__") or part.isupper() for part in parts):  # __path__; placeholders X, CMD
             continue
         for k in range(len(parts), 0, -1):
             base = root.joinpath(*parts[:k])
