@@ -1,4 +1,4 @@
-"""`python -m jaxdist.train`: the command line (the run itself is `jaxdist.training.loop.run`).
+"""`python -m jaxdist.train`: the command line (the run itself is `jaxdist.run`, `jaxdist.training.loop.run`).
 
 python -m jaxdist.train                                  # configs/tiny.yaml on 8 simulated CPU devices
 python -m jaxdist.train --mesh dp=2,fsdp=4 optim.lr=1e-3 train.steps=100
@@ -20,7 +20,7 @@ from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
 from jaxdist.observe import quiet, trackers
 from jaxdist.training import rundir
-from jaxdist.training.loop import run  # also the library entry: tests and notebooks call train.run
+from jaxdist.training.loop import run
 from jaxdist.training.startup import with_resolved_mesh
 
 

@@ -70,7 +70,7 @@ def test_jaxdist_has_no_import_cycle():
 # packages in earlier rows, never from its row or a later one. The commands (the modules at the top of
 # jaxdist/ and the packages' __main__.py) import from everything and from no other command.
 LAYERS = [
-    ("errors", "__init__"),  # jaxdist/__init__.py: empty (the public API is the packages' modules)
+    ("errors", "__init__"),  # jaxdist/__init__.py imports nothing: its public names load on first use
     ("config",),
     ("distributed",),
     ("data",),
@@ -328,3 +328,24 @@ def test_every_package_is_listed_for_the_wheel():
         f"packages missing from pyproject.toml's [tool.setuptools] packages: {found - listed}"
     )
     assert listed - found == {"jaxdist.configs"}
+
+
+def test_the_public_api():
+    """docs/getting-started.md#from-python: `jaxdist.run`, `.config`, `.RunResult`, `.setup_platform` and
+    `.JaxdistError` are the real objects, and `import jaxdist` alone loads no JAX (every jaxdist module,
+    the supervisor's and the platform set-up's included, imports the package first)."""
+    import subprocess
+    import sys
+
+    import jaxdist
+    from jaxdist import config, errors
+    from jaxdist.distributed import platform
+    from jaxdist.training import finish, loop
+
+    assert (jaxdist.run, jaxdist.RunResult, jaxdist.config) == (loop.run, finish.RunResult, config)
+    assert (jaxdist.JaxdistError, jaxdist.setup_platform) == (errors.JaxdistError, platform.setup_platform)
+    assert callable(jaxdist.config.load) and set(jaxdist.__all__) == {*jaxdist._EXPORTS, "config"}
+    code = "import sys, jaxdist; print(sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert not hasattr(jaxdist, "nothing_here")  # an unknown name is an AttributeError
