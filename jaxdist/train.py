@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jaxdist import config
 from jaxdist.checkpoint.signals import StopSignal
-from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peers, supervisor
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
@@ -164,12 +164,12 @@ def _main(argv: list[str] | None, stopper) -> int:
         run_dir = prepare_run_dir(args.run_dir, cfg, args.config, typed_restore)
         setup_platform(args.cpu_devices)
         allowed = allowed_changes(args.allow_config_change)
-        launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
-        distributed.initialize(launch, args.init_timeout, args.heartbeat_timeout)
+        launch = launch_mod.detect(args.coordinator, args.num_processes, args.process_id)
+        launch_mod.initialize(launch, args.init_timeout, args.heartbeat_timeout)
         peers.join(launch, run_dir)  # the peers' supervisors, for naming one that dies
         stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
-        print(distributed.topology_line(), flush=True)
+        print(launch_mod.topology_line(), flush=True)
         origin = (
             "--run-dir"
             if args.run_dir

@@ -35,7 +35,7 @@ def main() -> None:
     import jax
 
     from jaxdist import checkpoint, config
-    from jaxdist.data import loader as data
+    from jaxdist.data import loader as loader_mod
     from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.models.llama import count_params
     from jaxdist.training import step
@@ -43,7 +43,7 @@ def main() -> None:
     # data.source=text (the built-in corpus): configs that expect token files run anywhere
     cfg = config.load(args.config, ["data.source=text", "data.path=", f"mesh.shape={args.mesh}", *args.overrides])
     prog = step.build_program(cfg, mesh_from_string(cfg.mesh.shape))
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     state = prog.init_state(0)
     jax.block_until_ready(state)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

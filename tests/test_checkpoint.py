@@ -29,7 +29,7 @@ import pytest
 from conftest import SMALL_ARGS
 
 from jaxdist import checkpoint, config
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.training import step
@@ -177,7 +177,7 @@ def test_restore_from_another_run_onto_another_mesh(runs):
 def small_program():
     cfg = config.load(None, SMALL + SCHEDULE)
     prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
-    return cfg, prog, data.Loader(cfg, prog.batch_sharding)
+    return cfg, prog, loader_mod.Loader(cfg, prog.batch_sharding)
 
 
 def test_unreadable_latest_is_reported_and_previous_used(runs, small_program, tmp_path):
@@ -277,7 +277,7 @@ def test_reducer_state_is_saved_and_restored(tmp_path):
     the next step from the restored state equals the next step from the original."""
     cfg = config.load(None, SMALL + SCHEDULE + ["reduce.method=topk", "reduce.ratio=0.05", "reduce.warmup_fraction=0"])
     prog = step.build_program(cfg, mesh_from_string("dp=2,fsdp=4"))
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     state = prog.init_state(0)
     for _ in range(2):
         state, _ = prog.train_step(state, next(loader))

@@ -16,12 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
 from jaxdist.analysis import measure
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.optim import adamw
-from jaxdist.reduce import compress, demo, dgc, diloco, registry
-from jaxdist.reduce import reducer as reduce
+from jaxdist.reduce import compress, demo, dgc, diloco, explicit, registry
 from jaxdist.reduce.gradients import accumulate_gradients
 from jaxdist.training import step
 
@@ -155,12 +154,12 @@ def test_chunked_topk_error_feedback_is_exact(dp8):
     new residual == gradient + old residual; every replica receives the sum of what was sent."""
     shape, ratio = (3, 50_000), 0.001
     abstract = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
-    reducer = reduce.compressed(compress.topk(ratio), "dp", 8, abstract, {"w": 0})
+    reducer = explicit.compressed(compress.topk(ratio), "dp", 8, abstract, {"w": 0})
     grads = {"w": jax.random.normal(jax.random.key(0), (8,) + shape)}
     old = {"w": 0.1 * jax.random.normal(jax.random.key(1), (8,) + shape)}
 
     def body(g, e):
-        total, s = reducer.update({"w": g[0]}, reduce.CompressedState({"w": e[0]}, ((),)), None)
+        total, s = reducer.update({"w": g[0]}, explicit.CompressedState({"w": e[0]}, ((),)), None)
         return total["w"], s.residual["w"][None]
 
     fn = jax.shard_map(body, mesh=dp8, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")), check_vma=False)
@@ -566,7 +565,7 @@ def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path
         assert s.spec == P("dp", *ps.spec)
     per_replica = [np.asarray(a) for a in jax.tree.leaves(state.reducer_state) if a.ndim and a.shape[0] == 8]
     assert any(not np.array_equal(a[0], a[1]) for a in per_replica)  # a mixed-up restore would show
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     saver = checkpoint.Saver(tmp_path, cfg, log=lambda *a: None)
     saver.save(state, 1, loader)
     saver.close()
@@ -577,7 +576,7 @@ def test_replica_state_round_trips_and_refuses_another_dp(request, dp8, tmp_path
     method = cfg.reduce.method
     restores = spy_on_orbax_restore(monkeypatch)
     with pytest.raises(JaxdistError, match=rf"reduce.method={method} state for dp=8, but this mesh has dp=4") as err:
-        checkpoint.restore(tmp_path, other, data.Loader(cfg, other.batch_sharding), cfg)
+        checkpoint.restore(tmp_path, other, loader_mod.Loader(cfg, other.batch_sharding), cfg)
     assert "\n" not in str(err.value)  # one line
     # Resuming under another method (allowed by name) is refused before orbax's tree mismatch, which
     # read as an unreadable checkpoint and sent restore through every older one. Both refusals come

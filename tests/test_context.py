@@ -16,7 +16,7 @@ import pytest
 from conftest import compiled_gradients, learnable_batches
 
 from jaxdist import checkpoint
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed import hlo
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
@@ -151,7 +151,7 @@ def test_checkpoint_restores_onto_another_cp(curves, build, batches, tmp_path):
     _, _, prog_a, state = curves
     prog_b, grads_b, _, _ = build(SHARDED)
     small = prog_a.cfg.replace(data=dict(path=__file__))  # a small corpus: the loader only rides along
-    loader = data.Loader(small, prog_a.batch_sharding)
+    loader = loader_mod.Loader(small, prog_a.batch_sharding)
     saver = checkpoint.Saver(tmp_path, small, log=lambda *a: None)
     saver.save(state, STEPS, loader)
     saver.close()

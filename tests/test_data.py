@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.training import step
@@ -19,7 +19,7 @@ def tokens_cfg(tiny_cfg, path, **model):
 
 
 def test_windows_are_contiguous_and_cover_the_stream(tiny_cfg, token_file):
-    train, held_out = data.load_windows(tokens_cfg(tiny_cfg, token_file))
+    train, held_out = loader_mod.load_windows(tokens_cfg(tiny_cfg, token_file))
     w0, w1 = train[0], train[1]
     assert len(w0) == 17 and w0[-1] == w1[0]  # next window starts where the last target was
     assert len(train) + len(held_out) == (5000 - 1) // 16
@@ -27,20 +27,20 @@ def test_windows_are_contiguous_and_cover_the_stream(tiny_cfg, token_file):
 
 
 def test_global_batch_is_independent_of_process_split(tiny_cfg, token_file):
-    train, _ = data.load_windows(tokens_cfg(tiny_cfg, token_file))
-    whole = data.batches(train, 8, seed=1, rows=(0, 8))
-    halves = [data.batches(train, 8, seed=1, rows=r) for r in [(0, 4), (4, 8)]]
-    quarters = [data.batches(train, 8, seed=1, rows=(2 * i, 2 * i + 2)) for i in range(4)]
+    train, _ = loader_mod.load_windows(tokens_cfg(tiny_cfg, token_file))
+    whole = loader_mod.batches(train, 8, seed=1, rows=(0, 8))
+    halves = [loader_mod.batches(train, 8, seed=1, rows=r) for r in [(0, 4), (4, 8)]]
+    quarters = [loader_mod.batches(train, 8, seed=1, rows=(2 * i, 2 * i + 2)) for i in range(4)]
     for s in [0, 1, 57]:
         np.testing.assert_array_equal(whole[s], np.concatenate([h[s] for h in halves]))
         np.testing.assert_array_equal(whole[s], np.concatenate([q[s] for q in quarters]))
-    assert not np.array_equal(whole[0], data.batches(train, 8, seed=2, rows=(0, 8))[0])
+    assert not np.array_equal(whole[0], loader_mod.batches(train, 8, seed=2, rows=(0, 8))[0])
 
 
 def test_epochs_reshuffle_and_cover_everything(tiny_cfg, token_file):
-    train, _ = data.load_windows(tokens_cfg(tiny_cfg, token_file))
+    train, _ = loader_mod.load_windows(tokens_cfg(tiny_cfg, token_file))
     n = len(train)
-    ds = data.batches(train, 1, seed=0, rows=(0, 1))
+    ds = loader_mod.batches(train, 1, seed=0, rows=(0, 1))
     first = [tuple(ds[s][0]) for s in range(n)]
     second = [tuple(ds[s][0]) for s in range(n, 2 * n)]
     assert sorted(first) == sorted(second) == sorted(tuple(train[i]) for i in range(n))
@@ -48,23 +48,23 @@ def test_epochs_reshuffle_and_cover_everything(tiny_cfg, token_file):
 
 
 def test_default_corpus_is_the_standard_library(tiny_cfg):
-    train, held_out = data.load_windows(tiny_cfg)
+    train, held_out = loader_mod.load_windows(tiny_cfg)
     assert len(train) > 10_000 and len(held_out) > 100
-    files = data.stdlib_files()
+    files = loader_mod.stdlib_files()
     assert all("site-packages" not in f for f in files)
-    stream = data.read_text(files[:3], separator=0)  # the stream starts with the first files, in order
+    stream = loader_mod.read_text(files[:3], separator=0)  # the stream starts with the first files, in order
     assert train[0].astype(np.uint8).tobytes() == stream[: tiny_cfg.model.seq_len + 1].tobytes()
 
 
 def test_loader_places_global_batches_and_resumes(tiny_cfg):
     cfg = tiny_cfg.replace(model=dict(num_layers=2, d_model=64, mlp_dim=128, seq_len=16))
     prog = step.build_program(cfg, mesh_mod.mesh_from_string("dp=2,fsdp=4"))
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     first = next(loader)
     assert first.shape == (8, 17) and first.sharding == prog.batch_sharding
     state = loader.get_state()
     expected = np.asarray(next(loader))
-    again = data.Loader(cfg, prog.batch_sharding)
+    again = loader_mod.Loader(cfg, prog.batch_sharding)
     again.set_state(state)
     np.testing.assert_array_equal(np.asarray(next(again)), expected)
     assert [b.shape for b in loader.eval_arrays()] == [(8, 17)] * cfg.train.eval_batches
@@ -72,11 +72,11 @@ def test_loader_places_global_batches_and_resumes(tiny_cfg):
 
 def test_bad_data_is_a_clear_error(tiny_cfg, token_file, tmp_path):
     with pytest.raises(JaxdistError, match="matches no files"):
-        data.load_windows(tiny_cfg.replace(data=dict(path=str(tmp_path / "none*.txt"))))
+        loader_mod.load_windows(tiny_cfg.replace(data=dict(path=str(tmp_path / "none*.txt"))))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(JaxdistError, match="too few for one window"):
-        data.load_windows(tiny_cfg.replace(data=dict(path=str(tmp_path / "empty.txt"))))
+        loader_mod.load_windows(tiny_cfg.replace(data=dict(path=str(tmp_path / "empty.txt"))))
     with pytest.raises(JaxdistError, match="model.vocab_size"):
-        data.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(token_file))))
+        loader_mod.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(token_file))))
     with pytest.raises(JaxdistError, match="byte tokens"):
-        data.load_windows(tiny_cfg.replace(model=dict(vocab_size=128)))
+        loader_mod.load_windows(tiny_cfg.replace(model=dict(vocab_size=128)))

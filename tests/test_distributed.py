@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import launch as launch_mod
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ WAIT = 400  # seconds: a hung run fails the test instead of hanging it
 
 
 def test_no_source_means_single_process():
-    assert distributed.detect(env={}) is None
+    assert launch_mod.detect(env={}) is None
 
 
 def test_flags_beat_jax_variables_beat_the_cluster():
@@ -52,8 +52,8 @@ def test_flags_beat_jax_variables_beat_the_cluster():
         "SLURM_STEP_NODELIST": "node[07-08]",
         "SLURM_JOB_ID": "5",
     }
-    assert distributed.detect("flaghost:9", None, 2, env=env) == distributed.Launch("flaghost:9", 4, 2, "flags+env")
-    launch = distributed.detect(env={k: v for k, v in env.items() if not k.startswith("JAX_NUM")})
+    assert launch_mod.detect("flaghost:9", None, 2, env=env) == launch_mod.Launch("flaghost:9", 4, 2, "flags+env")
+    launch = launch_mod.detect(env={k: v for k, v in env.items() if not k.startswith("JAX_NUM")})
     assert (launch.coordinator, launch.num_processes, launch.process_id) == ("envhost:1", 2, 1)
     assert launch.source == "env+slurm"
 
@@ -67,7 +67,7 @@ def test_slurm():
         "SLURM_STEP_NODELIST": "gpu[003-004,9],cpu1",
         "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
     }
-    assert distributed.detect(env=env) == distributed.Launch("gpu003:61441", 4, 3, "slurm")
+    assert launch_mod.detect(env=env) == launch_mod.Launch("gpu003:61441", 4, 3, "slurm")
     # two tasks on a node of 8 GPUs: local rank 1 takes the second half; JAX_COORDINATOR_PORT sets the port
     two = {
         **env,
@@ -75,15 +75,15 @@ def test_slurm():
         "JAX_COORDINATOR_PORT": "777",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
     }
-    shared = distributed.detect(env=two)
+    shared = launch_mod.detect(env=two)
     assert (shared.coordinator, shared.local_device_ids) == ("gpu003:777", (4, 5, 6, 7))
-    assert distributed.detect(env={**two, "SLURM_GPUS_PER_TASK": "4"}).local_device_ids is None  # bound by SLURM
+    assert launch_mod.detect(env={**two, "SLURM_GPUS_PER_TASK": "4"}).local_device_ids is None  # bound by SLURM
     with pytest.raises(JaxdistError, match="3 GPUs do not split evenly over the 2 tasks"):
-        distributed.detect(env={**two, "CUDA_VISIBLE_DEVICES": "0,1,2"})
-    assert distributed.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert distributed.first_host("a-1") == "a-1" and distributed.first_host("n[10-12]") == "n10"
+        launch_mod.detect(env={**two, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert launch_mod.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert launch_mod.first_host("a-1") == "a-1" and launch_mod.first_host("n[10-12]") == "n10"
     # the batch script outside srun is one process, whatever SLURM_NTASKS says
-    assert distributed.detect(env={k: v for k, v in env.items() if k != "SLURM_STEP_NODELIST"}) is None
+    assert launch_mod.detect(env={k: v for k, v in env.items() if k != "SLURM_STEP_NODELIST"}) is None
 
 
 def test_openmpi():
@@ -93,13 +93,13 @@ def test_openmpi():
         "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
         "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
     }
-    assert distributed.detect(env=env) == distributed.Launch(f"10.96.0.1:{distributed.DEFAULT_PORT}", 2, 1, "openmpi")
+    assert launch_mod.detect(env=env) == launch_mod.Launch(f"10.96.0.1:{launch_mod.DEFAULT_PORT}", 2, 1, "openmpi")
     with pytest.raises(JaxdistError, match="lacks coordinator; pass --coordinator"):  # OpenMPI 5: no URI
-        distributed.detect(env={k: v for k, v in env.items() if k != "OMPI_MCA_orte_hnp_uri"})
+        launch_mod.detect(env={k: v for k, v in env.items() if k != "OMPI_MCA_orte_hnp_uri"})
 
 
 LAUNCH_ENV = ROOT / "tests" / "fixtures" / "launch_env"
-RECORDED_COORDINATOR = {"slurm": "vm:61441", "openmpi": f"127.0.0.1:{distributed.DEFAULT_PORT}"}
+RECORDED_COORDINATOR = {"slurm": "vm:61441", "openmpi": f"127.0.0.1:{launch_mod.DEFAULT_PORT}"}
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "openmpi"])
@@ -108,11 +108,11 @@ def test_detection_from_what_the_launchers_really_set(launcher):
     `scripts/cluster_check.py --record-env`: each process finds its rank, the count and one coordinator,
     and on a host with GPUs takes its own disjoint share of them, never all and never only the first."""
     envs = [json.loads((LAUNCH_ENV / f"{launcher}_{rank}.json").read_text()) for rank in (0, 1)]
-    cpu = [distributed.detect(env={**e, "CUDA_VISIBLE_DEVICES": ""}) for e in envs]
+    cpu = [launch_mod.detect(env={**e, "CUDA_VISIBLE_DEVICES": ""}) for e in envs]
     assert [(x.process_id, x.num_processes, x.source) for x in cpu] == [(0, 2, launcher), (1, 2, launcher)]
     assert {x.coordinator for x in cpu} == {RECORDED_COORDINATOR[launcher]}
     assert [x.local_device_ids for x in cpu] == [None, None]  # CPU: each process simulates its own devices
-    gpus = [distributed.detect(env={**e, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) for e in envs]
+    gpus = [launch_mod.detect(env={**e, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) for e in envs]
     assert [x.local_device_ids for x in gpus] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
@@ -123,10 +123,10 @@ def test_kubernetes_jobset():
         "REPLICATED_JOB_NAME": "workers",
         "JAX_NUM_PROCESSES": "4",
     }
-    launch = distributed.detect(env=env)
-    assert launch == distributed.Launch(f"llama-workers-0-0.llama:{distributed.DEFAULT_PORT}", 4, 2, "env+kubernetes")
+    launch = launch_mod.detect(env=env)
+    assert launch == launch_mod.Launch(f"llama-workers-0-0.llama:{launch_mod.DEFAULT_PORT}", 4, 2, "env+kubernetes")
     with pytest.raises(JaxdistError, match="lacks num_processes; pass --num-processes N"):
-        distributed.detect(env={k: v for k, v in env.items() if k != "JAX_NUM_PROCESSES"})
+        launch_mod.detect(env={k: v for k, v in env.items() if k != "JAX_NUM_PROCESSES"})
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_kubernetes_jobset():
 )
 def test_bad_input_names_the_problem(args, env, match):
     with pytest.raises(JaxdistError, match=match):
-        distributed.detect(*args, env=env)
+        launch_mod.detect(*args, env=env)
 
 
 # ---- real processes ---------------------------------------------------------------------------------

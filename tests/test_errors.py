@@ -17,7 +17,7 @@ import pytest
 from conftest import SMALL_ARGS, unwritable_dir
 
 from jaxdist import checkpoint, config
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.train import main
 from jaxdist.training import step
@@ -141,7 +141,7 @@ def saved_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("saved") / "run"
     cfg = config.load(None, SMALL)
     prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(config.dump(cfg))
     saver = checkpoint.Saver(run_dir, cfg, log=lambda *a: None)

@@ -30,13 +30,13 @@ from safetensors.numpy import load_file, save_file
 
 from jaxdist import config, convert, train
 from jaxdist.checkpoint import run_params
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import convert as hf_convert
 from jaxdist.hf import export, mapping
-from jaxdist.hf import tensors as hf_io
+from jaxdist.hf import tensors as hf_tensors
 from jaxdist.reduce.gradients import token_loss_sums
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def logits(model, params, mesh, tokens):
 def imported(hf_dir: Path, mesh_text: str, devices=None):
     cfg = mapping.hf_config(None, [], hf_dir, mesh_text)
     mesh = mesh_from_string(mesh_text, devices)
-    params, model = hf_io.import_params(hf_dir, cfg, mesh)
+    params, model = hf_tensors.import_params(hf_dir, cfg, mesh)
     return cfg, mesh, params, model
 
 
@@ -64,18 +64,18 @@ def imported(hf_dir: Path, mesh_text: str, devices=None):
 def sharded():
     """The fixture imported onto fsdp=4,tp=2, recording every slice read from the files."""
     reads = []
-    real = hf_io.read_block
+    real = hf_tensors.read_block
 
     def spy(sl, idx, shape, n_in):
         out = real(sl, idx, shape, n_in)
         reads.append((tuple(sl.get_shape()), out.size))
         return out
 
-    hf_io.read_block = spy
+    hf_tensors.read_block = spy
     try:
         result = imported(FIXTURE, "fsdp=4,tp=2")
     finally:
-        hf_io.read_block = real
+        hf_tensors.read_block = real
     return (*result, reads)
 
 
@@ -87,7 +87,7 @@ def test_logits_match_transformers_on_one_device():
     assert np.abs(out - ref["logits"]).max() <= 1e-4
     # The llama3 rescale matters here: without it the logits are far off (the check is not vacuous).
     plain = cfg.replace(model={"rope_scaling": "none"})
-    params2, model2 = hf_io.import_params(FIXTURE, plain, mesh)
+    params2, model2 = hf_tensors.import_params(FIXTURE, plain, mesh)
     assert np.abs(logits(model2, params2, mesh, ref["sequences"]) - ref["logits"]).max() > 1e-2
 
 
@@ -112,7 +112,7 @@ def test_bf16_and_fp16_files_import_exactly(tmp_path):
         d.mkdir()
         shutil.copyfile(FIXTURE / "config.json", d / "config.json")
         save_file({k: v.astype(dt) for k, v in tensors.items()}, str(d / "model.safetensors"))
-        low = flat(hf_io.import_params(d, cfg, mesh)[0])
+        low = flat(hf_tensors.import_params(d, cfg, mesh)[0])
         want = {k: v.astype(dt).astype(np.float32) for k, v in flat(params).items()}
         assert all(np.array_equal(low[k], want[k]) for k in want)
         assert any(not np.array_equal(low[k], v) for k, v in flat(params).items())  # it did round
@@ -131,7 +131,7 @@ def test_export_reimport_bit_identical_single_and_sharded(sharded, tmp_path):
     assert len(files) > 3 and set(index["weight_map"]) == set(original)
     assert all(f.stat().st_size <= 60_000 + 4096 for f in files)  # data + header
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in original.values())
-    again, _ = hf_io.import_params(tmp_path / "many", cfg, mesh)
+    again, _ = hf_tensors.import_params(tmp_path / "many", cfg, mesh)
     a, b = flat(params), flat(again)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert mapping.model_fields(tmp_path / "many") == mapping.model_fields(FIXTURE)
@@ -144,7 +144,7 @@ def test_tied_model_round_trips(tmp_path):
     assert np.abs(logits(model, params, mesh, ref["sequences"]) - ref["logits"]).max() <= 1e-4
     export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
-    again = flat(hf_io.import_params(tmp_path, cfg, mesh)[0])
+    again = flat(hf_tensors.import_params(tmp_path, cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(params).items())
 
 
@@ -181,7 +181,7 @@ def test_trained_run_exports_and_reimports_bit_identically(tmp_path):
     hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["rope_scaling"] is None and written["vocab_size"] == 256 and written["max_position_embeddings"] == 16
-    again = flat(hf_io.import_params(tmp_path / "hf", mapping.hf_config(None, SCRATCH, tmp_path / "hf"), mesh)[0])
+    again = flat(hf_tensors.import_params(tmp_path / "hf", mapping.hf_config(None, SCRATCH, tmp_path / "hf"), mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(trained).items())
     with pytest.raises(JaxdistError, match="already holds a model"):  # nothing overwritten
         hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
@@ -205,8 +205,8 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     cfg = mapping.apply(config.load(None, overrides), FIXTURE)
     result = train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
     mesh = mesh_from_string(cfg.mesh.shape)
-    params, model = hf_io.import_params(FIXTURE, cfg, mesh)
-    loader = data.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
+    params, model = hf_tensors.import_params(FIXTURE, cfg, mesh)
+    loader = loader_mod.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
     with sharding.activate(mesh, model.rules):
         s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
             params, next(loader)
@@ -216,7 +216,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # from the kept hf_source/
     _, tuned, _ = run_params.load_run_params(tmp_path / "run", mesh)
-    again = flat(hf_io.import_params(tmp_path / "hf", cfg, mesh)[0])
+    again = flat(hf_tensors.import_params(tmp_path / "hf", cfg, mesh)[0])
     assert all(np.array_equal(v, again[k]) for k, v in flat(tuned).items())
     assert not np.array_equal(again["['embed_VD']"], flat(params)["['embed_VD']"])  # it did train
     with pytest.raises(JaxdistError, match="conflicts with"):
@@ -303,8 +303,8 @@ def test_layer_ids_follow_the_circular_stage_layout():
 
     plan = pipeline.Plan("circular", stages=2, microbatches=2, repeats=2, layers_per_group=2)
     staged = pipeline.to_stages({"blocks": np.arange(8)}, plan)["blocks"]  # (stage, position) -> layer
-    assert hf_io._layer_ids([range(2), range(4)], 8, 2, 2) == staged.tolist()
-    assert hf_io._layer_ids([range(1, 2), range(2, 4)], 8, 2, 2) == staged[1:2, 2:4].tolist()
+    assert hf_tensors._layer_ids([range(2), range(4)], 8, 2, 2) == staged.tolist()
+    assert hf_tensors._layer_ids([range(1, 2), range(2, 4)], 8, 2, 2) == staged[1:2, 2:4].tolist()
 
 
 def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):

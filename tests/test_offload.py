@@ -222,11 +222,11 @@ def test_resume_with_offload_on_or_off(runs, tmp_path):
     """A checkpoint saved with parameters (and nothing else) in host memory restores bitwise onto the
     same program without offload, and back: the layout is the same, only the memory kind differs."""
     from jaxdist import checkpoint
-    from jaxdist.data import loader as data
+    from jaxdist.data import loader as loader_mod
 
     prog, _, state, _ = runs["params"]
     plain_prog = runs["none"][0]
-    loader = data.Loader(prog.cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(prog.cfg, prog.batch_sharding)
     saver = checkpoint.Saver(tmp_path, prog.cfg, log=lambda *a: None)
     saver.save(state, STEPS, loader)
     saver.close()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peer_lines, peer_wire, peers, supervisor
 
 
@@ -74,7 +74,7 @@ def test_a_peers_own_error_exit_does_not_stop_this_one_a_death_does():
 
 
 def new_supervisor() -> supervisor.Supervisor:
-    return supervisor.Supervisor(distributed.Launch("127.0.0.1:1", 2, 0, "flags"))
+    return supervisor.Supervisor(launch_mod.Launch("127.0.0.1:1", 2, 0, "flags"))
 
 
 def record(lis: peer_wire.Listener, index: int = 1) -> dict:

@@ -156,7 +156,7 @@ def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path
 
 
 def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
-    """config.yaml records the dtype read (data.resolve_token_dtype), so runs that read the same tokens
+    """config.yaml records the dtype read (data.loader.resolve_token_dtype), so runs that read the same tokens
     have the same data.token_dtype whatever was passed, and the overlay does not label them by it."""
     import numpy as np
     import yaml

@@ -1,4 +1,4 @@
-"""Explicit data-parallel reduction (jaxdist.reduce.reducer, jaxdist.reduce.compress), 8 CPU devices.
+"""Explicit data-parallel reduction (jaxdist.reduce.explicit, jaxdist.reduce.compress), 8 CPU devices.
 
 Compiled tests use one small model: 2 layers, d_model 128, 4 heads x 32 (2 kv heads), mlp 512,
 vocab 256, seq 16 — 557,696 parameters in 13 tensors. Each codec's bytes are checked two-sided (the
@@ -16,8 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.analysis import measure
 from jaxdist.distributed import hlo
 from jaxdist.distributed.mesh import mesh_from_string
-from jaxdist.reduce import compress
-from jaxdist.reduce import reducer as reduce
+from jaxdist.reduce import compress, explicit
 from jaxdist.training import step
 
 SMALL_MODEL = dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=512, seq_len=16)
@@ -148,7 +147,7 @@ def numpy_int8(x_RS, block):
 
 def make(codec, mesh, error_feedback=True):
     abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
-    return reduce.compressed(codec, "dp", mesh.shape["dp"], abstract, BATCH_DIMS, error_feedback)
+    return explicit.compressed(codec, "dp", mesh.shape["dp"], abstract, BATCH_DIMS, error_feedback)
 
 
 @pytest.mark.parametrize("codec", [compress.topk(0.05), compress.powersgd(2), compress.int8(16)], ids=lambda c: c.name)

@@ -25,7 +25,7 @@ import pytest
 from conftest import SMALL_ARGS
 
 from jaxdist import bench, checkpoint, config, plan
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.observe import quiet
@@ -77,7 +77,7 @@ def saved(small, tmp_path_factory) -> Path:
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(config.dump(cfg))
     saver = checkpoint.Saver(run_dir, cfg, log=lambda *a: None)
-    saver.save(state, 1, data.Loader(cfg, prog.batch_sharding))
+    saver.save(state, 1, loader_mod.Loader(cfg, prog.batch_sharding))
     saver.close()
     return run_dir
 
@@ -90,7 +90,7 @@ UNSTORABLE = ["lr[3e-3]", "a*b", "what?", "back\\slash"]
 
 def test_awkward_run_dir_names_save_and_resume_or_are_refused(small, tmp_path, capsys):
     cfg, prog, state = small
-    loader = data.Loader(cfg, prog.batch_sharding)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
     for name in STORABLE:  # accepted: saved and restored bit for bit
         run_dir = tmp_path / name
         rundir.check_storable(run_dir)
@@ -113,7 +113,7 @@ def test_refused_bracket_name_is_really_unreadable_by_orbax(small, tmp_path):
     If this starts to fail, orbax handles brackets and rundir.UNSTORABLE may drop them."""
     cfg, prog, state = small
     saver = checkpoint.Saver(tmp_path / "lr[3e-3]", cfg, log=lambda *a: None)
-    saver.save(state, 1, data.Loader(cfg, prog.batch_sharding))
+    saver.save(state, 1, loader_mod.Loader(cfg, prog.batch_sharding))
     saver.close()
     with pytest.raises(JaxdistError, match="could be restored"):
         checkpoint.restore(tmp_path / "lr[3e-3]", prog, None, cfg, log=lambda *a: None)
@@ -213,7 +213,7 @@ def test_token_ids_beyond_the_vocabulary_anywhere_in_a_file_are_refused(tmp_path
         match=rf"token id 300 at position {len(tokens) - 7} of .*b.bin is >= "
         r"model.vocab_size=256",
     ):
-        data.load_windows(cfg)
+        loader_mod.load_windows(cfg)
 
 
 # ---- signals during start-up ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.data import loader as data
+from jaxdist.data import loader as loader_mod
 from jaxdist.data import prepare, tokenizer
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
@@ -61,7 +61,7 @@ def prepared(tmp_path_factory):
 
 
 def corpus_documents():
-    docs = [Path(f).read_bytes().decode("utf-8", errors="replace") for f in data.expand_path(CORPUS)]
+    docs = [Path(f).read_bytes().decode("utf-8", errors="replace") for f in loader_mod.expand_path(CORPUS)]
     return {
         "train": [d for d in docs if not prepare.is_held_out(d, 0.15)],
         "val": [d for d in docs if prepare.is_held_out(d, 0.15)],
@@ -245,8 +245,8 @@ def test_document_mask_needs_an_eos_and_no_pipeline(tiny_cfg, tmp_path):
     np.zeros(100, np.uint16).tofile(tmp_path / "t.bin")
     cfg = mask_cfg(tiny_cfg, source="tokens", path=str(tmp_path / "t.bin"))
     with pytest.raises(JaxdistError, match="end-of-document id of these token files"):
-        data.mask_eos(cfg)
-    assert data.mask_eos(cfg.replace(data=dict(document_mask=False))) is None
+        loader_mod.mask_eos(cfg)
+    assert loader_mod.mask_eos(cfg.replace(data=dict(document_mask=False))) is None
     with pytest.raises(JaxdistError, match="needs the end-of-document id: build the program with eos_id"):
         step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=8"))  # the step reads no files
     with pytest.raises(JaxdistError, match="pipeline parallelism"):
@@ -306,13 +306,13 @@ def test_text_source_with_a_tokenizer(prepared, tiny_cfg, tmp_path):
         data=dict(path=str(tmp_path / "docs"), tokenizer=str(a), eval_fraction=0.0),
         model=dict(vocab_size=4096, seq_len=16),
     )
-    train, _ = data.load_windows(cfg)
+    train, _ = loader_mod.load_windows(cfg)
     tok = tokenizer.load(str(a))
     stream = np.concatenate(tok.encode_documents(texts))
     assert len(train) == (len(stream) - 1) // 16
     np.testing.assert_array_equal(np.concatenate([train[i][:-1] for i in range(len(train))]), stream[: 16 * len(train)])
     with pytest.raises(JaxdistError, match="set model.vocab_size=4096"):
-        data.load_windows(cfg.replace(model=dict(vocab_size=1000)))
+        loader_mod.load_windows(cfg.replace(model=dict(vocab_size=1000)))
 
 
 def test_data_path_folders(prepared, tiny_cfg, tmp_path):
@@ -321,13 +321,15 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     np.arange(3000, dtype=np.uint16).tofile(tmp_path / "tok" / "b" / "1.bin")
     np.arange(3000, 5000, dtype=np.uint16).tofile(tmp_path / "tok" / "0.bin")
     (tmp_path / "tok" / ".DS_Store").write_bytes(b"x")
-    assert data.expand_path(str(tmp_path / "tok")) == [
+    assert loader_mod.expand_path(str(tmp_path / "tok")) == [
         str(tmp_path / "tok" / "0.bin"),
         str(tmp_path / "tok" / "b" / "1.bin"),
     ]
     base = dict(model=dict(vocab_size=5000, seq_len=16))
-    by_dir, _ = data.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok")), **base))
-    by_glob, _ = data.load_windows(
+    by_dir, _ = loader_mod.load_windows(
+        tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok")), **base)
+    )
+    by_glob, _ = loader_mod.load_windows(
         tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "tok/**/*.bin")), **base)
     )
     assert len(by_dir) == len(by_glob) > 0 and by_dir[0][0] == 3000
@@ -339,16 +341,16 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     with pytest.raises(
         JaxdistError, match=r"data.token_dtype=uint32 contradicts .*manifest.json, which records uint16"
     ):
-        data.load_windows(cfg.replace(data=dict(token_dtype="uint32")))
-    train, held_out = data.load_windows(cfg)
+        loader_mod.load_windows(cfg.replace(data=dict(token_dtype="uint32")))
+    train, held_out = loader_mod.load_windows(cfg)
     np.testing.assert_array_equal(train[0], np.fromfile(a / "train" / "000000.bin", np.uint16)[:17])
     np.testing.assert_array_equal(held_out[0], np.fromfile(a / "val" / "000000.bin", np.uint16)[:17])
-    assert data.document_eos(cfg) == 0
+    assert loader_mod.document_eos(cfg) == 0
     with pytest.raises(JaxdistError, match="prepared with 4096 token ids"):
-        data.load_windows(cfg.replace(model=dict(vocab_size=4000)))
+        loader_mod.load_windows(cfg.replace(model=dict(vocab_size=4000)))
     other = word_tokenizer(tmp_path / "other", post_bos=False)
     with pytest.raises(JaxdistError, match="sha256 differs"):
-        data.load_windows(cfg.replace(data=dict(tokenizer=str(other))))
+        loader_mod.load_windows(cfg.replace(data=dict(tokenizer=str(other))))
 
 
 def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cfg, tmp_path):
@@ -365,9 +367,9 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     shards = {split: sorted((out / split).glob("*.bin")) for split in ("train", "val")}
     assert len(shards["train"]) >= 2 and len(shards["val"]) >= 1 and len(list(out.iterdir())) > 4
     cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(out)), model=dict(vocab_size=4096, seq_len=16))
-    resolved = data.resolve_token_dtype(cfg)
+    resolved = loader_mod.resolve_token_dtype(cfg)
     assert (cfg.data.token_dtype, resolved.data.token_dtype) == ("auto", "uint32")  # what config.yaml records
-    train, held = data.load_windows(cfg)
+    train, held = loader_mod.load_windows(cfg)
     line = report.data_line(resolved, SimpleNamespace(train=train, held_out=held))
     n_train, n_val = len(shards["train"]), len(shards["val"])
     tokens = sum(len(np.fromfile(f, np.uint32)) for f in shards["train"])
@@ -379,7 +381,7 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     # Plain token files: the files read and the dtype they are read as.
     np.arange(100, dtype=np.uint32).tofile(tmp_path / "x.bin")
     plain = tiny_cfg.replace(data=dict(source="tokens", path=str(tmp_path / "x.bin"), token_dtype="uint32"))
-    train, held = data.load_windows(plain.replace(model=dict(seq_len=16)))
+    train, held = loader_mod.load_windows(plain.replace(model=dict(seq_len=16)))
     assert train.label == f"1 token file ({tmp_path / 'x.bin'}, uint32)" and held.label.startswith("the last 2%")
 
 
@@ -429,10 +431,10 @@ def test_a_prepared_folder_evaluates_on_its_val_split_only(prepared, tiny_cfg):
     manifest = json.loads((a / "manifest.json").read_text())
     val_tokens = manifest["splits"]["val"]["tokens"]
     cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(a)), model=dict(vocab_size=4096, seq_len=val_tokens))
-    train, held = data.load_windows(cfg)
+    train, held = loader_mod.load_windows(cfg)
     assert len(held) == 0 and len(train) == (manifest["splits"]["train"]["tokens"] - 1) // val_tokens
     loader = type("L", (), {"train": train, "held_out": held, "has_eval": lambda self: False})()
-    reason = data.no_eval_reason(cfg.replace(train=dict(eval_every=10)), loader)
+    reason = loader_mod.no_eval_reason(cfg.replace(train=dict(eval_every=10)), loader)
     assert reason == (
         f"the val/ split of {a} ({val_tokens:,} tokens) holds no window of model.seq_len+1={val_tokens + 1} tokens; "
         "re-run prepare with a larger --val-fraction (or more documents), or lower model.seq_len"

@@ -16,8 +16,7 @@ from jaxdist.data import loader
 from jaxdist.distributed import hlo, sharding
 from jaxdist.errors import JaxdistError
 from jaxdist.models.resolve import resolve
-from jaxdist.reduce import dgc, diloco, registry
-from jaxdist.reduce import reducer as reduce
+from jaxdist.reduce import dgc, diloco, explicit, registry
 from jaxdist.training import step
 
 
@@ -26,28 +25,28 @@ def dp_bytes_per_step(
 ) -> float:
     """Bytes each device sends across `axis` per optimizer step: every collective whose replica
     groups span the axis, times its executions, costed with the ring model.
-    `phase="steady"` leaves out a reducer's dense warm-up branch (reduce.WARMUP_SCOPE); `"warmup"`
-    leaves out the compressed branch it replaces (reduce.COMPRESSED_SCOPE) instead. Collectives under
-    reduce.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
+    `phase="steady"` leaves out a reducer's dense warm-up branch (explicit.WARMUP_SCOPE); `"warmup"`
+    leaves out the compressed branch it replaces (explicit.COMPRESSED_SCOPE) instead. Collectives under
+    explicit.SYNC_SCOPE run once every `sync_every` steps (DiLoCo) and count 1/sync_every: the
     average over a sync period. An int phase i: DGC's sparsity warm-up stage i alone (dgc.stage_scope).
     A collective across the axis in a loop of unknown trip count raises."""
     skip = (
-        reduce.COMPRESSED_SCOPE
+        explicit.COMPRESSED_SCOPE
         if isinstance(phase, int)
-        else {"steady": reduce.WARMUP_SCOPE, "warmup": reduce.COMPRESSED_SCOPE}[phase]
+        else {"steady": explicit.WARMUP_SCOPE, "warmup": explicit.COMPRESSED_SCOPE}[phase]
     )
     shape, total = dict(mesh.shape), 0.0
     for c in hlo.collectives(compiled_hlo_text):
         if skip in c.line or not hlo.spans_axis(c, shape, tuple(mesh.axis_names), axis):
             continue
-        if isinstance(phase, int) and reduce.WARMUP_SCOPE in c.line and f"{dgc.stage_scope(phase)}/" not in c.line:
+        if isinstance(phase, int) and explicit.WARMUP_SCOPE in c.line and f"{dgc.stage_scope(phase)}/" not in c.line:
             continue  # another warm-up stage
         if not c.trips_known:
             raise JaxdistError(
                 f"a {c.kind} across {axis} sits in a loop without a known trip count "
                 f"({c.computation}): its bytes per step are unknown"
             )
-        total += c.count * c.sent_bytes / (sync_every if reduce.SYNC_SCOPE in c.line else 1)
+        total += c.count * c.sent_bytes / (sync_every if explicit.SYNC_SCOPE in c.line else 1)
     return float(total)
 
 

@@ -24,7 +24,7 @@ from jaxdist.checkpoint.storage import checkpoint_dir, open_manager
 from jaxdist.config import Config
 from jaxdist.data import corpus
 from jaxdist.errors import JaxdistError
-from jaxdist.reduce import reducer
+from jaxdist.reduce import explicit
 
 # The train state and program are jaxdist.training.step's TrainState and Program, taken as given (checkpoint/
 # sits below training/ in the layering, docs/architecture.md): a restored state is the program's own
@@ -77,7 +77,7 @@ def _restore_step(
         compat.check_resume(meta, cfg, where)
         if drift:
             corpus.check_unchanged(meta, cfg, where, allowed)
-        reducer.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
+        explicit.check_replica_count(metadata, prog.abstract_state.reducer_state, cfg, where)
         changes = (
             compat.check_config_drift(meta, cfg, where, allowed)
             if drift

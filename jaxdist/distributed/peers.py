@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peer_lines, peer_wire, supervisor
 
 KEY = "jaxdist_peers/{}"
@@ -46,7 +46,7 @@ _keep: list = []  # the training process's end of its socket pair: alive as long
 def addresses(coordinator: str) -> list[str]:
     """Where peers may reach this host: the address that routes to the coordinator (or to the outside
     world), then the host name's; peers keep the first that answers."""
-    host, port = distributed._split(coordinator)
+    host, port = launch_mod._split(coordinator)
     found = []
     for target in ((host, port), ("10.255.255.255", 1)):  # UDP connect sends nothing: it picks a route
         try:
@@ -60,7 +60,7 @@ def addresses(coordinator: str) -> list[str]:
     return list(dict.fromkeys(found)) or ["127.0.0.1"]
 
 
-def join(launch: distributed.Launch | None, run_dir: Path | str, timeout_s: int = 120) -> None:
+def join(launch: launch_mod.Launch | None, run_dir: Path | str, timeout_s: int = 120) -> None:
     """After `jax.distributed.initialize`: publish this process's supervisor, read every peer's, and hand
     the table to the supervisor. Every process of a multi-process run publishes (supervised or not), so
     no one waits for a record that never comes."""

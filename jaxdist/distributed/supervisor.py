@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from jaxdist.distributed import launch as distributed
+from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peer_lines, peer_wire
 from jaxdist.errors import JaxdistError
 
@@ -35,7 +35,7 @@ class _Flags(argparse.ArgumentParser):
         raise JaxdistError(message)
 
 
-def launch_of(argv: list[str]) -> distributed.Launch | None:
+def launch_of(argv: list[str]) -> launch_mod.Launch | None:
     """This command's place in the run, as `train` will resolve it (None: one process, or input that
     `train` itself will refuse in its own words)."""
     p = _Flags(add_help=False)
@@ -44,7 +44,7 @@ def launch_of(argv: list[str]) -> distributed.Launch | None:
     p.add_argument("--process-id", type=int)
     try:
         args, _ = p.parse_known_args(argv)
-        return distributed.detect(args.coordinator, args.num_processes, args.process_id)
+        return launch_mod.detect(args.coordinator, args.num_processes, args.process_id)
     except JaxdistError:
         return None
 
@@ -64,7 +64,7 @@ class Supervisor:
     """The pid the launcher started, in a multi-process run: runs the training process, passes signals on,
     hears of and asks about peers, and says who died."""
 
-    def __init__(self, launch: distributed.Launch):
+    def __init__(self, launch: launch_mod.Launch):
         self.index, self.n = launch.process_id, launch.num_processes
         self.listener = peer_wire.Listener(self.index)
         self.peers: list[dict] = []  # reachable peers' records, once the training process sent the table

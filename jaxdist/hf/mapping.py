@@ -4,7 +4,7 @@ families' differences are `hf_families.py`'s registry).
 HF stores every linear layer as (out, in); jaxdist stores (in..., out...) with heads split out, e.g.
 `q_proj.weight` (N*H, D) is `wq_DNH` (D, N, H) = W.T reshaped. HF's RoPE is rotate-half, as ours, so no
 q/k permutation is needed (Meta's original checkpoints are interleaved; convert those with
-transformers first). Reading and writing the tensors is in `hf_io.py`.
+transformers first). Reading and writing the tensors is in `tensors.py`.
 """
 
 from __future__ import annotations

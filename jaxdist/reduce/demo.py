@@ -11,7 +11,7 @@ is its sign, applied with the LR schedule and decoupled weight decay (`optimizer
 dense warm-up, so the run-average bytes equal the steady state.
 
 State: δ per replica under a leading `dp` axis, sharded like the parameters (checkpointed with the
-train state; restoring onto another dp size is refused by `reduce.check_replica_count`).
+train state; restoring onto another dp size is refused by `explicit.check_replica_count`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from jaxdist.models.resolve import ResolvedModel
 from jaxdist.optim.adamw import schedule
 from jaxdist.parallel import context
 from jaxdist.reduce import compress
+from jaxdist.reduce.explicit import per_replica_apply
 from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats
-from jaxdist.reduce.reducer import per_replica_apply
 
 
 class DemoState(NamedTuple):

@@ -33,7 +33,7 @@ a `lax.switch` branch under its own name scope, so its bytes are read from the c
 (`measure.dp_bytes_per_step(phase=i)`).
 
 State per replica under a leading `dp` axis, sharded like the parameters, checkpointed with the train
-state (restoring onto another dp size: `reduce.check_replica_count`'s one-line error).
+state (restoring onto another dp size: `explicit.check_replica_count`'s one-line error).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ from jaxdist.config import Config
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
-from jaxdist.reduce import compress
-from jaxdist.reduce import reducer as reduce
+from jaxdist.reduce import compress, explicit
 from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats, aux_scale
 
 WARMUP_STAGES = 4  # DGC's four warm-up epochs
@@ -66,8 +65,8 @@ class DgcState(NamedTuple):
 
 
 def stage_scope(i: int) -> str:
-    """Name scope of warm-up stage i (contains reduce.WARMUP_SCOPE: the steady state leaves it out)."""
-    return f"{reduce.WARMUP_SCOPE}_stage{i}"
+    """Name scope of warm-up stage i (contains explicit.WARMUP_SCOPE: the steady state leaves it out)."""
+    return f"{explicit.WARMUP_SCOPE}_stage{i}"
 
 
 MAX_WARMUP_SPAN = 25  # the warm-up starts at most 25x the target density (DGC: 25% -> 0.1% is 250x)
@@ -82,7 +81,7 @@ def start_density(cfg: Config) -> float:
 def stages(cfg: Config) -> list[tuple[int, int, float]]:
     """(first step, end step, density) of each warm-up stage; after them, `reduce.ratio`. Empty when
     the target is at least the start density or there are no warm-up steps."""
-    r, warm, start = cfg.reduce, reduce.warmup_span(cfg), start_density(cfg)
+    r, warm, start = cfg.reduce, explicit.warmup_span(cfg), start_density(cfg)
     if warm == 0 or r.ratio >= start:
         return []
     n = min(WARMUP_STAGES, warm)
@@ -143,7 +142,7 @@ def replica_update(cfg: Config, replicas: int):
 
         def branch(i):
             def run(leaves_a, leaves_u):
-                with jax.named_scope(stage_scope(i) if i < len(schedule) else reduce.COMPRESSED_SCOPE):
+                with jax.named_scope(stage_scope(i) if i < len(schedule) else explicit.COMPRESSED_SCOPE):
                     return tuple(
                         zip(*[exchange(a, u, densities[i], r.axis, replicas, bias) for a, u in zip(leaves_a, leaves_u)])
                     )
@@ -173,7 +172,7 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
     )
 
 
-def reducer(cfg: Config, replicas: int) -> reduce.Reducer:
+def reducer(cfg: Config, replicas: int) -> explicit.Reducer:
     """DGC as a reducer of the explicit reduction (one replica's state; `measure.compile_reduction`)."""
     update = replica_update(cfg, replicas)
     moments = cfg.reduce.dgc == "update"
@@ -186,7 +185,7 @@ def reducer(cfg: Config, replicas: int) -> reduce.Reducer:
         extra = param_specs if moments else ()
         return DgcState(param_specs, param_specs, extra, extra)
 
-    return reduce.Reducer(init=init, update=update, state_specs=state_specs)
+    return explicit.Reducer(init=init, update=update, state_specs=state_specs)
 
 
 def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
@@ -216,5 +215,5 @@ def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> Gr
         is_spec = lambda x: isinstance(x, P)
         return jax.tree.map(lambda s: P(axis, *s), red.state_specs(param_specs), is_leaf=is_spec)
 
-    apply = reduce.per_replica_apply(per_replica, mesh, axis)
+    apply = explicit.per_replica_apply(per_replica, mesh, axis)
     return GradientStage(init=init, apply=apply, state_specs=state_specs, name="explicit-dgc")

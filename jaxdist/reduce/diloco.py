@@ -11,7 +11,7 @@ the stage state holds, per replica under a leading `dp` axis (sharded like the p
 checkpointed with the train state), the replica's parameters, its inner optimizer state, the outer
 momentum and the codec's state. The stage returns θ_outer − θ_outer_new as its "gradient" and the step
 applies it with `outer_optimizer()` (SGD, lr 1): zero between syncs. Collectives of the sync run under
-`reduce.SYNC_SCOPE`, so `measure.dp_bytes_per_step(..., sync_every=H)` reports their average per step.
+`explicit.SYNC_SCOPE`, so `measure.dp_bytes_per_step(..., sync_every=H)` reports their average per step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.config import Config
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.optim.adamw import decay_mask, make_optimizer
-from jaxdist.reduce import reducer
+from jaxdist.reduce import explicit
 from jaxdist.reduce.gradients import GradientStage, accumulate_gradients
 
 
@@ -49,7 +49,7 @@ def outer_optimizer() -> optax.GradientTransformation:
     return optax.sgd(1.0)
 
 
-def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: reducer.Reducer):
+def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: explicit.Reducer):
     """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.outer_codec`)."""
     r, axis = cfg.reduce, cfg.reduce.axis
     replicas, H = mesh.shape[axis], r.sync_every
@@ -65,7 +65,7 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, ex
         local = optax.apply_updates(state.params, updates)
 
         def sync(local, momentum, codec):
-            with jax.named_scope(reducer.SYNC_SCOPE):
+            with jax.named_scope(explicit.SYNC_SCOPE):
                 delta = jax.tree.map(jnp.subtract, outer, local)
                 summed, codec = exchange.update(delta, codec, step)
             delta = jax.tree.map(lambda d: d / replicas, summed)

@@ -1,7 +1,7 @@
 """The gradient stage: token-weighted loss sums, micro-batch accumulation, the implicit stage.
 
 It knows nothing of the trainer, the mesh or the config (the micro-batch split is parallel/microbatch.py). `jaxdist.training.step` picks a stage from its
-table (implicit here; the explicit data-parallel reduction in `jaxdist.reduce.reducer`).
+table (implicit here; the explicit data-parallel reduction in `jaxdist.reduce.explicit`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
-from jaxdist.reduce import compress, demo, dgc, diloco
-from jaxdist.reduce import reducer as explicit
+from jaxdist.reduce import compress, demo, dgc, diloco, explicit
 from jaxdist.reduce.gradients import GradientStage, implicit_gradients, partial_gradients
 
 StageBuilder = Callable[..., GradientStage]  # (apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage
