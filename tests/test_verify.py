@@ -461,7 +461,7 @@ def test_plot_outputs_are_checked_and_written_whole(metrics_run, tmp_path, capsy
 
 
 def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
-    from jaxdist.data import prepare
+    from jaxdist.data import shards
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -471,7 +471,7 @@ def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
     for p in [*stale, live, other]:
         p.mkdir()
     messages = []
-    assert sorted(prepare.remove_stale(tmp_path / "out", messages.append)) == sorted(stale)
+    assert sorted(shards.remove_stale(tmp_path / "out", messages.append)) == sorted(stale)
     assert live.is_dir() and other.is_dir() and not any(p.exists() for p in stale)
     assert len(messages) == 2 and "left by a process that is gone" in messages[0]
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from jaxdist.data.files import expand_path, stdlib_files
-from jaxdist.data.prepare import read_manifest
+from jaxdist.data.shards import read_manifest
 from jaxdist.errors import JaxdistError
 
 ALLOW = "data"  # the --allow-config-change name that accepts a changed corpus

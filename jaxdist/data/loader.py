@@ -34,7 +34,7 @@ from jaxdist.data import tokenizer
 from jaxdist.data.corpus import check_prepared
 from jaxdist.data.files import expand_path, stdlib_files
 from jaxdist.data.loss_mask import Masked
-from jaxdist.data.prepare import read_manifest
+from jaxdist.data.shards import read_manifest
 from jaxdist.errors import JaxdistError
 
 

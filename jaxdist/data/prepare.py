@@ -13,7 +13,7 @@ Each is encoded `[BOS] tokens EOS` by the tokenizer's rule (jaxdist/data/tokeniz
 is chosen by a hash of each document's text: independent of order, worker count and machine, and
 exact duplicates land on the same side. Workers encode chunks in parallel; the main process writes
 them in input order, so the shards are byte-identical whatever `--workers` is. Everything is written
-to a temporary folder that replaces `--out` only when complete.
+to a temporary folder that replaces `--out` only when complete (the folder on disk: jaxdist/data/shards.py).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ from tqdm import tqdm
 from jaxdist.data import chatprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
+from jaxdist.data.shards import FORMAT, MANIFEST, ShardWriter, check_out, remove_stale, replace_folder
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 
-MANIFEST = "manifest.json"
 # Held-out tokens below which `prepare` warns: 32 windows of 2,048 tokens (the default eval reads
 # train.eval_batches=4 x global_batch=8 windows); below it the eval loss is noisy, or absent at long seq_len.
 SMALL_VAL_TOKENS = 65_536
-FORMAT = "jaxdist-tokens/1"
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker
 
 
@@ -161,54 +160,7 @@ def encoded(tasks: Iterator, tok, tokenizer_dir: Path, workers: int) -> Iterator
             yield pending.popleft().get()
 
 
-class ShardWriter:
-    """Appends token arrays to `folder/000000.bin`, ... of at most `shard_tokens` tokens each."""
-
-    def __init__(self, folder: Path, dtype: str, shard_tokens: int):
-        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
-        self.files: list[str] = []
-        self.tokens = self.documents = self._in_shard = 0
-        self._fh = None
-
-    def write(self, ids: np.ndarray, documents: int) -> None:
-        self.documents += documents
-        ids = ids.astype(self.dtype)
-        while len(ids):
-            if self._fh is None or self._in_shard == self.shard_tokens:
-                self._open()
-            take = min(len(ids), self.shard_tokens - self._in_shard)
-            self._fh.write(ids[:take].tobytes())
-            self._in_shard, self.tokens, ids = self._in_shard + take, self.tokens + take, ids[take:]
-
-    def _open(self) -> None:
-        self.close()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        name = f"{len(self.files):06d}.bin"
-        self.files.append(f"{self.folder.name}/{name}")
-        self._fh, self._in_shard = open(self.folder / name, "wb"), 0  # noqa: SIM115 (closed by close())
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def summary(self) -> dict:
-        return {"files": self.files, "tokens": self.tokens, "documents": self.documents}
-
-
 # ------------------------------------------------------------------------------------------ command
-
-
-def check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise JaxdistError(f"--out {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise JaxdistError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite")
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise JaxdistError(f"--out {out}: {probe} is not writable; choose a folder you can write to")
 
 
 def prepare(args: argparse.Namespace, log=print) -> dict:
@@ -334,54 +286,6 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
         "val_fraction": args.val_fraction,
         "input": {"files": len(files), "bytes": total_bytes, "field": args.field},
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_stale(out: Path, log=print) -> list[Path]:
-    """The hidden `.OUT.tmp-PID` / `.OUT.old-PID` folders a killed run left beside `out` (their process
-    is gone on this host): removed, so they do not pile up. A live writer's folder is left alone."""
-    removed = []
-    for p in sorted(out.parent.glob(f".{out.name}.*-*")):
-        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            removed.append(p)
-            log(f"removed {p}, left by a process that is gone (pid {pid})")
-    return removed
-
-
-def replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished folder into place; an old --out (with --overwrite) goes only after that."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def read_manifest(folder: Path) -> dict | None:
-    """The manifest of a prepared folder, or None if `folder` is not one."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError:
-        raise JaxdistError(f"{path} is not valid JSON; re-run prepare or remove it") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None
-    return manifest
 
 
 @command

@@ -21,7 +21,7 @@ from jaxdist.adapters import peft as peft_format
 from jaxdist.adapters import tree as adapters
 from jaxdist.checkpoint import integrity, run_params
 from jaxdist.data import run_tokenizer
-from jaxdist.data.prepare import remove_stale
+from jaxdist.data.shards import remove_stale
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import export, tensors
