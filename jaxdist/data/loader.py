@@ -183,7 +183,8 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise JaxdistError(
             f"{folder} was prepared with {manifest['vocab_size']} token ids but model.vocab_size="
-            f"{cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more)"
+            f"{cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more), or, for a "
+            "--restore'd model (whose vocabulary is fixed), re-run prepare with its tokenizer (--tokenizer MODEL_DIR)"
         )
     if d.tokenizer and tokenizer.load(d.tokenizer).sha256 != manifest["tokenizer"]["sha256"]:
         raise JaxdistError(
