@@ -82,6 +82,14 @@ def test_shipped_configs_load(name):
     assert config.load(f"configs/{name}.yaml").model.num_layers > 0
 
 
+def test_an_unknown_config_name_lists_the_shipped_ones():
+    with pytest.raises(
+        JaxdistError,
+        match=r"config file tinyy not found; pass --config with an existing YAML path or a shipped config name \(125m, .*tiny, tiny-moe\)",
+    ):
+        config.load("tinyy")
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -153,6 +153,14 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     third = subprocess.run(longer, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert third.returncode == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
     assert ": resuming from step 6 (" in third.stdout and "done: 7 steps" in third.stdout, third.stdout
+    # Finished: the same command (another mesh too: the mesh is not part of the run's name) has nothing to do.
+    fourth = subprocess.run(
+        [*longer, "--mesh", "dp=8"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert fourth.returncode == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    assert (
+        "nothing to do: " in fourth.stdout and "is already at step 7 of train.steps=7 (raise --steps" in fourth.stdout
+    ), fourth.stdout + fourth.stderr
     # A step's log line comes before that step's checkpoint message.
     for out in (text, second.stdout):
         for m in re.finditer(r"^checkpoint step (\d+): writing", out, re.M):
