@@ -30,6 +30,7 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     out = capsys.readouterr().out
     lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
     assert [r["devices"] for r in lines] == [1, 8]
+    assert [r["mesh"] for r in lines] == ["fsdp=1", "pp=2,fsdp=4"]  # the mesh asked for, not 'dp=1'
     for r in lines:
         for key in (
             "tokens_per_sec",
@@ -59,7 +60,7 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert eight["bytes_per_device"]["arguments"] < one["bytes_per_device"]["arguments"] / 4
     # --table: one row per mesh after the JSON lines, then the legend and the CPU all-reduce note
     rows = out.split("\n\n", 1)[1].splitlines()
-    assert rows[2].startswith("dp=1 ") and rows[2].endswith("none")
+    assert rows[2].startswith("fsdp=1 ") and rows[2].endswith("none")
     permutes = eight["collectives"]["collective-permute"]["count"]
     assert rows[3].startswith("pp=2,fsdp=4 ") and f"CP {permutes}x " in rows[3] and " AG " in rows[3]
     assert f"{eight['tokens_per_sec']:,.0f}" in rows[3]

@@ -50,7 +50,7 @@ def compile_only(cfg, mesh_text: str) -> dict:
     t0 = time.perf_counter()
     compiled = measure.compile_train_step(cfg, mesh)
     record = {
-        "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
+        "mesh": mesh_mod.mesh_label(mesh_text, mesh),
         "devices": len(devices),
         "platform": devices[0].platform,
         "flops_per_token": flops.flops_per_token(cfg.model),
@@ -110,7 +110,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     peak = metrics.peak_flops(devices, str(step.compute_dtype(cfg.model)), cfg.train.peak_flops)[0]
     tps = tokens_per_step / step_time
     record = {
-        "mesh": mesh_mod.format_mesh({a: int(s) for a, s in mesh.shape.items()}),
+        "mesh": mesh_mod.mesh_label(mesh_text, mesh),
         "devices": len(devices),
         "platform": devices[0].platform,
         "tokens_per_sec": tps,

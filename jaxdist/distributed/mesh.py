@@ -57,10 +57,17 @@ def parse_mesh(text: str, num_devices: int) -> dict[str, int]:
     return shape
 
 
-def format_mesh(shape: dict[str, int]) -> str:
+def format_mesh(shape: dict[str, int], named: tuple[str, ...] = ()) -> str:
     """The mesh as a user writes it: {'dp': 2, 'fsdp': 4, others 1} -> 'dp=2,fsdp=4' (size-1 axes left
-    out; a single device is 'dp=1')."""
-    return ",".join(f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) > 1) or "dp=1"
+    out unless in `named`, the axes the user wrote; a single device is 'dp=1')."""
+    return ",".join(f"{a}={shape[a]}" for a in AXES if shape.get(a, 1) > 1 or a in named) or "dp=1"
+
+
+def mesh_label(text: str, mesh: Mesh) -> str:
+    """The mesh a user asked for with --mesh `text`, sizes resolved: 'fsdp=1' stays 'fsdp=1' (not
+    'dp=1'), 'dp=2,fsdp=-1' on 8 devices is 'dp=2,fsdp=4'."""
+    named = tuple(p.partition("=")[0].strip() for p in text.split(",") if p.strip())
+    return format_mesh({a: int(s) for a, s in mesh.shape.items()}, named)
 
 
 def make_mesh(shape: dict[str, int], devices=None, dcn: dict[str, int] | None = None) -> Mesh:
