@@ -42,7 +42,8 @@ def test_sigterm_still_writes_loss_png(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
 
     result = train.run(five_step_config(), tmp_path / "run", log=log)
-    assert result.steps == 4 and any(x.startswith("stopped by SIGTERM at step 4") for x in lines), lines
+    assert result.steps == 4 and lines[-1].startswith("stopped by SIGTERM at step 4; latest checkpoint"), lines
+    assert lines[-2].startswith("stopped early: 4 steps, loss ") and not any(x.startswith("done") for x in lines)
     assert (tmp_path / "run" / "loss.png").stat().st_size > 20_000
     assert plots.read_metrics(tmp_path / "run")[-1]["step"] == 4
 

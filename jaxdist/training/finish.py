@@ -63,8 +63,10 @@ def finish(s: Setup, run_dir, stopper, saver, progress, writer, compiled, compil
     log = s.log
     ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     log(report.memory_line(summary))
+    # a stopped run is not done: say so here, and let the stop line (signal, step, checkpoint) close
+    head = "stopped early" if stopper.received else "done"
     log(
-        f"done: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
+        f"{head}: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
         f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, {progress.throughput_text(summary)}, "
         f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
     )
