@@ -157,6 +157,7 @@ def _write_whole(out: Path, write: Callable, log) -> list[Path]:
     try:
         files = write(tmp)
         if writer:
+            files = sorted(tmp.iterdir())  # all that was written (config, tokenizer...), not only the weights
             if out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
             if out.exists():
