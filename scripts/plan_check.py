@@ -85,9 +85,11 @@ def host_transfers(lay, mesh: str) -> dict:
 
 
 def report(plan_check, comms, memory, path, mesh, overrides, dump):
+    from jaxdist.planner.traffic import by_kind  # after the platform set-up, as the caller's imports
+
     lay, mem, measured = plan_check.compile_pair(path, mesh, overrides)
     pred = memory.estimate(lay)
-    kinds = comms.by_kind(comms.step_traffic(lay))
+    kinds = by_kind(comms.step_traffic(lay))
     out = {
         "mesh": mesh,
         "overrides": overrides,

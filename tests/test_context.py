@@ -23,6 +23,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.parallel import context
 from jaxdist.planner import comms, hardware, memory
 from jaxdist.planner.layout import Layout
+from jaxdist.planner.traffic import by_kind
 from jaxdist.training import step
 
 SMALL = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, seq_len=512)
@@ -283,7 +284,7 @@ def test_planner_matches_compiler(build, reference, case_id):
     mem = memory.estimate(lay)
     assert mem.params + mem.batch == compiled.memory_analysis().argument_size_in_bytes
     measured = hlo.summarize(hlo.collectives(compiled.as_text()))
-    predicted = comms.by_kind(comms.step_traffic(lay))
+    predicted = by_kind(comms.step_traffic(lay))
     assert set(predicted) == set(measured)
     for kind, v in measured.items():
         assert predicted[kind] == pytest.approx(v["bytes"], rel=0.05), kind

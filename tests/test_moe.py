@@ -229,8 +229,9 @@ def test_train_step_all_to_all_over_ep_and_no_expert_weight_gather(cfg, batches,
     # The planner's step traffic against this program's per-step figure (STEPS steps), as below
     from jaxdist.planner import comms, hardware
     from jaxdist.planner.layout import Layout
+    from jaxdist.planner.traffic import by_kind
 
-    predicted = comms.by_kind(comms.step_traffic(Layout(cfg, mesh_mod.parse_mesh("ep=8", 8), hardware.get("cpu"))))
+    predicted = by_kind(comms.step_traffic(Layout(cfg, mesh_mod.parse_mesh("ep=8", 8), hardware.get("cpu"))))
     measured = {k: v["bytes"] / STEPS for k, v in hlo.summarize(colls).items()}
     assert predicted["all-to-all"] == measured["all-to-all"]
     total = sum(measured.values())
@@ -517,6 +518,7 @@ def test_planner_matches_compiler_for_ep(cfg):
     compile); dropless at ep=8 is checked the same way in the train-step test above."""
     from jaxdist.planner import comms, hardware, memory
     from jaxdist.planner.layout import Layout
+    from jaxdist.planner.traffic import by_kind
 
     cfg = cfg.replace(model=dict(moe_dispatch="capacity"))
     mesh_text = "ep=4,fsdp=2"
@@ -524,7 +526,7 @@ def test_planner_matches_compiler_for_ep(cfg):
     lay = Layout(cfg, mesh_mod.parse_mesh(mesh_text, 8), hardware.get("cpu"))
     assert memory.estimate(lay).arguments == pytest.approx(compiled.memory_analysis().argument_size_in_bytes, rel=0.01)
     measured = hlo.summarize(hlo.collectives(compiled.as_text()))
-    predicted = comms.by_kind(comms.step_traffic(lay))
+    predicted = by_kind(comms.step_traffic(lay))
     assert predicted["all-to-all"] == measured["all-to-all"]["bytes"] > 0
     total = sum(v["bytes"] for v in measured.values())
     for kind in set(predicted) | set(measured):

@@ -26,6 +26,7 @@ from jaxdist.models.llama import count_params
 from jaxdist.planner import comms, hardware, memory, tables
 from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
 from jaxdist.planner.layout import Layout
+from jaxdist.planner.traffic import by_axis, by_kind
 
 SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=float32"]
 PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp / pp mixes, accumulation, explicit dp reduction, tied head
@@ -141,7 +142,7 @@ def pair_id(pair):
 
 
 def check_collectives(lay, measured, rel=0.05):
-    kinds = comms.by_kind(comms.step_traffic(lay))
+    kinds = by_kind(comms.step_traffic(lay))
     total = sum(v["bytes"] for v in measured.values())
     for kind in set(kinds) | set(measured):
         got = measured.get(kind, {"bytes": 0.0})["bytes"]
@@ -259,8 +260,8 @@ def test_cpu_emits_all_reduce_where_gpus_reduce_scatter():
     """Same layout, two backends: CPU gradients all-reduce over fsdp (2x bytes), GPUs reduce-scatter."""
     cfg = config.load(None, [])
     mesh = parse_mesh("fsdp=8", 8)
-    cpu = comms.by_kind(comms.step_traffic(Layout(cfg, mesh, CPU)))
-    gpu = comms.by_kind(comms.step_traffic(Layout(cfg, mesh, hardware.get("h100-80gb"))))
+    cpu = by_kind(comms.step_traffic(Layout(cfg, mesh, CPU)))
+    gpu = by_kind(comms.step_traffic(Layout(cfg, mesh, hardware.get("h100-80gb"))))
     assert "reduce-scatter" not in cpu and "reduce-scatter" in gpu
     assert gpu["reduce-scatter"] == pytest.approx(cpu["all-reduce"] / 2, rel=0.01)
 
@@ -395,7 +396,7 @@ def test_long_sequence_gets_context_parallelism():
     tp = by_family["TPxFSDP"].memory
     assert best.memory.activations == pytest.approx(tp.activations / 8, rel=0.01)  # T/8 tokens; tp: T
     assert best.memory.params == pytest.approx(tp.params, rel=0.01)  # 1/8 of the weights either way
-    kv = comms.by_axis(best.layout, list(best.traffic))["cp"]["all-gather"]
+    kv = by_axis(best.layout, list(best.traffic))["cp"]["all-gather"]
     m = cfg.model  # K and V of the whole sequence gathered per layer: 2 (cp-1)/cp T K H bf16, in the
     assert m.remat == "full"  # forward and again in its recompute
     assert kv["bytes"] == pytest.approx(2 * m.num_layers * 2 * 7 / 8 * 131072 * m.num_kv_heads * m.head_dim * 2)

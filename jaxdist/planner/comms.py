@@ -60,35 +60,17 @@ every backend):
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
-
 from jaxdist.adapters.quant import KINDS
 from jaxdist.distributed.hlo import ring_bytes
-from jaxdist.distributed.mesh import AXES
 from jaxdist.parallel.loss import block_rows
-from jaxdist.parallel.moe import a2a_bytes_per_direction, dropless_tiers
+from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora
+from jaxdist.planner.context_traffic import context_traffic
+from jaxdist.planner.expert_traffic import expert_layer_bytes, expert_traffic
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
+from jaxdist.planner.traffic import Traffic
 from jaxdist.reduce import registry
-
-OVERLAPPED = ("fsdp", "dp")  # weight gathers and gradient reductions can run behind compute
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    axis: str  # the mesh axis the collective runs over
-    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute
-    what: str
-    bytes: float  # sent per device per step (ring model)
-    count: int  # executions per step
-
-    @property
-    def overlappable(self) -> bool:
-        """Weight gathers and gradient reductions do not block the next matmul; activation collectives
-        (tp all-reduces, pp permutes) sit on the critical path."""
-        return self.axis in OVERLAPPED and self.kind != "all-to-all"
 
 
 def step_traffic(lay: Layout) -> list[Traffic]:
@@ -349,42 +331,6 @@ def w_down_layer_bytes(lay: Layout) -> float:
     return gathered_per_layer(lay, lambda g: g.path.startswith("blocks/mlp/w_down"))
 
 
-def expert_layer_bytes(lay: Layout) -> float:
-    """One MoE layer's expert weights after the fsdp all-gather (split by ep and tp), float32, averaged
-    over all layers (moe_every), as `gathered_layer_bytes`."""
-    return gathered_per_layer(lay, lambda g: "expert" in g.names)
-
-
-def expert_traffic(lay: Layout, add, experts: float, layer_steps: int, implicit: bool) -> None:
-    """ep collectives and the expert weights' fsdp ones (module docstring), through `add`. Expert
-    weights are gathered by hand inside the dispatch shard_map: once per application (the backward
-    reuses the gathered copy; remat=full gathers again), their gradients reduce-scattered (every backend)."""
-    m, ep = lay.cfg.model, lay.mesh["ep"]
-    remat, n = int(m.remat == "full"), m.moe_every
-    sparse_steps = layer_steps // n
-    per_sparse = experts * n  # `experts` is averaged over all layers
-    add(
-        "fsdp",
-        "all-gather",
-        "expert weights (fwd)",
-        per_sparse * lay.act_bytes / PARAM_BYTES,
-        (1 + remat) * sparse_steps,
-    )
-    add("fsdp", "reduce-scatter", "expert gradients", per_sparse, sparse_steps)
-    add(
-        "dp",
-        "all-reduce",
-        "expert gradients",
-        per_sparse / lay.mesh["fsdp"],
-        sparse_steps if implicit else m.num_layers // n,
-    )
-    if ep > 1:
-        tokens = lay.micro_batch * m.seq_len
-        buffer = a2a_bytes_per_direction(tokens, m, lay.act_bytes, ep) * ep / (ep - 1)  # the E·C·D buffer
-        what = "MoE dispatch + combine (fwd + bwd)" + (", dropless worst tier" if m.moe_dispatch == "dropless" else "")
-        add("ep", "all-to-all", what, buffer, (4 + 2 * remat) * sparse_steps)
-
-
 def dropless_a2a_tiers(lay: Layout) -> dict | None:
     """Dropless MoE over ep: the step's all-to-all bytes per device at the worst tier (C = every local
     token, what step_traffic and the compiled program's byte count report: the HLO holds every tier's
@@ -402,98 +348,3 @@ def dropless_a2a_tiers(lay: Layout) -> dict | None:
         "balanced_slots": slots[0],
         "balanced_bytes": worst * slots[0] / slots[-1],
     }
-
-
-def context_traffic(lay: Layout, layer_steps: int) -> list[Traffic]:
-    """K/V exchange over cp (module docstring); `layer_steps` layer applications per step."""
-    m, cp, tp = lay.cfg.model, lay.cp, lay.mesh["tp"]
-    kv = lay.micro_batch * m.seq_len * m.num_kv_heads * m.head_dim / tp * lay.act_bytes  # one of K, V
-    q = kv * m.num_heads / m.num_kv_heads
-    fwd = 2 if m.remat == "full" else 1  # the recomputed forward exchanges again
-    out = []
-    if m.context_impl == "allgather":
-        out.append(
-            Traffic(
-                "cp",
-                "all-gather",
-                "K and V",
-                2 * fwd * layer_steps * ring_bytes("all-gather", cp, kv),
-                2 * fwd * layer_steps,
-            )
-        )
-        out.append(
-            Traffic(
-                "cp",
-                "reduce-scatter",
-                "K and V gradients",
-                2 * layer_steps * ring_bytes("reduce-scatter", cp, kv),
-                2 * layer_steps,
-            )
-        )
-    elif m.context_impl == "ring":
-        block = kv / cp
-        n_fwd, n_bwd, n_grad = 2 * (cp - 1) * fwd, 2 * (cp - 1), 2 * cp
-        out.append(
-            Traffic(
-                "cp",
-                "collective-permute",
-                "K/V blocks (fwd + bwd)",
-                (n_fwd + n_bwd) * layer_steps * block,
-                (n_fwd + n_bwd) * layer_steps,
-            )
-        )
-        out.append(
-            Traffic(
-                "cp",
-                "collective-permute",
-                "dK/dV blocks home (float32)",
-                n_grad * layer_steps * block * 4 / lay.act_bytes,
-                n_grad * layer_steps,
-            )
-        )
-    else:  # ulysses: q, k, v and the output each way; each all-to-all's result is 1/cp of the tensor
-        passes = fwd + 1
-        out.append(
-            Traffic(
-                "cp",
-                "all-to-all",
-                "heads <-> sequence",
-                passes * layer_steps * ring_bytes("all-to-all", cp, (2 * q + 2 * kv) / cp),
-                4 * passes * layer_steps,
-            )
-        )
-    return out
-
-
-def link_bandwidth(lay: Layout, axis: str) -> float:
-    """Fast links if the axis's device groups stay inside one node / slice, else the slow network.
-    Axes are laid out dp, pp, fsdp, ep, tp from slowest to fastest (jaxdist.distributed.mesh), so an axis's group spans
-    its size times the sizes of the faster axes."""
-    order = AXES
-    span = lay.mesh[axis]
-    for inner in order[order.index(axis) + 1 :]:
-        span *= lay.mesh[inner]
-    return lay.hw.fast_bandwidth if span <= lay.hw.devices_per_node else lay.hw.slow_bandwidth
-
-
-def traffic_time(lay: Layout, t: Traffic) -> float:
-    return t.bytes / link_bandwidth(lay, t.axis) + t.count * lay.hw.latency_s
-
-
-def by_kind(traffic: list[Traffic]) -> dict[str, float]:
-    """{kind: bytes sent per device per step}, comparable with hlo.summarize(...)[kind]['bytes']."""
-    out: dict[str, float] = defaultdict(float)
-    for t in traffic:
-        out[t.kind] += t.bytes
-    return dict(out)
-
-
-def by_axis(lay: Layout, traffic: list[Traffic]) -> dict[str, dict]:
-    """{axis: {kind: {'bytes', 'count', 'seconds'}}}."""
-    out: dict[str, dict] = {}
-    for t in traffic:
-        row = out.setdefault(t.axis, {}).setdefault(t.kind, {"bytes": 0.0, "count": 0, "seconds": 0.0})
-        row["bytes"] += t.bytes
-        row["count"] += t.count
-        row["seconds"] += traffic_time(lay, t)
-    return out

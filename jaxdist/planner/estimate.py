@@ -34,6 +34,7 @@ from jaxdist.parallel import schedules
 from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout, param_table
+from jaxdist.planner.traffic import Traffic, by_axis, traffic_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Estimate:
     layout: Layout
     family: str
     memory: memory.Memory
-    traffic: tuple[comms.Traffic, ...]
+    traffic: tuple[Traffic, ...]
     compute_s: float
     bubble_s: float
     comm_s: float  # all collectives, serialised
@@ -68,7 +69,7 @@ class Estimate:
             "grad_accum_steps": lay.accum,
             "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
             "memory": self.memory.as_dict(),
-            "communication": comms.by_axis(lay, list(self.traffic)),
+            "communication": by_axis(lay, list(self.traffic)),
             "dropless_all_to_all": comms.dropless_a2a_tiers(lay),  # worst (reported) and balanced tiers
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
@@ -124,7 +125,7 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     compute = (layer_flops + head_flops) / rate
     bubble = pipeline_bubble(lay, layer_flops / rate)
     traffic = comms.step_traffic(lay)
-    times = [(t, comms.traffic_time(lay, t)) for t in traffic]
+    times = [(t, traffic_time(lay, t)) for t in traffic]
     comm = sum(s for _, s in times)
     hidden = sum(s for t, s in times if t.overlappable)
     exposed_serial = comm - hidden
@@ -283,7 +284,7 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
     lay = best.layout
     hw = lay.hw
     tokens_dev = lay.cfg.train.global_batch * lay.cfg.model.seq_len / lay.devices
-    slowest = max(best.traffic, key=lambda t: comms.traffic_time(lay, t), default=None)
+    slowest = max(best.traffic, key=lambda t: traffic_time(lay, t), default=None)
     reason = (
         f"{best.family} {lay.name} (accumulation {lay.accum}"
         + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh["pp"] > 1 else "")
@@ -301,10 +302,10 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
     if slowest:
         reason += (
             f"; slowest collective: {slowest.kind} of {slowest.what} over {slowest.axis} "
-            f"({comms.traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"
+            f"({traffic_time(lay, slowest):.3g} s, {'overlappable with' if slowest.overlappable else 'added to'}"
             f" compute)"
         )
-    hidden = sum(comms.traffic_time(lay, t) for t in best.traffic if t.overlappable)
+    hidden = sum(traffic_time(lay, t) for t in best.traffic if t.overlappable)
     bound = "compute-bound" if best.compute_s >= hidden else "communication-bound"
     reason += (
         f". Compute {best.compute_s:.3g} s vs {hidden:.3g} s of weight gathers and gradient reductions "

@@ -10,6 +10,7 @@ from jaxdist import config
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend
 from jaxdist.planner.layout import Layout
+from jaxdist.planner.traffic import by_axis, link_bandwidth
 
 STEP_TIME_NOTE = (
     "step times are a roofline model (compute at the hardware table's peak x its matmul efficiency, collectives "
@@ -55,8 +56,8 @@ def comm_table(e: Estimate) -> str:
         f"communication per step per device, {lay.name} on {lay.hw.name}:",
         f"  {'axis':<5} {'collective':<19} {'count':>7} {'GB sent':>9} {'seconds':>9}  link",
     ]
-    for axis, kinds in comms.by_axis(lay, list(e.traffic)).items():
-        bw = comms.link_bandwidth(lay, axis)
+    for axis, kinds in by_axis(lay, list(e.traffic)).items():
+        bw = link_bandwidth(lay, axis)
         link = "fast" if bw == lay.hw.fast_bandwidth else "slow"
         for kind, v in kinds.items():
             rows.append(
