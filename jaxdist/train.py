@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "hf:DIR or hf:ORG/NAME[@REV] (a Hub id, through the Hugging Face cache) fine-tunes a Hugging Face "
         "Llama (model shape from its config.json)",
     )
+    p.add_argument(
+        "--extend-context",
+        action="store_true",
+        help="with --restore hf:, allow a model.seq_len beyond the model's max_position_embeddings",
+    )
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU (default 8)")
     p.add_argument(
         "--allow-config-change",
@@ -152,6 +157,8 @@ def _main(argv: list[str] | None, stopper) -> int:
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
             args.restore = f"hf:{hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
             cfg = mapping.apply(cfg, Path(args.restore[3:]), mapping.model_overrides(args.overrides))
+            if not args.extend_context:
+                mapping.check_positions(cfg.model.seq_len, Path(args.restore[3:]))
         # deferred: grain, jax load on first use, not when python -m jaxdist.train starts
         from jaxdist.data import loader  # the token dtype read: a prepared folder's manifest decides
 

@@ -381,6 +381,19 @@ def hub_cache(root: Path, repo: str, source: Path) -> str:
     return commit
 
 
+def test_train_refuses_a_window_past_the_models_positions(capsys):
+    """train --restore hf: with model.seq_len past config.json's max_position_embeddings (128) is one line
+    before any work (128 itself passes: the Hub-cache test); --extend-context allows it on purpose."""
+    args = ["--restore", f"hf:{FIXTURE}", "model.seq_len=129", "--print-config"]
+    assert train.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: model.seq_len=129 exceeds the model's max_position_embeddings=128 (from {FIXTURE / 'config.json'}); "
+        "lower model.seq_len to at most 128, or pass --extend-context to train on longer windows on purpose\n"
+    )
+    assert train.main([*args, "--extend-context"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["seq_len"] == 129
+
+
 def test_hub_ids_resolve_through_the_offline_cache(tmp_path):
     """`--restore hf:ORG/NAME[@REV]` reads huggingface_hub's cache (HF_HOME) offline; a miss is one line
     that says how to download; a local directory still wins."""

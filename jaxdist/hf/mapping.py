@@ -194,6 +194,18 @@ def apply(cfg: Config, hf_dir: Path, explicit: dict[str, Any] | None = None) -> 
     return cfg.replace(model=fields)
 
 
+def check_positions(seq_len: int, hf_dir: Path) -> None:
+    """Refuse a training window past the positions the HF model was made for (config.json's
+    max_position_embeddings): it would train silently on positions the model never saw."""
+    where = Path(hf_dir) / "config.json"
+    limit = read_json(where, "config.json").get("max_position_embeddings")
+    if isinstance(limit, int) and 0 < limit < seq_len:
+        raise JaxdistError(
+            f"model.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} (from {where}); "
+            f"lower model.seq_len to at most {limit}, or pass --extend-context to train on longer windows on purpose"
+        )
+
+
 def model_overrides(overrides: list[str]) -> dict:
     """The model.* keys a user set on the command line (to refuse ones that contradict config.json)."""
     out = {}
