@@ -345,6 +345,14 @@ def main() -> int:
             ref = final_params(work / "long", 150) if ok else {}
             row("slurm long (reference)", ok, t, f"{len(losses(work / 'long'))} steps")
 
+            def resubmit(run: Path) -> tuple[str, int | None, bool]:
+                """Submit LONG again into RUN and wait: (its state, the step it resumed from, whether its
+                final parameters equal the uninterrupted job's bit for bit)."""
+                job = cluster.submit(run, LONG, wait=True)
+                state = cluster.state(job)[0]
+                got = final_params(run, 150) if state == "COMPLETED" else {}
+                return state, resumed_step(Path(f"{run}.{job}.out")), bool(ref) and same_bits(got, ref)
+
             # requeue after a checkpoint: SIGTERM, checkpoint, the same job runs again and resumes
             t = time.monotonic()
             job = cluster.submit(work / "requeue", LONG, wait=False)
@@ -373,11 +381,7 @@ def main() -> int:
             subprocess.run(["scancel", "--signal=KILL", str(job)], check=True)
             killed_state = cluster.wait_done(job)[0]
             how = "saved on SIGTERM" if stopped_step(Path(f"{work / 'killed'}.{job}.out")) else "killed, nothing saved"
-            job2 = cluster.submit(work / "killed", LONG, wait=True)
-            state = cluster.state(job2)[0]
-            got = final_params(work / "killed", 150) if state == "COMPLETED" else {}
-            resume = resumed_step(Path(f"{work / 'killed'}.{job2}.out"))
-            same = bool(ref) and same_bits(got, ref)
+            state, resume, same = resubmit(work / "killed")
             ok = (
                 killed_state != "COMPLETED" and state == "COMPLETED" and resume is not None and resume >= first and same
             )
@@ -402,11 +406,7 @@ def main() -> int:
             state, code, _ = cluster.wait_done(job, timeout=180)
             took = time.monotonic() - killed_at
             steps = sorted(int(q.name) for q in (work / "failing" / "checkpoints").glob("[0-9]*") if q.name.isdigit())
-            job2 = cluster.submit(work / "failing", LONG, wait=True)
-            again = cluster.state(job2)[0]
-            got = final_params(work / "failing", 150) if again == "COMPLETED" else {}
-            resume = resumed_step(Path(f"{work / 'failing'}.{job2}.out"))
-            same = bool(ref) and same_bits(got, ref)
+            _, resume, same = resubmit(work / "failing")
             ok = state == "FAILED" and code != "0:0" and took < 20 + 15 and bool(steps) and resume == steps[-1] and same
             row(
                 "slurm task SIGKILLed + resubmit",
