@@ -176,6 +176,7 @@ def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepar
     """docs/chat-data.md's recipe: train on a prepared folder, then `generate --run-dir RUN --chat MSG`
     reads the template from the tokenizer the run recorded (it was left behind: a one-line error)."""
     from jaxdist.data import run_tokenizer
+    from jaxdist.hf import export
     from jaxdist.inference import decode
 
     out, _ = prepared_chat
@@ -184,7 +185,7 @@ def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepar
     text = decode.Text(cfg, tmp_path / "hf_source", recorded=run_tokenizer.of_run(tmp_path))
     want = chat.prompt_ids(chat_tokenizer("qwen"), [{"role": "user", "content": "Say hello."}])
     assert decode.chat_prompts(text, ["Say hello."]) == [want]
-    run_tokenizer.copy_to(run_tokenizer.of_run(tmp_path), tmp_path)  # convert to-hf exports it too
+    export.copy_tokenizer(str(tmp_path / run_tokenizer.FOLDER), None, tmp_path)  # as convert to-hf exports it
     assert (tmp_path / "chat_template.jinja").read_text() == (FIX / "qwen" / "chat_template.jinja").read_text()
     (tmp_path / "tokenizer" / "chat_template.jinja").unlink()  # a run recorded without it: generate's own fix
     with pytest.raises(JaxdistError, match="no chat template.*copy the model's chat_template.jinja into it"):

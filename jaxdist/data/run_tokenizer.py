@@ -14,11 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 from jaxdist.data import tokenizer
-from jaxdist.data.tokenizer import CHAT_TEMPLATE, CONFIG_FILES
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -103,13 +101,3 @@ def of_run(run_dir: Path) -> RunTokenizer | None:
         return RunTokenizer(kind, info.get("eos_id"), source=info.get("source", ""))
     run = _load(folder, f"{folder / INFO}", info.get("sha256"))
     return dataclasses.replace(run, eos_id=info.get("eos_id", run.eos_id), bos_ids=tuple(info.get("bos_ids", ())))
-
-
-def copy_to(run: RunTokenizer, out_dir: Path) -> None:
-    """The tokenizer files of a recorded run into an export folder."""
-    if run.tok is None:
-        return
-    shutil.copyfile(run.tok.file, Path(out_dir) / "tokenizer.json")
-    for name in (*CONFIG_FILES, CHAT_TEMPLATE):
-        if (run.tok.file.parent / name).is_file():
-            shutil.copyfile(run.tok.file.parent / name, Path(out_dir) / name)
