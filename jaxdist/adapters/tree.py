@@ -38,18 +38,11 @@ def frozen(tree: dict) -> dict:
 
 
 def combine(a: dict, b: dict) -> dict:
-    """Deep union of two disjoint nested dicts (adapters + base)."""
+    """Deep union of two nested dicts, `a`'s entry kept where both have one: adapters + base, or an
+    imported base + fresh parameters filling what it lacks (new adapters, scales)."""
     out = dict(b)
     for k, v in a.items():
         out[k] = combine(v, b[k]) if isinstance(v, dict) and isinstance(b.get(k), dict) else v
-    return out
-
-
-def fill_missing(params: dict, fresh: dict) -> dict:
-    """`params` with the entries it lacks taken from `fresh` (an imported base + new adapters, scales)."""
-    out = dict(fresh)
-    for k, v in params.items():
-        out[k] = fill_missing(v, fresh[k]) if isinstance(v, dict) and isinstance(fresh.get(k), dict) else v
     return out
 
 

@@ -120,7 +120,7 @@ def build_program(
         imported base) are initialised, the base is stored in lora.base_dtype, and the optimizer and
         gradient stage see the adapters only."""
         if cfg.lora.rank:
-            params = adapters.fill_missing(params, model.init_params(cfg, cfg.train.seed))
+            params = adapters.combine(params, model.init_params(cfg, cfg.train.seed))
             params = adapters.store_base(params, cfg.lora)
         trained = trained_part(cfg, params)
         zero = jnp.zeros((), jnp.int32)
