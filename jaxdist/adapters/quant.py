@@ -63,12 +63,10 @@ def dequantize(codes, scale, axis: int, dtype):
     """(codes, scale) -> the weight in `dtype`; the kind is read from the codes' dtype (int8: int8,
     uint8: packed NF4)."""
     axis = axis % codes.ndim
-    n_blocks = scale.shape[axis]
+    cb, _ = _blocks(codes, axis, codes.shape[axis] // scale.shape[axis])  # NF4: (.., nb, block/2, ..)
     if codes.dtype == jnp.int8:
-        cb, _ = _blocks(codes, axis, codes.shape[axis] // n_blocks)
         w = cb.astype(jnp.float32) * jnp.expand_dims(scale, axis + 1)
         return w.reshape(codes.shape).astype(dtype)
-    cb, _ = _blocks(codes, axis, codes.shape[axis] // n_blocks)  # (.., nb, block/2, ..)
     lo, hi = cb & 0xF, cb >> 4
     idx = jnp.stack([lo, hi], axis=axis + 2)  # (.., nb, block/2, 2, ..)
     idx = idx.reshape(*idx.shape[: axis + 1], -1, *idx.shape[axis + 3 :])
