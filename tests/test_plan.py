@@ -240,7 +240,7 @@ def test_lora_state_terms():
 
     cfg = config.load("configs/llama3-8b.yaml", ["lora.rank=16"])
     one = Layout(cfg, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
-    assert lora.adapter_params(one) == count_adapter_params(cfg.model, cfg.lora)
+    assert sum(g.size for g in lora.adapter_groups(one)) == count_adapter_params(cfg.model, cfg.lora)
     adapters = 4 * count_adapter_params(cfg.model, cfg.lora)
     assert memory.optimizer_bytes(one) == 2 * adapters + 8 and memory.grad_bytes(one) == adapters
     matrices = sum(g.size for g in memory.param_table(cfg.model) if lora.is_matrix(g))

@@ -62,10 +62,6 @@ def base_bytes(lay: Layout, keep=lambda g: True) -> float:
     return sum(g.size * base_entry_bytes(lay, g) / lay.shards(g) for g in param_table(lay.cfg.model) if keep(g))
 
 
-def adapter_params(lay: Layout) -> int:
-    return sum(g.size for g in adapter_groups(lay))
-
-
 def is_matrix(g: ParamGroup) -> bool:
     """One of the seven layer matrices (quantised under QLoRA; the norms are not)."""
     return g.role == "layer" and _weight(g) in MATRICES
