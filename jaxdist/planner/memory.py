@@ -231,7 +231,7 @@ def dequantised_bytes(lay: Layout) -> float:
     4 MB stacks of the 4 layers' de-quantised MLP matrices at the peak."""
     if not lora.enabled(lay) or lay.cfg.lora.base_dtype not in quant.KINDS or lay.cfg.model.remat != "none":
         return 0.0
-    return gathered_per_layer(lay, lambda g: lora.is_matrix(g)) * lay.act_bytes / PARAM_BYTES
+    return gathered_per_layer(lay, lora.is_matrix) * lay.act_bytes / PARAM_BYTES
 
 
 def flattened_group(lay: Layout) -> bool:
