@@ -204,9 +204,7 @@ def _table_traffic(t: _Tally) -> None:
     uses, each gathered and with its gradient reduced separately (as compiled)."""
     lay, m, passes, rows = t.lay, t.lay.cfg.model, t.passes, t.rows
     D, tp = m.d_model, t.mesh["tp"]
-    tables = {g.role: g for g in param_table(m) if g.role != "layer"}
-    head = tables["embed" if m.tie_embeddings else "head"]
-    head_full = head.size * PARAM_BYTES / lay.tp_shards(head)  # after the fsdp gather
+    tables, head_full = _tables(lay)
     # A gather of a loop-invariant weight (not sliced by a block index) is hoisted out of the
     # accumulation loop (XLA:CPU's HLO): the final norm, the naive head and a one-block head, once a step.
     one_block = m.vocab_size // tp == block_rows(m.vocab_size, tp, rows, D, m.loss_block)
@@ -237,7 +235,7 @@ def _embedding_traffic(t: _Tally, table) -> None:
     t.add("tp", "all-reduce", "embedding lookup rows (vocab-sharded)", rows * D * PARAM_BYTES, passes)
     a2a = 1 if t.frozen else 2  # a frozen table (LoRA) sends no gradient back
     t.add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, a2a * passes)
-    table_shard = table.size * PARAM_BYTES / lay.shards(table)
+    table_shard = _table_shard(lay, table)
     if not t.frozen:
         t.add("dp", "all-reduce", "embedding gradient", table_shard, t.dp_syncs)
     # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
@@ -295,9 +293,7 @@ def _schedule_table_traffic(t: _Tally) -> None:
     t.reduce_grads("layer gradients (slot B)", layer, group * backward, group * backward)
     activations = rows * D * lay.act_bytes
     t.add("tp", "all-reduce", "layer activations", activations, group * (2 * forward + 7 * backward))
-    tables = {g.role: g for g in param_table(m) if g.role != "layer"}
-    head = tables["embed" if m.tie_embeddings else "head"]
-    head_full = head.size * PARAM_BYTES / lay.tp_shards(head)
+    tables, head_full = _tables(lay)
     norm = tables["norm"].size * PARAM_BYTES
     t.add(
         "fsdp",
@@ -317,8 +313,21 @@ def _schedule_table_traffic(t: _Tally) -> None:
     t.add("pp", "collective-permute", "activation and gradient (every slot)", activations, 2 * slots)
     rest = sum(g.size * PARAM_BYTES / lay.shards(g) for g in tables.values())
     t.add("pp", "all-reduce", "embedding, norm, head gradients summed over stages", rest, t.passes)
-    table_shard = tables["embed"].size * PARAM_BYTES / lay.shards(tables["embed"])
-    t.add("dp", "all-reduce", "embedding gradient", table_shard, t.dp_syncs)
+    t.add("dp", "all-reduce", "embedding gradient", _table_shard(lay, tables["embed"]), t.dp_syncs)
+
+
+def _tables(lay: Layout) -> tuple[dict, float]:
+    """{role: group} of the embedding, head and final norm, and the head's (the embedding's, when tied)
+    float32 bytes after the fsdp gather (split by tp)."""
+    m = lay.cfg.model
+    tables = {g.role: g for g in param_table(m) if g.role != "layer"}
+    head = tables["embed" if m.tie_embeddings else "head"]
+    return tables, head.size * PARAM_BYTES / lay.tp_shards(head)
+
+
+def _table_shard(lay: Layout, table) -> float:
+    """The embedding table's float32 bytes on one device (its gradient, which the lookup keeps local)."""
+    return table.size * PARAM_BYTES / lay.shards(table)
 
 
 def attention_layer_bytes(lay: Layout) -> float:
