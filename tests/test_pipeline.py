@@ -95,11 +95,13 @@ def loss_curve(prog, params, batches):
 
 @pytest.fixture(scope="module")
 def reference(cfg, batches):
-    """The non-pipelined model on one device: initial params, loss, gradients, 10-step curve."""
+    """The non-pipelined model on one device: initial params, loss, gradients, 10-step curve, and its
+    compiled gradient program."""
     prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
     params = jax.device_get(prog.init_state(0).params)
-    grads, loss = compiled_gradients(prog)(params, batches[0])
-    return params, float(loss), jax.device_get(grads), loss_curve(prog, params, batches)
+    compiled = compiled_gradients(prog)
+    grads, loss = compiled(params, batches[0])
+    return params, float(loss), jax.device_get(grads), loss_curve(prog, params, batches), compiled
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def case(request, build):
 
 def test_loss_and_gradients_match_single_device(case, reference):
     _, _, loss, grads = case
-    _, ref_loss, ref_grads, _ = reference
+    _, ref_loss, ref_grads, *_ = reference
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -247,7 +249,7 @@ def test_table_schedule_runs_each_action_once_per_stage(build, batches, referenc
     assert idle == pytest.approx(pl.bubble_fraction) == pytest.approx(3 / 11)
 
 
-def test_table_schedule_trains_on_the_loss_mask_only(cfg, build, reference, batches):
+def test_table_schedule_trains_on_the_loss_mask_only(build, reference, batches):
     """Chat data's masked-out targets (stored as ~id, jaxdist.data.loss_mask) count in neither the loss nor its
     token count under a table schedule, as on one device: the schedule decodes them itself (it computes
     its own loss, outside gradients.token_loss_sums). Before, the ~ids reached the embedding."""
@@ -255,8 +257,7 @@ def test_table_schedule_trains_on_the_loss_mask_only(cfg, build, reference, batc
 
     tokens = np.asarray(batches[0])
     masked = loss_mask.encode(tokens, np.arange(tokens.size).reshape(tokens.shape) % 3 != 0)
-    one = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
-    ref_grads, ref_loss = compiled_gradients(one)(reference[0], masked)
+    ref_grads, ref_loss = reference[4](reference[0], masked)  # the one-device program, compiled once
     prog, compiled, _, _ = build("1f1b pp=4,fsdp=2 M=8")
     params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
     grads, loss = compiled(params, jax.device_put(masked, prog.batch_sharding))
