@@ -12,7 +12,6 @@ every command.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def byte_tokens(cfg) -> bool:
 
 def _load(path: str | Path, what: str, sha256: str | None = None) -> RunTokenizer:
     tok = tokenizer.load(str(path))
-    digest = hashlib.sha256(tok.file.read_bytes()).hexdigest()
+    digest = tok.sha256
     if sha256 is not None and digest != sha256:
         raise JaxdistError(
             f"{tok.file} does not match the sha256 {what} recorded for it (changed or corrupted since); "
