@@ -319,11 +319,6 @@ def loss_bytes(lay: Layout) -> float:
     return blocks * tokens * rows * 4 + 2 * m.d_model * rows * lay.act_bytes + tokens * m.d_model * 4
 
 
-def layer_weight_shards(lay: Layout) -> float:
-    """The scanned layers' parameters on one device (all layers of its stage, float32)."""
-    return stored_bytes(lay, lambda g: g.role == "layer")
-
-
 def layer_gradient_bytes(lay: Layout) -> float:
     """One layer's weight gradient while the backward scan reduces it to its parameter's sharding: its
     unreduced float32 gradients at the gathered (tp-split) size and the reduction's result —
