@@ -62,3 +62,11 @@ def root(gone: dict[int, dict]) -> dict | None:
 
 def public(p: dict) -> dict:
     return {k: p[k] for k in ("index", "host", "pid")}
+
+
+GONE = "gone: killed or crashed"  # how a process ended that no one saw end
+
+
+def death(p: dict, at: float, how: str = GONE) -> dict:
+    """The record of `p`'s end that the supervisors exchange."""
+    return {**public(p), "how": how, "at": at}

@@ -109,6 +109,6 @@ def _orphaned(sock: socket.socket, me: dict, table: list[dict], n: int, run_dir:
         file=sys.stderr,
         flush=True,
     )
-    rec = {**peer_lines.public(me), "how": "gone: killed or crashed", "at": at}
+    rec = peer_lines.death(me, at)
     peer_wire.tell([p for p in table if p["index"] != me["index"]], [rec])
     os._exit(supervisor.PEER_DIED)

@@ -138,7 +138,7 @@ class Supervisor:
         except OSError:
             return
         if not data.endswith(b"clean\n"):
-            self.listener.hear([{**peer_lines.public(p), "how": "gone: killed or crashed", "at": time.time()}])
+            self.listener.hear([peer_lines.death(p, time.time())])
 
     def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
         """The child's exit status, and whether we stopped it because a peer died (after GRACE_S)."""
@@ -161,12 +161,7 @@ class Supervisor:
             return code
         at = time.time()
         verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
-        self.listener.mine = {
-            **peer_lines.public(self.me),
-            "how": peer_lines.ending(rc),
-            "at": at,
-            "fatal": not verdict,
-        }
+        self.listener.mine = {**peer_lines.death(self.me, at, peer_lines.ending(rc)), "fatal": not verdict}
         # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
         dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
         if dead is not None:
@@ -191,10 +186,10 @@ class Supervisor:
                 if isinstance(a, dict) and a.get("gone"):
                     self.listener.hear([a["gone"]])
                 elif a == "refused":
-                    self.listener.hear([{**peer_lines.public(p), "how": "gone: killed or crashed", "at": now}])
+                    self.listener.hear([peer_lines.death(p, now)])
                 elif a is None:
                     how = f"no answer within {peer_wire.ASK_S:g}s: killed, crashed, or its host is down"
-                    self.listener.hear([{**peer_lines.public(p), "how": how, "at": now}])
+                    self.listener.hear([peer_lines.death(p, now, how)])
             if attempt + 1 < tries and not self.listener.gone:
                 time.sleep(0.5)
         return peer_lines.root(self.listener.gone)
