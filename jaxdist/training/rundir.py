@@ -51,10 +51,9 @@ def identity(cfg, restore: str | None = None) -> str:
     """8 hex digits naming what a run computes: the resolved config without the keys a resume may
     change, and where it starts from."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.checkpoint.compat import FREE_KEYS
+    from jaxdist.checkpoint.compat import FREE_KEYS, flat
 
-    flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
-    kept = {k: v for k, v in sorted(flat.items()) if k not in FREE_KEYS}
+    kept = {k: v for k, v in sorted(flat(cfg.to_dict()).items()) if k not in FREE_KEYS}
     text = json.dumps({"config": kept, "restore": restore or ""}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
