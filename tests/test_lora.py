@@ -121,13 +121,16 @@ def logits_fn(prog):
 
 
 def test_zero_b_is_the_base_model(cfg, batches, fsdp8):
-    """Adapters start with B = 0: the LoRA model's logits are exactly the base model's."""
+    """Adapters start with B = 0: the LoRA model's logits are the base model's (two programs, so to 1e-6
+    relative; measured bit-identical on CPU)."""
     base = step.build_program(cfg.replace(lora=dict(rank=0)), fsdp8)
     lora = step.build_program(cfg, fsdp8)
     base_params = base.init_state(0).params
     state = lora.state_from_params(base_params)  # an imported base: adapters filled in
     tokens = batches[0][:, :-1]
-    np.testing.assert_array_equal(logits_fn(lora)(state.params, tokens), logits_fn(base)(base_params, tokens))
+    np.testing.assert_allclose(
+        logits_fn(lora)(state.params, tokens), logits_fn(base)(base_params, tokens), rtol=1e-6, atol=1e-7
+    )
     b = [a for p, a in jax.tree_util.tree_leaves_with_path(state.params) if "lora_b" in jax.tree_util.keystr(p)]
     assert b and all(not np.asarray(x).any() for x in b)
 

@@ -95,6 +95,16 @@ def test_state_is_placed_in_host_memory(runs, init_shardings):
     assert kinds(state.opt_state) == {host}
 
 
+def assert_same_run(seen, plain_seen, state, plain_state, rtol, atol):
+    """Two differently compiled programs' runs: every step's (loss, gradient norm) and every leaf of the
+    final state within the tolerance (never ==: a fusion XLA may choose differently rounds differently)."""
+    assert len(seen) == len(plain_seen)
+    np.testing.assert_allclose(np.asarray(seen, float), np.asarray(plain_seen, float), rtol=rtol, atol=atol)
+    leaves = zip(jax.tree.leaves(jax.device_get(plain_state)), jax.tree.leaves(jax.device_get(state)), strict=True)
+    for a, b in leaves:
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
 def entry_layout(compiled) -> str:
     """The HLO module header: `entry_computation_layout={(inputs)->(outputs)}` with memory spaces."""
     header = compiled.as_text().split("\n", 1)[0]
@@ -113,14 +123,14 @@ def test_hlo_entry_layout_uses_host_memory_space(runs):
 @pytest.mark.parametrize("kind, reference", [("host", "none"), ("params", "none"), ("activations", "dots")])
 def test_offload_trains_identically(runs, kind, reference):
     """3 steps with 2 micro-batches on fsdp=2: every step's loss and gradient norm, and the final
-    parameters and AdamW moments (which hold the gradients), bit-identical to the run without offload.
+    parameters and AdamW moments (which hold the gradients), equal to the run without offload to 1e-6
+    relative (measured: bit-identical on this CPU; two differently compiled programs are compared with a
+    tolerance, never with ==).
     Activation offload is compared with model.remat=dots_saveable, which keeps the same residuals on the
     device (against no remat at all, the recomputation rounds differently: see the next test)."""
     _, _, plain, plain_seen = runs[reference]
     _, _, offloaded, seen = runs[kind]
-    assert seen == plain_seen
-    for a, b in zip(jax.tree.leaves(jax.device_get(plain)), jax.tree.leaves(jax.device_get(offloaded)), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_run(seen, plain_seen, offloaded, plain, rtol=1e-6, atol=1e-8)
 
 
 def test_device_memory_holds_no_optimizer_state(runs):
@@ -160,9 +170,9 @@ def test_compiled_memory_reports_the_state_as_host_bytes(runs):
 def test_activation_offload_is_close_to_no_remat(runs):
     _, _, plain, plain_seen = runs["none"]
     _, _, offloaded, seen = runs["activations"]
-    assert seen == plain_seen  # every step's loss and gradient norm
-    for a, b in zip(jax.tree.leaves(jax.device_get(plain)), jax.tree.leaves(jax.device_get(offloaded)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # measured: 4.2e-7 abs, 2.8e-5 rel at most
+    # Recomputation rounds differently: every step's loss and gradient norm, and the final state, to
+    # 1e-6 abs + 1e-4 rel (measured: 4.2e-7 abs, 2.8e-5 rel at most; once 4.8e-7 on a step's loss).
+    assert_same_run(seen, plain_seen, offloaded, plain, rtol=1e-4, atol=1e-6)
 
 
 def test_params_live_in_host_memory_between_steps(runs):
@@ -296,13 +306,11 @@ def tp_runs(cfg, batches, init_shardings):
 
 def test_params_offload_trains_identically_under_tp(tp_runs):
     """3 steps, 2 micro-batches, fsdp=2 x tp=2: every step's loss and gradient norm and the final state
-    bit-identical with parameters in host memory or not."""
+    equal to 1e-6 relative with parameters in host memory or not (measured: bit-identical on this CPU)."""
     _, _, plain, plain_seen = tp_runs["none"]
     prog, _, offloaded, seen = tp_runs["host"]
     assert kinds(prog.state_shardings.params) == {"pinned_host"}
-    assert seen == plain_seen
-    for a, b in zip(jax.tree.leaves(jax.device_get(plain)), jax.tree.leaves(jax.device_get(offloaded)), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_run(seen, plain_seen, offloaded, plain, rtol=1e-6, atol=1e-8)
 
 
 TRANSFER_CASES = {

@@ -104,7 +104,8 @@ def test_a_peer_that_no_longer_listens_is_found_dead_and_a_live_one_is_not():
     try:
         sup.peers = [record(alive, 1)]
         t0 = time.monotonic()
-        assert sup._find_dead() is None and time.monotonic() - t0 < 2  # asked twice, 0.5 s apart
+        # asked twice, 0.5 s apart (the bound of 10 s: a loaded CI machine)
+        assert sup._find_dead() is None and time.monotonic() - t0 < 10
         sup.peers.append(record(dead, 2))
         found = sup._find_dead()
         assert (found["index"], found["pid"], found["how"]) == (2, 99, "gone: killed or crashed")
@@ -121,7 +122,7 @@ def test_a_peer_that_accepts_but_never_answers_is_named_after_the_timeout(monkey
         sup.peers = [{"index": 1, "host": "h", "pid": 99, "addr": "127.0.0.1", "port": mute.getsockname()[1]}]
         t0 = time.monotonic()
         found = sup._find_dead(tries=1)
-        assert 0.3 <= time.monotonic() - t0 < 2
+        assert 0.3 <= time.monotonic() - t0 < 10  # the timeout, then an answer (10: a loaded CI machine)
     assert found["how"] == "no answer within 0.3s: killed, crashed, or its host is down"
     sup.listener.close(clean=True)
 

@@ -4,7 +4,6 @@ the program and the data loader (`Setup`), so that bad input fails before the ru
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,8 +55,10 @@ def set_up(cfg, run_dir: Path, log, lock: rundir.RunLock) -> Setup:
     lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)
-    # matplotlib loads while the step compiles, so a SIGTERM only waits for drawing loss.png, not for imports
-    threading.Thread(target=plots.pyplot, daemon=True).start()
+    # matplotlib loads now, so a SIGTERM only waits for drawing loss.png, not for imports. Not in a thread
+    # beside the main thread's imports: concurrent compiles of modules hit CPython 3.11.7's AST recursion
+    # counter race (gh-106905) and fail at random with "maximum recursion depth exceeded".
+    plots.pyplot()
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     cfg = loader_mod.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
