@@ -172,6 +172,21 @@ def test_loader_carries_the_mask_to_the_step(prepared_chat, tiny_cfg):
         loader.load_windows(cfg.replace(model=dict(seq_len=64)))
 
 
+def test_chat_data_needs_the_document_mask_and_says_what_the_loss_covers(prepared_chat, tiny_cfg):
+    """Packed conversations without data.document_mask would attend to each other: refused, naming the
+    flag; with it, the data line (start-up) says the loss covers the assistant's tokens only."""
+    out, _ = prepared_chat
+    manifest = json.loads((out / "manifest.json").read_text())
+    cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(out)), model=dict(vocab_size=320, seq_len=128))
+    with pytest.raises(JaxdistError, match="set data.document_mask=true"):
+        loader.load_windows(cfg)
+    train, _ = loader.load_windows(cfg.replace(data=dict(document_mask=True)))
+    trained = sum(manifest["splits"][s]["trained_tokens"] for s in ("train", "val"))
+    assert 0 < trained < sum(manifest["splits"][s]["tokens"] for s in ("train", "val"))
+    assert f"loss on the assistant's tokens only ({trained:,} of " in train.label
+    assert "attention inside each conversation" in train.label
+
+
 def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepared_chat, tiny_cfg, tmp_path):
     """docs/chat-data.md's recipe: train on a prepared folder, then `generate --run-dir RUN --chat MSG`
     reads the template from the tokenizer the run recorded (it was left behind: a one-line error)."""

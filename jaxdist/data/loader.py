@@ -207,6 +207,11 @@ def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.
     """Each split's token shards joined with their loss masks (`jaxdist.data.loss_mask.Masked`); the windows
     must be the ones the conversations were packed into."""
     seq_len = manifest["chat"]["seq_len"]
+    if not cfg.data.document_mask:  # packed conversations would attend to each other: a silently other model
+        raise JaxdistError(
+            f"{folder} holds chat conversations packed several to a window; set data.document_mask=true so "
+            "each attends only to itself (without it, attention crosses conversations)"
+        )
     if cfg.model.seq_len != seq_len:
         raise JaxdistError(
             f"{folder} packs conversations into windows of {seq_len} tokens but model.seq_len="
@@ -235,6 +240,14 @@ def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None
             f"{n:,} token shard{'s' if n != 1 else ''} ({d.path}: {shards['train']:,} train/ + "
             f"{shards['val']:,} val/, {manifest['dtype']} from its manifest.json)"
         )
+        if "chat" in manifest:  # what the loss covers, said once at start-up
+            trained = sum(manifest["splits"][name].get("trained_tokens", 0) for name in ("train", "val"))
+            total = sum(manifest["splits"][name]["tokens"] for name in ("train", "val"))
+            covers = "every token" if manifest["chat"].get("loss_on") == "all" else "the assistant's tokens only"
+            what += (
+                f"; chat: loss on {covers} ({trained:,} of {total:,} tokens), attention inside each "
+                "conversation (data.document_mask)"
+            )
         return train, val, what
     if d.tokenizer:
         tokenizer.check_vocab(tokenizer.load(d.tokenizer), cfg.model.vocab_size, f"data.tokenizer={d.tokenizer}")
