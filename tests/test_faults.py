@@ -1,6 +1,7 @@
 """Fault injection: a damaged latest checkpoint, and a disk that fills up mid-run.
 
-- Flip one bit / overwrite 64 bytes with 0xFF / truncate / delete a file of the latest checkpoint (6):
+- Flip one bit / overwrite 64 bytes with 0xFF / truncate / delete a file of the latest checkpoint (6), or
+  flip a bit of a file after dropping it from the checksum list:
   the resumed run warns, sets 6 aside, resumes from 4, and its final parameters equal those of an
   uninterrupted run (checkpoints of one run resume bit-exactly; tests/test_checkpoint.py).
 - A run dir on a small tmpfs that holds two checkpoints: the third save fails; the run stops with one
@@ -11,6 +12,7 @@ All runs pin the LR schedule to 8 steps (optim.schedule_steps) so runs of 6 and 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -82,7 +84,18 @@ def delete(step_dir: Path) -> None:
     _largest(step_dir / "train").unlink()
 
 
-@pytest.mark.parametrize("damage", [flip_bit, ff_bytes, truncate, delete], ids=lambda f: f.__name__)
+def unlisted(step_dir: Path) -> None:
+    """A flipped bit in a file dropped from the checksum list: a file the list does not name is never
+    verified, so its absence from the list is itself corruption (issue 39: was resumed from silently)."""
+    f = _largest(step_dir / "params")
+    path = step_dir / integrity.CHECKSUMS
+    listed = json.loads(path.read_text())
+    del listed["files"][str(f.relative_to(step_dir))]
+    path.write_text(json.dumps(listed))
+    flip_bit(step_dir)
+
+
+@pytest.mark.parametrize("damage", [flip_bit, ff_bytes, truncate, delete, unlisted], ids=lambda f: f.__name__)
 def test_damaged_latest_checkpoint_falls_back_and_ends_where_an_uninterrupted_run_does(reference, damage, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(reference / "a", copy)

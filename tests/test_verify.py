@@ -67,6 +67,14 @@ def flipped(saved: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def unlisted(saved: Path, tmp_path: Path) -> Path:
+    """A flipped byte in a file the checksum list no longer names (`{"files": {}}`): was resumed silently."""
+    copy = flipped(saved, tmp_path)
+    path = copy / "checkpoints" / "1" / integrity.CHECKSUMS
+    path.write_text(json.dumps({"algorithm": "xxh3_64", "files": {}}))
+    return copy
+
+
 def no_checksums(saved: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "unchecked"
     shutil.copytree(saved, copy)
@@ -83,6 +91,7 @@ READERS = {
 }
 DAMAGE = {
     "flipped byte": (flipped, r"file params/.* does not match the checksum written with it"),
+    "file not in the checksum list": (unlisted, r"file \S+ and \d+ more is not in its checksum file"),
     "checksum file deleted": (
         no_checksums,
         r"its checksum file jaxdist-checksums.json is missing although it was written",

@@ -5,7 +5,9 @@ once every process has written its files and before the rename that publishes `<
 hashes each file (xxh3-64, a fast non-cryptographic hash: it detects corruption, not tampering) into
 `<step>/jaxdist-checksums.json`. The rename then publishes data and checksums together, so a visible
 step always has them. On restore each process verifies its share of the files (sizes first, then
-hashes) and all agree, so a checkpoint that fails anywhere is set aside like an unreadable one.
+hashes) and all agree, so a checkpoint that fails anywhere is set aside like an unreadable one. Every
+file present must be in the list: a file the list does not name (a list emptied or cut short, a file
+added) is never verified, so it makes the checkpoint as corrupt as a mismatch does.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from pathlib import Path
 import xxhash
 
 CHECKSUMS = "jaxdist-checksums.json"
-# orbax rewrites its step metadata (commit time) during the rename, after the checksums: not covered.
-# It is small JSON that orbax parses itself; a damaged one fails to read and is handled as unreadable.
-UNCOVERED = {CHECKSUMS, "_CHECKPOINT_METADATA"}
+# orbax rewrites its step metadata (commit time) during the rename, after the checksums, and writes the
+# step's commit_success.txt marker then too: not covered. The metadata is small JSON that orbax parses
+# itself (a damaged one fails to read and is handled as unreadable); the marker holds no data.
+UNCOVERED = {CHECKSUMS, "_CHECKPOINT_METADATA", "commit_success.txt"}
 CHUNK = 16 << 20
 # Set in a checkpoint's meta item by every writer that publishes a checksum file: without the file,
 # such a checkpoint lost it (corrupt), rather than predating checksums.
@@ -77,6 +80,15 @@ def verify(step_dir: Path, share: tuple[int, int] = (0, 1)) -> str | None:
         return None
     except (OSError, ValueError, KeyError, TypeError):
         return f"its checksum file {CHECKSUMS} is unreadable"
+    if not isinstance(table, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("xxh3_64"), str)
+        for v in table.values()
+    ):
+        return f"its checksum file {CHECKSUMS} is unreadable"
+    unlisted = [n for n in _files(step_dir) if n not in table]  # a listing: cheap, so every process checks all
+    if unlisted:
+        more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        return f"file {unlisted[0]}{more} is not in its checksum file {CHECKSUMS} (the list was altered), so it cannot be verified"
     index, count = share
     names = sorted(table)[index::count]
     for name in names:  # cheap checks first: a missing or truncated file needs no hashing
