@@ -1,6 +1,7 @@
 """Chat data: templates and masks against transformers, `prepare --chat`, bad lines, the masked loss on a mesh."""
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -205,6 +206,46 @@ def test_a_run_on_prepared_chat_data_keeps_the_template_for_generate_chat(prepar
     (tmp_path / "tokenizer" / "chat_template.jinja").unlink()  # a run recorded without it: generate's own fix
     with pytest.raises(JaxdistError, match="no chat template.*copy the model's chat_template.jinja into it"):
         decode.chat_prompts(decode.Text(cfg, tmp_path, recorded=run_tokenizer.of_run(tmp_path)), ["Hi"])
+
+
+def _mask_value_2(folder: Path, f: str) -> None:
+    m = np.fromfile(folder / f, np.uint8)
+    m[np.flatnonzero(m)[0]] = 2
+    m.tofile(folder / f)
+
+
+def _mask_zeroed(folder: Path, f: str) -> None:
+    np.zeros((folder / f).stat().st_size, np.uint8).tofile(folder / f)
+
+
+MASK_DAMAGE = {  # issue 39 item 7: each was accepted (nan loss, skipped steps) or a FileNotFoundError
+    "a value other than 0/1": (
+        _mask_value_2,
+        r"train/000000.mask holds the value 2 where a loss mask holds only 0 or 1",
+    ),
+    "an all-zero mask": (
+        _mask_zeroed,
+        r"the train/ masks mark [\d,]+ tokens to train on but its manifest.json records",
+    ),
+    "a missing .mask": (
+        lambda folder, f: (folder / f).unlink(),
+        r"train/000000.mask is missing \(its manifest.json lists",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", MASK_DAMAGE, ids=str)
+def test_chat_masks_are_checked_against_the_manifest(damage, prepared_chat, tiny_cfg, tmp_path):
+    out, _ = prepared_chat
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    make, message = MASK_DAMAGE[damage]
+    make(copy, json.loads((copy / "manifest.json").read_text())["splits"]["train"]["mask_files"][0])
+    cfg = tiny_cfg.replace(
+        data=dict(source="tokens", path=str(copy), document_mask=True), model=dict(vocab_size=320, seq_len=128)
+    )
+    with pytest.raises(JaxdistError, match=message):
+        loader.load_windows(cfg)
 
 
 def test_bad_lines_are_counted_by_line_or_stop(tmp_path, capsys):

@@ -222,6 +222,12 @@ PREPARED_DAMAGE = {
     "truncated shard": (_truncate, r"train/ holds [\d,]+ tokens but its manifest.json records [\d,]+"),
     "missing shard": (lambda f: (f / "train" / "000001.bin").unlink(), r"train/000001.bin is missing"),
     "missing val/": (lambda f: shutil.rmtree(f / "val"), r"val/000000.bin is missing"),
+    # no manifest, no token read (issue 39 item 4: the .bin shards and tokenizer.json were trained on as text)
+    "manifest deleted": (lambda f: (f / "manifest.json").unlink(), r"no manifest.json beside its token shards"),
+    "manifest of another format": (
+        lambda f: (f / "manifest.json").write_text('{"format": "other"}'),
+        r"its manifest.json is not a jaxdist manifest",
+    ),
 }
 
 
@@ -233,9 +239,11 @@ def test_prepared_folder_that_disagrees_with_its_manifest_is_one_line(damage, bp
     make, message = PREPARED_DAMAGE[damage]
     make(copy)
     args = [a if not a.startswith("data.path=") else f"data.path={copy}" for a in args]
-    assert train_main(["--run-dir", str(tmp_path / "run"), *args]) == 2
-    assert re.search(rf"prepared folder .*prepared: {message}", error_line(capsys))
-    assert not (tmp_path / "run").exists()
+    sources = ([], ["data.source=tokens"]) if "manifest" in damage else ([],)  # text, then raw tokens
+    for source in sources:
+        assert train_main(["--run-dir", str(tmp_path / "run"), *args, *source]) == 2
+        assert re.search(rf"prepared folder .*prepared: {message}", error_line(capsys))
+        assert not (tmp_path / "run").exists()
 
 
 def test_resume_on_a_changed_corpus_is_refused_unless_allowed(tmp_path, capsys, monkeypatch):

@@ -219,11 +219,37 @@ def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.
         )
     out = []
     for name, split in zip(("train", "val"), arrays):
-        masks = [np.memmap(folder / f, dtype=np.uint8, mode="r") for f in manifest["splits"][name]["mask_files"]]
+        masks = check_masks(folder, name, manifest["splits"][name])
         if [len(m) for m in masks] != [len(a) for a in split]:
             raise JaxdistError(f"{folder}/{name}: the .mask files do not match the token files; re-run prepare --chat")
         out.append([Masked(a, m) for a, m in zip(split, masks)])
     return out
+
+
+def check_masks(folder: Path, name: str, split: dict) -> list[np.ndarray]:
+    """A chat split's loss masks, checked against its manifest: every file there, every value 0 or 1, and
+    as many trained tokens as prepare counted (an all-zero mask would train on nothing: loss nan)."""
+    masks, trained = [], 0
+    for f in split["mask_files"]:
+        if not (folder / f).is_file():
+            raise JaxdistError(
+                f"prepared folder {folder}: {f} is missing (its manifest.json lists it); restore it or re-run prepare --chat"
+            )
+        m = np.memmap(folder / f, dtype=np.uint8, mode="r") if (folder / f).stat().st_size else np.zeros(0, np.uint8)
+        if len(m) and int(m.max()) > 1:
+            raise JaxdistError(
+                f"prepared folder {folder}: {f} holds the value {int(m.max())} where a loss mask holds only 0 or 1 "
+                "(changed or corrupted); restore it or re-run prepare --chat"
+            )
+        masks.append(m)
+        trained += int(np.count_nonzero(m))
+    want = split.get("trained_tokens")
+    if want is not None and trained != want:
+        raise JaxdistError(
+            f"prepared folder {folder}: the {name}/ masks mark {trained:,} tokens to train on but its manifest.json "
+            f"records {want:,} (a .mask file was changed); restore it or re-run prepare --chat"
+        )
+    return masks
 
 
 def token_arrays(cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray] | None, str]:

@@ -100,15 +100,32 @@ def replace_folder(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _looks_prepared(folder: Path) -> bool:
+    """`train/` or `val/` holding token shards (`*.bin`): the layout prepare writes."""
+    return any(next((folder / split).glob("*.bin"), None) is not None for split in ("train", "val"))
+
+
 def read_manifest(folder: Path) -> dict | None:
-    """The manifest of a prepared folder, or None if `folder` is not one."""
+    """The manifest of a prepared folder, or None if `folder` is not one. No manifest, no token read:
+    a folder laid out as prepare writes it (train/ or val/ with .bin shards) but without a valid
+    manifest.json is refused, never read as text files or as raw tokens."""
     path = folder / MANIFEST
     if not path.is_file():
+        if _looks_prepared(folder):
+            raise JaxdistError(
+                f"prepared folder {folder}: no {MANIFEST} beside its token shards (train/*.bin, val/*.bin), and only "
+                "it says what they are (dtype, tokenizer, token counts); restore it or re-run prepare"
+            )
         return None
     try:
         manifest = json.loads(path.read_text())
     except ValueError:
         raise JaxdistError(f"{path} is not valid JSON; re-run prepare or remove it") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        if _looks_prepared(folder):
+            raise JaxdistError(
+                f"prepared folder {folder}: its {MANIFEST} is not a jaxdist manifest (format {FORMAT!r} expected) "
+                "although the folder holds token shards; restore it or re-run prepare"
+            )
         return None
     return manifest
