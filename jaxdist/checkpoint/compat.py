@@ -44,6 +44,11 @@ FREE_KEYS = frozenset(
         # run saved under gpipe resumes under 1f1b (circular under interleaved_1f1b) as it is.
         "pipeline.schedule",
         "optim.schedule_steps",
+        # The WSD decay's placement and shape change the LR schedule only, like schedule_steps: a
+        # cool-down from any checkpoint is a resume with optim.decay_steps set (docs/optimizers.md).
+        "optim.decay_fraction",
+        "optim.decay_steps",
+        "optim.decay_shape",
         "checkpoint.every",
         "checkpoint.saves",
         "checkpoint.keep",
@@ -60,6 +65,16 @@ FREE_KEYS = frozenset(
         "data.poison_step",
     }
 )
+
+# Keys added after run folders were named: a run at their default is named as before they existed
+# (training/rundir.identity leaves them out), so the same command still finds its folder.
+OMITTED_AT_DEFAULT = {
+    "optim.name": "adamw",
+    "optim.muon_momentum": 0.95,
+    "optim.muon_nesterov": True,
+    "optim.muon_ns_steps": 5,
+    "optim.muon_scale": "match_rms_adamw",
+}
 
 
 def _path_str(path) -> str:

@@ -29,6 +29,20 @@ def resolve(cfg):
     return cfg.replace(**sections) if sections else cfg
 
 
+def decay_steps(optim, total: int, warmup: int) -> int:
+    """Steps of WSD's final decay in a `total`-step schedule: optim.decay_steps, else decay_fraction of
+    `total` (rounded down), at most what the warm-up leaves, at least 1."""
+    wanted = optim.decay_steps or math.floor(optim.decay_fraction * total)
+    return max(min(wanted, total - warmup), 1)
+
+
+def _wsd_part(o, total: int, warm: int) -> str:
+    """Where WSD's decay starts."""
+    decay = decay_steps(o, total, warm)
+    source = f"optim.decay_steps={o.decay_steps}" if o.decay_steps else f"optim.decay_fraction={o.decay_fraction:g}"
+    return f" over the last {decay} steps from step {total - decay} ({source}, {o.decay_shape})"
+
+
 def cadence_line(cfg) -> str:
     """The schedule and cadence as resolved, saying which relative setting each comes from."""
     o, t, c = cfg.optim, cfg.train, cfg.checkpoint
@@ -37,7 +51,8 @@ def cadence_line(cfg) -> str:
     parts = [
         f"schedule: {t.steps} steps, warm-up {warm}"
         + (f" (optim.warmup_fraction={o.warmup_fraction:g} of {total})" if o.warmup_fraction > 0 else "")
-        + (f", {o.schedule} decay to {o.min_lr_ratio:g} x lr" if o.schedule != "constant" else ", constant lr"),
+        + (f", {o.schedule} decay to {o.min_lr_ratio:g} x lr" if o.schedule != "constant" else ", constant lr")
+        + (_wsd_part(o, total, warm) if o.schedule == "wsd" else ""),
         (f"eval every {t.eval_every} steps" if t.eval_every else "no eval")
         + (f" (train.evals={t.evals})" if t.evals else ""),
         (f"checkpoint every {c.every} steps" if c.every else "no checkpoints")

@@ -120,11 +120,25 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+    name: Literal["adamw", "muon", "lion"] = (
+        "adamw"  # optimizer (optim/registry.py); muon: Muon on the layers' matrices, AdamW on the rest
+    )
     lr: PositiveFloat = 3e-3  # peak learning rate
     warmup_steps: NonNegative = 50  # linear warm-up from 0
     warmup_fraction: Fraction = 0.0  # > 0: warm-up is this fraction of the LR schedule's steps (replaces warmup_steps)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warm-up
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = (
+        "cosine"  # decay after warm-up; wsd: warm-up, stable at the peak, decay over the last decay_fraction
+    )
     min_lr_ratio: Fraction = 0.1  # final lr / peak lr
+    decay_fraction: Fraction = 0.2  # wsd: the final fraction of the LR schedule's steps that decays
+    decay_steps: NonNegative = 0  # wsd: > 0: the decay's length in steps (replaces decay_fraction; a cool-down)
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"  # wsd: the decay's shape (sqrt: 1 - sqrt(progress))
+    muon_momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.95  # muon: momentum of the matrices' update
+    muon_nesterov: bool = True  # muon: Nesterov momentum (torch.optim.Muon's default)
+    muon_ns_steps: Positive = 5  # muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)
+    muon_scale: Literal["match_rms_adamw", "original"] = (
+        "match_rms_adamw"  # muon: update x 0.2*sqrt(max(A,B)) (Moonlight), or x sqrt(max(1, A/B)) (Keller Jordan)
+    )
     weight_decay: NonNegativeFloat = 0.1  # AdamW decoupled decay (not on norms)
     clip_norm: NonNegativeFloat = 1.0  # global gradient-norm clip; 0 disables clipping
     b1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # AdamW first-moment decay

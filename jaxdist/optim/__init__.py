@@ -1,1 +1,2 @@
-"""The optimizer (the `optim` config section): one optax chain, clip + AdamW + schedule (adamw.py)."""
+"""The optimizer (the `optim` config section): `optim.name` -> its optax transformation (registry.py:
+AdamW, Muon, Lion), the LR schedules (adamw.py, WSD in schedules.py)."""

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.config import OptimConfig
+from jaxdist.config.relative import decay_steps as wsd_decay_steps
 from jaxdist.config.relative import warmup as warmup_of
+from jaxdist.optim import schedules
 
 
 def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
@@ -20,7 +22,8 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
 
 
 def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Schedule:
-    """Linear warmup from 0 to the peak, then cosine / linear decay to min_lr_ratio * peak, or constant."""
+    """Linear warmup from 0 to the peak, then cosine / linear decay to min_lr_ratio * peak, constant, or
+    WSD (stable at the peak, then the last decay steps down to min_lr_ratio * peak)."""
     peak = scaled_lr(cfg, global_batch)
     warmup = min(warmup_of(cfg, total_steps), max(total_steps - 1, 0))
     decay_steps = max(total_steps - warmup, 1)
@@ -29,6 +32,9 @@ def schedule(cfg: OptimConfig, total_steps: int, global_batch: int) -> optax.Sch
         after = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
     elif cfg.schedule == "linear":
         after = optax.linear_schedule(peak, end, decay_steps)
+    elif cfg.schedule == "wsd":  # the peak, then the last decay_steps(...) decay (optim/schedules.py)
+        decay = wsd_decay_steps(cfg, total_steps, warmup)
+        after = schedules.wsd(peak, end, total_steps - warmup - decay, decay, cfg.decay_shape)
     else:
         after = optax.constant_schedule(peak)
     if warmup == 0:
@@ -98,19 +104,20 @@ def make_optimizer(
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    if freeze_variance_at is None:
-        parts.append(
-            optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask_tree)
-        )
-    else:  # optax.adamw's chain with the frozen-variance scaling
-        parts.append(
-            optax.chain(
-                scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at, variance_floor),
-                optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
-                optax.scale_by_learning_rate(lr),
-            )
-        )
+    parts.append(adamw(cfg, lr, decay_mask_tree, freeze_variance_at, variance_floor))
     return optax.chain(*parts), lr
+
+
+def adamw(cfg: OptimConfig, lr, decay_mask_tree=None, freeze_variance_at: int | None = None, variance_floor=0.01):
+    """AdamW with decoupled decay on `decay_mask_tree`'s tensors (after the clip); with
+    `freeze_variance_at`, Adam's second moment frozen after that many steps."""
+    if freeze_variance_at is None:
+        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask_tree)
+    return optax.chain(  # optax.adamw's chain with the frozen-variance scaling
+        scale_by_adam_frozen_variance(cfg.b1, cfg.b2, cfg.eps, freeze_variance_at, variance_floor),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask_tree),
+        optax.scale_by_learning_rate(lr),
+    )
 
 
 def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str]:
@@ -127,12 +134,19 @@ def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str
             "decay; lower optim.warmup_steps or set optim.schedule_steps"
         )
     changes = changes or {}
+    cooled = [k for k in ("optim.decay_steps", "optim.decay_fraction", "optim.decay_shape") if k in changes]
+    if start and o.schedule == "wsd" and cooled:
+        decay = wsd_decay_steps(o, total, min(warmup_of(o, total), max(total - 1, 0)))
+        notes.append(
+            f"note: {', '.join(cooled)} changed: the LR now decays ({o.decay_shape}) over steps "
+            f"{total - decay}..{total} to {o.min_lr_ratio:g} x its peak"
+        )
     if start and ("train.steps" in changes or "optim.schedule_steps" in changes):
         steps = changes.get("train.steps", (cfg.train.steps,) * 2)[0]
         pinned = changes.get("optim.schedule_steps", (o.schedule_steps,) * 2)[0]
         before = pinned or steps
-        if before != total:
-            old, new = (float(schedule(o, n, cfg.train.global_batch)(start)) for n in (before, total))
+        old, new = (float(schedule(o, n, cfg.train.global_batch)(start)) for n in (before, total))
+        if before != total and (old != new or o.schedule != "wsd"):  # WSD's stable phase continues unchanged
             notes.append(
                 f"note: the LR schedule now spans {total} steps instead of {before}: from step {start} on "
                 f"the LR follows the new schedule ({old:.3g} -> {new:.3g} at step {start}); pass "

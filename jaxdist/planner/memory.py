@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.adapters import quant
+from jaxdist.optim import registry as optimizers
 from jaxdist.parallel.loss import block_rows
 from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora, residuals
@@ -119,10 +120,18 @@ def trained_bytes(lay: Layout) -> float:
     return lora.adapter_bytes(lay) if lora.enabled(lay) else stored_bytes(lay)
 
 
+def state_bytes(lay: Layout) -> float:
+    """The optimizer's float32 state on one device, sharded like the trained parameters: per entry of
+    each trained tensor as many values as `optim.name`'s entry keeps there (jaxdist.optim.registry:
+    AdamW mu and nu; Muon one momentum on the layers' matrices, mu and nu elsewhere; Lion one)."""
+    floats = optimizers.entry(lay.cfg.optim).state_floats
+    groups = lora.adapter_groups(lay) if lora.enabled(lay) else param_table(lay.cfg.model)
+    return sum(floats(g.path, g.names) * g.size * PARAM_BYTES / lay.shards(g) for g in groups)
+
+
 def optimizer_bytes(lay: Layout) -> float:
-    """AdamW mu and nu (float32, sharded like the trained parameters) plus its and the schedule's step
-    counters."""
-    return 2 * trained_bytes(lay) + 2 * 4
+    """The optimizer's state (state_bytes) plus its and the schedule's int32 step counters."""
+    return state_bytes(lay) + optimizers.entry(lay.cfg.optim).counters * 4
 
 
 def grad_bytes(lay: Layout) -> float:
@@ -377,8 +386,9 @@ def moment_copy_bytes(lay: Layout) -> float:
     without the guard). Read from the buffer assignments and heap traces: every mu copy and most nu
     copies sit in the temp allocation (a few go into a donated buffer already copied out), the
     embedding's and head's too (at V=8192: 3-4 MB of the 7.0-7.4 MB of copies at the loss's peak), so
-    both moments of every parameter are counted, in both of compiled_temp_bytes's branches."""
-    return 2 * trained_bytes(lay)
+    both moments of every parameter are counted, in both of compiled_temp_bytes's branches (another
+    optim.name: its state, state_bytes)."""
+    return state_bytes(lay)
 
 
 def ring_block_bytes(lay: Layout) -> float:

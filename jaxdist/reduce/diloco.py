@@ -1,7 +1,7 @@
 """DiLoCo (Douillard et al. 2023): replicas train locally for H steps, then take one outer step.
 
 `reduce.method=diloco`. Each data-parallel replica keeps its own parameters and inner optimizer
-(AdamW from `optim.*`, with its schedule and clipping) and trains on its own rows only; every
+(`optim.name`'s optimizer, AdamW by default, with its schedule and clipping) and trains on its own rows only; every
 `reduce.sync_every` (H) steps, and at the run's last step (`syncs`), the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
 or through a codec (`reduce.outer_codec=int8|topk`, with error feedback) — and the outer optimizer,
 Nesterov SGD (`reduce.outer_lr`, `reduce.outer_momentum`), moves θ_outer; every replica restarts from it.
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.models.resolve import ResolvedModel
-from jaxdist.optim.adamw import decay_mask, make_optimizer
+from jaxdist.optim import registry as optimizers
 from jaxdist.reduce import explicit
 from jaxdist.reduce.gradients import GradientStage, accumulate_gradients
 
@@ -53,9 +53,7 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, ex
     """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.outer_codec`)."""
     r, axis = cfg.reduce, cfg.reduce.axis
     replicas, H = mesh.shape[axis], r.sync_every
-    inner_tx, _ = make_optimizer(
-        cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas, decay_mask(model.names)
-    )
+    inner_tx, _ = optimizers.make(cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas, model.names)
     outer_lr, mu = r.outer_lr, r.outer_momentum
 
     def per_replica(outer, tokens, state: DilocoState, step):
@@ -104,9 +102,7 @@ def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, ex
     def state_specs(param_specs):
         is_spec = lambda x: isinstance(x, P)
         inner_abstract = jax.eval_shape(inner_tx.init, model.abstract)
-        inner = optax.tree_map_params(
-            inner_tx, lambda _, s: s, inner_abstract, param_specs, transform_non_params=lambda _: P(), is_leaf=is_spec
-        )
+        inner = optimizers.state_specs(cfg.optim, inner_tx, inner_abstract, param_specs)
         local = DilocoState(
             params=param_specs, inner=inner, momentum=param_specs, codec=exchange.state_specs(param_specs)
         )

@@ -58,6 +58,9 @@ class Method:
     phases: Callable[[Config], list] | None = None
     checks: Callable[[Config, Mesh], None] = _no_checks  # one-line errors for what it cannot do on (cfg, mesh)
     variant: Callable[[Config], Method] | None = None  # another entry that a knob of this method switches to
+    # optim.name's optimizer applies (DiLoCo: as the inner optimizer); False: `optimizer` is the method's
+    # own update rule (DGC, DeMo), which replaces AdamW and refuses any other optim.name
+    takes_optim: bool = True
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,6 +112,7 @@ DGC = Method(  # reduce.method=topk with reduce.dgc on (its default): momentum c
     "topk",
     lambda apply_fn, cfg, mesh, model: dgc.dgc_gradients(apply_fn, cfg, mesh, model),
     optimizer=dgc.optimizer,  # the stage returns DGC's summed sparse update, clipped per replica
+    takes_optim=False,
     replica_reducer=dgc.reducer,
     warms_up=True,
     phases=_dgc_phases,
@@ -153,6 +157,7 @@ METHODS: dict[str, Method] = {
             "demo",
             lambda apply_fn, cfg, mesh, model: demo.demo_gradients(apply_fn, cfg, mesh, model),
             optimizer=demo.optimizer,  # the stage returns DeMo's sign update: the step applies LR and decay
+            takes_optim=False,
         ),
     )
 }
@@ -201,6 +206,12 @@ def check(cfg: Config, mesh: Mesh) -> None:
         raise JaxdistError(
             f"offload.params=host is not supported with reduce.method={cfg.reduce.method} (its per-replica "
             "gradient stage keeps parameters on the device); use reduce.method=implicit or offload.params=none"
+        )
+    if not m.takes_optim and cfg.optim.name != "adamw":
+        raise JaxdistError(
+            f"optim.name={cfg.optim.name} with reduce.method={cfg.reduce.method}: that method applies its own "
+            f"update rule ({'DGC' if m is DGC else 'DeMo'}), not the optimizer; use optim.name=adamw, or "
+            "reduce.method=dense, int8, powersgd, diloco or topk with reduce.dgc=off"
         )
     m.checks(cfg, mesh)
 

@@ -51,9 +51,10 @@ def identity(cfg, restore: str | None = None) -> str:
     """8 hex digits naming what a run computes: the resolved config without the keys a resume may
     change, and where it starts from."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.checkpoint.compat import FREE_KEYS, flat
+    from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, flat
 
-    kept = {k: v for k, v in sorted(flat(cfg.to_dict()).items()) if k not in FREE_KEYS}
+    unnamed = lambda k, v: k in FREE_KEYS or (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])
+    kept = {k: v for k, v in sorted(flat(cfg.to_dict()).items()) if not unnamed(k, v)}
     text = json.dumps({"config": kept, "restore": restore or ""}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 

@@ -29,7 +29,8 @@ from jaxdist.distributed.mesh import axis_size, check_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.models.attention import document_segments
 from jaxdist.models.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
-from jaxdist.optim.adamw import decay_mask, make_optimizer
+from jaxdist.optim import registry as optimizers
+from jaxdist.optim.adamw import decay_mask
 from jaxdist.parallel import context, pipeline
 from jaxdist.parallel import moe as moe_parallel
 from jaxdist.reduce import registry
@@ -207,13 +208,13 @@ def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None =
 
 
 def optimizer(cfg: Config, mesh: Mesh, model: ResolvedModel, method: registry.Method):
-    """(tx, lr schedule): clip + AdamW, or what `method` applies instead (DiLoCo's outer move, DGC's and
+    """(tx, lr schedule): clip + `optim.name`'s optimizer (jaxdist.optim.registry), or what `method` applies instead (DiLoCo's outer move, DGC's and
     DeMo's LR and decay on the update their stage returns)."""
-    tx, lr_schedule = make_optimizer(
+    tx, lr_schedule = optimizers.make(
         cfg.optim,
         cfg.optim.schedule_steps or cfg.train.steps,
         cfg.train.global_batch,
-        decay_mask(trained_part(cfg, model.names)),
+        trained_part(cfg, model.names),
         registry.variance_freeze_step(cfg, mesh),
         cfg.reduce.variance_floor,
     )
@@ -226,11 +227,8 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     """(TrainState of NamedShardings, the optimizer state's on-device shardings). Optimizer state is
     sharded like its parameters; offload.optimizer=host / offload.params=host keep it / the parameters
     in pinned host memory between steps."""
-    is_spec = lambda x: isinstance(x, P)
     trained = trained_part(cfg, model.specs)  # LoRA: optimizer and reducer state cover the adapters only
-    opt_specs = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_state.opt_state, trained, transform_non_params=lambda _: P(), is_leaf=is_spec
-    )
+    opt_specs = optimizers.state_specs(cfg.optim, tx, abstract_state.opt_state, trained)
     specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(trained), P())
     shardings = sharding.named(mesh, specs)
     on_device = {"opt_state": shardings.opt_state, "params": shardings.params}

@@ -1,0 +1,140 @@
+"""Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training"): orthogonalised
+momentum on the layers' weight matrices, AdamW on everything else.
+
+Per matrix W (fan_in A × fan_out B; a stacked layer, expert or pipeline stage is a separate matrix):
+
+    M ← M + (1 − μ)(G − M)                       momentum (torch's `buf.lerp_(grad, 1 − μ)`)
+    U = G + μ(M − G)  (Nesterov; else U = M)
+    O = NS₅(U / max(‖U‖_F, 1e-7))                 5 quintic Newton–Schulz steps, (a, b, c) = (3.4445, −4.7750, 2.0315)
+    W ← W − lr·(s·O + wd·W)                       s = 0.2·√max(A, B) (match_rms_adamw) or √max(1, B/A) (original)
+
+This is `torch.optim.Muon` step for step (its `weight` is (out, in) = Wᵀ, and NS(Xᵀ) = NS(X)ᵀ;
+tests/test_optimizers.py checks it against a fixture torch made, scripts/make_muon_fixture.py); torch
+runs NS in bfloat16, this in the parameters' float32. Which tensors are matrices is read from their
+logical axis names (`matrix_axes`): embeddings, head, norms, biases and the MoE router go to AdamW.
+
+Not `optax.contrib.muon` (0.2.8), checked: its Nesterov term bias-corrects the momentum and the
+gradient by different factors (another direction than torch's from step 2 on), its non-matrix branch
+is NAdam with Muon's eps and no weight decay rather than jaxdist's AdamW, and its partition state is
+not what `optax.tree_map_params` can shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
+NS_EPS = 1e-7  # the norm is clamped at this before NS (torch.optim.Muon's eps)
+RMS = 0.2  # match_rms_adamw: the update's RMS ≈ AdamW's (Moonlight)
+STACKED = ("layers", "stage", "expert")  # leading axes of independent matrices
+HEADS = ("heads", "kv_heads")  # (heads, head_dim) is one side of a projection matrix
+
+
+def path_key(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def matrix_axes(key: str, names: tuple) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(stacked, fan-in, fan-out) axis indices of a tensor Muon takes, or None (it goes to AdamW).
+
+    A Muon matrix has exactly two sides once the stacked axes are set aside, (heads, head_dim) being
+    one side; neither side is the vocabulary (embedding, head), and it is not the MoE router (whose
+    expert axis has no logical name)."""
+    if None in names or "router" in key:
+        return None
+    stacked, sides = [], []
+    for i, n in enumerate(names):
+        if n in STACKED:
+            stacked.append(i)
+        elif n == "head_dim" and sides and names[sides[-1][-1]] in HEADS:
+            sides[-1].append(i)
+        else:
+            sides.append([i])
+    if len(sides) != 2 or any(names[i] == "vocab" for side in sides for i in side):
+        return None
+    return tuple(stacked), tuple(sides[0]), tuple(sides[1])
+
+
+def labels(names_tree) -> dict:
+    """'muon' or 'adamw' per tensor of a params-shaped tree of logical names."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, n: "muon" if matrix_axes(path_key(p), n) else "adamw",
+        names_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def update_scale(fan_in: int, fan_out: int, scale: str) -> float:
+    """The factor on the orthogonalised update (torch's `adjust_lr_fn`, with A, B = out, in)."""
+    if scale == "match_rms_adamw":
+        return RMS * math.sqrt(max(fan_in, fan_out))
+    return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def newton_schulz(x_AB, steps: int, coeffs=NS_COEFFS, eps: float = NS_EPS):
+    """≈ U Vᵀ of x = U S Vᵀ by `steps` quintic iterations, in x's dtype (torch's `_zeropower_via_newtonschulz`)."""
+    a, b, c = coeffs
+    tall = x_AB.shape[0] > x_AB.shape[1]
+    x = x_AB.T if tall else x_AB
+    x = x / jnp.maximum(jnp.linalg.norm(x), eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def orthogonalize(x, axes, steps: int, scale: str):
+    """Each matrix of `x` (stacked axes batched) orthogonalised and scaled, in `x`'s layout."""
+    stacked, fan_in, fan_out = axes
+    order = stacked + fan_in + fan_out
+    size = lambda idx: math.prod(x.shape[i] for i in idx)
+    flat = x.transpose(order).reshape(size(stacked), size(fan_in), size(fan_out))
+    o = jax.vmap(lambda m: newton_schulz(m, steps))(flat) * update_scale(size(fan_in), size(fan_out), scale)
+    return o.reshape([x.shape[i] for i in order]).transpose([order.index(i) for i in range(x.ndim)])
+
+
+class MuonState(NamedTuple):
+    mu: optax.Updates  # the momentum, one float32 per matrix entry
+
+
+def scale_by_muon(
+    axes_by_key: dict, momentum: float, nesterov: bool, steps: int, scale: str
+) -> optax.GradientTransformation:
+    """Momentum, Nesterov, Newton–Schulz and the update scale on the tensors `axes_by_key` names (the
+    others are optax.MaskedNode under optax.partition and pass untouched)."""
+
+    def init(params):
+        return MuonState(mu=jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params=None):
+        mu = jax.tree.map(lambda m, g: m + (1 - momentum) * (g - m), state.mu, grads)
+        u = jax.tree.map(lambda g, m: g + momentum * (m - g), grads, mu) if nesterov else mu
+        out = jax.tree_util.tree_map_with_path(lambda p, x: orthogonalize(x, axes_by_key[path_key(p)], steps, scale), u)
+        return out, MuonState(mu=mu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def muon(cfg, lr_schedule, names_tree, adamw: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Muon (decoupled weight decay, the LR schedule) on the matrices of `names_tree`, `adamw` on the rest."""
+    axes = {
+        path_key(p): matrix_axes(path_key(p), n)
+        for p, n in jax.tree_util.tree_flatten_with_path(names_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+    }
+    matrices = optax.chain(
+        scale_by_muon(
+            {k: a for k, a in axes.items() if a},
+            cfg.muon_momentum,
+            cfg.muon_nesterov,
+            cfg.muon_ns_steps,
+            cfg.muon_scale,
+        ),
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(lr_schedule),
+    )
+    return optax.partition({"muon": matrices, "adamw": adamw}, labels(names_tree))
