@@ -64,7 +64,7 @@ def test_metrics_are_read_one_step_late_and_eval_steps_at_once():
         record=lambda i, m, final=False, evaluate=None: recorded.append((i, final, evaluate() if evaluate else None))
     )
     evaluations = []
-    metrics = hooks.Metrics(progress, lambda params: evaluations.append(params) or len(evaluations), eval_every=3)
+    metrics = hooks.Metrics(progress, lambda state: evaluations.append(state.params) or len(evaluations), eval_every=3)
     batches = hooks.Batches(Loader(range(100, 110)), first=99)
     seen = []
 

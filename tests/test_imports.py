@@ -79,6 +79,7 @@ LAYERS = [
     ("models",),
     ("optim",),
     ("reduce",),
+    ("objectives",),
     ("checkpoint",),
     ("hf",),
     ("planner",),

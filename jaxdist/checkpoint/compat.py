@@ -74,6 +74,8 @@ OMITTED_AT_DEFAULT = {
     "optim.muon_nesterov": True,
     "optim.muon_ns_steps": 5,
     "optim.muon_scale": "match_rms_adamw",
+    "objective.method": "lm",
+    "objective.beta": 0.1,
 }
 
 

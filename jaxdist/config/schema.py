@@ -248,6 +248,14 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    method: Literal["lm", "dpo"] = (
+        "lm"  # lm: next-token cross-entropy; dpo: preference pairs from prepare --preference (docs/post-training.md)
+    )
+    beta: PositiveFloat = 0.1  # dpo: strength of the implicit KL to the reference (TRL's beta)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -259,6 +267,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

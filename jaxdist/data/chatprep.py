@@ -43,22 +43,29 @@ REPORT_LINES = 10  # skipped lines named in the log (all of them are in skipped.
 
 
 def check_args(args, files: list[str]) -> None:
-    """Flag combinations, before anything is read or written."""
+    """Flag combinations, before anything is read or written (`--chat`, and `--preference`, which shares
+    its flags but --loss-on)."""
     chat_flags = ("seq_len", "loss_on", "on_error", "chat_template")
-    if not args.chat:
+    kind = "--preference" if getattr(args, "preference", False) else "--chat" if args.chat else None
+    if args.chat and kind == "--preference":
+        raise JaxdistError("--chat and --preference exclude each other; give one")
+    if kind is None:
         given = [f"--{f.replace('_', '-')}" for f in chat_flags if getattr(args, f) is not None]
         if given:
-            raise JaxdistError(f"{', '.join(given)} only apply to chat data; add --chat")
+            raise JaxdistError(f"{', '.join(given)} only apply to chat or preference data; add --chat or --preference")
         return
+    if kind == "--preference" and args.loss_on is not None:
+        raise JaxdistError("--loss-on does not apply to --preference (only completion tokens are trained on); drop it")
+    what = "conversations" if kind == "--chat" else "preference pairs"
     if not args.tokenizer:
-        raise JaxdistError("--chat needs the model's tokenizer folder (--tokenizer HF_DIR), not --train-tokenizer")
+        raise JaxdistError(f"{kind} needs the model's tokenizer folder (--tokenizer HF_DIR), not --train-tokenizer")
     if not args.inputs:
-        raise JaxdistError("--chat needs JSONL input files of conversations")
+        raise JaxdistError(f"{kind} needs JSONL input files of {what}")
     if args.seq_len is None or args.seq_len < 2:
-        raise JaxdistError("--chat needs --seq-len N (the model.seq_len you will train with, >= 2)")
+        raise JaxdistError(f"{kind} needs --seq-len N (the model.seq_len you will train with, >= 2)")
     not_jsonl = [f for f in files if file_format(f, args.format) != "jsonl"]
     if not_jsonl:
-        raise JaxdistError(f"--chat reads JSONL conversations; {not_jsonl[0]} is not .jsonl (or pass --format jsonl)")
+        raise JaxdistError(f"{kind} reads JSONL {what}; {not_jsonl[0]} is not .jsonl (or pass --format jsonl)")
 
 
 class Packer:

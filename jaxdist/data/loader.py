@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.data import tokenizer
+from jaxdist.data import prefprep, tokenizer
 from jaxdist.data.corpus import check_prepared
 from jaxdist.data.files import expand_path, stdlib_files
 from jaxdist.data.loss_mask import Masked
@@ -148,11 +148,13 @@ def check_vocab(files: list[str], arrays: list[np.ndarray], vocab_size: int, chu
 
 class Windows:
     """Random access to non-overlapping windows of `length` tokens (input + shifted target share one)
-    over a list of 1-D token arrays; windows never straddle two arrays."""
+    over a list of 1-D token arrays; windows never straddle two arrays. `records=True`: the arrays hold
+    whole records of `length` tokens (preference pairs), read back to back with no shared token."""
 
-    def __init__(self, arrays: list[np.ndarray], length: int):
+    def __init__(self, arrays: list[np.ndarray], length: int, records: bool = False):
         self.arrays, self.length = arrays, length
-        per = [max((len(a) - 1) // (length - 1), 0) for a in arrays]
+        self.stride = length if records else length - 1
+        per = [max((len(a) - (length - self.stride)) // self.stride, 0) for a in arrays]
         self.offsets = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
 
     def __len__(self) -> int:
@@ -160,7 +162,7 @@ class Windows:
 
     def __getitem__(self, i: int) -> np.ndarray:
         k = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        start = (int(i) - int(self.offsets[k])) * (self.length - 1)
+        start = (int(i) - int(self.offsets[k])) * self.stride
         return np.asarray(self.arrays[k][start : start + self.length], dtype=np.int32)
 
 
@@ -198,30 +200,50 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
         files = [str(folder / f) for f in manifest["splits"][name]["files"]]
         arrays.append(read_tokens(files, manifest["dtype"]))
         check_vocab(files, arrays[-1], cfg.model.vocab_size)
-    if "chat" in manifest:  # conversations packed into windows, with a loss mask (jaxdist/data/chatprep.py)
+    check_pairs(cfg, manifest, folder)
+    if "chat" in manifest or "preference" in manifest:  # with a loss mask (data/chatprep.py, data/prefprep.py)
         arrays = chat_arrays(cfg, manifest, folder, arrays)
     return arrays[0], arrays[1]
+
+
+def check_pairs(cfg: Config, manifest: dict, folder: Path) -> None:
+    """Preference pairs (prepare --preference) train under a pairwise objective, and only they."""
+    pairs = "preference" in manifest
+    if pairs and not prefprep.paired(cfg):
+        raise JaxdistError(
+            f"{folder} holds preference pairs (prepare --preference) but objective.method={cfg.objective.method}; "
+            f"set objective.method to one of {', '.join(prefprep.PAIRED)}"
+        )
+    if not pairs and prefprep.paired(cfg):
+        raise JaxdistError(
+            f"objective.method={cfg.objective.method} trains on preference pairs but {folder} holds none; "
+            "prepare them with python -m jaxdist.data prepare --preference"
+        )
 
 
 def chat_arrays(cfg: Config, manifest: dict, folder: Path, arrays: list[list[np.ndarray]]) -> list[list]:
     """Each split's token shards joined with their loss masks (`jaxdist.data.loss_mask.Masked`); the windows
     must be the ones the conversations were packed into."""
-    seq_len = manifest["chat"]["seq_len"]
-    if not cfg.data.document_mask:  # packed conversations would attend to each other: a silently other model
+    kind = "chat" if "chat" in manifest else "preference"
+    seq_len = manifest[kind]["seq_len"]
+    if kind == "chat" and not cfg.data.document_mask:  # packed conversations would attend to each other
         raise JaxdistError(
             f"{folder} holds chat conversations packed several to a window; set data.document_mask=true so "
             "each attends only to itself (without it, attention crosses conversations)"
         )
     if cfg.model.seq_len != seq_len:
+        what = "packs conversations into windows" if kind == "chat" else "holds preference rows"
         raise JaxdistError(
-            f"{folder} packs conversations into windows of {seq_len} tokens but model.seq_len="
-            f"{cfg.model.seq_len}; set model.seq_len={seq_len} or re-run prepare --chat --seq-len {cfg.model.seq_len}"
+            f"{folder} {what} of {seq_len} tokens but model.seq_len="
+            f"{cfg.model.seq_len}; set model.seq_len={seq_len} or re-run prepare --{kind} --seq-len {cfg.model.seq_len}"
         )
     out = []
     for name, split in zip(("train", "val"), arrays):
         masks = check_masks(folder, name, manifest["splits"][name])
         if [len(m) for m in masks] != [len(a) for a in split]:
-            raise JaxdistError(f"{folder}/{name}: the .mask files do not match the token files; re-run prepare --chat")
+            raise JaxdistError(
+                f"{folder}/{name}: the .mask files do not match the token files; re-run prepare --{kind}"
+            )
         out.append([Masked(a, m) for a, m in zip(split, masks)])
     return out
 
@@ -287,7 +309,13 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     """(train, eval) window sources; eval is a prepared folder's val/ split (maybe empty), else the
     tail `data.eval_fraction` of the stream. Their `label`s say what was read."""
     cfg = resolve_token_dtype(cfg)
-    d, length = cfg.data, cfg.model.seq_len + 1
+    d, length = cfg.data, row_width(cfg)
+    records = prefprep.paired(cfg)
+    if records and d.source != "tokens":
+        raise JaxdistError(
+            f"objective.method={cfg.objective.method} trains on preference pairs: set data.source=tokens and "
+            "data.path to a folder made by python -m jaxdist.data prepare --preference"
+        )
     held_out: list[np.ndarray] | None = None
     if d.source == "text":
         if cfg.model.vocab_size < 256 and not d.tokenizer:
@@ -305,7 +333,7 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
             what = f"{len(files):,} text files ({where}), byte tokens"
     else:
         arrays, held_out, what = token_arrays(cfg)
-    windows = Windows(arrays, length)
+    windows = Windows(arrays, length, records)
     n = len(windows)
     n_eval = 0 if held_out is not None else int(n * d.eval_fraction)
     if n - n_eval < 1:
@@ -315,11 +343,16 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
             f"{length}; add data or lower model.seq_len"
         )
     if held_out is not None:  # a prepared folder: its val/ split, however small (no fallback)
-        val = Windows(held_out, length)
+        val = Windows(held_out, length, records)
         tokens = sum(len(a) for a in held_out)
         return Subset(windows, 0, n, what), Subset(val, 0, len(val), f"the val/ split, {tokens:,} tokens")
     tail = f"the last {d.eval_fraction:.3%} of the stream, data.eval_fraction".replace(".000%", "%")
     return Subset(windows, 0, n - n_eval, what), Subset(windows, n - n_eval, n, tail)
+
+
+def row_width(cfg: Config) -> int:
+    """Tokens in one batch row: a window of model.seq_len + 1, or a preference pair's two of them."""
+    return prefprep.record_length(cfg.model.seq_len) if prefprep.paired(cfg) else cfg.model.seq_len + 1
 
 
 def local_rows(sharding: jax.sharding.Sharding, global_batch: int, width: int) -> tuple[int, int]:
@@ -372,7 +405,7 @@ class Loader:
 
     def __init__(self, cfg: Config, batch_sharding: jax.sharding.NamedSharding):
         self.sharding = batch_sharding
-        self.global_shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+        self.global_shape = (cfg.train.global_batch, row_width(cfg))
         self.rows = local_rows(batch_sharding, *self.global_shape)
         self.train, self.held_out = load_windows(cfg)
         dataset = batches(

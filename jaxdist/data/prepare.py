@@ -6,7 +6,7 @@
 Output folder: `train/NNNNNN.bin`, `val/NNNNNN.bin` (uint16 when the vocabulary fits, else uint32),
 the tokenizer files, and `manifest.json` (dtype, vocab size, BOS/EOS ids, tokenizer sha256, token and
 document counts). `data.path=DIR` trains on `train/` and evaluates on `val/`. `--chat`: conversations
-with a loss mask (jaxdist/data/chatprep.py).
+with a loss mask (jaxdist/data/chatprep.py); `--preference`: preference pairs (jaxdist/data/prefprep.py).
 
 Documents: a plain-text file is one document; a JSONL line or a Parquet row is one (its `--field`).
 Each is encoded `[BOS] tokens EOS` by the tokenizer's rule (jaxdist/data/tokenizer.py). The held-out split
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxdist.data import chatprep
+from jaxdist.data import chatprep, prefprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
 from jaxdist.data.shards import FORMAT, MANIFEST, ShardWriter, check_out, remove_stale, replace_folder
@@ -94,6 +94,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c.add_argument("--loss-on", choices=("assistant", "all"), help="tokens trained on (default assistant)")
     c.add_argument("--on-error", choices=("skip", "stop"), help="a bad line: skip it and count (default), or stop")
     c.add_argument("--chat-template", metavar="FILE", help="a Jinja template instead of the tokenizer's own")
+    c.add_argument(
+        "--preference",
+        action="store_true",
+        help='JSONL pairs {"prompt", "chosen", "rejected"} for objective.method=dpo (jaxdist/data/prefprep.py)',
+    )
     return q.parse_intermixed_args(argv[1:])
 
 
@@ -196,6 +201,8 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             tokenizer_mod.copy_files(tok, tmp)
         if args.chat:  # conversations -> windows of tokens + loss mask
             manifest = chatprep.encode_chat(args, files, total_bytes, dtype, tmp, log, is_held_out)
+        elif args.preference:  # preference pairs -> records of a chosen and a rejected row + loss mask
+            manifest = prefprep.encode_preference(args, files, total_bytes, dtype, tmp, log, is_held_out)
         else:
             manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
         if manifest["splits"]["train"]["documents"] == 0:

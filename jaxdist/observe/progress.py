@@ -191,7 +191,11 @@ class Progress:
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait
                 self.restart_clock()
         if evaluate is not None:
-            self.eval_loss = record["eval_loss"] = evaluate()
+            result = evaluate()  # the eval loss, or a dict of it ("loss") and an objective's statistics
+            if isinstance(result, dict):
+                record.update({f"eval_{k}": v for k, v in result.items() if k != "loss"})
+                result = result["loss"]
+            self.eval_loss = record["eval_loss"] = result
             self.restart_clock()
             if not self.plain:
                 self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}")

@@ -106,9 +106,9 @@ class Metrics(Hook):
         if self.pending is not None:
             self.progress.record(*self.pending)
             self.pending = None
-        due, params = self.eval_due(end), end.state.params
+        due, state = self.eval_due(end), end.state
         self.progress.record(
-            end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(params)) if due else None
+            end.index, end.metrics, final=end.last, evaluate=(lambda: self.evaluate(state)) if due else None
         )
         self.flushed = end.index
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxdist import checkpoint
+from jaxdist.errors import JaxdistError
 
 
 def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, is_main: bool, log):
@@ -23,6 +24,14 @@ def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, i
 
         restored = tensors.restore_for_training(restore[3:], prog, cfg)
     elif resuming or restore:
+        # deferred: jax loads on first use, not when python -m jaxdist.train starts
+        from jaxdist.objectives import registry as objectives
+
+        if restore and not resuming and not cfg.checkpoint.params_only and not objectives.is_default(cfg):
+            raise JaxdistError(
+                f"objective.method={cfg.objective.method} starts from a model's weights with a fresh optimizer: "
+                f"add checkpoint.params_only=true to --restore {restore}"
+            )
         if resuming and restore and is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(
@@ -35,7 +44,27 @@ def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, i
             allowed=allowed,
             drift=resuming,
         )
+    if restored is not None and not resuming and not from_hf:
+        restored.state = with_reference(cfg, prog, restored.state)
     return resuming, from_hf, restored
+
+
+def with_reference(cfg, prog, state):
+    """A restored model's state whose frozen reference (a preference objective without LoRA keeps a copy of
+    the parameters in the stage's state) is those parameters, not the fresh initialisation's."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.objectives import registry as objectives
+
+    if not objectives.keeps_reference_copy(cfg):
+        return state
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=prog.state_shardings.reducer_state)
+    with prog.activate():
+        return dataclasses.replace(state, reducer_state=copy(state.params))
 
 
 def after_restore(s, run_dir: Path, restored, resuming: bool, from_hf: bool, start: int) -> None:

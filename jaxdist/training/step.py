@@ -29,6 +29,7 @@ from jaxdist.distributed.mesh import axis_size, check_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.models.attention import document_segments
 from jaxdist.models.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
+from jaxdist.objectives import registry as objectives
 from jaxdist.optim import registry as optimizers
 from jaxdist.optim.adamw import decay_mask
 from jaxdist.parallel import context, pipeline
@@ -69,7 +70,7 @@ class Program:
     init_state: Callable  # (seed) -> TrainState, created directly in its shards
     state_from_params: Callable  # float params (LoRA: may lack adapters, e.g. an imported base) -> step-0 TrainState
     train_step: Callable  # (state, tokens) -> (state, metrics)
-    eval_step: Callable  # (params, tokens) -> (loss_sum, count)
+    eval_step: Callable  # (params, tokens) -> (loss_sum, count); pair objectives: (params, reducer_state, tokens) -> (loss_sum, pairs, stats)
     abstract_state: TrainState
     apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; features=True: loss.Head; pipelined when pp > 1 (then trace it under jax.set_mesh)
     model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
@@ -113,7 +114,10 @@ def build_program(
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
     apply_fn = model_apply(cfg, model, order_T, eos_id)
     method = registry.resolve(cfg, mesh, model)  # the one place reduce.method is decided
-    stage = (gradient_stage or method.stage)(apply_fn, cfg, mesh, model)
+    if objectives.is_default(cfg):
+        stage = (gradient_stage or method.stage)(apply_fn, cfg, mesh, model)
+    else:  # a preference objective: its own stage (pairs in one forward, the frozen reference)
+        stage = objectives.stage(apply_fn, cfg)
     tx, lr_schedule = optimizer(cfg, mesh, model, method)
 
     def state_from_params(params):
@@ -148,7 +152,14 @@ def build_program(
     jit_train = jax.jit(
         train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
     )
-    jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
+    if objectives.is_default(cfg):
+        jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
+    else:
+        jit_eval = jax.jit(
+            objectives.eval_step(apply_fn, cfg),
+            in_shardings=(shardings.params, shardings.reducer_state, batch_sharding),
+            out_shardings=scalar,
+        )
     return Program(
         cfg=cfg,
         mesh=mesh,
@@ -180,6 +191,7 @@ def check(cfg: Config, mesh: Mesh, rules) -> None:
     lora_checks.check(cfg, mesh, rules)
     offload.check(cfg, mesh)
     registry.check(cfg, mesh)
+    objectives.check(cfg, mesh)
 
 
 def trained_part(cfg: Config, tree):

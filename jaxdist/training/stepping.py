@@ -34,10 +34,19 @@ def train(s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, fi
     """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
     plot or why there is none). The plot is drawn however the loop ends."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    import jax
+
+    from jaxdist.objectives import registry as objectives
     from jaxdist.observe import metrics, profiling
 
-    def evaluate(params) -> float:
-        sums = [s.prog.eval_step(params, b) for b in eval_arrays]
+    def evaluate(state) -> float | dict:
+        """The held-out loss; a preference objective's also its statistics ({"loss": ..., "rewards/...": ...})."""
+        if not objectives.is_default(s.cfg):
+            sums = jax.device_get([s.prog.eval_step(state.params, state.reducer_state, b) for b in eval_arrays])
+            pairs = sum(float(c) for _, c, _ in sums)
+            stats = {k: sum(float(st[k]) for _, _, st in sums) / pairs for k in sums[0][2]}
+            return {"loss": sum(float(x) for x, _, _ in sums) / pairs, **stats}
+        sums = [s.prog.eval_step(state.params, b) for b in eval_arrays]
         return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
 
     stopper.training = True

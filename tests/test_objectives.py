@@ -1,0 +1,251 @@
+"""Preference objectives (jaxdist/objectives): agreement with TRL, the reference, equivalence, data, errors.
+
+- DPO's loss, TRL's metrics and the gradients of the norm, head and embedding equal a real
+  `trl.DPOTrainer`'s on the tiny Llama fixture (`tests/fixtures/trl/`, made by scripts/make_trl_fixture.py);
+- with the reference equal to the policy the loss is ln 2 (and the rewards 0);
+- fsdp=4,tp=2 with 2 micro-batches equals one device without accumulation (loss, metrics, gradients);
+- LoRA's reference is the base with the adapters off: a fresh adapter (B = 0) gives ln 2 too;
+- `objective.method=lm` keeps the default run name's hash; prepare --preference keeps pairs whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import MICRO_MODEL
+
+from jaxdist import config
+from jaxdist.config import Config
+from jaxdist.config.schema import ObjectiveConfig
+from jaxdist.data import loss_mask, prefprep
+from jaxdist.data import prepare as prepare_mod
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.errors import JaxdistError
+from jaxdist.hf import mapping
+from jaxdist.hf import tensors as hf_tensors
+from jaxdist.objectives import registry
+from jaxdist.training import rundir, step
+
+REPO = Path(__file__).resolve().parent.parent
+HF = REPO / "tests" / "fixtures" / "hf_llama"
+TRL = REPO / "tests" / "fixtures" / "trl"
+QWEN = REPO / "tests" / "fixtures" / "chat" / "qwen"
+TOL = 1e-5
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def records(fx) -> np.ndarray:
+    return loss_mask.encode(fx["records"], fx["masks"])
+
+
+@pytest.fixture(scope="module")
+def trl_setup():
+    """The fixture policy and reference imported on one device, and the DPO stage's (loss, grads, metrics)
+    function compiled once (the reference passed as the stage's state)."""
+    fx = np.load(TRL / "dpo.npz")
+    mesh_text = "dp=1"
+    devices = jax.devices()[:1]
+    cfg = mapping.hf_config(None, ["objective.method=dpo", "objective.beta=0.1"], HF, mesh_text)
+    mesh = mesh_from_string(mesh_text, devices)
+    policy, model = hf_tensors.import_params(HF, cfg, mesh)
+    reference, _ = hf_tensors.import_params(TRL / "reference", cfg, mesh)
+    stage = registry.stage(step.model_apply(cfg, model, None), cfg)
+    fn = jax.jit(lambda p, r, t: stage.apply(p, t, r, 0))
+
+    def run(p, r):
+        with sharding.activate(mesh, model.rules):
+            return jax.device_get(fn(p, r, records(fx)))
+
+    return fx, policy, reference, run, model
+
+
+def test_dpo_loss_metrics_and_gradients_match_trl(trl_setup):
+    fx, policy, reference, run, model = trl_setup
+    grads, loss, _, metrics = run(policy, reference)
+    assert abs(float(loss) - float(fx["loss"])) < TOL
+    for k in METRICS:
+        assert abs(float(metrics[k]) - float(fx[k])) < TOL, k
+    # HF names: model.norm.weight, lm_head.weight (V, D), model.embed_tokens.weight (V, D)
+    ours = {"norm": grads["final_norm"]["scale"], "head": grads["head_DV"].T, "embed": grads["embed_VD"]}
+    for k, g in ours.items():
+        want = fx[f"grad/{k}"]
+        assert np.abs(np.asarray(g) - want).max() <= TOL * max(1.0, np.abs(want).max()), k
+
+
+def test_dpo_with_reference_equal_to_policy_is_ln2(trl_setup):
+    fx, policy, _, run, _ = trl_setup
+    _, loss, _, metrics = run(policy, policy)
+    assert abs(float(loss) - math.log(2)) < 1e-6
+    assert abs(float(metrics["rewards/margins"])) < 1e-7 and float(metrics["rewards/accuracies"]) == 0.0
+    assert abs(float(metrics["logps/chosen"]) - float(fx["logps/chosen"])) < TOL  # the policy's, as TRL's
+
+
+def pair_batches(cfg, seed=3) -> np.ndarray:
+    """Random pair records of `cfg`'s shape: prompts of 3..8 tokens, completions of 1..6, mask on completions."""
+    rng = np.random.default_rng(seed)
+    W = cfg.model.seq_len + 1
+    ids = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, 2 * W)).astype(np.int32)
+    mask = np.zeros_like(ids)
+    for b in range(ids.shape[0]):
+        prompt = rng.integers(3, 9)
+        for side in (0, 1):
+            mask[b, side * W + prompt : side * W + prompt + rng.integers(1, 7)] = 1
+    return loss_mask.encode(ids, mask)
+
+
+def stage_outputs(cfg, mesh_text, tokens, lora=False):
+    """(loss, metrics, gradients) of the program's stage at its initial state (reference = the init)."""
+    n = math.prod(int(part.split("=")[1]) for part in mesh_text.split(","))
+    mesh = mesh_from_string(mesh_text, jax.devices()[:n])
+    prog = step.build_program(cfg, mesh)
+    state = prog.init_state(0)
+    placed = jax.device_put(tokens, prog.batch_sharding)
+    fn = jax.jit(lambda s, t: prog.gradients.apply(s.params, t, s.reducer_state, s.step))
+    with prog.activate():
+        grads, loss, _, metrics = fn(state, placed)
+    return jax.device_get((loss, metrics, grads))
+
+
+@pytest.fixture(scope="module")
+def dpo_cfg(tiny_cfg):
+    return tiny_cfg.replace(
+        model=dict(MICRO_MODEL, num_kv_heads=2), objective=dict(method="dpo", beta=0.5), train=dict(global_batch=8)
+    )
+
+
+def test_dpo_sharded_with_accumulation_equals_one_device(dpo_cfg):
+    """fsdp=4,tp=2 with 2 micro-batches vs one device: the stage's loss, metrics and gradients, at the
+    equivalence tests' tolerance (1e-5 of each tensor's largest entry). The reference is the stored copy;
+    the policy is moved off it first so the loss is not the ln 2 of identical models."""
+    tokens = pair_batches(dpo_cfg)
+    one = stage_outputs(dpo_cfg, "dp=1", tokens)
+    many = stage_outputs(dpo_cfg.replace(train=dict(grad_accum_steps=2)), "fsdp=4,tp=2", tokens)
+    assert abs(float(one[0]) - math.log(2)) < 1e-6  # step 0: reference = policy
+    for k in METRICS:
+        assert abs(float(one[1][k]) - float(many[1][k])) < TOL, k
+    for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(many[2])):
+        assert np.abs(a - b).max() <= TOL * max(np.abs(a).max(), 1e-12)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(one[2])) > 1e-4  # a real gradient, not zeros
+
+
+def test_lora_reference_is_the_base_with_adapters_off(dpo_cfg):
+    """With LoRA the stage keeps no copy (its state is empty) and a fresh adapter's policy equals its
+    reference: the loss is ln 2 and the adapters get a gradient."""
+    cfg = dpo_cfg.replace(lora=dict(rank=4))
+    assert registry.keeps_reference_copy(cfg) is False
+    loss, metrics, grads = stage_outputs(cfg, "dp=1", pair_batches(cfg))
+    assert abs(float(loss) - math.log(2)) < 1e-6
+    assert max(np.abs(g).max() for g in jax.tree.leaves(grads)) > 0
+
+
+def test_default_objective_keeps_run_names_and_the_registry_agrees():
+    assert rundir.identity(Config()) == "bef0e0b4"  # the default config's hash before the section existed
+    assert rundir.identity(Config().replace(objective=dict(method="dpo"))) != "bef0e0b4"
+    assert set(registry.OBJECTIVES) == set(typing.get_args(typing.get_type_hints(ObjectiveConfig)["method"]))
+    assert {n for n, o in registry.OBJECTIVES.items() if o.paired} == set(prefprep.PAIRED)
+    assert registry.is_default(Config()) and dataclasses.asdict(Config())["objective"]["method"] == "lm"
+
+
+def test_unsupported_meshes_and_methods_are_one_line_errors(dpo_cfg):
+    with pytest.raises(JaxdistError, match="objective.method=dpo does not support reduce.method=dense"):
+        step.build_program(dpo_cfg.replace(reduce=dict(method="dense")), mesh_from_string("dp=2", jax.devices()[:2]))
+    with pytest.raises(JaxdistError, match="pipeline parallelism"):
+        registry.check(dpo_cfg, mesh_from_string("pp=2", jax.devices()[:2]))
+
+
+def prepare(tmp_path, lines, *extra):
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" if not isinstance(x, str) else x + "\n" for x in lines))
+    out = tmp_path / "out"
+    args = prepare_mod.parse_args(
+        [
+            "prepare",
+            "--preference",
+            "--tokenizer",
+            str(QWEN),
+            "--seq-len",
+            "96",
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0",
+            str(src),
+            *extra,
+        ]
+    )
+    logs = []
+    manifest = prepare_mod.prepare(args, log=logs.append)
+    return out, manifest, logs
+
+
+def test_prepare_preference_keeps_prompt_and_completions_apart(tmp_path):
+    plain = {"prompt": "The sky is", "chosen": " blue.", "rejected": " a rather green colour."}
+    conv = {
+        "prompt": [{"role": "user", "content": "Hi?"}],
+        "chosen": [{"role": "assistant", "content": "Hello."}],
+        "rejected": [{"role": "assistant", "content": "No."}],
+    }
+    out, manifest, logs = prepare(
+        tmp_path,
+        [plain, conv, {"prompt": "x", "chosen": "", "rejected": "y"}, "not json", {**plain, "chosen": " z" * 200}],
+    )
+    pref = manifest["preference"]
+    assert (
+        pref["skipped"] == {"bad_json": 1, "empty": 1, "too_long": 1} and manifest["splits"]["train"]["documents"] == 2
+    )
+    assert "pairs are never cut" in (out / "skipped.txt").read_text()
+    ids = np.fromfile(out / "train" / "000000.bin", manifest["dtype"]).reshape(2, 2, 97).astype(np.int64)
+    mask = np.fromfile(out / "train" / "000000.mask", np.uint8).reshape(2, 2, 97)
+    ct = prefprep.load_tokenizer(str(QWEN), None)
+    for pair, record in zip(range(2), (plain, conv)):
+        p, c, r = prefprep.tokenize_pair(ct, record)
+        for side, completion in ((0, c), (1, r)):
+            n = len(p) + len(completion)
+            assert ids[pair, side, : len(p)].tolist() == p and ids[pair, side, len(p) : n].tolist() == completion
+            assert mask[pair, side].tolist() == [0] * len(p) + [1] * len(completion) + [0] * (97 - n)
+            assert (ids[pair, side, n:] == pref["pad_id"]).all()
+    # TRL's rule for plain strings: the completions get the EOS text
+    eos = ct.parser.token_to_id(ct.variables["eos_token"])
+    assert all(side[-1] == eos for side in prefprep.tokenize_pair(ct, plain)[1:])
+
+
+def test_prepare_preference_stop_and_flag_errors(tmp_path):
+    with pytest.raises(JaxdistError, match=r"pairs.jsonl:1: prompt \+ chosen is \d+ tokens, more than a row"):
+        prepare(tmp_path, [{"prompt": "p", "chosen": " a" * 200, "rejected": " b"}], "--on-error", "stop")
+    with pytest.raises(JaxdistError, match="--loss-on does not apply to --preference"):
+        prepare(tmp_path, [{"prompt": "p", "chosen": "a", "rejected": "b"}], "--loss-on", "all")
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_reads_pairs_only_under_a_pair_objective(tmp_path, small_cfg):
+    from jaxdist.data import loader as loader_mod
+
+    out, _, _ = prepare(tmp_path, [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}])
+    base = dict(source="tokens", path=str(out))
+    cfg = small_cfg.replace(data=base, model=dict(seq_len=96, vocab_size=512))
+    with pytest.raises(JaxdistError, match="holds preference pairs .* but objective.method=lm"):
+        loader_mod.load_windows(cfg)
+    train, _ = loader_mod.load_windows(cfg.replace(objective=dict(method="dpo")))
+    assert (
+        len(train) == 1
+        and train[0].shape == (194,)
+        and loader_mod.row_width(cfg.replace(objective=dict(method="dpo"))) == 194
+    )
+    with pytest.raises(JaxdistError, match="model.seq_len=32; set model.seq_len=96"):
+        loader_mod.load_windows(cfg.replace(objective=dict(method="dpo"), model=dict(seq_len=32)))
+    assert config.load(None, ["objective.method=dpo"]).objective.beta == 0.1
