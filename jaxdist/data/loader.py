@@ -255,13 +255,13 @@ def check_masks(folder: Path, name: str, split: dict) -> list[np.ndarray]:
     for f in split["mask_files"]:
         if not (folder / f).is_file():
             raise JaxdistError(
-                f"prepared folder {folder}: {f} is missing (its manifest.json lists it); restore it or re-run prepare --chat"
+                f"prepared folder {folder}: {f} is missing (its manifest.json lists it); restore it or re-run prepare"
             )
         m = np.memmap(folder / f, dtype=np.uint8, mode="r") if (folder / f).stat().st_size else np.zeros(0, np.uint8)
         if len(m) and int(m.max()) > 1:
             raise JaxdistError(
                 f"prepared folder {folder}: {f} holds the value {int(m.max())} where a loss mask holds only 0 or 1 "
-                "(changed or corrupted); restore it or re-run prepare --chat"
+                "(changed or corrupted); restore it or re-run prepare"
             )
         masks.append(m)
         trained += int(np.count_nonzero(m))
@@ -269,7 +269,7 @@ def check_masks(folder: Path, name: str, split: dict) -> list[np.ndarray]:
     if want is not None and trained != want:
         raise JaxdistError(
             f"prepared folder {folder}: the {name}/ masks mark {trained:,} tokens to train on but its manifest.json "
-            f"records {want:,} (a .mask file was changed); restore it or re-run prepare --chat"
+            f"records {want:,} (a .mask file was changed); restore it or re-run prepare"
         )
     return masks
 
