@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             raise JaxdistError(f"--prompt-tokens {ids!r} must be integers separated by spaces") from None
     prompts += chat_prompts(text, args.chat)
     check_lengths(prompts, args.max_new_tokens, window(cfg, source, bool(args.hf)))
+    stop = set() if args.ignore_eos else eos_ids(source, recorded)  # its files checked before decoding
     new, logp, compile_s, run_s = generate(
         cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
     )
-    stop = set() if args.ignore_eos else eos_ids(source, recorded)
     for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
         toks, lps = cut_at_eos(toks, lps, stop)
         if args.json:

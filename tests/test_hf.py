@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -307,7 +308,7 @@ def test_layer_ids_follow_the_circular_stage_layout():
     assert hf_tensors._layer_ids([range(1, 2), range(2, 4)], 8, 2, 2) == staged[1:2, 2:4].tolist()
 
 
-def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):
+def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path, capsys, monkeypatch):
     """from-hf onto pp=2 writes a (stage, layers) checkpoint; reading it back for export or generation
     on a pp=1 mesh gives the plain stack, bit for bit."""
     _, mesh, params, _, _ = sharded
@@ -318,6 +319,17 @@ def test_pipelined_checkpoint_exports_as_the_plain_stack(sharded, tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(JaxdistError, match="already holds a run"):
         hf_convert.from_hf(FIXTURE, tmp_path / "run", cfg, log=lambda *a: None)
+    # (issue 39, sharing this run) its kept generation_config.json broken since the import: to-hf copied it
+    # unchecked, generate gave a traceback; now each is one line before any weight is read, nothing written
+    from jaxdist import generate
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    (tmp_path / "run" / hf_tensors.SOURCE / "generation_config.json").write_text('{"eos_token_id": "two"}')
+    assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    assert generate.main(["--run-dir", str(tmp_path / "run"), "--prompt-tokens", "1 2", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("generation_config.json: eos_token_id is two, not a token id" in e for e in err), err
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow
@@ -420,3 +432,68 @@ def test_hub_ids_resolve_through_the_offline_cache(tmp_path):
     shutil.copytree(FIXTURE, local)
     out = run("acme/tiny-llama")
     assert out.returncode == 0, out.stderr
+
+
+def test_hf_folders_hold_one_weights_layout_and_nothing_is_read_outside_them(sharded, tmp_path, capsys, monkeypatch):
+    """Issue 39: a folder with both model.safetensors and an index (the index won silently), an index whose
+    weight_map leads out of the folder (it was read), a corrupt generation_config.json (copied by to-hf
+    unchecked, a traceback in generate): each one line, exit 2, nothing written."""
+    from jaxdist import generate
+
+    cfg, _, params, _, _ = sharded
+    shards = tmp_path / "sharded"
+    export.export(params, cfg.model, shards, "float32", max_shard_bytes=100_000, log=lambda *a: None)
+    both = tmp_path / "both"
+    shutil.copytree(shards, both)
+    shutil.copyfile(FIXTURE / "model.safetensors", both / "model.safetensors")
+    escape = tmp_path / "nested" / "escape"  # ../../outside.safetensors is tmp_path/outside.safetensors
+    shutil.copytree(shards, escape)
+    index = json.loads((escape / "model.safetensors.index.json").read_text())
+    first = sorted(escape.glob("model-*.safetensors"))[0]
+    shutil.move(first, tmp_path / "outside.safetensors")
+    index["weight_map"] = {
+        k: "../../outside.safetensors" if v == first.name else v for k, v in index["weight_map"].items()
+    }
+    (escape / "model.safetensors.index.json").write_text(json.dumps(index))
+    gen = tmp_path / "gen"
+    shutil.copytree(FIXTURE, gen)
+    (gen / "generation_config.json").write_text('{"eos_token_id": 2,')
+    cases = [
+        (both, "holds two weight layouts, model.safetensors and model.safetensors.index.json"),
+        (escape, "weight_map\\[.*\\] = '../../outside.safetensors' is not a file inside"),
+        (gen, "generation_config.json is not valid JSON"),
+    ]
+    for hf_dir, message in cases:
+        rc, err = cli(capsys, monkeypatch, "from-hf", str(hf_dir), str(tmp_path / f"out-{hf_dir.name}"))
+        assert rc == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / f"out-{hf_dir.name}").exists()  # nothing written
+    one = ["--prompt-tokens", "1 2", "--max-new-tokens", "1"]
+    assert generate.main(["--hf", str(gen), *one]) == 2
+    assert "generation_config.json is not valid JSON" in capsys.readouterr().err
+    # a run's kept hf_source/generation_config.json: test_pipelined_checkpoint_exports_as_the_plain_stack
+
+
+def test_hub_ids_and_cache_refs_are_checked(tmp_path, monkeypatch):
+    """`hf:acme/..`, `hf:acme--x/y`, a 200-character org: one line, not huggingface_hub's raw
+    HFValidationError; a cache whose refs/main leads out of the repository's snapshots (`../../etc`) or
+    is empty: one line naming the ref, nothing read there."""
+    from huggingface_hub import constants
+
+    from jaxdist.hf import hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for spec in ("acme/..", "acme--x/y", "o" * 200 + "/x", "acme/tiny@../../x"):
+        with pytest.raises(JaxdistError, match=r"is not a Hub id \(") as e:
+            hub.local_dir(spec)
+        assert "\n" not in str(e.value)
+    hub_cache(tmp_path / "hf", "acme/tiny-llama", FIXTURE)
+    assert hub.local_dir("acme/tiny-llama").parent.name == "snapshots"  # the control: an intact cache
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "config.json").write_text("{}")
+    ref = tmp_path / "hf" / "hub" / "models--acme--tiny-llama" / "refs" / "main"
+    for target, message in [("../../../../etc", "leads outside the repository's snapshots"), ("", "is empty")]:
+        ref.write_text(target)
+        with pytest.raises(JaxdistError, match=rf"refs/main in the Hugging Face cache {message}.*hf download"):
+            hub.local_dir("acme/tiny-llama")

@@ -183,6 +183,40 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
     assert re.search(r"tokenizer/tokenizer.json is not a tokenizers JSON file", error_line(capsys))
     assert not (tmp_path / "hf2").exists() and not list(tmp_path.glob(".hf2.tmp-*"))
 
+    # no tokenizer, no text (issue 39 item 1: generate encoded prompts as raw bytes, to-hf exported no tokenizer)
+    gone = tmp_path / "gone"
+    shutil.copytree(run_dir, gone)
+    shutil.rmtree(gone / "tokenizer")
+    missing = r"gone/tokenizer is missing .*: the run trained on token ids from data.path=.*prepared, and without its"
+    for argv in (["--prompt", "alpha beta"], prompt[:2]):
+        assert generate.main(["--run-dir", str(gone), *argv, "--max-new-tokens", "2"]) == 2
+        assert re.search(missing, error_line(capsys))
+    assert convert.main(["to-hf", str(gone), str(tmp_path / "hf3")]) == 2
+    assert re.search(missing, error_line(capsys))
+    assert not (tmp_path / "hf3").exists()
+
+    # the data re-prepared with another tokenizer: refused even with --allow-config-change data (item 2:
+    # it trained on the new ids while RUN/tokenizer kept the old one)
+    from jaxdist.data import prepare
+
+    other = tmp_path / "other"
+    assert (
+        prepare.main(
+            ["prepare", "--train-tokenizer", "280", "--out", str(other), "--workers", "1", str(folder.parent / "texts")]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    resumed = [*args, f"data.path={other}", "train.steps=3", "--allow-config-change", "data"]
+    assert train_main(["--run-dir", str(run_dir), *resumed]) == 2
+    line = error_line(capsys)
+    assert re.search(
+        r"run/tokenizer records the tokenizer this run trained with, tokenizer \(sha256 \w{8}…\), but its data now comes from tokenizer \(sha256 \w{8}…\) at .*other",
+        line,
+    ), line
+    assert "--tokenizer" in line and "checkpoint.params_only=true" in line
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]  # nothing trained
+
 
 def test_bits_per_byte_only_for_byte_tokens():
     from jaxdist.data import run_tokenizer

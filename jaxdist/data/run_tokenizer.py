@@ -15,6 +15,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import yaml
+
 from jaxdist.data import tokenizer
 from jaxdist.errors import JaxdistError
 
@@ -86,11 +88,56 @@ def record(run: RunTokenizer, run_dir: Path) -> Path:
     return folder
 
 
+def check_same(run: RunTokenizer, run_dir: Path) -> None:
+    """The data a run (re)starts on must come from the tokenizer its run dir recorded: resumed on a folder
+    re-prepared with another one, its checkpoint's token ids would mean other text while generate and
+    to-hf keep using the recorded tokenizer. Refused whatever --allow-config-change says (it accepts
+    another data order, not another vocabulary)."""
+    folder = Path(run_dir) / FOLDER
+    try:
+        info = json.loads((folder / INFO).read_text())
+        before = (info["kind"], info.get("sha256"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record yet (a new run), or an unreadable one: of_run reports that in its readers
+    if before != (run.kind, run.sha256):
+        was = f"{before[0]} (sha256 {str(before[1])[:8]}…)" if before[1] else before[0]
+        now = f"{run.kind} (sha256 {str(run.sha256)[:8]}…)" if run.sha256 else run.kind
+        raise JaxdistError(
+            f"{folder} records the tokenizer this run trained with, {was}, but its data now comes from {now}"
+            f"{' at ' + run.source if run.source else ''}: the checkpoint's token ids would mean other text "
+            f"(--allow-config-change data accepts another data order, not another vocabulary); re-run prepare "
+            f"with the run's tokenizer (--tokenizer {folder}), or start a new run from this one (--restore "
+            f"{run_dir} checkpoint.params_only=true and another --run-dir)"
+        )
+
+
+def _unrecorded(run_dir: Path) -> RunTokenizer | None:
+    """A run dir without `tokenizer/jaxdist-tokenizer.json`. Its token ids are known only for byte tokens
+    (its config.yaml: text without a tokenizer) or from the Hugging Face model it was imported from
+    (`hf_source/`, what readers then use). Otherwise no text is encoded, decoded or exported: guessing
+    bytes for a model trained on a BPE's ids gave wrong text without a word."""
+    run_dir = Path(run_dir)
+    if (run_dir / "hf_source" / "tokenizer.json").is_file():
+        return None  # the imported model's tokenizer
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text()).get("data") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None  # not a run dir jaxdist wrote: the readers say so
+    if data.get("source", "text") == "text" and not data.get("tokenizer"):
+        return RunTokenizer("bytes")
+    trained_on = f"data.tokenizer={data['tokenizer']}" if data.get("tokenizer") else f"data.path={data.get('path')}"
+    raise JaxdistError(
+        f"{run_dir / FOLDER} is missing (or its {INFO}): the run trained on token ids from {trained_on}, and "
+        "without its tokenizer no text can be encoded, decoded or exported; restore the folder from a copy "
+        "of the run (train writes it at start)"
+    )
+
+
 def of_run(run_dir: Path) -> RunTokenizer | None:
-    """The tokenizer recorded in `run_dir`, checked; None for a run dir from before it was recorded."""
+    """The tokenizer recorded in `run_dir`, checked; for a run dir without one, see `_unrecorded`."""
     folder = Path(run_dir) / FOLDER
     if not (folder / INFO).is_file():
-        return None
+        return _unrecorded(run_dir)
     try:
         info = json.loads((folder / INFO).read_text())
         kind = info["kind"]

@@ -35,6 +35,7 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     # Decided together: process 0 must not write before every process has looked.
     if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
         raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
+    export.generation_config(Path(hf_dir))  # kept in hf_source/ for the export: checked before any work
     mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     start = time.perf_counter()
     params, _ = import_params(hf_dir, cfg, mesh)
@@ -82,6 +83,7 @@ def to_hf(
     cfg, params = got.cfg, got.params
     source = got.run_dir / tensors.SOURCE
     source = source if source.is_dir() else None
+    export.generation_config(source)  # a corrupt one is copied nowhere: checked before any work
     if peft:
         return _write_peft(path, out, cfg, params, source, dtype, log)
     if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers

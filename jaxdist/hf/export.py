@@ -95,14 +95,30 @@ def export(
     source = _source_config(source_dir)
     source.update({k: v for k, v in (token_ids or {}).items() if source.get(k) is None})
     (out_dir / "config.json").write_text(json.dumps(mapping.to_hf_config(m, dtype, source), indent=2))
-    generation = source_dir / "generation_config.json" if source_dir else None
-    if generation is not None and generation.is_file():
-        shutil.copyfile(generation, out_dir / "generation_config.json")
+    if generation_config(source_dir) is not None:  # checked, then copied as it is
+        shutil.copyfile(source_dir / "generation_config.json", out_dir / "generation_config.json")
     else:
         gen = {k: source.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if source.get(k) is not None}
         (out_dir / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **gen}, indent=2))
     copy_tokenizer(tokenizer, source_dir, out_dir)
     return files
+
+
+def generation_config(source_dir: Path | None) -> dict | None:
+    """The imported model's generation_config.json (a JSON object whose token ids are ids), or None."""
+    path = source_dir / "generation_config.json" if source_dir else None
+    if path is None or not path.is_file():
+        return None
+    config = mapping.read_json(path, "generation_config.json")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise JaxdistError(
+                f"{path}: {key} is {str(value)[:80]}, not a token id or a list of them; fix the file or copy it "
+                "again from the model"
+            )
+    return config
 
 
 def _source_config(source_dir: Path | None) -> dict:

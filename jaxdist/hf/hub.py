@@ -9,11 +9,14 @@ reads are fetched: the weights in safetensors, the configs and the tokenizer, ne
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import huggingface_hub
 from huggingface_hub import constants, errors
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import validate_repo_id
 
 from jaxdist.errors import JaxdistError
 
@@ -39,11 +42,19 @@ def _snapshot(repo: str, revision: str | None) -> Path:
     name = repo + (f"@{revision}" if revision else "")
     download = f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
     try:
-        return Path(
+        validate_repo_id(repo)
+        if revision and ".." in revision.split("/"):
+            raise errors.HFValidationError(f"revision {revision!r} contains '..'")
+        path = Path(
             huggingface_hub.snapshot_download(
                 repo, revision=revision, allow_patterns=WANTED, local_files_only=constants.HF_HUB_OFFLINE
             )
         )
+    except errors.HFValidationError as e:
+        raise JaxdistError(
+            f"hf:{name[:200]} is not a Hub id ({str(e).splitlines()[0][:200]}); give ORG/NAME[@REVISION] as "
+            "huggingface.co spells it, or a local directory"
+        ) from None
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as e:
         raise JaxdistError(
             f"hf:{name}: the Hub refused it ({type(e).__name__}); check the id, or `hf auth login` for a gated model"
@@ -54,3 +65,19 @@ def _snapshot(repo: str, revision: str | None) -> Path:
             f"hf:{name} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: "
             f"run {download} where the Hub is reachable (HF_HOME selects the cache), or pass a local directory"
         ) from None
+    return _in_cache(path, repo, name, download, revision)
+
+
+def _in_cache(path: Path, repo: str, name: str, download: str, revision: str | None) -> Path:
+    """The snapshot folder huggingface_hub returned must be one of the repository's snapshots: a
+    `refs/<revision>` file holding `../../etc` (or nothing) would make it any folder (or snapshots/)."""
+    snapshots = Path(constants.HF_HUB_CACHE).expanduser().resolve() / repo_folder_name(repo_id=repo, repo_type="model")
+    snapshots = snapshots / "snapshots"
+    got = Path(os.path.normpath(path))  # lexical: the snapshot's files are links into blobs/ by design
+    if got.parent == snapshots and got.name:
+        return path
+    ref = snapshots.parent / "refs" / (revision or "main")
+    what = "is empty" if got == snapshots else f"leads outside the repository's snapshots ({str(path)[:200]})"
+    raise JaxdistError(
+        f"hf:{name}: {ref} in the Hugging Face cache {what}; run {download} to repair the cache (nothing was read)"
+    )

@@ -41,16 +41,34 @@ SIDE_FILES = (
 TOKENIZER_FILES = SIDE_FILES[2:]
 
 
+def _inside(name: str) -> bool:
+    """`name` names a file inside the folder it is relative to (no absolute path, no `..`). Lexical on
+    purpose: a Hub snapshot's files are links into the cache's blobs/, so resolving would leave it."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\\" not in name
+
+
 class Weights:
     """The safetensors files of a Hugging Face directory: which file holds which tensor."""
 
     def __init__(self, hf_dir: Path):
         self.dir = Path(hf_dir)
         index, single = self.dir / "model.safetensors.index.json", self.dir / "model.safetensors"
+        if index.is_file() and single.is_file():  # transformers would take model.safetensors; no guessing here
+            raise JaxdistError(
+                f"{self.dir} holds two weight layouts, model.safetensors and model.safetensors.index.json (with its "
+                "shards); remove the one that is not the model (a leftover of another download or export)"
+            )
         if index.is_file():
             weight_map = mapping.read_json(index, "model.safetensors.index.json").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise JaxdistError(f"{index} has no weight_map; re-download the model")
+            for key, name in weight_map.items():  # a shard is a file of this folder, never a path out of it
+                if not isinstance(name, str) or not _inside(name):
+                    raise JaxdistError(
+                        f"{index}: weight_map[{str(key)[:80]!r}] = {str(name)[:120]!r} is not a file inside {self.dir}; "
+                        "re-download the model (nothing outside the folder is read)"
+                    )
             for name in sorted(set(weight_map.values())):
                 if not (self.dir / name).is_file():
                     raise JaxdistError(

@@ -11,7 +11,6 @@ turns prompts into token ids with the tokenizer the run recorded.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -98,8 +97,9 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
     # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.generate starts
     from jaxdist.checkpoint import run_params
+    from jaxdist.checkpoint.storage import checkpoint_dir
     from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.hf import mapping, tensors
+    from jaxdist.hf import export, mapping, tensors
 
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
@@ -107,8 +107,10 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     if hf_dir:
         hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
         cfg = mapping.hf_config(None, [], Path(hf_dir), mesh_text)
+        export.generation_config(Path(hf_dir))  # its EOS ids: checked before the weights are read
         params, model = tensors.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
         return cfg, params, model.graphdef, mesh, Path(hf_dir)
+    export.generation_config(checkpoint_dir(Path(run_dir))[0].parent / tensors.SOURCE)  # the imported model's
     got = run_params.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
     return got.cfg, got.params, got.model.graphdef, mesh, got.run_dir / "hf_source"
 
@@ -189,11 +191,17 @@ def eos_ids(source: Path, recorded=None) -> set[int]:
     ids: set[int] = set()
     if recorded is not None and recorded.eos_id is not None:
         ids.add(int(recorded.eos_id))
-    for name in ("generation_config.json", "config.json"):
-        path = source / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids |= set(value if isinstance(value, list) else [] if value is None else [value])
+    # deferred: jax, safetensors load on first use, not when python -m jaxdist.generate starts
+    from jaxdist.hf.export import generation_config
+    from jaxdist.hf.mapping import read_json
+
+    generation = generation_config(source) or {}  # checked: JSON, token ids that are ids
+    config = source / "config.json"
+    for value in (
+        generation.get("eos_token_id"),
+        read_json(config, "config.json").get("eos_token_id") if config.is_file() else None,
+    ):
+        ids |= {i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)}
     return ids
 
 
@@ -211,8 +219,11 @@ def recorded_tokenizer(run_dir: str | None):
 def window(cfg, source: Path, hf: bool) -> int:
     """The most positions the model is meant for: config.json's max_position_embeddings (an HF model,
     or the one a run was imported from), else the window the run was trained at."""
+    # deferred: jax, safetensors load on first use, not when python -m jaxdist.generate starts
+    from jaxdist.hf.mapping import read_json
+
     path = source / "config.json"
-    declared = json.loads(path.read_text()).get("max_position_embeddings") if path.is_file() else None
+    declared = read_json(path, "config.json").get("max_position_embeddings") if path.is_file() else None
     declared = declared if isinstance(declared, int) and declared > 0 else None
     if hf:
         return declared or cfg.model.seq_len

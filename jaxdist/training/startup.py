@@ -55,6 +55,7 @@ def set_up(cfg, run_dir: Path, log, lock: rundir.RunLock) -> Setup:
     lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)
+    run_tokenizer.check_same(run_tok, run_dir)  # ... and what they meant to this run dir, if it recorded it
     # matplotlib loads now, so a SIGTERM only waits for drawing loss.png, not for imports. Not in a thread
     # beside the main thread's imports: concurrent compiles of modules hit CPython 3.11.7's AST recursion
     # counter race (gh-106905) and fail at random with "maximum recursion depth exceeded".
