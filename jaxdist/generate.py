@@ -68,6 +68,13 @@ def parse_args(argv):
         )
     if not 0 < args.top_p <= 1:  # NaN fails this too
         raise JaxdistError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.top_p != 1 and args.temperature == 0:  # was ignored without a word
+        raise JaxdistError(
+            f"--top-p {args.top_p} has no effect with --temperature 0 (greedy decoding); give a --temperature > 0 "
+            "to sample from the nucleus, or drop --top-p"
+        )
+    if not -(2**63) <= args.seed < 2**63:  # JAX's PRNG key takes a 64-bit integer
+        raise JaxdistError(f"--seed {args.seed} does not fit in 64 bits; give an integer in [-2**63, 2**63)")
     return args
 
 

@@ -428,8 +428,10 @@ HF = REPO / "tests" / "fixtures" / "hf_llama"
             ["--prompt-tokens", " ".join(["5"] * 120)],
             r"a prompt of 120 tokens \+ --max-new-tokens 16 = 136 positions, ",
         ),
+        (["--top-p", "0.9"], r"--top-p 0.9 has no effect with --temperature 0 \(greedy decoding\)"),  # was ignored
+        (["--seed", "99999999999999999999999"], r"--seed 99999999999999999999999 does not fit in 64 bits"),  # traceback
     ],
-    ids=["temperature nan", "top-p nan", "bad int", "prompt beyond max_position_embeddings"],
+    ids=["temperature nan", "top-p nan", "bad int", "prompt beyond max_position_embeddings", "top-p greedy", "seed"],
 )
 def test_generate_refuses_bad_values_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
@@ -556,7 +558,26 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trackers.TensorBoard, "__init__", fail)
     assert train_main(["--run-dir", str(tmp_path / "run"), *MICRO, 'train.trackers=["tensorboard"]']) == 2
     line = error_line(capsys)
-    assert line == (
-        "error: train.trackers: tensorboard could not start (No space left on device); fix it, or remove "
-        "tensorboard from train.trackers"
+    assert line == (  # issue 39: said "remove tensorboard from train.trackers" for a full disk
+        f"error: train.trackers: tensorboard could not start in {tmp_path / 'run'} (no space left on device); "
+        "free space, then run the same command"
     ), line
+
+
+def test_a_failed_save_names_the_intact_checkpoints_on_disk(saved, tmp_path):
+    """checkpoint.keep=1 on a full disk: orbax's list had already dropped step 1 for the failing step 2, and
+    the line said "no older checkpoint exists" while checkpoints/1 was intact (issue 39). The disk decides."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    saver = checkpoint.Saver(run, config.load(None, [*MICRO, "checkpoint.keep=1"]), log=lambda *a: None)
+    try:
+        saver.manager.all_steps = lambda: [2]  # what orbax reports while the save of step 2 fails
+        line = str(saver._fail(2, ENOSPC))
+    finally:
+        saver.close()
+    assert "(no space left on device); stopping: checkpoints 1 are intact; free space" in line, line
+    (run / "checkpoints" / "1" / integrity.CHECKSUMS).unlink()  # a step without its checksums is not counted
+    saver = checkpoint.Saver(run, config.load(None, MICRO), log=lambda *a: None)
+    saver.manager.all_steps = lambda: [1, 2]
+    assert "stopping: no older checkpoint exists" in str(saver._fail(2, ENOSPC))
+    saver.close()

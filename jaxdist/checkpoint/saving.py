@@ -87,8 +87,18 @@ class Saver:
         nbytes = integrity.write(folder)
         self._checksum = (time.perf_counter() - start, nbytes)
 
+    def _intact(self, step: int) -> list[int]:
+        """The other steps on disk with their checksum file: what the disk holds, not orbax's list (with
+        checkpoint.keep=1 a failed save had already dropped the intact older step from it)."""
+        on_disk = set()
+        with contextlib.suppress(OSError):
+            on_disk = {int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and integrity.has_checksums(p)}
+        with contextlib.suppress(Exception):
+            on_disk |= {s for s in self.manager.all_steps() if integrity.has_checksums(self.directory / str(s))}
+        return sorted(on_disk - {step})
+
     def _fail(self, step: int, e: BaseException) -> JaxdistError:
-        kept = [s for s in self.manager.all_steps() if s != step]
+        kept = self._intact(step)
         older = f"checkpoints {', '.join(map(str, sorted(kept)))} are intact" if kept else "no older checkpoint exists"
         return JaxdistError(
             f"checkpoint step {step} could not be written to {self.directory} ({_reason(e)}); "

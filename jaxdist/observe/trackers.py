@@ -11,6 +11,7 @@ A leaf module: imports nothing from jaxdist but the error type and the tracker n
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -184,6 +185,11 @@ class Trackers:
                 self.open.append(CLASSES[n](Path(run_dir), config, config_text))
             except Exception as e:  # a tracker that cannot start (a full disk, an unreachable server): one line
                 text = (getattr(e, "strerror", None) or str(e).strip() or type(e).__name__).splitlines()[0][:200]
+                if getattr(e, "errno", None) == errno.ENOSPC:  # the disk, not the tracker, is what to fix
+                    raise JaxdistError(
+                        f"train.trackers: {n} could not start in {run_dir} (no space left on device); free space, "
+                        "then run the same command"
+                    ) from None
                 raise JaxdistError(
                     f"train.trackers: {n} could not start ({text}); fix it, or remove {n} from train.trackers"
                 ) from None
