@@ -37,7 +37,7 @@ def main() -> None:
     from jaxdist import checkpoint, config
     from jaxdist.data import loader as loader_mod
     from jaxdist.distributed.mesh import mesh_from_string
-    from jaxdist.models.llama import count_params
+    from jaxdist.models import registry
     from jaxdist.training import step
 
     # data.source=text (the built-in corpus): configs that expect token files run anywhere
@@ -65,7 +65,7 @@ def main() -> None:
         json.dumps(
             {
                 "config": args.config or "configs/tiny.yaml",
-                "params": count_params(cfg.model)["total"],
+                "params": registry.of(cfg.model).count_params(cfg.model)["total"],
                 "state_bytes": state_bytes,
                 "devices": len(jax.devices()),
                 "backend": jax.default_backend(),

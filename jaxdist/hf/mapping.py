@@ -1,5 +1,5 @@
 """Hugging Face decoders <-> jaxdist: the config mapping and the tensor name/layout table (the
-families' differences are `hf_families.py`'s registry).
+families' differences are their architectures' entries in `jaxdist.models.registry`).
 
 HF stores every linear layer as (out, in); jaxdist stores (in..., out...) with heads split out, e.g.
 `q_proj.weight` (N*H, D) is `wq_DNH` (D, N, H) = W.T reshaped. HF's RoPE is rotate-half, as ours, so no
@@ -19,6 +19,7 @@ from jaxdist.config import Config, ModelConfig, parse_override
 from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import families
+from jaxdist.models import registry
 
 # transformers' LlamaConfig defaults: a field absent from config.json takes these.
 HF_DEFAULTS = {
@@ -34,7 +35,7 @@ HF_DEFAULTS = {
     "initializer_range": 0.02,
 }
 # Fields that must hold these values (anything else would be a different model than ours); each
-# family adds its own (hf_families.py).
+# family adds its own (models/hf_spec.Family).
 REQUIRED = {
     "hidden_act": "silu",
     "attention_dropout": 0.0,
@@ -174,7 +175,7 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "norm_eps": float(get("rms_norm_eps")),
         "init_std": float(get("initializer_range")),
-        **_rope({**hf, "rope_theta": get("rope_theta")}, where),
+        **(family.rope(hf, where) or _rope({**hf, "rope_theta": get("rope_theta")}, where)),
         "family": family.name,
         **family.read(get, where),
     }
@@ -281,58 +282,14 @@ class Tensor:
     offset: int = 0
 
 
-LAYER_TENSORS = [
-    (("attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", 0),
-    (("attn", "wq_DNH"), "model.layers.{i}.self_attn.q_proj.weight", 1),
-    (("attn", "wk_DKH"), "model.layers.{i}.self_attn.k_proj.weight", 1),
-    (("attn", "wv_DKH"), "model.layers.{i}.self_attn.v_proj.weight", 1),
-    (("attn", "wo_NHD"), "model.layers.{i}.self_attn.o_proj.weight", 2),
-    (("mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", 0),
-    (("mlp", "w_gate_DF"), "model.layers.{i}.mlp.gate_proj.weight", 1),
-    (("mlp", "w_up_DF"), "model.layers.{i}.mlp.up_proj.weight", 1),
-    (("mlp", "w_down_FD"), "model.layers.{i}.mlp.down_proj.weight", 1),
-]
-
-
-BIAS_TENSORS = [
-    (("attn", "bq_NH"), "model.layers.{i}.self_attn.q_proj.bias", -1),
-    (("attn", "bk_KH"), "model.layers.{i}.self_attn.k_proj.bias", -1),
-    (("attn", "bv_KH"), "model.layers.{i}.self_attn.v_proj.bias", -1),
-]
-QK_NORM_TENSORS = [
-    (("attn", "q_norm", "scale"), "model.layers.{i}.self_attn.q_norm.weight", 0),
-    (("attn", "k_norm", "scale"), "model.layers.{i}.self_attn.k_norm.weight", 0),
-]
-
-
-def _layer(m: ModelConfig, sparse: bool) -> list[tuple]:
-    """(path, hf name, n_in, per expert) of one decoder layer, dense or sparse."""
-    out = [(*t, False) for t in LAYER_TENSORS[:5]]
-    out += [(*t, False) for t in BIAS_TENSORS] if m.qkv_bias else []
-    out += [(*t, False) for t in QK_NORM_TENSORS] if m.qk_norm else []
-    out.append((*LAYER_TENSORS[5], False))
-    if not sparse:
-        return out + [(*t, False) for t in LAYER_TENSORS[6:]]
-    experts = families.BY_NAME[m.family].experts
-    if not experts:
-        families.exportable(m)  # a dense family: the one-line error naming model.moe_experts
-    router, expert, (gate, up, down) = experts
-    prefix = "model.layers.{i}."
-    return out + [
-        (("mlp", "router_DE"), f"{prefix}{router}.weight", 1, False),
-        (("mlp", "w_gate_EDF"), f"{prefix}{expert}.{gate}.weight", 1, True),
-        (("mlp", "w_up_EDF"), f"{prefix}{expert}.{up}.weight", 1, True),
-        (("mlp", "w_down_EFD"), f"{prefix}{expert}.{down}.weight", 1, True),
-    ]
-
-
 def tensors(m: ModelConfig) -> list[Tensor]:
     """Every parameter of the model, in HF's file order."""
+    layer = registry.of(m).hf_layer  # one layer's tensors: the architecture's entry
     out = [Tensor(("embed_VD",), "model.embed_tokens.weight", 0, False)]
     n = m.moe_every if m.moe_experts else 1
     for j in range(n):  # n > 1: the scanned unit holds n layers (models/llama.py SparseGroup)
         where = ("blocks",) if n == 1 else ("blocks", "layers", j)
-        for p, name, n_in, per_expert in _layer(m, sparse=bool(m.moe_experts) and j == n - 1):
+        for p, name, n_in, per_expert in layer(m, bool(m.moe_experts) and j == n - 1):
             out.append(Tensor((*where, *p), name, n_in, True, per_expert, n, j))
     out.append(Tensor(("final_norm", "scale"), "model.norm.weight", 0, False))
     if not m.tie_embeddings:

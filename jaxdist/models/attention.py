@@ -1,5 +1,6 @@
 """Attention's pieces without parameters: rotary position embeddings (with Llama 3.1's rescale),
-causal grouped-query attention, and the segment masks of packed documents.
+causal grouped-query attention (a fixed window, or one given per layer as an array), and the segment
+masks of packed documents.
 
 Shapes are suffixed on names: B batch, T sequence, N query heads, K kv heads, H head_dim.
 """
@@ -40,8 +41,11 @@ def rope_scaling(cfg: ModelConfig) -> tuple:
 def rotary(x_BTNH, positions_T, theta: float, scaling: tuple = ()):
     """Rotate pairs (first half, second half) of each head by position-dependent angles. Positions are
     (T,), shared by the batch, or (B, T) per row (packed documents restarting at 0; left-padded decoding)."""
-    half = x_BTNH.shape[-1] // 2
-    freq_H = rope_frequencies(half, theta, scaling)
+    return rotary_by(x_BTNH, positions_T, rope_frequencies(x_BTNH.shape[-1] // 2, theta, scaling))
+
+
+def rotary_by(x_BTNH, positions_T, freq_H):
+    """`rotary` with the per-pair frequencies given (an array: per-layer bases scanned over layers)."""
     angle_BTH = jnp.asarray(positions_T)[..., None].astype(jnp.float32) * freq_H
     angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
     sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
@@ -73,6 +77,22 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, window: int = 
         band = window_mask(jax.lax.iota(jnp.int32, T), jax.lax.iota(jnp.int32, T), window)[None, None]
         mask = band if mask is None else mask & band
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True)
+
+
+def banded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, scale: float | None = None):
+    """Causal attention whose `window` may be a traced scalar (one per layer, scanned): 0 = every earlier
+    position, W > 0 = the last W (i - j < W). XLA's attention under an explicit mask (no fused kernel
+    takes a traced window). `scale`: the score multiplier (None: 1/sqrt(head_dim))."""
+    T = q_BTNH.shape[1]
+    band = any_window_mask(jax.lax.iota(jnp.int32, T), jax.lax.iota(jnp.int32, T), window)[None, None]
+    mask = document_mask(segment_ids_BT)
+    mask = band if mask is None else mask & band
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, scale=scale)
+
+
+def any_window_mask(q_slots_T, slots_S, window):
+    """`window_mask` for a window that may be traced, 0 meaning none."""
+    return window_mask(q_slots_T, slots_S, window) | (window == 0)
 
 
 def window_mask(q_slots_T, slots_S, window: int):

@@ -177,7 +177,13 @@ def scanned_unit(cfg: ModelConfig):
 
 
 class Llama(nnx.Module):
-    """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis."""
+    """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis.
+
+    Another architecture that keeps this skeleton (embedding, scanned stack, norm, head) subclasses it
+    and replaces its parts: `Norm`, `unit` (the scanned module), `embed_factor`, and `layer_consts`
+    (per-layer constants scanned beside the weights, e.g. Gemma 3's window and rotary base)."""
+
+    Norm = RMSNorm
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32, lora=None):
         """`lora`: a LoraConfig with rank > 0 gives the layer matrices adapters (jaxdist.adapters)."""
@@ -188,7 +194,7 @@ class Llama(nnx.Module):
         embed_init = nnx.initializers.normal(cfg.embed_init_std or cfg.init_std)
         self.embed_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
-        unit, stacked = scanned_unit(cfg)
+        unit, stacked = self.unit(cfg)
 
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(key):
@@ -198,9 +204,27 @@ class Llama(nnx.Module):
             return block
 
         self.blocks = make_blocks(jax.random.split(rngs.params(), stacked))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.final_norm = self.Norm(cfg.d_model, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def unit(self, cfg: ModelConfig):
+        """(scanned module class (cfg, rngs) -> module, how many are stacked)."""
+        return scanned_unit(cfg)
+
+    def embed_factor(self) -> float:
+        """What the embedding lookup is multiplied by (1: nothing)."""
+        return self.cfg.embed_scale
+
+    def layer_consts(self):
+        """Per-layer constants (leading axis: the stacked layers) passed to each unit as `consts`; None here."""
+        return None
+
+    def _consts(self, blocks):
+        consts = self.layer_consts()
+        if consts is not None and blocks is not None:
+            raise NotImplementedError("layers with per-layer constants run as one whole stack")
+        return consts
 
     def embed(self, tokens_BT):
         # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
@@ -210,7 +234,8 @@ class Llama(nnx.Module):
         table_VD = table_VD if table_VD.dtype == jnp.float32 else table_VD.astype(self.compute_dtype)
         x_BTD = embedding.lookup(table_VD, tokens_BT, self.compute_dtype)
         # model.embed_scale: a large residual stream from a small table, which Adam moves at its own pace.
-        return x_BTD if self.cfg.embed_scale == 1.0 else x_BTD * self.cfg.embed_scale
+        factor = self.embed_factor()
+        return x_BTD if factor == 1.0 else x_BTD * factor
 
     def run_layers(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """Scan one compiled Block over the stacked layers (`blocks` defaults to all of them). With
@@ -220,6 +245,7 @@ class Llama(nnx.Module):
 
     def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
         """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense)."""
+        consts = self._consts(blocks)
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
         if segment_ids_BT is not None:
             segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"))
@@ -232,7 +258,8 @@ class Llama(nnx.Module):
         # Per-layer logical names (the stacked axis dropped), for the cast before the fsdp gather.
         names = jax.tree.map(lambda n: n[1:], logical_names(stacked), is_leaf=lambda n: isinstance(n, tuple))
 
-        def body(x, layer_state):
+        def body(x, layer):
+            layer_state, c = layer
             layer_state = offload.fetch(layer_state)  # offload.params=host: this layer only, to the device
             # Matrices cast while sharded (FSDP then gathers bf16, not float32), their gradients reduced
             # to the parameter's sharding inside the scan (no stack of unreduced layer gradients).
@@ -248,14 +275,15 @@ class Llama(nnx.Module):
                 layer_state,
                 is_leaf=lambda n: isinstance(n, tuple),
             )
-            out = nnx.merge(graphdef, layer_state)(x, positions_T, segment_ids_BT)
+            unit = nnx.merge(graphdef, layer_state)
+            out = unit(x, positions_T, segment_ids_BT) if c is None else unit(x, positions_T, segment_ids_BT, c)
             return out if isinstance(out, tuple) else (out, None)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         elif any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
             body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
-        return jax.lax.scan(body, x_BTD, stacked)
+        return jax.lax.scan(body, x_BTD, (stacked, consts))
 
     def head(self, x_BTD) -> loss.Head:
         """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""
@@ -286,16 +314,20 @@ class Llama(nnx.Module):
         slot `index`: -> (logits_BTV, new caches). The caches are stacked by layer like the weights."""
         graphdef, stacked = nnx.split(self.blocks)
 
+        consts = self.layer_consts()
+
         def body(x, layer):
-            state, k, v = layer
-            x, k, v = nnx.merge(graphdef, state).cached(x, positions_BT, k, v, index, mask_BTS)
+            state, k, v, c = layer
+            unit = nnx.merge(graphdef, state)
+            extra = () if c is None else (c,)
+            x, k, v = unit.cached(x, positions_BT, k, v, index, mask_BTS, *extra)
             return x, (k, v)
 
         L, group = cache_k_LBSKH.shape[0], self.cfg.num_layers // self.cfg.stack_depth  # SparseGroup: n layers
         ck, cv = (
             c.reshape(L // group, group, *c.shape[1:]) if group > 1 else c for c in (cache_k_LBSKH, cache_v_LBSKH)
         )
-        x_BTD, (ck, cv) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, ck, cv))
+        x_BTD, (ck, cv) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, ck, cv, consts))
         return self.logits(x_BTD), ck.reshape(cache_k_LBSKH.shape), cv.reshape(cache_v_LBSKH.shape)
 
 
@@ -326,3 +358,6 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "total": total,
         "active": total - sparse * (moe_total - moe_active),
     }
+
+
+Model = Llama  # the registry's names (jaxdist.models.registry)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config, ModelConfig
 from jaxdist.distributed import sharding
-from jaxdist.models.llama import Llama
+from jaxdist.models import registry
 from jaxdist.parallel import pipeline
 
 STACKED_AXES = ("layers", "stage")  # leading logical axes that stack independent per-layer tensors
@@ -38,9 +38,11 @@ def model_config(cfg: Config) -> ModelConfig:
     return cfg.model
 
 
-def make_model(cfg: Config, seed: int = 0) -> Llama:
+def make_model(cfg: Config, seed: int = 0) -> nnx.Module:
+    """The NNX model of `cfg.model`'s architecture (jaxdist.models.registry)."""
     lora = cfg.lora if cfg.lora.rank else None  # adapters on the layer matrices (jaxdist.adapters)
-    return Llama(model_config(cfg), nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model), lora=lora)
+    build = registry.of(cfg.model).model
+    return build(model_config(cfg), nnx.Rngs(params=seed), compute_dtype=compute_dtype(cfg.model), lora=lora)
 
 
 @dataclasses.dataclass(frozen=True)

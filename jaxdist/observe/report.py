@@ -172,11 +172,11 @@ def param_and_state_bytes(prog) -> tuple[int, int]:
 def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
     from jaxdist.distributed.mesh import format_mesh
-    from jaxdist.models.llama import count_params
+    from jaxdist.models import registry
     from jaxdist.models.resolve import compute_dtype
 
     p_bytes, o_bytes = param_and_state_bytes(prog)
-    counts = count_params(cfg.model)
+    counts = registry.of(cfg.model).count_params(cfg.model)
     n = counts["total"]
     mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
     active = (

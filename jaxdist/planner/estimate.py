@@ -28,8 +28,8 @@ import math
 from jaxdist.config import Config
 from jaxdist.distributed.mesh import AXES
 from jaxdist.errors import JaxdistError
+from jaxdist.models import registry
 from jaxdist.models.flops import flops_per_token
-from jaxdist.models.llama import count_params
 from jaxdist.parallel import schedules
 from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware
@@ -96,7 +96,7 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     lora = lay.cfg.lora if lay.cfg.lora.rank else None  # frozen weights: 4 FLOPs per use, not 6
     model = flops_per_token(m, lora) * tokens
     head = (4 if lora else 6) * m.d_model * m.vocab_size * tokens
-    counts = count_params(m)  # MoE: the recompute runs the active parameters only
+    counts = registry.of(m).count_params(m)  # MoE: the recompute runs the active parameters only
     layer_params = sum(g.size for g in param_table(m) if g.role == "layer") - (counts["total"] - counts["active"])
     recompute = m.remat == "full" or mesh["pp"] > 1
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)

@@ -1,7 +1,7 @@
 """What the planner plans for: a model config on a mesh, and the parameter table of that model.
 
 The parameter table comes from the model itself (`nnx.eval_shape`, no memory is allocated), so shapes
-and logical axis names can never drift from `jaxdist.models.llama`; placement follows the same
+and logical axis names can never drift from the registry's model (`jaxdist.models.registry`); placement follows the same
 logical rules as training (`jaxdist.distributed.sharding`).
 """
 
@@ -49,9 +49,10 @@ class ParamGroup:
 def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model with its shape, logical names and role."""
     # deferred: optax loads on first use, not when python -m jaxdist.plan starts
-    from jaxdist.models.llama import Llama
+    from jaxdist.models import registry
 
-    abstract = nnx.eval_shape(lambda: Llama(model, nnx.Rngs(params=0)))
+    build = registry.of(model).model
+    abstract = nnx.eval_shape(lambda: build(model, nnx.Rngs(params=0)))
     state = nnx.state(abstract, nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(state))
     shapes = nnx.to_pure_dict(state)

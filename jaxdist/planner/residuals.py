@@ -94,9 +94,11 @@ def _traced_layer(model: ModelConfig, tp: int, policy: str):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist.models.llama import REMAT_POLICIES, Block
+    from jaxdist.models import registry
+    from jaxdist.models.llama import REMAT_POLICIES
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(_local(model, tp), nnx.Rngs(params=0))))
+    block = registry.of(model).block
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: block(_local(model, tp), nnx.Rngs(params=0))))
 
     def layer(x, state):
         return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1]))

@@ -10,7 +10,7 @@
   start whose resolved config differs writes `config.<n>.yaml`, headed by the step and changed keys.
 - Default folder (no `--run-dir`): `runs/<config name>-<8 hex digits>`, the digits a hash of the
   resolved config without the keys a resume may change (`checkpoint.compat.FREE_KEYS`: train.steps,
-  checkpoint.*, logging, mesh, ...) and of `--restore`. So the same command finds the same folder and
+  checkpoint.*, logging, mesh, ...) and other architectures' model fields, and of `--restore`. So the same command finds the same folder and
   resumes it (after Ctrl-C, SIGTERM, a SLURM requeue), `--steps 600` after `--steps 300` extends the
   same run, and a config that a resume would refuse gets a folder of its own.
 """
@@ -52,8 +52,11 @@ def identity(cfg, restore: str | None = None) -> str:
     change, and where it starts from."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, flat
+    from jaxdist.models import registry
 
-    unnamed = lambda k, v: k in FREE_KEYS or (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])
+    # Another architecture's model fields (at their defaults) are not part of what this run computes.
+    inert = {f"model.{f}" for f in registry.inert_fields(cfg.model)}
+    unnamed = lambda k, v: k in FREE_KEYS | inert or (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])
     kept = {k: v for k, v in sorted(flat(cfg.to_dict()).items()) if not unnamed(k, v)}
     text = json.dumps({"config": kept, "restore": restore or ""}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]

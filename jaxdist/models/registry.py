@@ -1,0 +1,108 @@
+"""The model registry: an architecture is a module plus one `Architecture` entry here, and everyone
+that needs the model (the step, the pipeline, the planner, LoRA, generation, Hugging Face import and
+export, FLOPs and parameter counts) asks `of(model_config)` instead of importing a class.
+
+An entry names, as torchtitan's `ModelSpec` does for its models:
+- `families`: the `model.family` values it computes, each with its Hugging Face mapping (`hf`,
+  `models/hf_spec.Family`: config.json fields in and out) and `hf_layer` (one layer's tensor names);
+- `fields`: the `ModelConfig` fields only it reads (another architecture's must keep their defaults,
+  and they stay out of a run's default name, so adding an architecture renames no run);
+- `module`: where its NNX code lives, a module that defines `Model` (the model), `Block` (one dense
+  layer, which the planner traces) and `count_params`; it is imported on first use, so reading the
+  registry (the commands' start, config.json mapping) loads no JAX;
+- `axes`: the logical axis names its parameters carry (the default rules place them; no placement code);
+- `count_params` and `attention_flops`: the parameter count and the attention term of FLOPs per token
+  (`models/flops.py` adds 6 per matmul parameter);
+- `check`: its refusals of a whole config (a mesh axis its layers cannot meet), one line each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+from jaxdist.config import ModelConfig
+from jaxdist.errors import JaxdistError
+from jaxdist.models import decoder_hf
+
+# Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
+COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
+
+
+def _no_check(cfg, sizes: dict) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    name: str
+    hf: tuple  # its Hugging Face families (hf_spec.Family), one per model.family value
+    fields: tuple[str, ...]  # ModelConfig fields only this architecture reads
+    module: str  # defines Model, Block and count_params (below)
+    axes: frozenset  # logical axis names of its parameters
+    hf_layer: Callable  # (ModelConfig, sparse) -> [(path in the unit, HF name with {i}/{e}, n_in, per expert)]
+    attention_flops: Callable  # ModelConfig -> attention FLOPs per token, forward + backward
+    check: Callable = _no_check  # (Config, mesh axis sizes) -> None, or a one-line JaxdistError
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.hf)
+
+    @property
+    def model(self) -> Callable:
+        """(ModelConfig, nnx.Rngs, compute_dtype=, lora=) -> the NNX model."""
+        return importlib.import_module(self.module).Model
+
+    @property
+    def block(self) -> Callable:
+        """(ModelConfig, nnx.Rngs) -> one dense layer, called as layer(x_BTD, positions_T)."""
+        return importlib.import_module(self.module).Block
+
+    @property
+    def count_params(self) -> Callable:
+        """ModelConfig -> {embed, layers, head, final_norm, total, active}: exact, from the config alone."""
+        return importlib.import_module(self.module).count_params
+
+
+def _decoder_attention_flops(m: ModelConfig) -> float:
+    """PaLM appendix B: 12·L·T·(heads·head_dim), forward + backward, the causal mask not halved."""
+    return 12 * m.num_layers * m.seq_len * m.num_heads * m.head_dim
+
+
+DECODER = Architecture(
+    name="decoder",
+    hf=decoder_hf.FAMILIES,
+    fields=(),  # the switches (qkv_bias, qk_norm, sliding_window, moe_*) are shared fields
+    module="jaxdist.models.llama",
+    axes=COMMON_AXES | {"expert"},
+    hf_layer=decoder_hf.layer_tensors,
+    attention_flops=_decoder_attention_flops,
+)
+
+ARCHITECTURES = {a.name: a for a in (DECODER,)}
+BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
+FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
+OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}
+
+
+def of(m: ModelConfig) -> Architecture:
+    """The architecture `m.family` is computed by; a field of another architecture set away from its
+    default is a one-line error (it would be silently ignored)."""
+    if m.family not in BY_FAMILY:
+        raise JaxdistError(f"model.family={m.family!r} is not registered; choose one of {', '.join(BY_FAMILY)}")
+    arch = BY_FAMILY[m.family]
+    default = ModelConfig()
+    for field, owner in OWNED.items():
+        if owner != arch.name and getattr(m, field) != getattr(default, field):
+            fams = ", ".join(ARCHITECTURES[owner].families)
+            raise JaxdistError(
+                f"model.{field}={getattr(m, field)!r} is read only by model.family {fams}, not {m.family}; "
+                f"remove it or set model.family"
+            )
+    return arch
+
+
+def inert_fields(m: ModelConfig) -> set[str]:
+    """The fields other architectures own (at their defaults for `m`): not part of what `m` computes."""
+    return {field for field, owner in OWNED.items() if owner != BY_FAMILY[m.family].name}

@@ -1,0 +1,77 @@
+"""The model registry (jaxdist/models/registry.py): every family is computed by one architecture, its
+parameters carry only the logical axes its entry names (so the default rules place them), its
+parameter count is the model's, another architecture's fields are refused and stay out of run names,
+and an unsupported config.json is one line naming what is supported."""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.distributed import sharding
+from jaxdist.errors import JaxdistError
+from jaxdist.hf import families, mapping
+from jaxdist.models import registry
+from tests.conftest import SMALL_MODEL
+
+SHAPES = {  # family -> a small model of it (the MoE ones with experts)
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "mistral": {"sliding_window": 8},
+    "mixtral": {"moe_experts": 4, "moe_topk": 2},
+    "qwen3_moe": {"qk_norm": True, "moe_experts": 4, "moe_topk": 2, "moe_every": 2, "moe_mlp_dim": 32},
+}
+
+
+def test_every_family_has_one_architecture():
+    names = [f for a in registry.ARCHITECTURES.values() for f in a.families]
+    assert len(names) == len(set(names))
+    assert set(names) == set(typing.get_args(typing.get_type_hints(ModelConfig)["family"]))
+    assert set(families.NAMES) == set(names) and set(SHAPES) <= set(names)
+
+
+def test_every_family_has_a_shape_here():
+    assert set(SHAPES) == set(registry.BY_FAMILY)
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_parameters_carry_the_entrys_axes_and_count(family):
+    m = ModelConfig(**SMALL_MODEL, family=family, **SHAPES[family])
+    arch = registry.of(m)
+    model = nnx.eval_shape(lambda: arch.model(m, nnx.Rngs(params=0)))
+    state = nnx.state(model, nnx.Param)
+    names = jax.tree.leaves(sharding.logical_names(state), is_leaf=lambda n: isinstance(n, tuple))
+    used = {a for n in names for a in n if a is not None}
+    assert used <= arch.axes, used - arch.axes
+    assert used <= set(sharding.make_rules({})) | {"layers"}  # the default rules place every one
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+    assert arch.count_params(m)["total"] == total
+
+
+def test_another_architectures_field_is_refused():
+    owned = sorted(registry.OWNED)
+    if not owned:
+        pytest.skip("only the decoder is registered")
+    field = owned[0]
+    owner = registry.ARCHITECTURES[registry.OWNED[field]]
+    other = next(f for f in registry.BY_FAMILY if f not in owner.families)
+    default = getattr(ModelConfig(), field)
+    value = (default or 0) + 3 if not isinstance(default, bool) else not default
+    with pytest.raises(JaxdistError, match=f"model.{field}=.*read only by model.family"):
+        registry.of(ModelConfig(family=other, **{field: value}))
+
+
+def test_unsupported_model_type_is_one_line_naming_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(JaxdistError) as e:
+        mapping.model_fields(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "GPT2LMHeadModel" in msg
+    assert all(f.architecture in msg for f in families.FAMILIES.values())
