@@ -2,6 +2,7 @@
 
     python -m jaxdist.plot runs/a                          # runs/a/loss.png (what every run writes at its end)
     python -m jaxdist.plot runs/a runs/b --metric eval_loss --out lr.png   # overlay, labelled by config
+    python -m jaxdist.plot runs/a --metric eval/hellaswag/acc_norm         # a task metric (train.eval_tasks)
 
 `loss_png` draws one run: train loss (raw and smoothed) and eval loss against steps (bottom axis) and
 tokens (top axis), the learning rate on a second y axis, skipped (non-finite) steps as red marks.
@@ -31,8 +32,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="PNG to write (default: RUN_DIR/loss.png for one run's loss, else METRIC.png here)",
     )
-    p.add_argument("--metric", choices=list(METRICS), default="loss", help="what to overlay (default loss)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--metric",
+        default="loss",
+        help=f"what to overlay: {', '.join(METRICS)}, or a task metric eval/TASK/METRIC (train.eval_tasks); default loss",
+    )
+    args = p.parse_args(argv)
+    if args.metric not in METRICS and not args.metric.startswith("eval/"):
+        p.error(f"argument --metric: {args.metric!r} is not one of {', '.join(METRICS)} nor eval/TASK/METRIC")
+    return args
 
 
 @command
@@ -43,7 +51,7 @@ def main(argv=None) -> int:
     if len(args.run_dirs) == 1 and args.metric == "loss":
         out = loss_png(args.run_dirs[0], args.out)
     else:
-        out = args.out or Path(f"{args.metric}.png")
+        out = args.out or Path(f"{args.metric.replace('/', '_')}.png")
         labels = overlay(args.run_dirs, args.metric, out)
         print("runs: " + "; ".join(labels))
     print(f"wrote {out}")

@@ -7,6 +7,7 @@ python -m jaxdist.train --mesh dp=2,fsdp=4 optim.lr=1e-3 train.steps=100
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -140,6 +141,16 @@ def allowed_changes(text: str) -> frozenset[str]:
     return keys
 
 
+def eval_tasks(cfg):
+    """train.eval_tasks' harness (`jaxdist.evaluation.in_training.task_evaluator`), None without tasks."""
+    if not cfg.train.eval_tasks:
+        return None
+    # deferred: lm-eval is an optional extra, loaded only when train.eval_tasks names tasks
+    from jaxdist.evaluation import in_training
+
+    return in_training.task_evaluator
+
+
 def main(argv: list[str] | None = None) -> int:
     supervised = supervisor.supervise(sys.argv[1:] if argv is None else list(argv))  # multi-process: names a dead peer
     if supervised is not None:
@@ -168,8 +179,11 @@ def _main(argv: list[str] | None, stopper) -> int:
             print(print_config(cfg), end="")
             return 0
         trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
+        if cfg.train.eval_tasks and importlib.util.find_spec("lm_eval") is None:  # before JAX starts, as trackers
+            raise JaxdistError('train.eval_tasks needs lm-eval: pip install "jaxdist[eval]"')
         run_dir = prepare_run_dir(args.run_dir, cfg, args.config, typed_restore)
         setup_platform(args.cpu_devices)
+        tasks = eval_tasks(cfg)  # train.eval_tasks: the harness (the eval extra)
         allowed = allowed_changes(args.allow_config_change)
         launch = launch_mod.detect(args.coordinator, args.num_processes, args.process_id)
         launch_mod.initialize(launch, args.init_timeout, args.heartbeat_timeout)
@@ -182,7 +196,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             if args.run_dir
             else "named by this config, train.steps aside: the same command resumes it, a larger --steps extends it"
         )
-        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin)
+        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin, tasks=tasks)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -86,7 +86,8 @@ LAYERS = [
     ("observe",),
     ("training",),
     ("analysis", "inference"),
-    ("train", "bench", "plan", "convert", "generate", "plot", "__main__"),
+    ("evaluation",),
+    ("train", "bench", "plan", "convert", "generate", "eval", "plot", "__main__"),
 ]
 RANK = {unit: row for row, units in enumerate(LAYERS) for unit in units}
 RULE = "see docs/architecture.md#the-layering-rule"
@@ -294,7 +295,7 @@ def test_the_tree_check_can_fail():
 
 # Optional extras: each is imported only where its feature is used, behind a one-line "install the
 # extra" error (tests/test_trackers.py and test_tokenize.py check those lines).
-EXTRAS = {"wandb", "mlflow", "pyarrow", "tensorboard"}
+EXTRAS = {"wandb", "mlflow", "pyarrow", "tensorboard", "lm_eval"}
 
 
 def test_every_module_of_the_package_imports():

@@ -158,6 +158,12 @@ class TrainConfig:
     eval_every: NonNegative = 100  # steps between evals; 0 disables eval
     evals: NonNegative = 0  # > 0: sets eval_every = ceil(train.steps / evals): that many evals or fewer, one at the end
     eval_batches: NonNegative = 4  # held-out batches per eval (0: no eval, with a warning at start-up)
+    eval_tasks: list[str] = dataclasses.field(
+        default_factory=list
+    )  # lm-eval tasks run at each eval on the training mesh, logged as eval/TASK/METRIC (the eval extra)
+    eval_limit: NonNegative = 0  # examples per task at each in-training eval; 0: all of them
+    eval_include_path: str = ""  # folder of your own task YAMLs for eval_tasks (lm-eval's --include_path)
+    eval_batch_size: Positive = 8  # eval_tasks: requests per compiled batch
     log_every: Positive = 10  # steps between metric lines
     peak_flops: NonNegativeFloat = 0.0  # per device, for MFU; 0 = the datasheet peak (none on CPU: FLOP/s only)
     max_skipped_steps: Positive = 10  # consecutive non-finite steps before the run stops

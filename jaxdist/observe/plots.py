@@ -184,12 +184,12 @@ def overlay(run_dirs: list[Path], metric: str, out: Path) -> list[str]:
         ax.plot(
             [r["step"] for r in pts],
             [r[metric] for r in pts],
-            "o-" if metric == "eval_loss" else "-",
+            "o-" if metric.startswith("eval") else "-",
             ms=3,
             label=legend_text(label),
         )
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(METRICS[metric])
+    ax.set_ylabel(METRICS.get(metric, metric))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -55,6 +55,16 @@ def loss_text(loss: float | None, byte_tokens: bool) -> str:
     return f"{loss:.4f} nats/token" + (f" ({loss / math.log(2):.3f} bits/byte)" if byte_tokens else "")
 
 
+def task_text(record: dict) -> str:
+    """train.eval_tasks' scores for a log line: ', jx_choice acc 0.75, ...' ('' without tasks)."""
+    shown = [
+        f"{k[5:].replace('/', ' ')} {v:.4g}"
+        for k, v in record.items()
+        if k.startswith("eval/") and "sample_len" not in k
+    ]
+    return "".join(f", {t}" for t in shown)
+
+
 def duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
@@ -155,7 +165,8 @@ class Progress:
 
     def record(self, step: int, metrics: dict, evaluate=None, final: bool = False) -> None:
         """Account for optimizer step `step` (0-based) whose metrics are `metrics`; waits for it.
-        `evaluate() -> eval loss` runs after the throughput is taken, so its time does not count."""
+        `evaluate() -> {"eval_loss": ..., and train.eval_tasks' "eval/TASK/METRIC": ...}` runs after the
+        throughput is taken, so its time does not count."""
         waited = not all(getattr(v, "is_ready", lambda: True)() for v in metrics.values())
         vals = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.steps_on_clock += 1
@@ -191,14 +202,13 @@ class Progress:
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait
                 self.restart_clock()
         if evaluate is not None:
-            result = evaluate()  # the eval loss, or a dict of it ("loss") and an objective's statistics
-            if isinstance(result, dict):
-                record.update({f"eval_{k}": v for k, v in result.items() if k != "loss"})
-                result = result["loss"]
-            self.eval_loss = record["eval_loss"] = result
+            result = evaluate()  # the eval loss, or a dict of it ("loss"), an objective's statistics and
+            got = result if isinstance(result, dict) else {}  # train.eval_tasks' "eval/TASK/METRIC" numbers
+            record.update({k if k.startswith("eval/") else f"eval_{k}": v for k, v in got.items() if k != "loss"})
+            self.eval_loss = record["eval_loss"] = got["loss"] if got else result
             self.restart_clock()
             if not self.plain:
-                self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}")
+                self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}{task_text(got)}")
         if record:
             self.writer.write({"step": done, **record})
             if self.plain:
@@ -214,7 +224,7 @@ class Progress:
             f"smoothed {record['loss_smooth']:.4f}",
         ]
         if "eval_loss" in record:
-            parts.append(f"eval loss {loss_text(record['eval_loss'], self.byte_tokens)}")
+            parts.append(f"eval loss {loss_text(record['eval_loss'], self.byte_tokens)}{task_text(record)}")
         parts += [
             f"lr {record['lr']:.3g}",
             f"{record['tokens_per_sec']:,.0f} tok/s",

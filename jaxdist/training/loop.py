@@ -26,6 +26,7 @@ def run(
     stopper=None,
     allowed: frozenset[str] = frozenset(),
     origin: str = "",
+    tasks=None,
 ) -> RunResult:
     """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
 
@@ -33,7 +34,9 @@ def run(
     checkpoint), else from scratch. SIGTERM / SIGINT stop after the current step with a checkpoint
     (before the first step, if they come during start-up: `stopper` is installed by `main`).
     `allowed`: config keys that may differ from the resumed checkpoint's. `origin`: how the run dir was
-    chosen, for the start-up line that says whether it resumed.
+    chosen, for the start-up line that says whether it resumed. `tasks`: what `train.eval_tasks` needs,
+    `jaxdist.evaluation.in_training.task_evaluator` (`(setup, run_dir) -> (params -> eval/TASK/METRIC
+    numbers)`, built before anything is written; passed in because the harness sits above training).
     """
     own = stopper is None
     stopper = stopper or checkpoint.StopSignal()
@@ -42,7 +45,7 @@ def run(
     # leave its one error line on a line of its own, and no flush traceback at exit).
     with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
         try:
-            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers, origin)
+            return _run(cfg, Path(run_dir), log, restore, stopper, allowed, lock, closers, origin, tasks)
         except OSError as e:
             if e.errno not in rundir.WRITE_ERRORS:
                 raise
@@ -55,9 +58,17 @@ def run(
                 lock.release()
 
 
-def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, origin) -> RunResult:
+def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, origin, tasks) -> RunResult:
     """Set up, restore, (start writing), compile, run, finish: what the trainer does, in that order."""
     s = startup.set_up(cfg, run_dir, log, lock)
+    task_eval = None
+    if s.cfg.train.eval_tasks and s.cfg.train.eval_every:  # checked (tasks known, mesh usable) before writing
+        if tasks is None:
+            raise JaxdistError(
+                "train.eval_tasks needs the evaluation harness: python -m jaxdist.train passes it; from Python, "
+                "pass tasks=jaxdist.evaluation.in_training.task_evaluator to jaxdist.run"
+            )
+        task_eval = tasks(s, Path(run_dir))
     resuming, from_hf, restored = resume.start_from(
         s.cfg, run_dir, s.prog, s.loader, restore, allowed, s.is_main, s.log
     )
@@ -76,6 +87,6 @@ def _run(cfg, run_dir: Path, log, restore, stopper, allowed, lock, closers, orig
         saver.close()
         return stopped
     steps_done, plotted = stepping.train(
-        s, run_dir, stopper, saver, progress, compiled, state, first, eval_arrays, start
+        s, run_dir, stopper, saver, progress, compiled, state, first, eval_arrays, start, task_eval
     )
     return finish(s, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted)

@@ -30,16 +30,19 @@ def compile_step(s: Setup, restored):
     return state, first, compiled, compile_s, predicted
 
 
-def train(s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int):
+def train(
+    s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int, task_eval=None
+):
     """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
-    plot or why there is none). The plot is drawn however the loop ends."""
+    plot or why there is none). The plot is drawn however the loop ends. `task_eval(params) ->
+    {eval/TASK/METRIC: value}` runs beside the held-out loss at each evaluation (train.eval_tasks)."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
 
     from jaxdist.objectives import registry as objectives
     from jaxdist.observe import metrics, profiling
 
-    def evaluate(state) -> float | dict:
+    def held_out(state) -> float | dict:
         """The held-out loss; a preference objective's also its statistics ({"loss": ..., "rewards/...": ...})."""
         if not objectives.is_default(s.cfg):
             sums = jax.device_get([s.prog.eval_step(state.params, state.reducer_state, b) for b in eval_arrays])
@@ -48,6 +51,13 @@ def train(s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, fi
             return {"loss": sum(float(x) for x, _, _ in sums) / pairs, **stats}
         sums = [s.prog.eval_step(state.params, b) for b in eval_arrays]
         return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
+
+    def evaluate(state) -> float | dict:
+        """held_out, with train.eval_tasks' {"eval/TASK/METRIC": ...} beside it."""
+        got = held_out(state)
+        if task_eval is None:
+            return got
+        return (got if isinstance(got, dict) else {"loss": got}) | task_eval(state.params)
 
     stopper.training = True
     batches = hooks.Batches(s.loader, first)
