@@ -35,9 +35,9 @@ import jinja2.ext
 import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from jaxdist.data import template_sandbox
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.errors import JaxdistError
 
@@ -45,6 +45,7 @@ ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (real ones are a few KB)
 PROBE = [  # rendered once to choose a document boundary id the template never writes
     {"role": "system", "content": "s"},
     {"role": "user", "content": "u"},
@@ -68,6 +69,7 @@ class ChatTokenizer:
     source: str  # where the template came from
     text: str  # the template's text
     variables: dict  # bos_token, eos_token, ... as strings
+    max_token_bytes: int | None = None  # bytes of text one token stands for at most (None: no bound, see token_bytes)
 
     @property
     def marks_generation(self) -> bool:
@@ -83,11 +85,11 @@ def read_template(folder: Path, override: str | None = None) -> tuple[str, str]:
         path = Path(override).expanduser()
         if not path.is_file():
             raise JaxdistError(f"--chat-template {path} not found; give a Jinja file")
-        return path.read_text(encoding="utf-8"), str(path)
+        return _template_text(path), str(path)
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8"), str(folder / "chat_template.jinja")
+        return _template_text(folder / "chat_template.jinja"), str(folder / "chat_template.jinja")
     config_file = folder / "tokenizer_config.json"
-    value = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+    value = json.loads(_template_text(config_file)).get("chat_template") if config_file.is_file() else None
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]: the default one
         value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(value, str) or not value:
@@ -96,6 +98,22 @@ def read_template(folder: Path, override: str | None = None) -> tuple[str, str]:
             "pass --chat-template FILE.jinja"
         )
     return value, f"{config_file}:chat_template"
+
+
+def _template_text(path: Path) -> str:
+    """A template (or the tokenizer_config.json holding one): at most MAX_TEMPLATE_BYTES of UTF-8."""
+    size = path.stat().st_size
+    if size > MAX_TEMPLATE_BYTES:
+        raise JaxdistError(
+            f"{path} is {size:,} bytes, more than a chat template's limit of {MAX_TEMPLATE_BYTES:,}; give the model's own"
+        )
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JaxdistError(
+            f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+        ) from None
 
 
 class Generation(Extension):
@@ -140,16 +158,18 @@ def compile_template(text: str, where: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(
+    env = template_sandbox.BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = template_sandbox.bounded_filter("tojson", tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as e:
         raise JaxdistError(f"chat template {where} line {e.lineno}: {e.message}; fix the template") from None
+    except RecursionError:  # nesting deeper than the parser's recursion
+        raise JaxdistError(f"chat template {where} nests too deeply to parse; fix the template") from None
 
 
 def load(path: str, template_file: str | None = None) -> ChatTokenizer:
@@ -158,7 +178,36 @@ def load(path: str, template_file: str | None = None) -> ChatTokenizer:
     text, source = read_template(tok.file.parent, template_file)
     parser = Tokenizer.from_file(str(tok.file))  # special-token text parsed: the template's tokens
     variables = {n: v for n in SPECIAL_NAMES if (v := tokenizer_mod._token_text(tok.config.get(n))) is not None}
-    return ChatTokenizer(tok, parser, compile_template(text, source), source, text, variables)
+    return ChatTokenizer(
+        tok, parser, compile_template(text, source), source, text, variables, token_bytes(tok.file, parser)
+    )
+
+
+SAFE_NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD", "Prepend", "Replace")
+
+
+def token_bytes(file: Path, parser) -> int | None:
+    """An upper bound on the bytes of text one token stands for, so that a rendering too long to fit a window is
+    refused before it is encoded: 4 x the longest token's own UTF-8 text (Unicode normalization composes at
+    most 3 code points into one). None where a token can stand for any amount of text: a model without a
+    byte-level or byte-fallback path (an unknown-word token), or a normalizer that may delete text."""
+    try:
+        spec = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model = spec.get("model") or {}
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")) or model.get("byte_fallback") is True
+
+    def safe(n) -> bool:
+        if n is None:
+            return True
+        if n.get("type") == "Sequence":
+            return all(safe(x) for x in n.get("normalizers") or [])
+        return n.get("type") in SAFE_NORMALIZERS and (n.get("type") != "Replace" or bool(n.get("content")))
+
+    if not byte_level or not safe(spec.get("normalizer")):
+        return None
+    return 4 * max(len(t.encode("utf-8", errors="surrogatepass")) for t in parser.get_vocab(with_added_tokens=True))
 
 
 # ------------------------------------------------------------------------------------------- rendering
@@ -198,24 +247,35 @@ def check_messages(record) -> tuple[list[dict], list | None]:
 
 
 def render(ct: ChatTokenizer, messages: list[dict], tools=None, add_generation_prompt: bool = False):
-    """(text, generation spans [(start, stop) characters])."""
+    """(text, generation spans [(start, stop) characters]), within the sandbox's time and size limits
+    (jaxdist/data/template_sandbox.py); any failure of the template is BadConversation."""
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     try:
-        with ct.template.environment.track_generation(blocks, spans):
-            for block in ct.template.generate(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **ct.variables,
-            ):
-                blocks.append(block)
+        with template_sandbox.bounded(), ct.template.environment.track_generation(blocks, spans):
+            template_sandbox.join_blocks(
+                ct.template.generate(
+                    messages=messages,
+                    tools=tools,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **ct.variables,
+                ),
+                blocks,
+            )
+    except template_sandbox.TemplateBound as e:
+        raise BadConversation("template_limit", f"the chat template was stopped: {e}") from None
     except jinja2.TemplateError as e:
-        raise BadConversation("template", f"the chat template refused it: {e}") from None
-    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
-        raise BadConversation("template", f"the chat template failed on it ({type(e).__name__}: {e})") from None
+        raise BadConversation("template", f"the chat template refused it: {short(e)}") from None
+    except Exception as e:  # untrusted code: whatever it raises is its failure on this conversation
+        raise BadConversation("template", f"the chat template failed on it ({type(e).__name__}: {short(e)})") from None
     return "".join(blocks), spans
+
+
+def short(e: Exception, limit: int = 200) -> str:
+    """An exception's text on one line, at most `limit` characters (a template's error may quote a huge value)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def prefix_spans(ct: ChatTokenizer, messages: list[dict], tools, text: str) -> list[tuple[int, int]]:
@@ -258,16 +318,27 @@ def overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -
     return mask
 
 
-def encode(ct: ChatTokenizer, record, loss_on: str = "assistant") -> tuple[np.ndarray, np.ndarray]:
-    """One conversation (a JSONL record) -> (ids int64, loss mask uint8), or BadConversation."""
+def encode(ct: ChatTokenizer, record, loss_on: str = "assistant", max_tokens: int | None = None):
+    """One conversation (a JSONL record) -> (ids int64, loss mask uint8), or BadConversation. All its renders
+    share one time limit; with `max_tokens`, a rendering too long in bytes to fit is refused before it is
+    encoded (a 10 MB message took 3.5 GB and 23 s to encode and then be refused)."""
     messages, tools = check_messages(record)
-    text, spans = render(ct, messages, tools)
-    encoding = ct.parser.encode(text, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, np.int64)
-    if loss_on == "all":
-        return ids, np.ones(len(ids), np.uint8)
-    if not ct.marks_generation:
-        spans = prefix_spans(ct, messages, tools, text)
+    with template_sandbox.bounded():
+        text, spans = render(ct, messages, tools)
+        if max_tokens is not None and ct.max_token_bytes is not None:
+            size = len(text.encode("utf-8", errors="surrogatepass"))
+            if size > max_tokens * ct.max_token_bytes:
+                raise BadConversation(
+                    "too_long",
+                    f"it renders to {size:,} bytes, more than {max_tokens:,} tokens of this tokenizer can hold (at "
+                    f"most {ct.max_token_bytes} bytes each)",
+                )
+        encoding = ct.parser.encode(text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, np.int64)
+        if loss_on == "all":
+            return ids, np.ones(len(ids), np.uint8)
+        if not ct.marks_generation:
+            spans = prefix_spans(ct, messages, tools, text)
     mask = overlap_mask(encoding.offsets, spans)
     if not mask.any():
         raise BadConversation("no_assistant", "its assistant messages render to no tokens (nothing to train on)")
@@ -276,10 +347,15 @@ def encode(ct: ChatTokenizer, record, loss_on: str = "assistant") -> tuple[np.nd
 
 def prompt_ids(ct: ChatTokenizer, messages: list[dict], tools=None) -> list[int]:
     """The ids of `messages` with the assistant's turn opened, for generation."""
+    for i, m in enumerate(messages):  # a command-line argument that was not UTF-8 holds its bytes as surrogates
+        try:
+            str(m.get("content", "")).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise JaxdistError(f"chat message {i + 1} is not UTF-8 text (at character {e.start}); give UTF-8") from None
     try:
         text, _ = render(ct, messages, tools, add_generation_prompt=True)
     except BadConversation as e:
-        raise JaxdistError(f"cannot build a chat prompt: {e.reason}") from None
+        raise JaxdistError(f"cannot build a chat prompt with {ct.source}: {e.reason}") from None
     return ct.parser.encode(text, add_special_tokens=False).ids
 
 
@@ -296,7 +372,11 @@ def boundary_id(ct: ChatTokenizer) -> int:
         try:
             written |= set(ct.parser.encode(render(ct, probe)[0], add_special_tokens=False).ids)
             break
-        except BadConversation:
+        except BadConversation as e:
+            if e.kind == "template_limit":  # slow or huge on three one-letter messages: the template, not the data
+                raise JaxdistError(
+                    f"chat template {ct.source}: {e.reason} on a 3-message probe; fix the template"
+                ) from None
             continue
     for i in candidates:
         if i not in written:

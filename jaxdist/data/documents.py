@@ -29,26 +29,40 @@ def file_format(path: str, forced: str) -> str:
     return "parquet" if path.endswith(".parquet") else "text"
 
 
-def documents(files: list[str], fmt: str, field: str) -> Iterator[tuple[str, int]]:
-    """(text, input bytes it stands for) per document, in input order; empty documents are skipped."""
+def documents(files: list[str], fmt: str, field: str, skipped: list[str] | None = None) -> Iterator[tuple[str, int]]:
+    """(text, input bytes it stands for) per document, in input order; empty documents are skipped.
+    A document that is not UTF-8 is never read with U+FFFD in place of its bytes: it stops the command
+    (`skipped` None: --on-error stop) or is left out and named in `skipped`."""
     for f in files:
         kind = file_format(f, fmt)
         try:
             if kind == "text":
                 raw = Path(f).read_bytes()
-                yield raw.decode("utf-8", errors="replace"), len(raw)
+                if (text := utf8(raw, f, skipped)) is not None:
+                    yield text, len(raw)
             elif kind == "jsonl":
                 with open(f, "rb") as fh:
                     for lineno, line in enumerate(fh, 1):
-                        if line.strip():
-                            yield _field(json_line(line, f, lineno), field, f"{f}:{lineno}"), len(line)
+                        if line.strip() and (text := utf8(line, f"{f}:{lineno}", skipped)) is not None:
+                            yield _field(json_line(text, f, lineno), field, f"{f}:{lineno}"), len(line)
             else:
                 yield from parquet_documents(f, field)
         except OSError as e:
             raise JaxdistError(f"cannot read input {f} ({e.strerror}); fix its permissions or the input list")
 
 
-def json_line(line: bytes, f: str, lineno: int):
+def utf8(raw: bytes, where: str, skipped: list[str] | None) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        why = f"{where}: byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8"
+        if skipped is None:
+            raise JaxdistError(f"{why}; convert it to UTF-8, or pass --on-error skip to leave it out") from None
+        skipped.append(why)
+        return None
+
+
+def json_line(line: str | bytes, f: str, lineno: int):
     try:
         return json.loads(line)
     except ValueError:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from tokenizers import Tokenizer
 
 from jaxdist.data import chat
 from jaxdist.data import tokenizer as tokenizer_mod
-from jaxdist.data.chatprep import REPORT_LINES, conversations
+from jaxdist.data.chatprep import REPORT_LINES, conversations, decode_line, parse_line
 from jaxdist.errors import JaxdistError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -168,10 +167,7 @@ def tokenize_pair(ct: chat.ChatTokenizer, record) -> tuple[list[int], list[int],
 
 def encode_pair(ct: chat.ChatTokenizer, text: str, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(record ids, record mask, padding tokens) of one line, or BadConversation (its kind and reason)."""
-    try:
-        record = json.loads(text)
-    except ValueError as e:
-        raise chat.BadConversation("bad_json", f"not valid JSON ({getattr(e, 'msg', e)})") from None
+    record = parse_line(text)
     prompt, chosen, rejected = tokenize_pair(ct, record)
     width = seq_len + 1
     ids, mask, padding = [], [], 0
@@ -214,9 +210,10 @@ def encode_preference(args, files: list[str], total_bytes: int, dtype: str, tmp:
     kinds: collections.Counter = collections.Counter()
     lines = 0
     t0 = time.perf_counter()
-    for f, lineno, text in conversations(files):
+    for f, lineno, raw in conversations(files):
         lines += 1
         try:
+            text = decode_line(raw)  # not UTF-8, or over the size limit: a bad line
             ids, mask, padding = encode_pair(ct, text, S, pad)
         except chat.BadConversation as e:
             if on_error == "stop":

@@ -92,7 +92,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c.add_argument("--chat", action="store_true", help='JSONL conversations {"messages": [...]} with a loss mask')
     c.add_argument("--seq-len", type=int, help="window length = the model.seq_len you will train with")
     c.add_argument("--loss-on", choices=("assistant", "all"), help="tokens trained on (default assistant)")
-    c.add_argument("--on-error", choices=("skip", "stop"), help="a bad line: skip it and count (default), or stop")
+    q.add_argument(
+        "--on-error",
+        choices=("skip", "stop"),
+        help="a bad line or a document that is not UTF-8: skip it and count (default), or stop",
+    )
     c.add_argument("--chat-template", metavar="FILE", help="a Jinja template instead of the tokenizer's own")
     c.add_argument(
         "--preference",
@@ -100,6 +104,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help='JSONL pairs {"prompt", "chosen", "rejected"} for objective.method=dpo (jaxdist/data/prefprep.py)',
     )
     return q.parse_intermixed_args(argv[1:])
+
+
+def max_workers() -> int:
+    """The --workers cap: twice the cores this process may run on (at least 4). Each worker is a process
+    holding the tokenizer, with two 1 MiB chunks in flight; 100,000 of them were accepted and forked."""
+    return max(4, 2 * len(os.sched_getaffinity(0)))
 
 
 def is_held_out(text: str, fraction: float) -> bool:
@@ -174,6 +184,11 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     check_out(out, args.overwrite)
     if args.workers < 1 or args.shard_tokens < 1 or not 0 <= args.val_fraction < 1:
         raise JaxdistError("--workers and --shard-tokens must be >= 1 and --val-fraction in [0, 1)")
+    if args.workers > (most := max_workers()):
+        raise JaxdistError(
+            f"--workers {args.workers} is more than this machine can use ({len(os.sched_getaffinity(0))} cores; "
+            f"at most {most} encoding processes); give --workers {most} or fewer"
+        )
     tok = tokenizer_mod.load(args.tokenizer) if args.tokenizer else None
     files = input_files(args.inputs)
     chatprep.check_args(args, files)
@@ -191,7 +206,9 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
         t0 = time.perf_counter()
         if tok is None:  # train on the documents that will be training data
             train_texts = (
-                t for t, _ in documents(files, args.format, args.field) if t and not is_held_out(t, args.val_fraction)
+                t
+                for t, _ in documents(files, args.format, args.field, None if args.on_error == "stop" else [])
+                if t and not is_held_out(t, args.val_fraction)
             )
             tokenizer_mod.save_trained(tokenizer_mod.train_bpe(train_texts, args.train_tokenizer), tmp)
             tok = tokenizer_mod.load(str(tmp))
@@ -256,7 +273,8 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
         "val": ShardWriter(tmp / "val", dtype, args.shard_tokens),
     }
     t0 = time.perf_counter()
-    tasks = chunks(documents(files, args.format, args.field), args.val_fraction)
+    skipped: list[str] | None = None if args.on_error == "stop" else []
+    tasks = chunks(documents(files, args.format, args.field, skipped), args.val_fraction)
     # A terminal shows the bar (cleared at the end, so an error stays one line); logs do not.
     with tqdm(
         total=total_bytes,
@@ -275,6 +293,14 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
     for w in writers.values():
         w.close()
     seconds = time.perf_counter() - t0
+    if skipped:
+        (tmp / "skipped.txt").write_text("".join(s + "\n" for s in skipped), encoding="utf-8")
+        shown = "\n".join(f"  {s}" for s in skipped[: chatprep.REPORT_LINES])
+        more = f"\n  ... {len(skipped) - chatprep.REPORT_LINES} more" if len(skipped) > chatprep.REPORT_LINES else ""
+        log(
+            f"skipped {len(skipped)} document(s) that are not UTF-8 (--on-error stop refuses them); every one is "
+            f"listed in {args.out}/skipped.txt:\n{shown}{more}"
+        )
     splits = {name: w.summary() for name, w in writers.items()}
     tokens = sum(s["tokens"] for s in splits.values())
     log(
@@ -291,7 +317,12 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
         "tokenizer": {"file": "tokenizer.json", "sha256": tok.sha256},
         "splits": splits,
         "val_fraction": args.val_fraction,
-        "input": {"files": len(files), "bytes": total_bytes, "field": args.field},
+        "input": {
+            "files": len(files),
+            "bytes": total_bytes,
+            "field": args.field,
+            "skipped": {"not_utf8": len(skipped or [])},
+        },
     }
 
 
