@@ -88,7 +88,7 @@ def test_bad_chat_lines_are_skipped_by_kind_or_stop(tmp_path, monkeypatch, capsy
         good.replace(b"hello", b"caf\xe9"),  # 2: latin-1
         good.replace(b"hello", b"\\ud800"),  # 3: a lone surrogate
         b"[" * 100_000 + b"]" * 100_000,  # 4: deeper than the parser (and over the line limit)
-        b"[" * 2000 + b"]" * 2000,  # 5: deeper than the parser
+        b"[" * 20_000 + b"]" * 20_000,  # 5: deeper than the parser
         json.dumps({"messages": [GOOD["messages"][0], {"role": "assistant", "content": "x " * 5000}]}).encode(),  # 6
         good,
     ]
@@ -102,7 +102,7 @@ def test_bad_chat_lines_are_skipped_by_kind_or_stop(tmp_path, monkeypatch, capsy
     src = tmp_path / "in.jsonl"
     assert [x.split(": ", 1)[0] for x in listed] == [f"{src}:{n}" for n in (2, 3, 4, 5, 6)]
     assert "byte 0xe9 at offset" in listed[0] and "lone surrogate \\ud800" in listed[1]
-    assert "over 50,000 bytes; it was not read" in listed[2] and "nests deeper" in listed[3]
+    assert "over 50,000 bytes; it was not read" in listed[2] and "nests 20,000 levels deep (at most 100)" in listed[3]
     assert "renders to" in listed[4] and "more than 63 tokens" in listed[4]
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["chat"]["skipped"] == {"bad_json": 1, "bad_utf8": 2, "too_long": 2}
