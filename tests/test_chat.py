@@ -297,6 +297,10 @@ def test_bad_chat_flags_are_one_line_errors(tmp_path, capsys):
     tok = FIX / "qwen"
     assert "add --chat" in fails("--tokenizer", tok, "--out", tmp_path / "o", "--seq-len", 64, tmp_path / "a.txt")
     assert "needs --seq-len" in fails("--chat", "--tokenizer", tok, "--out", tmp_path / "o", tmp_path / "c.jsonl")
+    chat_field = fails(
+        "--chat", "--field", "body", "--tokenizer", tok, "--seq-len", 64, "--out", tmp_path / "o", tmp_path / "c.jsonl"
+    )
+    assert "--field does not apply to --chat" in chat_field  # issue 39: was ignored silently
     assert "not .jsonl" in fails(
         "--chat", "--tokenizer", tok, "--seq-len", 64, "--out", tmp_path / "o", tmp_path / "a.txt"
     )

@@ -148,8 +148,9 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     monkeypatch.setenv("TQDM_DISABLE", "1")
     folder, run_dir, args = bpe_run
-    assert train_main(["--run-dir", str(run_dir), *args]) == 0
+    assert train_main(["--run-dir", str(run_dir), *args, "pipeline.schedule=1f1b"]) == 0
     out = capsys.readouterr().out
+    assert "warning: pipeline.schedule=1f1b has no effect at pp=1" in out, out  # issue 39: ignored silently
     assert "is a prepared folder: training on its token shards (data.source=tokens)" in out, out
     assert "nats/token" in out and "bits/byte" not in out, out  # BPE tokens are not bytes
     assert "source: tokens" in (run_dir / "config.yaml").read_text()

@@ -63,6 +63,8 @@ def check_args(args, files: list[str]) -> None:
     if kind == "--preference" and args.loss_on is not None:
         raise JaxdistError("--loss-on does not apply to --preference (only completion tokens are trained on); drop it")
     what = "conversations" if kind == "--chat" else "preference pairs"
+    if getattr(args, "field", None) is not None:  # was ignored without a word
+        raise JaxdistError(f"--field does not apply to {kind}: each JSONL line is read whole as {what}; drop --field")
     if not args.tokenizer:
         raise JaxdistError(f"{kind} needs the model's tokenizer folder (--tokenizer HF_DIR), not --train-tokenizer")
     if not args.inputs:

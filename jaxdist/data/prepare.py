@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="INPUT",
         help="files, globs or folders (default: this Python's standard library source)",
     )
-    q.add_argument("--field", default="text", help="JSONL/Parquet field holding the text (default text)")
+    q.add_argument("--field", help="JSONL/Parquet field holding the text (default text)")
     q.add_argument(
         "--format",
         default="auto",
@@ -192,6 +192,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     tok = tokenizer_mod.load(args.tokenizer) if args.tokenizer else None
     files = input_files(args.inputs)
     chatprep.check_args(args, files)
+    args.field = args.field or "text"  # given with --chat or --preference it was refused above
     total_bytes = sum(os.path.getsize(f) for f in files)
     if total_bytes == 0:
         raise JaxdistError(f"the {len(files)} input file(s) are empty; give files that hold text")

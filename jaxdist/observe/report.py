@@ -50,6 +50,16 @@ def artefact_lines(cfg, run_dir: Path) -> list[str]:
     return ["writes: " + "; ".join(where)]
 
 
+def no_effect_lines(cfg, pp: int) -> list[str]:
+    """Settings that change nothing on this mesh, said once at start-up (they were ignored silently)."""
+    if pp == 1 and cfg.pipeline.schedule != "gpipe":
+        return [
+            f"warning: pipeline.schedule={cfg.pipeline.schedule} has no effect at pp=1 (no pipeline on this mesh); "
+            "give the mesh a pp axis > 1 to pipeline, or drop it"
+        ]
+    return []
+
+
 def data_line(cfg, loader) -> str:
     """What is read (token shards only, the dtype actually read), tokens, windows, where evaluation reads,
     and how many passes over the training windows the run will make."""

@@ -42,6 +42,7 @@ def start_writing(
         for line in [
             report.run_dir_line(run_dir, origin, restored, resuming, restore, cfg),
             *report.summary_lines(cfg, s.prog, s.flops_tok),
+            *report.no_effect_lines(cfg, s.mesh.shape["pp"]),
             report.data_line(cfg, s.loader),
             *([f"warning: {s.no_eval}; evaluation is off"] if s.no_eval else []),
             report.units_line(cfg),
