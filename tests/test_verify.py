@@ -507,6 +507,17 @@ def test_plot_outputs_are_checked_and_written_whole(metrics_run, tmp_path, capsy
     assert re.search(r"cannot write .*loss.png \(permission denied\)", error_line(capsys))
     assert not list(metrics_run.glob("*.png")) and not list(metrics_run.glob(".loss.png*"))
 
+    # a read-only filesystem: every write and unlink there is EROFS, even of a file that is not there
+    # (issue 39: the clean-up's unlink raised a traceback); root cannot make one without a mount
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as m:
+        m.setattr(matplotlib.figure.Figure, "savefig", read_only)
+        m.setattr(os, "unlink", read_only)
+        assert plot.main([str(metrics_run)]) == 2
+    assert re.search(r"cannot write .*loss.png \(read-only file system\); fix the folder", error_line(capsys))
+
     # a step record without a loss
     with open(metrics_run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 6, "lr": 1e-3}) + "\n")

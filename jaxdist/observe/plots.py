@@ -167,7 +167,8 @@ def save(fig, out: Path) -> Path:
         )
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # on a read-only filesystem unlinking a missing file fails too (EROFS, not ENOENT)
+            tmp.unlink(missing_ok=True)
     return out
 
 
