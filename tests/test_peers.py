@@ -1,9 +1,14 @@
 """The supervisors of multi-process runs, without JAX: the lines, who is blamed, the questions and news, the ring watch.
 Real processes killed mid-run: tests/test_distributed.py::test_a_killed_process_is_named_by_the_survivor."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -123,7 +128,7 @@ def test_a_peer_that_accepts_but_never_answers_is_named_after_the_timeout(monkey
         t0 = time.monotonic()
         found = sup._find_dead(tries=1)
         assert 0.3 <= time.monotonic() - t0 < 10  # the timeout, then an answer (10: a loaded CI machine)
-    assert found["how"] == "no answer within 0.3s: killed, crashed, or its host is down"
+    assert found["how"] == "no answer within 0.3s: killed, crashed, stopped, or its host is down"
     sup.listener.close(clean=True)
 
 
@@ -146,3 +151,104 @@ def test_single_process_commands_are_not_supervised(monkeypatch):
 def test_addresses_start_with_the_route_to_the_coordinator():
     assert peers.addresses("127.0.0.1:1")[0] == "127.0.0.1"
     assert all(socket.inet_aton(a) for a in peers.addresses("127.0.0.1:1"))
+
+
+# ---- a stopped process: the launcher kills it after a grace period, and it is the one named ----------
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_HOST = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "-c":  # the launcher's free-port one-liner
+    exec(sys.argv[2])
+    sys.exit()
+i = int(sys.argv[sys.argv.index("--process-id") + 1])
+if i == 0:  # process 0 fails (its peer stopped answering), once process 1 is stopped
+    while not os.path.exists(os.environ["PIDS_FILE"]):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sys.exit(3)
+# process 1: a supervisor that passes SIGTERM on, and its training process in its own process group, which
+# (stuck in a collective with the gone process 0) never ends by itself; both are stopped (SIGSTOP)
+hang = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+child = subprocess.Popen([sys.executable, "-c", hang], process_group=0)
+signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+time.sleep(0.3)
+open(os.environ["PIDS_FILE"] + ".tmp", "w").write(f"{os.getpid()} {child.pid}")
+os.rename(os.environ["PIDS_FILE"] + ".tmp", os.environ["PIDS_FILE"])
+os.kill(child.pid, signal.SIGSTOP)
+os.kill(os.getpid(), signal.SIGSTOP)
+child.wait()
+"""
+
+
+def test_the_launcher_kills_a_stopped_process_after_the_grace_period(tmp_path):
+    """`launch_local.sh 2` when one host's processes are SIGSTOPped: process 0 exits, and the launcher's
+    SIGTERM is never acted on by a stopped process (it waited 1,115 s). Now SIGKILL after STOP_GRACE, the
+    training process's group too. The processes are stand-ins (PYTHON): what is tested is the launcher."""
+    (tmp_path / "fake.py").write_text(FAKE_HOST)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "STOP_GRACE": "1", "PIDS_FILE": str(tmp_path / "pids")}
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "launch_local.sh"), "2"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 3 and time.monotonic() - t0 < 15, r.stderr
+    assert "launch_local: process 0 exited with status 3; stopping the others" in r.stderr
+    assert (
+        "launch_local: process 1 did not stop within 1s of SIGTERM (stopped or hung); killing it (SIGKILL)" in r.stderr
+    )
+    for pid in map(int, (tmp_path / "pids").read_text().split()):  # the supervisor and its training process
+        assert gone(pid), pid
+
+
+def gone(pid: int, within: float = 5) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_stopped_training_process_is_the_one_named(capsys):
+    """Host 1's training process SIGSTOPped, its supervisor running: process 0's collectives fail, and both
+    processes blamed the healthy process 0. Now process 1's supervisor answers "stopped" when asked (so
+    process 0 names process 1), and, told of process 0's end, names itself."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not supervisor.is_stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        host1, host0 = supervisor.Supervisor(launch_mod.Launch("127.0.0.1:1", 2, 1, "flags")), new_supervisor()
+        host1.listener.state = lambda: host1._stalled(proc)
+        # process 0's training process aborted: its supervisor asks process 1's, which says it is stopped
+        host0.peers = [record(host1.listener, 1)]
+        dead = host0._find_dead(tries=1)
+        assert dead["index"] == 1 and "is stopped (SIGSTOP or a debugger)" in dead["how"], dead
+        assert f"its training process (pid {proc.pid})" in dead["how"]
+        # process 1's supervisor hears process 0's end (caused by 1), kills its stopped training process
+        host1.peers = [record(host0.listener, 0)]
+        host1.listener.hear([{**peer_lines.death(host0.me, time.time()), "cause": 1}])
+        rc, stopped = host1._wait(proc)
+        assert stopped and host1.was_stopped
+        host1._reader = threading.Thread(target=lambda: None)
+        host1._reader.start()
+        assert host1._after(rc, stopped, proc.pid) == supervisor.PEER_DIED
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert (
+            line.startswith("error: process 1 (host ") and f"its training process (pid {proc.pid}) was stopped" in line
+        )
+        assert "process 0" not in line
+        assert host0.listener.gone[1]["how"] == supervisor.stopped_how(proc.pid)  # told process 0 too
+    finally:
+        proc.kill()
+        proc.wait()
+        for sup in ("host0", "host1"):
+            if sup in locals():
+                locals()[sup].listener.close(clean=True)

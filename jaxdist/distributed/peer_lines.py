@@ -54,6 +54,14 @@ def own_line(me: dict, worker: int, rc: int, at: float, n: int, run_dir: str | N
     )
 
 
+def stopped_line(me: dict, worker: int, at: float, n: int, run_dir: str | None) -> str:
+    return (
+        f"error: {who(me)} stopped answering at {clock(at)}: its training process (pid {worker}) was stopped "
+        f"(SIGSTOP or a debugger), so the other processes could not continue; it was killed and they stop too. "
+        f"{resume(n, run_dir)}"
+    )
+
+
 def root(gone: dict[int, dict]) -> dict | None:
     """The death that started it: the earliest of those not caused by another."""
     first = [r for r in gone.values() if r.get("cause") is None] or list(gone.values())

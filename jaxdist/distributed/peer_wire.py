@@ -69,6 +69,7 @@ class Listener:
         self.token = secrets.token_hex(16)  # news of a death must carry it: a stray connection stops nothing
         self.gone: dict[int, dict] = {}  # deaths heard of, by process index
         self.mine: dict | None = None  # this process's own end, once known
+        self.state = None  # () -> this process's record while it cannot take part (stopped), else None
         self.news = threading.Event()
         self.watchers: list[socket.socket] = []  # peers' connections held open to see this process end
         self._lock = threading.Lock()
@@ -96,7 +97,7 @@ class Listener:
     def _answer(self, msg: dict) -> dict:
         if msg.get("op") == "gone" and msg.get("token") == self.token:
             self.hear(msg["records"])
-        return {"index": self.index, "gone": self.mine}
+        return {"index": self.index, "gone": self.mine or (self.state() if self.state else None)}
 
     def hear(self, records: list[dict]) -> None:
         with self._lock:

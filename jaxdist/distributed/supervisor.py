@@ -70,6 +70,7 @@ class Supervisor:
         self.peers: list[dict] = []  # reachable peers' records, once the training process sent the table
         self.me = {"index": self.index, "host": socket.gethostname(), "pid": os.getpid()}
         self.run_dir: str | None = None
+        self.was_stopped = False  # the training process was stopped (SIGSTOP) when it was killed
 
     def run(self, argv: list[str]) -> int:
         ours, theirs = socket.socketpair()
@@ -78,6 +79,7 @@ class Supervisor:
             [sys.executable, "-m", "jaxdist.train", *argv], env=env, pass_fds=(theirs.fileno(),), process_group=0
         )
         theirs.close()
+        self.listener.state = lambda: self._stalled(proc)  # asked "how are you": a stopped process says so
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for s in FORWARDED:  # the child has its own process group: a terminal's Ctrl-C reaches it once, from here
@@ -140,6 +142,13 @@ class Supervisor:
         if not data.endswith(b"clean\n"):
             self.listener.hear([peer_lines.death(p, time.time())])
 
+    def _stalled(self, proc: subprocess.Popen) -> dict | None:
+        """This process's record when its training process is stopped (SIGSTOP, a debugger): it answers no
+        collective, so its peers' fail, and they must name it, not themselves."""
+        if proc.poll() is not None or not is_stopped(proc.pid):
+            return None
+        return peer_lines.death(self.me, time.time(), stopped_how(proc.pid))
+
     def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
         """The child's exit status, and whether we stopped it because a peer died (after GRACE_S)."""
         told = None
@@ -148,6 +157,7 @@ class Supervisor:
                 if self.listener.news.wait(0.1):
                     told = time.monotonic()
             elif time.monotonic() - told > GRACE_S:
+                self.was_stopped = is_stopped(proc.pid)  # then the others failed because of us
                 proc.kill()  # stuck in a collective with the dead peer: it could only abort
                 return proc.wait(), True
             else:
@@ -162,6 +172,11 @@ class Supervisor:
         at = time.time()
         verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
         self.listener.mine = {**peer_lines.death(self.me, at, peer_lines.ending(rc)), "fatal": not verdict}
+        if self.was_stopped:  # the peers' failures are ours: name this process, not the one that told us
+            self.listener.mine = {**peer_lines.death(self.me, at, stopped_how(worker)), "fatal": True}
+            print(peer_lines.stopped_line(self.me, worker, at, self.n, self.run_dir), file=sys.stderr, flush=True)
+            peer_wire.tell(self.peers, [self.listener.mine])
+            return PEER_DIED
         # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
         dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
         if dead is not None:
@@ -188,8 +203,22 @@ class Supervisor:
                 elif a == "refused":
                     self.listener.hear([peer_lines.death(p, now)])
                 elif a is None:
-                    how = f"no answer within {peer_wire.ASK_S:g}s: killed, crashed, or its host is down"
+                    how = f"no answer within {peer_wire.ASK_S:g}s: killed, crashed, stopped, or its host is down"
                     self.listener.hear([peer_lines.death(p, now, how)])
             if attempt + 1 < tries and not self.listener.gone:
                 time.sleep(0.5)
         return peer_lines.root(self.listener.gone)
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc
+    (False where there is no /proc: such a process is then named as one that stopped answering)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def stopped_how(worker: int) -> str:
+    return f"its training process (pid {worker}) is stopped (SIGSTOP or a debugger) and answers no collective"
