@@ -17,6 +17,7 @@ completion mask), which `tests/test_objectives.py` runs through jaxdist's stage.
 from __future__ import annotations
 
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ import torch
 import trl
 from datasets import Dataset
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from trl.experimental.cpo import CPOTrainer
+from trl.experimental.orpo import ORPOTrainer
 
 REPO = Path(__file__).resolve().parent.parent
 POLICY = REPO / "tests" / "fixtures" / "hf_llama"
@@ -92,13 +95,87 @@ def run(name: str, ref_dir: Path, **config) -> dict:
     return out
 
 
+def sequence_logps(model_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(summed completion log-probs (B, 2), completion token counts (B, 2)) of the fixed pairs, gathered by
+    TRL's own `CPOTrainer.get_batch_logps` from the model's logits (column 0 chosen, 1 rejected)."""
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids, att, comp = batch()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(att)).logits
+    labels = torch.tensor(np.where(comp == 1, ids, -100))
+    sums = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=False).numpy().astype(np.float64)
+    counts = comp[:, 1:].sum(1).astype(np.float64)
+    return np.stack([sums[:PAIRS], sums[PAIRS:]], 1), np.stack([counts[:PAIRS], counts[PAIRS:]], 1)
+
+
+def reference_free(name: str, logps: np.ndarray, counts: np.ndarray, **config) -> dict:
+    """SimPO / ORPO: TRL's own loss methods (`CPOTrainer.cpo_loss`, `ORPOTrainer.odds_ratio_loss`) on the
+    length-normalised log-probs, as their trainers call them; gradients w.r.t. the summed log-probs."""
+    sums = torch.tensor(logps, dtype=torch.float32, requires_grad=True)
+    avg = sums / torch.tensor(counts, dtype=torch.float32)
+    me = types.SimpleNamespace(accelerator=types.SimpleNamespace(device="cpu"), alpha=0.0, **config)
+    out = {}
+    if name == "simpo":
+        losses, chosen_r, rejected_r = CPOTrainer.cpo_loss(me, avg[:, 0], avg[:, 1])
+        loss = losses.mean()  # cpo_alpha = 0 for SimPO: no NLL term
+    else:
+        losses, chosen_r, rejected_r, ratio, log_odds = ORPOTrainer.odds_ratio_loss(me, avg[:, 0], avg[:, 1])
+        nll = -sums[:, 0].sum() / float(counts[:, 0].sum())  # = the chosen tokens' mean cross-entropy (checked below)
+        loss = nll - losses.mean()
+        out |= {"nll_loss": float(nll), "log_odds_ratio": float(ratio), "log_odds_chosen": float(log_odds)}
+    loss.backward()
+    out |= {
+        "loss": float(loss),
+        "rewards/chosen": float(chosen_r.mean()),
+        "rewards/rejected": float(rejected_r.mean()),
+        "rewards/margins": float((chosen_r - rejected_r).mean()),
+        "rewards/accuracies": float((chosen_r > rejected_r).float().mean()),
+        "logps/chosen": float(avg[:, 0].mean()),
+        "logps/rejected": float(avg[:, 1].mean()),
+        "grad/logps": sums.grad.numpy().astype(np.float64),
+    }
+    print(name, {k: v for k, v in out.items() if not isinstance(v, np.ndarray)})
+    return out
+
+
+def check_orpo_nll() -> None:
+    """ORPO's NLL from the summed log-probs equals the chosen rows' mean cross-entropy as ORPOTrainer takes it."""
+    model = LlamaForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
+    ids, att, comp = batch()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(att)).logits[:PAIRS, :-1]
+    labels = torch.tensor(np.where(comp == 1, ids, -100))[:PAIRS, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    logps, counts = sequence_logps(POLICY)
+    assert abs(float(ce) + logps[:, 0].sum() / counts[:, 0].sum()) < 1e-6, (
+        float(ce),
+        logps[:, 0].sum() / counts[:, 0].sum(),
+    )
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     ref_dir = OUT / "reference"
     reference_model(ref_dir)
-    for name, config in {"dpo": dict(beta=0.1, loss_type=["sigmoid"])}.items():
+    logps, counts = sequence_logps(POLICY)
+    ref_logps, _ = sequence_logps(ref_dir)
+    seq = {"logps": logps, "counts": counts, "ref_logps": ref_logps}
+    dpo_runs = {
+        "dpo": dict(beta=0.1, loss_type=["sigmoid"]),
+        "dpo_ipo": dict(beta=0.1, loss_type=["ipo"]),
+        "dpo_robust": dict(beta=0.1, loss_type=["robust"], label_smoothing=0.1),
+    }
+    for name, config in dpo_runs.items():
         result = run(name, ref_dir, **config)
-        np.savez(OUT / f"{name}.npz", **result, **{f"config/{k}": str(v) for k, v in config.items()})
+        np.savez(OUT / f"{name}.npz", **result, **seq, **{f"config/{k}": str(v) for k, v in config.items()})
+    check_orpo_nll()
+    free = {
+        "simpo": dict(beta=2.0, loss_type="simpo", simpo_gamma=0.5, label_smoothing=0.1),
+        "orpo": dict(beta=0.1),
+    }
+    for name, config in free.items():
+        result = reference_free(name, logps, counts, **config)
+        np.savez(OUT / f"{name}.npz", **result, **seq, **{f"config/{k}": str(v) for k, v in config.items()})
     (OUT / "versions.txt").write_text(f"trl {trl.__version__}\ntorch {torch.__version__}\n")
 
 

@@ -3,8 +3,9 @@
 - DPO's loss, TRL's metrics and the gradients of the norm, head and embedding equal a real
   `trl.DPOTrainer`'s on the tiny Llama fixture (`tests/fixtures/trl/`, made by scripts/make_trl_fixture.py);
 - with the reference equal to the policy the loss is ln 2 (and the rewards 0);
-- fsdp=4,tp=2 with 2 micro-batches equals one device without accumulation (loss, metrics, gradients);
-- LoRA's reference is the base with the adapters off: a fresh adapter (B = 0) gives ln 2 too;
+- every loss variant (DPO sigmoid / IPO / robust, SimPO, ORPO) equals TRL's on the fixture's log-probs;
+- with LoRA (reference = the base, adapters off) fsdp=4,tp=2 with 2 micro-batches equals one device
+  without accumulation (loss, metrics, gradients), and a fresh adapter gives ln 2 too;
 - `objective.method=lm` keeps the default run name's hash; prepare --preference keeps pairs whole.
 """
 
@@ -31,7 +32,7 @@ from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping
 from jaxdist.hf import tensors as hf_tensors
-from jaxdist.objectives import registry
+from jaxdist.objectives import pairs, registry
 from jaxdist.training import rundir, step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,6 +88,40 @@ def test_dpo_loss_metrics_and_gradients_match_trl(trl_setup):
         assert np.abs(np.asarray(g) - want).max() <= TOL * max(1.0, np.abs(want).max()), k
 
 
+VARIANTS = {
+    "dpo": ObjectiveConfig(method="dpo", beta=0.1),
+    "dpo_ipo": ObjectiveConfig(method="dpo", beta=0.1, dpo_loss="ipo"),
+    "dpo_robust": ObjectiveConfig(method="dpo", beta=0.1, dpo_loss="robust", label_smoothing=0.1),
+    "simpo": ObjectiveConfig(method="simpo", beta=2.0, gamma=0.5, label_smoothing=0.1),
+    "orpo": ObjectiveConfig(method="orpo", orpo_lambda=0.1),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_loss_matches_trl_on_its_log_probs(name):
+    """Every loss variant on the fixture pairs' log-probs (TRL's `get_batch_logps`) against TRL: the real
+    DPOTrainer for sigmoid / ipo / robust, `CPOTrainer.cpo_loss` (SimPO) and `ORPOTrainer.odds_ratio_loss`
+    plus the chosen NLL (ORPO), with their gradients w.r.t. the summed log-probs where TRL's fixture has
+    them. Tolerance 1e-5, relative above 1 (IPO's loss is 22.8)."""
+    fx, obj = np.load(TRL / f"{name}.npz"), VARIANTS[name]
+    loss_fn = registry.OBJECTIVES[obj.method].loss
+    counts, ref = (np.asarray(fx[k], np.float32) for k in ("counts", "ref_logps"))
+    per_token = len(counts) / counts[:, 0].sum()
+
+    def mean_loss(logps):
+        total, stats = pairs.summed(loss_fn(logps, counts, ref, obj), per_token)
+        return total / len(counts), {k: v / len(counts) for k, v in stats.items()}
+
+    (loss, stats), grad = jax.value_and_grad(mean_loss, has_aux=True)(np.asarray(fx["logps"], np.float32))
+    close = lambda a, b: abs(float(a) - float(b)) <= TOL * max(1.0, abs(float(b)))
+    assert close(loss, fx["loss"]), (float(loss), float(fx["loss"]))
+    for k in [*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"]:
+        if k in fx:
+            assert close(stats[k], fx[k]), k
+    if "grad/logps" in fx:
+        assert np.abs(np.asarray(grad) - fx["grad/logps"]).max() <= TOL
+
+
 def test_dpo_with_reference_equal_to_policy_is_ln2(trl_setup):
     fx, policy, _, run, _ = trl_setup
     _, loss, _, metrics = run(policy, policy)
@@ -128,29 +163,22 @@ def dpo_cfg(tiny_cfg):
     )
 
 
-def test_dpo_sharded_with_accumulation_equals_one_device(dpo_cfg):
-    """fsdp=4,tp=2 with 2 micro-batches vs one device: the stage's loss, metrics and gradients, at the
-    equivalence tests' tolerance (1e-5 of each tensor's largest entry). The reference is the stored copy;
-    the policy is moved off it first so the loss is not the ln 2 of identical models."""
-    tokens = pair_batches(dpo_cfg)
-    one = stage_outputs(dpo_cfg, "dp=1", tokens)
-    many = stage_outputs(dpo_cfg.replace(train=dict(grad_accum_steps=2)), "fsdp=4,tp=2", tokens)
-    assert abs(float(one[0]) - math.log(2)) < 1e-6  # step 0: reference = policy
+def test_dpo_lora_sharded_with_accumulation_equals_one_device(dpo_cfg):
+    """DPO with LoRA on fsdp=4,tp=2 with 2 micro-batches vs one device: the stage's loss, metrics and
+    gradients at the equivalence tests' tolerance (1e-5 of each tensor's largest entry). The reference is
+    the base with the adapters off: the stage keeps no copy (its state is empty), and a fresh adapter's
+    policy (B = 0) equals its reference, so the loss is ln 2 while the adapters get a real gradient."""
+    cfg = dpo_cfg.replace(lora=dict(rank=4))
+    assert registry.keeps_reference_copy(cfg) is False and registry.keeps_reference_copy(dpo_cfg) is True
+    tokens = pair_batches(cfg)
+    one = stage_outputs(cfg, "dp=1", tokens)
+    many = stage_outputs(cfg.replace(train=dict(grad_accum_steps=2)), "fsdp=4,tp=2", tokens)
+    assert abs(float(one[0]) - math.log(2)) < 1e-6 and abs(float(many[0]) - math.log(2)) < 1e-6
     for k in METRICS:
         assert abs(float(one[1][k]) - float(many[1][k])) < TOL, k
     for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(many[2])):
         assert np.abs(a - b).max() <= TOL * max(np.abs(a).max(), 1e-12)
     assert max(np.abs(g).max() for g in jax.tree.leaves(one[2])) > 1e-4  # a real gradient, not zeros
-
-
-def test_lora_reference_is_the_base_with_adapters_off(dpo_cfg):
-    """With LoRA the stage keeps no copy (its state is empty) and a fresh adapter's policy equals its
-    reference: the loss is ln 2 and the adapters get a gradient."""
-    cfg = dpo_cfg.replace(lora=dict(rank=4))
-    assert registry.keeps_reference_copy(cfg) is False
-    loss, metrics, grads = stage_outputs(cfg, "dp=1", pair_batches(cfg))
-    assert abs(float(loss) - math.log(2)) < 1e-6
-    assert max(np.abs(g).max() for g in jax.tree.leaves(grads)) > 0
 
 
 def test_default_objective_keeps_run_names_and_the_registry_agrees():

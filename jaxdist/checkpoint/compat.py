@@ -76,6 +76,10 @@ OMITTED_AT_DEFAULT = {
     "optim.muon_scale": "match_rms_adamw",
     "objective.method": "lm",
     "objective.beta": 0.1,
+    "objective.dpo_loss": "sigmoid",
+    "objective.label_smoothing": 0.0,
+    "objective.gamma": 0.5,
+    "objective.orpo_lambda": 0.1,
 }
 
 

@@ -255,10 +255,20 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    method: Literal["lm", "dpo"] = (
-        "lm"  # lm: next-token cross-entropy; dpo: preference pairs from prepare --preference (docs/post-training.md)
+    method: Literal["lm", "dpo", "simpo", "orpo"] = (
+        "lm"  # lm: next-token cross-entropy; dpo, simpo, orpo: preference pairs from prepare --preference (docs/post-training.md)
     )
-    beta: PositiveFloat = 0.1  # dpo: strength of the implicit KL to the reference (TRL's beta)
+    beta: PositiveFloat = 0.1  # dpo: strength of the implicit KL to the reference; simpo: reward scale (TRL's beta; the SimPO paper uses 2-2.5)
+    dpo_loss: Literal["sigmoid", "ipo", "robust"] = (
+        "sigmoid"  # dpo: TRL's loss_type: sigmoid (DPO), ipo (length-normalised squared loss), robust (label_smoothing = flip probability)
+    )
+    label_smoothing: Annotated[float, Range(0, 0.5, hi_open=True)] = (
+        0.0  # dpo_loss=robust: probability a label is flipped; simpo: conservative (cDPO-style) smoothing
+    )
+    gamma: NonNegativeFloat = 0.5  # simpo: target reward margin (TRL's simpo_gamma)
+    orpo_lambda: PositiveFloat = (
+        0.1  # orpo: weight of the odds-ratio term beside the chosen NLL (TRL ORPOConfig's beta)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,11 @@ from jaxdist.data.chatprep import REPORT_LINES, conversations, decode_line, pars
 from jaxdist.errors import JaxdistError
 
 FIELDS = ("prompt", "chosen", "rejected")
-PAIRED = ("dpo",)  # objective.method values that train on these records (jaxdist/objectives/registry.py agrees)
+PAIRED = (
+    "dpo",
+    "simpo",
+    "orpo",
+)  # objective.method values that train on these records (jaxdist/objectives/registry.py agrees)
 
 
 def paired(cfg) -> bool:

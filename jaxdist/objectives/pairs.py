@@ -44,16 +44,32 @@ def sequence_logps(apply_fn: Callable, params, rows_NW):
     return (logps_NT * weights_NT).sum(-1), weights_NT.sum(-1)
 
 
-def pair_sums(apply_fn: Callable, loss: Callable, obj, params, reference, tokens_BR):
-    """(summed loss over the pairs, {statistic: sum over the pairs}); `reference`: the reference's
-    parameters, or None for a reference-free objective."""
+def chosen_tokens(tokens_BR):
+    """Completion tokens of the chosen rows of a batch of pair records (what ORPO's NLL averages over)."""
+    return loss_mask.split(as_rows(tokens_BR)[0::2, 1:])[1].sum()
+
+
+def pair_sums(apply_fn: Callable, loss: Callable, obj, params, reference, tokens_BR, per_token):
+    """(summed loss over the pairs, {statistic: sum over the pairs}). `reference`: the reference's
+    parameters, or None for a reference-free objective. `per_token`: pairs / chosen completion tokens of
+    the whole batch, the weight of a term TRL averages over tokens (so the sum / pairs is its token mean)."""
     rows = as_rows(tokens_BR)
     logps, counts = (x.reshape(-1, 2) for x in sequence_logps(apply_fn, params, rows))
     ref = None
     if reference is not None:
         ref = jax.lax.stop_gradient(sequence_logps(apply_fn, jax.lax.stop_gradient(reference), rows)[0].reshape(-1, 2))
-    losses, stats = loss(logps, counts, ref, obj)
-    return losses.sum(), {k: v.sum() for k, v in stats.items()}
+    return summed(loss(logps, counts, ref, obj), per_token)
+
+
+def summed(terms, per_token):
+    """A loss's `Terms` -> (loss sum, {statistic: sum}) in per-pair units: divided by the pairs, TRL's means
+    (a token term, ORPO's NLL, weighted by `per_token` = pairs / chosen tokens: its token mean)."""
+    total = terms.losses.sum()
+    stats = {k: v.sum() for k, v in terms.stats.items()}
+    if terms.token_sums is not None:
+        total = total + terms.token_sums.sum() * per_token
+        stats["nll_loss"] = jax.lax.stop_gradient(terms.token_sums.sum() * per_token)
+    return total, stats
 
 
 def pair_stage(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -> GradientStage:
@@ -62,34 +78,35 @@ def pair_stage(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -
     lora, M, obj = bool(cfg.lora.rank), cfg.train.grad_accum_steps, cfg.objective
     keeps_copy = needs_reference and not lora
 
-    def objective(trained, fixed, copy, tokens):
+    def objective(trained, fixed, copy, tokens, per_token):
         params = adapters.combine(trained, fixed) if lora else trained
         reference = None
         if needs_reference:  # LoRA: adapters off (zeros) = the base; else the stored copy
             reference = adapters.combine(jax.tree.map(jnp.zeros_like, trained), fixed) if lora else copy
-        return pair_sums(apply_fn, loss, obj, params, reference, tokens)
+        return pair_sums(apply_fn, loss, obj, params, reference, tokens, per_token)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def apply(params, tokens, state, step):
         trained, fixed = (adapters.trainable(params), adapters.frozen(params)) if lora else (params, None)
+        pairs = tokens.shape[0]
+        per_token = pairs / chosen_tokens(tokens)  # of the whole batch: micro-batch sums add up to its means
         if M == 1:
-            (total, stats), grads = grad_fn(trained, fixed, state, tokens)
+            (total, stats), grads = grad_fn(trained, fixed, state, tokens, per_token)
         else:
 
             def body(carry, micro):
-                (l, s), g = grad_fn(trained, fixed, state, micro)
+                (l, s), g = grad_fn(trained, fixed, state, micro, per_token)
                 return jax.tree.map(jnp.add, carry, (g, l, s)), None
 
             micro = split_microbatches(tokens, M)
-            shapes = jax.eval_shape(lambda t: grad_fn(trained, fixed, state, t)[0][1], micro[0])
+            shapes = jax.eval_shape(lambda t: grad_fn(trained, fixed, state, t, per_token)[0][1], micro[0])
             init = (
                 jax.tree.map(jnp.zeros_like, trained),
                 jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
             )
             (grads, total, stats), _ = jax.lax.scan(body, init, micro)
-        pairs = tokens.shape[0]
         metrics = {k: v / pairs for k, v in stats.items()}
         return jax.tree.map(lambda g: g / pairs, grads), total / pairs, state, metrics
 
@@ -114,7 +131,8 @@ def pair_eval(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) ->
                 )
             else:
                 reference = state
-        total, stats = pair_sums(apply_fn, loss, obj, params, reference, tokens)
-        return total, jnp.float32(tokens.shape[0]), stats
+        pairs = jnp.float32(tokens.shape[0])
+        total, stats = pair_sums(apply_fn, loss, obj, params, reference, tokens, pairs / chosen_tokens(tokens))
+        return total, pairs, stats
 
     return eval_step

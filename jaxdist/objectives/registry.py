@@ -24,7 +24,7 @@ from jaxdist.reduce.gradients import GradientStage
 @dataclasses.dataclass(frozen=True)
 class Objective:
     name: str
-    loss: Callable | None = None  # (logps_B2, counts_B2, ref_B2 | None, objective cfg) -> (losses (B,), stats)
+    loss: Callable | None = None  # (logps_B2, counts_B2, ref_B2 | None, objective cfg) -> losses.Terms
     needs_reference: bool = False  # the frozen reference's log-probs enter the loss
     paired: bool = False  # reads preference pair records (prepare --preference)
 
@@ -32,6 +32,8 @@ class Objective:
 OBJECTIVES = {
     "lm": Objective("lm"),
     "dpo": Objective("dpo", losses.dpo, needs_reference=True, paired=True),
+    "simpo": Objective("simpo", losses.simpo, paired=True),
+    "orpo": Objective("orpo", losses.orpo, paired=True),
 }
 
 
