@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import sys
 from collections.abc import Callable
@@ -10,6 +11,18 @@ from collections.abc import Callable
 
 class JaxdistError(Exception):
     """A problem with the user's input or environment. The CLI prints it without a traceback, exit 2."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(e: BaseException) -> bool:
+    """A failed write that only more room fixes: ENOSPC / EDQUOT / EFBIG, as an OSError or in the text of a
+    library's own error (safetensors' `SafetensorError: ... IoError(Os { code: 28, kind: StorageFull ...`)."""
+    if isinstance(e, OSError):
+        return e.errno in DISK_FULL
+    text = str(e)
+    return "StorageFull" in text or "No space left on device" in text or "Disk quota exceeded" in text
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:

@@ -110,6 +110,28 @@ def unwritable_dir(path):
         undo()
 
 
+@contextlib.contextmanager
+def full_disk(path, size_kb: int):
+    """A tmpfs of `size_kb` KiB at the new folder `path`, a disk that fills; `grow(kb)` makes room (as freeing
+    space would). Skipped where mounting is not allowed; unmounted on exit."""
+    import subprocess
+    from pathlib import Path
+
+    path = Path(path)
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}): full-disk test not run")
+
+    def grow(kb: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={kb}k", str(path)], check=True, capture_output=True)
+
+    try:
+        yield grow
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
     """The skip count, after -rs's list of skips with their reasons and just above pytest's closing

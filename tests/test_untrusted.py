@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import full_disk
 
 from jaxdist.data import chat, chatprep, prepare, template_sandbox
 from jaxdist.errors import JaxdistError
@@ -140,3 +141,25 @@ def test_workers_are_capped(tmp_path, capsys):
     most = prepare.max_workers()
     assert err.count("\n") == 1 and f"give --workers {most} or fewer" in err and not (tmp_path / "o").exists()
     assert most == max(4, 2 * len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_prepare_on_a_full_disk_leaves_nothing_and_the_rerun_works(tmp_path, capsys, kind):
+    """A raw OSError traceback before (the temporary folder was removed); now one line naming the fix."""
+    if kind == "chat":
+        (tmp_path / "in.jsonl").write_text((json.dumps(GOOD) + "\n") * 400)
+        argv = ["--chat", "--tokenizer", str(FIX / "qwen"), "--seq-len", "64", str(tmp_path / "in.jsonl")]
+    else:
+        (tmp_path / "in.txt").write_text(" ".join(f"w{i % 5000}" for i in range(40_000)))
+        argv = ["--tokenizer", str(FIX / "qwen"), str(tmp_path / "in.txt")]
+    with full_disk(tmp_path / "disk", 64) as grow:
+        out = tmp_path / "disk" / "out"
+        argv = ["prepare", "--workers", "1", *argv, "--out", str(out)]
+        assert prepare.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: cannot write {out} (no space left on device): nothing " in err, err
+        assert "free space, then run the same command" in err
+        assert list((tmp_path / "disk").iterdir()) == []  # nothing half-written, no hidden folder
+        grow(4096)
+        assert prepare.main(argv) == 0
+        assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["documents"] > 0

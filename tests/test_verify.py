@@ -561,6 +561,22 @@ def test_to_hf_failing_half_way_leaves_nothing_and_the_rerun_works(saved, tmp_pa
     assert f"exported {len(written)} file(s) to {out}" in capsys.readouterr().out  # every file, not the weights alone
 
 
+def test_to_hf_on_a_full_disk_is_one_line_leaves_nothing_and_the_rerun_works(saved, tmp_path, capsys, monkeypatch):
+    """safetensors' raw `SafetensorError: ... IoError(Os { code: 28, kind: StorageFull ...` before (issue 39)."""
+    from conftest import full_disk
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    with full_disk(tmp_path / "disk", 32) as grow:
+        out = tmp_path / "disk" / "hf"
+        assert convert.main(["to-hf", str(saved), str(out)]) == 2
+        line = error_line(capsys)
+        assert line.startswith(f"error: cannot write {out} (no space left on device): nothing was written there")
+        assert line.endswith("free space, then run the same command") and list((tmp_path / "disk").iterdir()) == []
+        grow(8192)
+        assert convert.main(["to-hf", str(saved), str(out)]) == 0
+        assert (out / "model.safetensors").is_file()
+
+
 def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
     from jaxdist.observe import trackers
 

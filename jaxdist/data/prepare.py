@@ -37,7 +37,7 @@ from jaxdist.data import chatprep, prefprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
 from jaxdist.data.shards import FORMAT, MANIFEST, ShardWriter, check_out, remove_stale, replace_folder
-from jaxdist.errors import ArgumentParser, JaxdistError, command
+from jaxdist.errors import ArgumentParser, JaxdistError, command, disk_full
 
 # Held-out tokens below which `prepare` warns: 32 windows of 2,048 tokens (the default eval reads
 # train.eval_batches=4 x global_batch=8 windows); below it the eval loss is noisy, or absent at long seq_len.
@@ -202,8 +202,8 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     remove_stale(out, log)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         t0 = time.perf_counter()
         if tok is None:  # train on the documents that will be training data
             train_texts = (
@@ -232,6 +232,13 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
         replace_folder(tmp, out)
         if (note := held_out_note(manifest)) is not None:
             log(note)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise JaxdistError(
+            f"cannot write {out} ({e.strerror.lower() if e.strerror else 'the disk is full'}): nothing was written "
+            f"there (the partial output in {tmp.name} is removed); free space, then run the same command"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest

@@ -23,7 +23,7 @@ from jaxdist.checkpoint import integrity, run_params
 from jaxdist.data import run_tokenizer
 from jaxdist.data.shards import remove_stale
 from jaxdist.distributed import mesh as mesh_mod
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, disk_full
 from jaxdist.hf import export, tensors
 from jaxdist.hf.tensors import import_params
 
@@ -167,6 +167,13 @@ def _write_whole(out: Path, write: Callable, log) -> list[Path]:
                     os.replace(f, out / f.name)
             else:
                 os.replace(tmp, out)
+    except Exception as e:  # an OSError, or safetensors' own error around one
+        if not disk_full(e):
+            raise
+        raise JaxdistError(
+            f"cannot write {out} (no space left on device): nothing was written there (the partial export in "
+            f"{tmp.name} is removed); free space, then run the same command"
+        ) from None
     finally:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
