@@ -187,3 +187,19 @@ def test_without_lm_eval_the_command_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the eval extra were not installed
     assert eval_cmd.main(["--hf", "x", "--tasks", "a"]) == 2
     assert capsys.readouterr().err == 'error: python -m jaxdist.eval needs lm-eval: pip install "jaxdist[eval]"\n'
+
+
+def test_chat_template_renders_as_the_tokenizer_folder_says(tmp_path):
+    """--apply-chat-template: lm-eval's chat history through the folder's chat_template.jinja (jaxdist's
+    sandboxed renderer, as transformers renders it); a folder without one is one line."""
+    (tmp_path / "tokenizer.json").write_bytes((FIXTURE / "tokenizer.json").read_bytes())
+    tokens = model.Tokens(model._read_tokenizer(tmp_path / "tokenizer.json"), 0, None, tmp_path)
+    lm = model.JaxdistLM(None, tokens, 64)
+    with pytest.raises(JaxdistError, match="has no chat template .* copy the model's chat_template.jinja"):
+        lm.apply_chat_template([{"role": "user", "content": "hi"}])
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    (tmp_path / "chat_template.jinja").write_text(template)
+    history = [{"role": "user", "content": "after two comes"}]
+    assert lm.apply_chat_template(history) == "<user>after two comes\n<assistant>"
+    assert lm.apply_chat_template(history, add_generation_prompt=False) == "<user>after two comes\n"
+    assert lm.chat_template(True) == template and lm.chat_template(False) is None

@@ -223,7 +223,15 @@ class JaxdistLM(TemplateLM):
                 raise JaxdistError(
                     "--apply-chat-template needs the model's tokenizer folder with its chat template; drop the flag"
                 )
-            self._chat = chat.load(str(self.tokens.chat_folder))
+            try:
+                self._chat = chat.load(str(self.tokens.chat_folder))
+            except JaxdistError as e:
+                if "no chat template" not in str(e):
+                    raise
+                raise JaxdistError(  # chat.load's fix names prepare's --chat-template, which eval does not have
+                    f"--apply-chat-template: {self.tokens.chat_folder} has no chat template (chat_template.jinja or "
+                    "tokenizer_config.json's chat_template); copy the model's chat_template.jinja into it"
+                ) from None
         try:
             text, _ = chat.render(self._chat, chat_history, None, add_generation_prompt=add_generation_prompt)
         except chat.BadConversation as e:
@@ -236,7 +244,7 @@ class JaxdistLM(TemplateLM):
             return None
         if self._chat is None:
             self.apply_chat_template([{"role": "user", "content": ""}])
-        return getattr(self._chat, "template", None) or ""
+        return self._chat.text
 
 
 def from_source(run_dir: str | None, hf: str | None, mesh_text: str, batch_size: int, seed: int = 0) -> JaxdistLM:
