@@ -4,10 +4,11 @@
     python scripts/make_hf_fixture.py              # writes tests/fixtures/hf_{llama,llama_tied,qwen2,...}/
     python scripts/make_hf_fixture.py --check-export   # also: jaxdist's own export read by transformers
     python scripts/make_hf_fixture.py --only qwen3 --check-export   # one family
+    JAXDIST_PYTHON=python3 /work/venvs/ref/bin/python scripts/make_hf_fixture.py --only gemma3 --check-export
 
-The other families (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE; docs/model-families.md) are tiny random
+The other families (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, Gemma 3; docs/model-families.md) are tiny random
 models of the same kind: biases and every norm weight random, so a wrong mapping shows; Mistral's
-window (5) shorter than the sequences; the MoE fixtures also keep each MoE layer's router logits for
+window (5) and Gemma 3's (4, on alternate layers) shorter than the sequences; the MoE fixtures also keep each MoE layer's router logits for
 the sequences (`router_logits`, (layers, B*T, E)), from which the test takes transformers' expert choices.
 
 Fixture: a tiny random LlamaForCausalLM (GQA, untied head, rope_theta 50000, rope_scaling llama3 whose
@@ -93,12 +94,21 @@ FAMILIES = {  # fixture name -> (architecture, config fields)
         {**MOE_SMALL, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "decoder_sparse_step": 2, "norm_topk_prob": False},
     ),
+    # Gemma 3 (text): window 4 < the 16-token sequences, layers sliding/full/sliding/full, separate rotary
+    # bases (the full layers' linearly scaled by 2), query_pre_attn_scalar 24 != head_dim, tied embeddings.
+    "hf_gemma3": (
+        "Gemma3",
+        {**SMALL, "num_hidden_layers": 4, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "sliding_window": 4,
+         "sliding_window_pattern": 2, "query_pre_attn_scalar": 24, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+         "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "pad_token_id": 0},
+    ),
 }  # fmt: skip
+CONFIG_CLASS = {"Gemma3": "Gemma3TextConfig"}  # Gemma3Config is the multimodal one
 
 
 def build(fields: dict, seed: int, arch: str = "Llama"):
     torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{arch}Config")(**fields)
+    cfg = getattr(transformers, CONFIG_CLASS.get(arch, f"{arch}Config"))(**fields)
     model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # norms at ones and zero biases are special cases: make them random too
         for name, p in model.named_parameters():
@@ -157,7 +167,8 @@ def make(name: str, fields: dict, seed: int, arch: str = "Llama") -> Path:
 
 def python(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, *args], cwd=REPO, env=env, check=True)
+    # JAXDIST_PYTHON: an interpreter with jax (when the one running this script has torch only)
+    subprocess.run([os.environ.get("JAXDIST_PYTHON", sys.executable), *args], cwd=REPO, env=env, check=True)
 
 
 def jaxdist(*args: str) -> None:
@@ -225,7 +236,9 @@ def check_family_export(fixture: Path, arch: str, mesh: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check-export", action="store_true", help="also load jaxdist's exports with transformers")
-    p.add_argument("--only", default="", help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe)")
+    p.add_argument(
+        "--only", default="", help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma3)"
+    )
     args = p.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.only in ("", "llama"):

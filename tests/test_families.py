@@ -1,4 +1,4 @@
-"""The Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) against
+"""The Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, Gemma 3) against
 transformers: `tests/fixtures/hf_<family>/` were made by transformers (scripts/make_hf_fixture.py)
 with its logits, greedy continuations and (MoE) router logits; torch is not needed here.
 
@@ -13,6 +13,7 @@ Per family, one import per mesh, shared by the tests (module fixture):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,6 +38,7 @@ FAMILIES = {  # fixture -> (model.family, the sharded mesh it is checked on)
     "hf_mistral": ("mistral", "fsdp=4,tp=2"),
     "hf_mixtral": ("mixtral", "fsdp=2,ep=2,tp=2"),
     "hf_qwen3_moe": ("qwen3_moe", "fsdp=2,ep=2,tp=2"),
+    "hf_gemma3": ("gemma3", "fsdp=4,tp=2"),  # its own architecture (models/gemma3.py): window 4, S/F/S/F layers
 }
 MOE = ("hf_mixtral", "hf_qwen3_moe")
 
@@ -144,7 +146,12 @@ def test_router_choices_are_transformers(name):
 
 @pytest.mark.parametrize(
     "name, override",
-    [("hf_mistral", "model.sliding_window=0"), ("hf_qwen3_moe", "model.moe_norm_topk=true")],
+    [
+        ("hf_mistral", "model.sliding_window=0"),
+        ("hf_qwen3_moe", "model.moe_norm_topk=true"),
+        ("hf_gemma3", "model.sliding_window_pattern=0"),  # every layer windowed: the full layers matter
+        ("hf_gemma3", "model.rope_local_theta=1000000.0"),  # one rotary base: the local one matters
+    ],
 )
 def test_switches_are_not_vacuous(name, override):
     """The fixture needs its switch: with it flipped the logits are far from transformers'."""
@@ -174,6 +181,9 @@ def write_config(tmp_path, name, **edit):
         ("hf_mistral", {"model_type": "llama"}, "does not match"),
         ("hf_mistral", {"sliding_window": 0}, "sliding_window"),
         ("hf_mistral", {"architectures": ["GemmaForCausalLM"]}, "not supported"),
+        ("hf_gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ("hf_gemma3", {"layer_types": ["full_attention"] * 4}, "layer_types"),
+        ("hf_gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}}, "yarn"),
     ],
 )
 def test_unsupported_fields_are_named(tmp_path, name, edit, named):
@@ -290,7 +300,16 @@ def test_plan_sizes_qwen3_30b_a3b(capsys):
     assert meshes and all(m["cp"] == 1 for m in meshes)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gemma3_refuses_the_meshes_its_layers_cannot_meet():
+    """Gemma 3's per-layer pattern is scanned over the whole stack: pp (and cp, no per-layer window
+    there yet) is one line naming the axis, before anything is read."""
+    for mesh_text in ("pp=2,fsdp=4", "cp=2,fsdp=4"):
+        with pytest.raises(JaxdistError, match=f"mesh {mesh_text[:2]}=2 is not supported by model.family=gemma3") as e:
+            imported("hf_gemma3", mesh_text)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "hf_gemma3"])
 def test_import_onto_a_pipeline_layout(name):
     """pp=2: biases (flattened in the file), q/k norms and per-expert tensors (stage, layers, expert)
     fill the pipeline's stack directly."""
@@ -348,3 +367,36 @@ def test_biases_and_qk_norms_get_no_weight_decay():
     assert len(biases) == 3 and not any(mask[k] for k in biases)
     assert not any(v for k, v in mask.items() if "norm" in k)
     assert mask["['blocks']['attn']['wq_DNH']"] and mask["['embed_VD']"]
+
+
+def test_gemma3_lora_on_every_projection():
+    """LoRA on Gemma 3's seven projections (q, k, v, o, gate, up, down): with B = 0 the adapted import
+    is transformers' model (1e-4); with random B the merged weights, run by the plain model, give the
+    adapted logits (1e-5 of the largest)."""
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.training import step
+
+    d, mesh_text = FIXTURES / "hf_gemma3", "fsdp=4,tp=2"
+    ref = np.load(d / "reference.npz")
+    lora = ["lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32", "lora.targets=[q,k,v,o,gate,up,down]"]
+    cfg = mapping.hf_config(None, lora, d, mesh_text)
+    mesh = mesh_from_string(mesh_text)
+    base, model = tensors.import_params(d, cfg.replace(lora=dict(rank=0)), mesh)
+    prog = step.build_program(cfg, mesh)
+    state = prog.state_from_params(base)
+    run = lambda params, m=model: forward(m, params, mesh, ref["sequences"])
+    lora_model = dataclasses.replace(model, graphdef=prog.graphdef)
+    assert np.abs(run(state.params, lora_model) - ref["logits"]).max() <= 1e-4
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters.trainable(state.params))]
+    assert len(names) == 14 and all(any(w in n for n in names) for w in ("wq", "wk", "wv", "wo", "gate", "up", "down"))
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: (
+            a + 0.3 * rng.normal(size=a.shape).astype(np.float32) if "lora_b" in jax.tree_util.keystr(p) else a
+        ),
+        jax.device_get(state.params),
+    )
+    adapted = run(params, lora_model)
+    merged = run(jax.jit(lambda p: adapters.merge(p, cfg.lora))(params))
+    assert np.abs(merged - adapted).max() <= 1e-5 * np.abs(adapted).max()
+    assert np.abs(adapted - ref["logits"]).max() > 1e-2  # the adapters act

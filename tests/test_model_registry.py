@@ -27,6 +27,7 @@ SHAPES = {  # family -> a small model of it (the MoE ones with experts)
     "mistral": {"sliding_window": 8},
     "mixtral": {"moe_experts": 4, "moe_topk": 2},
     "qwen3_moe": {"qk_norm": True, "moe_experts": 4, "moe_topk": 2, "moe_every": 2, "moe_mlp_dim": 32},
+    "gemma3": {"qk_norm": True, "sliding_window": 4, "sliding_window_pattern": 2, "tie_embeddings": True},
 }
 
 
@@ -56,10 +57,7 @@ def test_parameters_carry_the_entrys_axes_and_count(family):
 
 
 def test_another_architectures_field_is_refused():
-    owned = sorted(registry.OWNED)
-    if not owned:
-        pytest.skip("only the decoder is registered")
-    field = owned[0]
+    field = sorted(registry.OWNED)[0]
     owner = registry.ARCHITECTURES[registry.OWNED[field]]
     other = next(f for f in registry.BY_FAMILY if f not in owner.families)
     default = getattr(ModelConfig(), field)
@@ -75,3 +73,25 @@ def test_unsupported_model_type_is_one_line_naming_the_supported(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "GPT2LMHeadModel" in msg
     assert all(f.architecture in msg for f in families.FAMILIES.values())
+
+
+def test_other_architectures_fields_stay_out_of_run_names():
+    """The default config is named as before any architecture added fields; a Gemma 3 run's name
+    does depend on its own fields."""
+    from jaxdist.config import Config
+    from jaxdist.training import rundir
+
+    assert registry.OWNED and rundir.identity(Config()) == "bef0e0b4"
+    gemma = Config().replace(model=dict(family="gemma3", sliding_window=4, sliding_window_pattern=2))
+    assert rundir.identity(gemma) != rundir.identity(gemma.replace(model=dict(rope_local_theta=500.0)))
+
+
+def test_the_planner_offers_only_meshes_the_architecture_takes():
+    """Gemma 3's entry refuses pp and cp; the planner's candidate filter asks the same check."""
+    from jaxdist import config
+    from jaxdist.planner.estimate import _architecture_takes
+
+    gemma, llama = config.load("configs/gemma3-12b.yaml"), config.load("configs/llama3-8b.yaml")
+    base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    assert _architecture_takes(gemma, base) and _architecture_takes(llama, {**base, "pp": 2})
+    assert not _architecture_takes(gemma, {**base, "pp": 2}) and not _architecture_takes(gemma, {**base, "cp": 2})

@@ -67,6 +67,11 @@ def validate_model(m) -> None:
             "model.rope_scaling=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
             "rope_high_freq_factor and rope_original_max_len > 0"
         )
+    if m.rope_scaling == "linear" and m.family != "gemma3":
+        raise JaxdistError(
+            f"model.rope_scaling=linear is Gemma 3's full-layer rescale (model.family=gemma3), not {m.family}'s; "
+            "use none or llama3"
+        )
     if m.loss_block and m.vocab_size % m.loss_block:
         raise JaxdistError(
             f"model.loss_block={m.loss_block} must be 0 (automatic) or divide model.vocab_size={m.vocab_size}"

@@ -36,18 +36,27 @@ class ModelConfig:
     vocab_size: Positive = 256  # 256 = bytes
     tie_embeddings: bool = False  # the output head reuses the embedding table
     rope_theta: PositiveFloat = 10000.0  # rotary base frequency
-    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below)
+    rope_scaling: Literal["none", "llama3", "linear"] = (
+        "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below); linear (gemma3's full layers): / rope_factor
+    )
     rope_factor: PositiveFloat = 8.0  # llama3: slow-down of long wavelengths
     rope_low_freq_factor: PositiveFloat = 1.0  # llama3: low_freq_factor
     rope_high_freq_factor: PositiveFloat = 4.0  # llama3: high_freq_factor
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = (
-        "llama"  # Hugging Face architecture of import/export (hf/families.py); the switches set the math
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3"] = (
+        "llama"  # architecture and Hugging Face family (models/registry.py); the decoder's switches set its math
     )
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
     sliding_window: NonNegative = 0  # each token attends to its last W positions, itself included (Mistral); 0 = all
+    sliding_window_pattern: NonNegative = (
+        0  # gemma3: every n-th layer attends to all positions, the others to sliding_window; 0 = every layer windowed
+    )
+    rope_local_theta: NonNegativeFloat = (
+        0.0  # gemma3: rotary base of the windowed layers (rope_local_base_freq); 0 = rope_theta
+    )
+    query_pre_attn_scalar: NonNegativeFloat = 0.0  # gemma3: attention scores x query_pre_attn_scalar^-1/2; 0 = head_dim
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: Literal["none", "full", "dots_saveable", "offload_dots"] = (

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
-from jaxdist.models import decoder_hf
+from jaxdist.models import decoder_hf, gemma3_hf
 
 # Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
 COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
@@ -80,7 +80,43 @@ DECODER = Architecture(
     attention_flops=_decoder_attention_flops,
 )
 
-ARCHITECTURES = {a.name: a for a in (DECODER,)}
+
+def _gemma3_attention_flops(m: ModelConfig) -> float:
+    """The decoder's term per layer, a windowed layer counting min(T, W) keys per query."""
+    full = [m.sliding_window_pattern > 0 and (i + 1) % m.sliding_window_pattern == 0 for i in range(m.num_layers)]
+    keys = sum(m.seq_len if f or not m.sliding_window else min(m.seq_len, m.sliding_window) for f in full)
+    return 12 * keys * m.num_heads * m.head_dim
+
+
+def _gemma3_check(cfg, sizes: dict) -> None:
+    """Gemma 3's layers carry per-layer constants through one scan of the whole stack, and the
+    decoder's switches have no Gemma form."""
+    m = cfg.model
+    for field, ok in (("qkv_bias", False), ("moe_experts", 0), ("embed_scale", 1.0)):
+        if getattr(m, field) != ok:
+            raise JaxdistError(
+                f"model.{field}={getattr(m, field)!r} has no Gemma 3 form (model.family=gemma3); remove it"
+            )
+    for axis, why in (("pp", "its per-layer window/rotary pattern is scanned over the whole stack"),
+                      ("cp", "context parallelism has no per-layer window yet")):  # fmt: skip
+        if sizes.get(axis, 1) > 1:
+            raise JaxdistError(
+                f"mesh {axis}={sizes[axis]} is not supported by model.family=gemma3 ({why}); use {axis}=1"
+            )
+
+
+GEMMA3 = Architecture(
+    name="gemma3",
+    hf=(gemma3_hf.FAMILY,),
+    fields=("sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar"),
+    module="jaxdist.models.gemma3",
+    axes=COMMON_AXES,
+    hf_layer=gemma3_hf.layer_tensors,
+    attention_flops=_gemma3_attention_flops,
+    check=_gemma3_check,
+)
+
+ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3)}
 BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
 FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
 OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}

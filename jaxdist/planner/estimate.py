@@ -247,12 +247,22 @@ def with_cp_weights(cfg: Config) -> Config:
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=rules))
 
 
+def _architecture_takes(cfg: Config, mesh: dict) -> bool:
+    """False for a mesh the model's architecture refuses (its registry entry's `check`: Gemma 3 on pp)."""
+    try:
+        registry.of(cfg.model).check(cfg, mesh)
+    except JaxdistError:
+        return False
+    return True
+
+
 def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     """Best setting of every candidate mesh: fitting ones fastest first, then the rest by memory."""
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
         if not (mesh["pp"] > 1 and cfg.offload.params == "host")  # refused by jaxdist.distributed.offload.check
+        if _architecture_takes(cfg, mesh)
         if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
     ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
