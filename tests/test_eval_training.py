@@ -85,3 +85,16 @@ def test_eval_tasks_refusals_are_one_line(trained, tiny_cfg, tmp_path):
     assert not (tmp_path / "a" / "metrics.jsonl").exists()  # refused before anything was written
     with pytest.raises(JaxdistError, match="python -m jaxdist.train passes it"):
         jaxdist.run(cfg, tmp_path / "b", log=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize(
+    "mesh_text, offload, words",
+    [("pp=2,fsdp=4", "none", "pp > 1"), ("cp=2,fsdp=4", "none", "cp > 1"), ("fsdp=8", "host", "offload.params=host")],
+)
+def test_meshes_the_harness_cannot_run_on_are_refused(tiny_cfg, mesh_text, offload, words):
+    from jaxdist.distributed.mesh import mesh_from_string
+
+    cfg = tiny_cfg.replace(train=dict(eval_tasks=["jx_choice"]), offload=dict(params=offload))
+    with pytest.raises(JaxdistError, match=f"cannot run on this run's {words}.*python -m jaxdist.eval"):
+        in_training.check(cfg, mesh_from_string(mesh_text))
+    in_training.check(tiny_cfg.replace(train=dict(eval_tasks=["jx_choice"])), mesh_from_string("fsdp=4,tp=2"))

@@ -46,7 +46,7 @@ def check_tasks(tasks: list[str], manager: TaskManager) -> None:
     if missing:
         raise JaxdistError(
             f"unknown task {', '.join(missing)}: not one of lm-eval's tasks nor a YAML under --include-path; "
-            "list them with `lm-eval ls tasks`, or point --include-path at your task folder"
+            "list them with lm-eval ls tasks, or point --include-path at your task folder"
         )
 
 
