@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
 NS_EPS = 1e-7  # the norm is clamped at this before NS (torch.optim.Muon's eps)
@@ -76,16 +77,37 @@ def update_scale(fan_in: int, fan_out: int, scale: str) -> float:
     return math.sqrt(max(1.0, fan_out / fan_in))
 
 
-def newton_schulz(x_AB, steps: int, coeffs=NS_COEFFS, eps: float = NS_EPS):
-    """≈ U Vᵀ of x = U S Vᵀ by `steps` quintic iterations, in x's dtype (torch's `_zeropower_via_newtonschulz`)."""
+def newton_schulz(x_NAB, steps: int, keep=lambda x: x, coeffs=NS_COEFFS, eps: float = NS_EPS):
+    """≈ U Vᵀ of each x = U S Vᵀ of the stack by `steps` quintic iterations, in x's dtype (torch's
+    `_zeropower_via_newtonschulz`, batched). `keep` re-applies the stack's sharding after each step."""
     a, b, c = coeffs
-    tall = x_AB.shape[0] > x_AB.shape[1]
-    x = x_AB.T if tall else x_AB
-    x = x / jnp.maximum(jnp.linalg.norm(x), eps)
+    tall = x_NAB.shape[1] > x_NAB.shape[2]
+    x = jnp.swapaxes(x_NAB, 1, 2) if tall else x_NAB
+    x = keep(x / jnp.maximum(jnp.linalg.norm(x, axis=(1, 2), keepdims=True), eps))
     for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+        gram = jnp.einsum("nab,ncb->nac", x, x)
+        poly = b * gram + c * jnp.einsum("nab,nbc->nac", gram, gram)
+        x = keep(a * x + jnp.einsum("nab,nbc->nac", poly, x))
+    return jnp.swapaxes(x, 1, 2) if tall else x
+
+
+def spread(n: int):
+    """The sharding constraint that puts whole matrices of a stack of `n` on each device for
+    Newton–Schulz (DistMuon's split): the stack sharded over the mesh axes whose sizes n divides, in
+    mesh order, each matrix unsplit; what is left replicated. Left to itself the partitioner keeps a
+    matrix split as its parameter is and gathers it again for each iteration's matmuls (2-3 all-gathers
+    per iteration); under this each matrix moves once there and once back. Outside a mesh context an
+    identity."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return lambda x: x
+    manual, axes, size = set(mesh.manual_axes), [], 1
+    for a in mesh.axis_names:
+        if a not in manual and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    spec = P(tuple(axes) or None, None, None)
+    return lambda x: jax.lax.with_sharding_constraint(x, spec)
 
 
 def orthogonalize(x, axes, steps: int, scale: str):
@@ -93,8 +115,9 @@ def orthogonalize(x, axes, steps: int, scale: str):
     stacked, fan_in, fan_out = axes
     order = stacked + fan_in + fan_out
     size = lambda idx: math.prod(x.shape[i] for i in idx)
-    flat = x.transpose(order).reshape(size(stacked), size(fan_in), size(fan_out))
-    o = jax.vmap(lambda m: newton_schulz(m, steps))(flat) * update_scale(size(fan_in), size(fan_out), scale)
+    keep = spread(size(stacked))
+    flat = keep(x.transpose(order).reshape(size(stacked), size(fan_in), size(fan_out)))
+    o = newton_schulz(flat, steps, keep) * update_scale(size(fan_in), size(fan_out), scale)
     return o.reshape([x.shape[i] for i in order]).transpose([order.index(i) for i in range(x.ndim)])
 
 
