@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.distributed.sharding import constrain, current_rules, logical_to_spec
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
 NS_EPS = 1e-7  # the norm is clamped at this before NS (torch.optim.Muon's eps)
 RMS = 0.2  # match_rms_adamw: the update's RMS ≈ AdamW's (Moonlight)
@@ -91,31 +93,49 @@ def newton_schulz(x_NAB, steps: int, keep=lambda x: x, coeffs=NS_COEFFS, eps: fl
     return jnp.swapaxes(x, 1, 2) if tall else x
 
 
-def spread(n: int):
-    """The sharding constraint that puts whole matrices of a stack of `n` on each device for
-    Newton–Schulz (DistMuon's split): the stack sharded over the mesh axes whose sizes n divides, in
-    mesh order, each matrix unsplit; what is left replicated. Left to itself the partitioner keeps a
-    matrix split as its parameter is and gathers it again for each iteration's matmuls (2-3 all-gathers
-    per iteration); under this each matrix moves once there and once back. Outside a mesh context an
-    identity."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+def split_axes(names: tuple, rules, mesh) -> set[str]:
+    """The mesh axes (size > 1, not manual) that split each matrix of a parameter with `names`."""
+    spec, manual = logical_to_spec(names, rules), set(getattr(mesh, "manual_axes", ()))
+    return {
+        a
+        for name, entry in zip(names, spec)
+        if name not in STACKED and entry is not None
+        for a in ((entry,) if isinstance(entry, str) else entry)
+        if mesh.shape[a] > 1 and a not in manual
+    }
+
+
+def whole_matrices_axis(n: int, names: tuple, rules, mesh) -> str | None:
+    """The axis a stack of `n` matrices is split over while Newton–Schulz runs (each matrix whole):
+    the one mesh axis that splits the matrices, when n divides over it (DistMuon's split: 2
+    all-to-alls of the shard per step, there and back). None: each matrix is gathered whole on every
+    device (one all-gather; two axes split it, e.g. fsdp x tp, which XLA cannot move onto the stack
+    without gathering everything, or n does not divide), or nothing splits it."""
+    split = split_axes(names, rules, mesh)
+    if len(split) == 1 and n % mesh.shape[next(iter(split))] == 0:
+        return next(iter(split))
+    return None
+
+
+def spread(n: int, names: tuple):
+    """The sharding constraint that holds whole matrices on each device for Newton–Schulz
+    (`whole_matrices_axis`). Left to itself the partitioner keeps a matrix split as its parameter is and
+    re-gathers it for each iteration's matmuls (2-3 all-gathers per iteration). Outside a mesh context
+    an identity."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
+    if mesh.empty or rules is None:
         return lambda x: x
-    manual, axes, size = set(mesh.manual_axes), [], 1
-    for a in mesh.axis_names:
-        if a not in manual and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
-            axes.append(a)
-            size *= mesh.shape[a]
-    spec = P(tuple(axes) or None, None, None)
-    return lambda x: jax.lax.with_sharding_constraint(x, spec)
+    target = P(whole_matrices_axis(n, names, rules, mesh), None, None)
+    return lambda x: jax.lax.with_sharding_constraint(x, target)
 
 
-def orthogonalize(x, axes, steps: int, scale: str):
-    """Each matrix of `x` (stacked axes batched) orthogonalised and scaled, in `x`'s layout."""
+def orthogonalize(x, axes, steps: int, scale: str, names: tuple = ()):
+    """Each matrix of `x` (stacked axes batched) orthogonalised and scaled, in `x`'s layout; `names`:
+    its logical names (how it is sharded)."""
     stacked, fan_in, fan_out = axes
     order = stacked + fan_in + fan_out
     size = lambda idx: math.prod(x.shape[i] for i in idx)
-    keep = spread(size(stacked))
+    keep = spread(size(stacked), names)
     flat = keep(x.transpose(order).reshape(size(stacked), size(fan_in), size(fan_out)))
     o = newton_schulz(flat, steps, keep) * update_scale(size(fan_in), size(fan_out), scale)
     return o.reshape([x.shape[i] for i in order]).transpose([order.index(i) for i in range(x.ndim)])
@@ -126,32 +146,38 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(
-    axes_by_key: dict, momentum: float, nesterov: bool, steps: int, scale: str
+    axes_by_key: dict, names_by_key: dict, momentum: float, nesterov: bool, steps: int, scale: str
 ) -> optax.GradientTransformation:
     """Momentum, Nesterov, Newton–Schulz and the update scale on the tensors `axes_by_key` names (the
-    others are optax.MaskedNode under optax.partition and pass untouched)."""
+    others are optax.MaskedNode under optax.partition and pass untouched); `names_by_key`: their
+    logical names, which shard the momentum and the update as the parameter."""
 
     def init(params):
         return MuonState(mu=jax.tree.map(jnp.zeros_like, params))
 
     def update(grads, state, params=None):
-        mu = jax.tree.map(lambda m, g: m + (1 - momentum) * (g - m), state.mu, grads)
+        # The momentum and the update stay sharded as their parameter (the partitioner would otherwise
+        # carry Newton–Schulz's whole-matrix layout into the rest of the step).
+        held = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: constrain(x, names_by_key[path_key(p)]), tree)
+        mu = held(jax.tree.map(lambda m, g: m + (1 - momentum) * (g - m), state.mu, grads))
         u = jax.tree.map(lambda g, m: g + momentum * (m - g), grads, mu) if nesterov else mu
-        out = jax.tree_util.tree_map_with_path(lambda p, x: orthogonalize(x, axes_by_key[path_key(p)], steps, scale), u)
-        return out, MuonState(mu=mu)
+        ortho = lambda k, x: orthogonalize(x, axes_by_key[k], steps, scale, names_by_key[k])
+        return held(jax.tree_util.tree_map_with_path(lambda p, x: ortho(path_key(p), x), u)), MuonState(mu=mu)
 
     return optax.GradientTransformation(init, update)
 
 
 def muon(cfg, lr_schedule, names_tree, adamw: optax.GradientTransformation) -> optax.GradientTransformation:
     """Muon (decoupled weight decay, the LR schedule) on the matrices of `names_tree`, `adamw` on the rest."""
-    axes = {
-        path_key(p): matrix_axes(path_key(p), n)
+    names = {
+        path_key(p): n
         for p, n in jax.tree_util.tree_flatten_with_path(names_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
     }
+    axes = {k: matrix_axes(k, n) for k, n in names.items()}
     matrices = optax.chain(
         scale_by_muon(
             {k: a for k, a in axes.items() if a},
+            names,
             cfg.muon_momentum,
             cfg.muon_nesterov,
             cfg.muon_ns_steps,

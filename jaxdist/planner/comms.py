@@ -69,6 +69,7 @@ from jaxdist.planner.context_traffic import context_traffic
 from jaxdist.planner.expert_traffic import expert_layer_bytes, expert_traffic
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
 from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
+from jaxdist.planner.optimizer_traffic import optimizer_traffic
 from jaxdist.planner.traffic import Traffic
 from jaxdist.reduce import registry
 
@@ -76,6 +77,7 @@ from jaxdist.reduce import registry
 def step_traffic(lay: Layout) -> list[Traffic]:
     """Every collective of one optimizer step (see the module docstring for where each comes from)."""
     t = _Tally(lay)
+    t.out += optimizer_traffic(lay)  # Muon's matrices moved whole (planner/optimizer_traffic.py)
     if lay.table is not None:  # 1f1b, 1f1b_paired, interleaved_1f1b: per slot of the table
         _schedule_table_traffic(t)
         return t.out
