@@ -27,7 +27,7 @@ from conftest import learnable_batches, tokens_spec
 
 from jaxdist import checkpoint, config
 from jaxdist.checkpoint import compat
-from jaxdist.config import OptimConfig
+from jaxdist.config import OptimConfig, relative
 from jaxdist.data import loader as loader_mod
 from jaxdist.distributed import hlo, sharding
 from jaxdist.distributed import mesh as mesh_mod
@@ -208,6 +208,9 @@ def test_wsd_resume_notes():
     assert notes == [
         "note: optim.decay_steps changed: the LR now decays (linear) over steps 100..120 to 0.1 x its peak"
     ]
+    assert "wsd decay to 0.1 x lr over the last 40 steps from step 160 (optim.decay_fraction=0.2, linear)" in (
+        relative.cadence_line(cfg)
+    )
     cosine = cfg.replace(optim=dict(schedule="cosine"))
     assert adamw.schedule_notes(cosine, 50, {"train.steps": (100, 200)})  # cosine's LR moves: said
 
