@@ -169,10 +169,12 @@ if i == 0:  # process 0 fails (its peer stopped answering), once process 1 is st
     sys.exit(3)
 # process 1: a supervisor that passes SIGTERM on, and its training process in its own process group, which
 # (stuck in a collective with the gone process 0) never ends by itself; both are stopped (SIGSTOP)
-hang = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
-child = subprocess.Popen([sys.executable, "-c", hang], process_group=0)
+ready = os.environ["PIDS_FILE"] + ".ready"
+hang = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open(sys.argv[1], 'w'); time.sleep(300)"
+child = subprocess.Popen([sys.executable, "-c", hang, ready], process_group=0)
 signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
-time.sleep(0.3)
+while not os.path.exists(ready):  # its SIGTERM is ignored from here on
+    time.sleep(0.02)
 open(os.environ["PIDS_FILE"] + ".tmp", "w").write(f"{os.getpid()} {child.pid}")
 os.rename(os.environ["PIDS_FILE"] + ".tmp", os.environ["PIDS_FILE"])
 os.kill(child.pid, signal.SIGSTOP)
