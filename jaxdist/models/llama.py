@@ -16,8 +16,8 @@ from jaxdist.distributed import offload
 from jaxdist.distributed.sharding import constrain, logical_names
 from jaxdist.models import moe
 from jaxdist.models.attention import causal_attention, document_positions, rope_scaling, rotary, window_mask
-from jaxdist.parallel import context, embedding, loss
-from jaxdist.parallel.matmul import WEIGHT_MATMUL, cast_sharded
+from jaxdist.parallel import context, embedding, loss, matmul
+from jaxdist.parallel.matmul import WEIGHT_MATMUL, cast_sharded, gathered
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -35,11 +35,13 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ("embed",)):
         self.scale = param(rngs, nnx.initializers.ones, (dim,), names)
         self.eps = eps
+        self.names = names
 
     def __call__(self, x_BTD):
         x = x_BTD.astype(jnp.float32)  # normalise in float32 whatever the compute dtype
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...]).astype(x_BTD.dtype)
+        # Gathered explicitly: the backward's two uses (input and scale gradients) share that one copy.
+        return (x * gathered(self.scale[...], self.names)).astype(x_BTD.dtype)
 
 
 class Attention(nnx.Module):
@@ -279,16 +281,19 @@ class Llama(nnx.Module):
             out = unit(x, positions_T, segment_ids_BT) if c is None else unit(x, positions_T, segment_ids_BT, c)
             return out if isinstance(out, tuple) else (out, None)
 
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        elif any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
-            body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
-        return jax.lax.scan(body, x_BTD, (stacked, consts))
+        if self.cfg.remat == "none":
+            if any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
+                body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
+            return jax.lax.scan(body, x_BTD, (stacked, consts))
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        with matmul.recomputed_layers():  # one gather per weight in the backward, shared by its matmuls
+            return jax.lax.scan(body, x_BTD, (stacked, consts))
 
     def head(self, x_BTD) -> loss.Head:
         """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""
         head_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-        return loss.Head(self.final_norm(x_BTD), head_DV, self.cfg.loss_impl, self.cfg.loss_block)
+        m = self.cfg
+        return loss.Head(self.final_norm(x_BTD), head_DV, m.loss_impl, m.loss_block, m.loss_gather_mib, m.loss_keep_mib)
 
     def logits(self, x_BTD):
         return loss.logits(self.head(x_BTD))

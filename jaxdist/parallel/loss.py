@@ -5,12 +5,23 @@ naive: logits = x @ W (float32, B·T·V), one-hot labels, softmax cross-entropy 
 blockwise (Levanter's blockwise cross-entropy, MaxText's vocabulary tiling, Rabe & Staats' online
 log-sum-exp): the head W (D, V) is viewed as (D, S, nb, vb) — S vocab shards (the mesh axes of the
 `vocab` rule, tp by default), nb blocks of vb rows per shard. A scan takes one block (D, S, vb) at a
-time, i.e. vb rows from every shard, so each device only ever holds its vocab shard of a block; the
-block is cast to the compute dtype while still fsdp-sharded, so FSDP gathers one (bf16) block at a
-time. Per token the scan keeps a running max and sum of exponentials and the target's logit (a masked
-reduction: no gather over a sharded vocab). A custom VJP saves only the log-sum-exp per token; its
-backward scans the blocks again, recomputes each block's logits and emits that block's head gradient
-(sharded like W) and its share of the input gradient. Working set: a few (tokens, vb) blocks.
+time, i.e. vb rows from every shard, so each device only ever holds its vocab shard of a block. Per
+token the scan keeps a running max and sum of exponentials and the target's logit (a masked
+reduction: no gather over a sharded vocab). The head is cast to the compute dtype while still
+fsdp-sharded and all-gathered a chunk of blocks at a time (`model.loss_gather_mib` per device, 256
+MiB: the whole 8B head in 4 collectives per pass instead of one per block). A custom VJP saves the
+log-sum-exp per token and, when they fit `model.loss_keep_mib` per device (512 MiB), the forward's
+float32 logits: its backward scans the blocks again and turns each block's logits into that block's
+head gradient (sharded like W) and its share of the input gradient — three matmuls over the
+vocabulary per step (forward, input gradient, weight gradient), the naive loss's count. Logits that do
+not fit are recomputed block by block (a fourth matmul; working set: a few (tokens, vb) blocks).
+
+Why not fused linear cross-entropy (Liger, Cut Cross-Entropy) inside the forward: a block's softmax
+gradient needs the final log-sum-exp of its tokens, known only after the last block. Per token the
+input gradient can be rescaled as the running max moves, but the head's gradient sums over tokens
+with a different factor each, so it cannot; Liger therefore chunks the tokens instead and keeps the
+whole head's unreduced gradient (D x V float32 per device, 2.1 GB for Llama 3 8B: more than these
+logits up to 4096 tokens per device, and a gradient reduced once for all chunks).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.parallel import context, matmul
 
 IMPLS = ("blockwise", "naive")
+HEAD_GATHER = "head_gather"  # the jax scope of the head's all-gathers (tests count them in the HLO)
 BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
 
 
@@ -39,9 +51,13 @@ class Head:
     w_DV: jax.Array
     impl: str = "blockwise"
     block: int = 0  # vocab rows per block on each device (of its V/S shard); 0 = from the shapes
+    gather_mib: int = 256  # blocks all-gathered together: at most this many MiB of head per device
+    keep_mib: int = 512  # the forward's logits kept for the backward when they fit this per device
 
 
-jax.tree_util.register_dataclass(Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block"])
+jax.tree_util.register_dataclass(
+    Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block", "gather_mib", "keep_mib"]
+)
 
 
 def logits(head: Head) -> jax.Array:
@@ -64,11 +80,35 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
     B, T, D = head.x_BTD.shape
     rules = token_rules(current_rules())
     shards = vocab_shards(rules)
-    vb = block_rows(head.w_DV.shape[1], shards, B * T // batch_shards(rules), D, head.block)
+    tokens = B * T // batch_shards(rules)
+    vb = block_rows(head.w_DV.shape[1], shards, tokens, D, head.block)
+    nb = head.w_DV.shape[1] // (shards * vb)
+    plan = plan_for(tokens, vb, nb, D, head.x_BTD.dtype, head.gather_mib, head.keep_mib)
     losses = _blockwise(
-        head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32), shards, vb, rules
+        head.x_BTD.reshape(B * T, D), head.w_DV, targets_BT.reshape(B * T).astype(jnp.int32), shards, vb, rules, plan
     )
     return losses.reshape(B, T)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the blockwise loss spends memory to save work. The head is all-gathered `chunk` blocks at a
+    time (one collective per chunk and pass, each block then sliced locally from it); `keep_logits`
+    keeps each block's float32 logits from the forward for the backward, which then does no second
+    matmul over the vocabulary (the forward's logits, the input and the weight gradients: 3 passes,
+    not 4)."""
+
+    chunk: int
+    keep_logits: bool
+
+
+def plan_for(tokens: int, vb: int, nb: int, d_model: int, dtype, gather_mib: int, keep_mib: int) -> Plan:
+    """Per device: the most blocks (a divisor of nb, at least 1) whose gathered head (d_model x blocks·vb
+    in `dtype`) takes at most `gather_mib` MiB; keep the logits when all of them (tokens x nb·vb float32)
+    take at most `keep_mib` MiB."""
+    row = d_model * jnp.dtype(dtype).itemsize
+    chunk = max(k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * vb * row <= gather_mib * 2**20))
+    return Plan(chunk, 0 < tokens * nb * vb * 4 <= keep_mib * 2**20)
 
 
 def token_rules(rules: Rules | None) -> Rules | None:
@@ -131,11 +171,12 @@ def _dot(spec: str, a, b):
     return jnp.einsum(spec, a, b).astype(jnp.float32)
 
 
-def _gathered(w_DSv, dtype):
-    """Block j's weight in the compute dtype, cast on its shard and then all-gathered over fsdp (once,
-    for every matmul that uses it)."""
-    w = constrain(w_DSv.astype(dtype), ("embed", "vocab", None))
-    return constrain(w, (None, "vocab", None))
+def _gathered_chunk(w_DSkv, dtype):
+    """A chunk of blocks (D, S, k, vb) in the compute dtype, cast on its shard and then all-gathered
+    over fsdp in one collective, for every matmul of its blocks."""
+    with jax.named_scope(HEAD_GATHER):
+        w = constrain(w_DSkv.astype(dtype), ("embed", "vocab", None, None))
+        return constrain(w, (None, "vocab", None, None))
 
 
 def _block_logits(x_ND, w_DSv):
@@ -154,60 +195,86 @@ def _target_mask(targets_N, j, shape, nb: int):
     return hit_N[:, None, None] & (s_iota == s_y[:, None, None]) & (v_iota == (r % vb)[:, None, None])
 
 
-def _forward(x_ND, w_DV, targets_N, shards, vb):
-    """Losses (N,) and log-sum-exps (N,). Statistics are kept per vocab shard (N, S) and combined once
+def _chunks(w_DSnv, chunk: int):
+    """(D, S, nb, vb) -> (D, S, nc, chunk, vb): chunk c holds blocks c·chunk .. c·chunk + chunk - 1."""
+    D, S, nb, vb = w_DSnv.shape
+    return constrain(w_DSnv.reshape(D, S, nb // chunk, chunk, vb), ("embed", "vocab", None, None, None))
+
+
+def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
+    """scan `body(carry, (j, w_j, x_j))` over the head's blocks j, each block's gathered weight
+    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks)."""
+    nb = w_blocks.shape[2]
+    w_chunks = _chunks(w_blocks, chunk)
+    split = lambda a: None if a is None else a.reshape(nb // chunk, chunk, *a.shape[1:])
+
+    def outer(carry, c_x):
+        c, x_c = c_x
+        w_c = _gathered_chunk(_block(w_chunks, c), dtype)
+        inner = lambda carry, i_x: body(carry, (c * chunk + i_x[0], _block(w_c, i_x[0]), i_x[1]))
+        return jax.lax.scan(inner, carry, (jnp.arange(chunk), x_c))
+
+    carry, ys = jax.lax.scan(outer, carry, (jnp.arange(nb // chunk), split(xs)))
+    return carry, None if ys is None else ys.reshape(nb, *ys.shape[2:])
+
+
+def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan):
+    """Losses (N,), log-sum-exps (N,) and the blocks' float32 logits (nb, N, S, vb) if
+    `plan.keep_logits` (else None). Statistics are kept per vocab shard (N, S) and combined once
     after the scan: one small all-reduce over tp instead of one per block."""
     w_blocks = _blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
     N = x_ND.shape[0]
 
-    def body(carry, j):
-        m, s, tgt = carry
-        z = _block_logits(x_ND, _gathered(_block(w_blocks, j), x_ND.dtype))
+    def body(carry, j_w):
+        (m, s, tgt), (j, w, _) = carry, j_w
+        z = _block_logits(x_ND, w)
         m_new = jnp.maximum(m, z.max(axis=2))
         s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
-        return (m_new, s, tgt), None
+        return (m_new, s, tgt), (z if plan.keep_logits else None)
 
     stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
-    (m, s, tgt), _ = jax.lax.scan(body, (stat(-jnp.inf), stat(0.0), stat(0.0)), jnp.arange(nb))
+    init = (stat(-jnp.inf), stat(0.0), stat(0.0))
+    (m, s, tgt), zs = _scan_blocks(w_blocks, x_ND.dtype, plan.chunk, body, init, None)
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
-    return lse - tgt.sum(axis=1), lse
+    return lse - tgt.sum(axis=1), lse, zs
 
 
-def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules):
+def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules, plan: Plan):
     """The blockwise loss under `rules` (the token rules): set inside the forward and the backward,
     which JAX traces later, outside the caller's `use_rules`."""
 
     @jax.custom_vjp
     def f(x, w, t):
         with use_rules(rules):
-            return _forward(x, w, t, shards, vb)[0]
+            return _forward(x, w, t, shards, vb, dataclasses.replace(plan, keep_logits=False))[0]
 
     def fwd(x, w, t):
         with use_rules(rules):
-            losses, lse = _forward(x, w, t, shards, vb)
-        return losses, (x, w, t, lse)
+            losses, lse, zs = _forward(x, w, t, shards, vb, plan)
+        return losses, (x, w, t, lse, zs)
 
     def bwd(res, g_N):
         with use_rules(rules):
-            return _backward(res, g_N, shards, vb)
+            return _backward(res, g_N, shards, vb, plan.chunk)
 
     f.defvjp(fwd, bwd)
     return f(x_ND, w_DV, targets_N)
 
 
-def _backward(res, g_N, shards, vb):
-    """Recompute each block's logits from the saved log-sum-exps: gradients of x and of the weight."""
-    x, w_DV, t, lse = res
+def _backward(res, g_N, shards, vb, chunk: int):
+    """Each block's softmax gradient from its logits (kept by the forward, else recomputed) and the
+    saved log-sum-exps: gradients of x and of the weight."""
+    x, w_DV, t, lse, zs = res
     w_blocks = _blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
 
-    def body(carry, j):
-        dx, dw_blocks = carry
-        w = _gathered(_block(w_blocks, j), x.dtype)
-        z = _block_logits(x, w)
+    def body(carry, j_w_z):
+        (dx, dw_blocks), (j, w, z) = carry, j_w_z
+        if z is None:
+            z = _block_logits(x, w)
         p = jnp.exp(z - lse[:, None, None])
         dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
@@ -220,5 +287,5 @@ def _backward(res, g_N, shards, vb):
         return (dx, dw_blocks), None
 
     dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None))
-    (dx, dw_blocks), _ = jax.lax.scan(body, (dx0, jnp.zeros_like(w_blocks)), jnp.arange(nb))
+    (dx, dw_blocks), _ = _scan_blocks(w_blocks, x.dtype, chunk, body, (dx0, jnp.zeros_like(w_blocks)), zs)
     return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None

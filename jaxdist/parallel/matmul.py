@@ -11,12 +11,14 @@ DotThunk::Execute: BF16 x BF16 = F32", seen with a 3-D einsum result), so caller
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxdist.distributed.sharding import constrain
+from jaxdist.distributed.sharding import constrain, current_rules, drop_axes, logical_to_spec
 from jaxdist.parallel import context
 
 BF16_F32 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
@@ -59,6 +61,36 @@ def cast_sharded(w, names, dtype):
 WEIGHT_MATMUL = frozenset({"wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD", "w_gate_DF", "w_up_DF", "w_down_FD"})
 
 
+WEIGHT_GATHER = "weight_gather"  # the jax scope of gathered()'s all-gathers (tests count them in the HLO)
+# Whether weight_matmul's residual is the gathered weight (set while a rematerialised layer is traced).
+_KEEP_GATHERED = contextvars.ContextVar("keep_gathered", default=False)
+
+
+@contextlib.contextmanager
+def recomputed_layers():
+    """Trace layers whose residuals the backward recomputes (jax.checkpoint): weight_matmul then keeps
+    the gathered weight as its residual, so the backward's recompute gathers each weight once and the
+    input gradient's matmul reuses that copy. Without remat that residual would hold every layer's
+    gathered weights through the whole forward, so it is kept sharded there."""
+    token = _KEEP_GATHERED.set(True)
+    try:
+        yield
+    finally:
+        _KEEP_GATHERED.reset(token)
+
+
+def gathered(w, names):
+    """`w` all-gathered over the batch axes (FSDP), still split over the others (tp): the copy a matmul
+    uses. Explicit, so the forward and the backward can share one copy (XLA never merges two
+    all-gathers of the same array: each has its own channel)."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
+    if rules is None or mesh.empty:
+        return w
+    spec = drop_axes(logical_to_spec(names, rules, "activation"), set(rules["batch"]) | set(mesh.manual_axes))
+    with jax.named_scope(WEIGHT_GATHER):
+        return jax.lax.with_sharding_constraint(w, spec)
+
+
 def weight_matmul(x, w, names, in_dims: int = 1):
     """x[..., I] @ w[I..., O...] (w's first `in_dims` dims flatten to I) for a float32 master weight `w`
     carrying logical `names`. In a lower compute dtype, `w` is cast on its shard before any all-gather
@@ -79,7 +111,8 @@ def weight_matmul(x, w, names, in_dims: int = 1):
 
     def fwd(x, w):
         w16 = constrain(w.astype(x.dtype), names)
-        return run(x, w16), (x, w16)
+        full = gathered(w16, names)
+        return run(x, full), (x, full if _KEEP_GATHERED.get() else w16)
 
     def bwd(res, g):
         x, w16 = res

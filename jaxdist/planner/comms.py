@@ -10,9 +10,9 @@ What the compiler emits (read from jaxdist's compiled HLO on CPU; the SPMD parti
 every backend):
 - fsdp: each layer's weights are all-gathered in the compute dtype (cast on their shard first:
   jaxdist.parallel.matmul.weight_matmul) in the forward scan and again in the backward scan
-  (2 gathers per layer per pass; with remat=full the recompute and the gradient share one backward
-  gather, except that with bf16 compute XLA:CPU gathers the attention weights and norms separately for
-  each: +1 gather of those per layer).
+  (one gather per layer per pass; with remat the recompute and the gradient share the backward's:
+  jaxdist.parallel.matmul.gathered, an explicit gather whose copy is the recompute's residual; XLA
+  never merges two all-gathers of one array, each having its own channel).
 - gradients: float32 (bf16 compute included), per layer, inside the backward scan (so once per
   accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
   reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
@@ -27,7 +27,8 @@ every backend):
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
 - head (jaxdist.parallel.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
   tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
-  forward and again in the backward's recompute (in the compute dtype), the float32 input gradient and
+  forward and again in the backward (in the compute dtype; model.loss_gather_mib of blocks per
+  collective), the float32 input gradient and
   three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
   The final norm is gathered twice. Gathers of loop-invariant weights (the final norm, the naive head, a
   head of one vocab block) are hoisted out of the accumulation loop: once per step, not per pass.
@@ -148,18 +149,6 @@ def _layer_traffic(t: _Tally) -> None:
         )
     else:
         _staged_layer_gathers(t, layer, gather)
-    if m.remat == "full" and lay.compute_dtype != "float32" and pp == 1:
-        # bf16 + remat=full (XLA:CPU's HLO): the recompute and the gradient gather the attention weights
-        # and norms separately (different layouts of the cast shard), the MLP's once between them
-        again = attention_layer_bytes(lay) * lay.act_bytes / PARAM_BYTES
-        t.add(
-            "fsdp",
-            "all-gather",
-            "attention weights + norms again (bf16 recompute)",
-            again,
-            t.layer_steps,
-            n=lay.weight_shards,
-        )
     if t.frozen:
         _adapter_traffic(t)
     else:  # gradients are reduced where they are produced, inside the scans
@@ -330,11 +319,6 @@ def _tables(lay: Layout) -> tuple[dict, float]:
 def _table_shard(lay: Layout, table) -> float:
     """The embedding table's float32 bytes on one device (its gradient, which the lookup keeps local)."""
     return table.size * PARAM_BYTES / lay.shards(table)
-
-
-def attention_layer_bytes(lay: Layout) -> float:
-    """One layer's attention weights and norms after the fsdp all-gather (split by tp), float32."""
-    return gathered_per_layer(lay, lambda g: "/attn/" in g.path or "norm/" in g.path)
 
 
 def w_down_layer_bytes(lay: Layout) -> float:

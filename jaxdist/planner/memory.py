@@ -42,7 +42,7 @@ import dataclasses
 
 from jaxdist.adapters import quant
 from jaxdist.optim import registry as optimizers
-from jaxdist.parallel.loss import block_rows
+from jaxdist.parallel.loss import block_rows, plan_for
 from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora, residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
@@ -311,9 +311,9 @@ def loss_bytes(lay: Layout) -> float:
     micro-batches rejoin before the head), as the heap traces show it at V=8192 (fsdp=8, fsdp=4,tp=2):
     naive: float32 logits, their exponential and the softmax gradient over the vocab shard
     (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.parallel.loss): a block of logits (the
-    probabilities and their gradient are fused into its consumers), the block's weight gathered twice
-    (the forward's gather is still live when the backward's recompute gathers it again) and the
-    input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
+    probabilities and their gradient are fused into its consumers), or all of them where the forward
+    keeps them for the backward (loss.Plan), the gathered chunk of blocks twice (the forward's gather
+    is still live when the backward gathers it again) and the input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
     m = lay.cfg.model
     tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len // lay.cp
     shards = lay.mesh["tp"]
@@ -321,11 +321,23 @@ def loss_bytes(lay: Layout) -> float:
         rows = m.vocab_size // shards
         return 3 * tokens * rows * 4 + m.d_model * rows * lay.act_bytes
     rows = block_rows(m.vocab_size, shards, tokens, m.d_model, m.loss_block)
+    plan = loss_plan(lay, tokens, rows)
     # After a GPipe / circular pipeline XLA schedules the backward's recomputed logits early: the
     # forward's block, its target select and the recomputed block are live together at the peak (heap
     # traces of gpipe M=32, circular M=16 and 32; one vocab block there). Not seen without a pipeline.
     blocks = 3 if lay.mesh["pp"] > 1 and lay.table is None else 1
-    return blocks * tokens * rows * 4 + 2 * m.d_model * rows * lay.act_bytes + tokens * m.d_model * 4
+    logits = blocks * tokens * rows * 4
+    if plan.keep_logits:  # the forward's logits of every block, kept for the backward (the block among them)
+        logits = max(logits, tokens * m.vocab_size // shards * 4)
+    gathered = 2 * m.d_model * rows * plan.chunk * lay.act_bytes  # a chunk of blocks (one per pass)
+    return logits + gathered + tokens * m.d_model * 4
+
+
+def loss_plan(lay: Layout, tokens: int, rows: int):
+    """The blockwise loss's jaxdist.parallel.loss.Plan for these per-device tokens and vocab rows per block."""
+    m = lay.cfg.model
+    nb = m.vocab_size // (lay.mesh["tp"] * rows)
+    return plan_for(tokens, rows, nb, m.d_model, lay.compute_dtype, m.loss_gather_mib, m.loss_keep_mib)
 
 
 def layer_gradient_bytes(lay: Layout) -> float:

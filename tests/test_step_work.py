@@ -1,0 +1,75 @@
+"""Work per train step read from the compiled program (issue 42; scripts/step_work.py measures it at
+the Llama-3-8B shape): matmul FLOPs with loop bodies times their trip counts, the blockwise loss's
+passes over the vocabulary, and all-gathers per weight per pass under full remat."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdist.analysis import measure
+from jaxdist.distributed import hlo, hlo_work
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.parallel import loss, matmul
+
+FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+STEP = dict(compute_dtype="bfloat16", remat="full", loss_block=64)  # 4 blocks of the 256-row vocab
+
+
+def test_matmul_flops_multiply_loop_bodies_by_their_trips():
+    """A scan of 5 (8x16)@(16x4) matmuls: 5 x 2·8·16·4 FLOPs; XLA's cost_analysis counts the body once."""
+
+    def f(x, ws):
+        return jax.lax.scan(lambda c, w: (c + x @ w, None), jnp.zeros((8, 4)), ws)[0]
+
+    compiled = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((5, 16, 4))).compile()
+    assert hlo_work.matmul_flops(compiled.as_text()) == 5 * 2 * 8 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def programs(small_cfg):
+    """fsdp=8 train steps' optimized HLO: blockwise keeping its logits (the default), blockwise
+    recomputing them, naive."""
+    mesh = mesh_mod.mesh_from_string("fsdp=8")
+    out = {}
+    for name, extra in {"keep": {}, "recompute": dict(loss_keep_mib=0), "naive": dict(loss_impl="naive")}.items():
+        cfg = small_cfg.replace(model={**STEP, **extra})
+        out[name] = measure.compile_train_step(cfg, mesh, FAST_COMPILE).as_text()
+    return out
+
+
+def test_kept_logits_leave_no_second_pass_over_the_vocabulary(small_cfg, programs):
+    """Keeping the forward's logits removes exactly one matmul over the vocabulary (2·N·D·V per device,
+    N its tokens) from the recomputing step, and leaves the naive loss's three passes."""
+    m = small_cfg.model
+    tokens = small_cfg.train.global_batch * m.seq_len // 8
+    one_pass = 2 * tokens * m.d_model * m.vocab_size
+    flops = {k: hlo_work.matmul_flops(v) for k, v in programs.items()}
+    assert flops["recompute"] - flops["keep"] == one_pass
+    assert flops["keep"] == flops["naive"]
+
+
+def gathers(text: str) -> dict[str, int]:
+    """All-gather launches per step by what they gather and the pass they run in."""
+    out = {}
+    for c in hlo.per_step(hlo.collectives(text)):
+        if c.kind != "all-gather":
+            continue
+        what = next((s for s in (loss.HEAD_GATHER, matmul.WEIGHT_GATHER) if f"/{s}/" in c.line), "other")
+        when = "backward" if re.search(r'op_name="[^"]*transpose\(', c.line) else "forward"
+        out[f"{what} {when}"] = out.get(f"{what} {when}", 0) + c.count
+    return out
+
+
+def test_one_gather_per_weight_per_pass(small_cfg, programs):
+    """Under full remat each layer gathers its 7 matrices and its 2 norm scales once in the forward and
+    once in the backward, whose recompute's copies serve the input gradients too (before: 11 matrix
+    and 4 norm gathers per layer in the backward); the head (one chunk here) once per pass."""
+    L = small_cfg.model.num_layers
+    got = gathers(programs["keep"])
+    assert got.pop(f"{loss.HEAD_GATHER} forward") == got.pop(f"{loss.HEAD_GATHER} backward") == 1
+    assert got.pop(f"{matmul.WEIGHT_GATHER} forward") == got.pop(f"{matmul.WEIGHT_GATHER} backward") == 7 * L
+    # XLA names the norms' gathers after their slice of the stacked scales, not the explicit gather:
+    # 2 per layer and pass, + the final norm's (kept for its backward) and the token ids' (embedding)
+    assert got == {"other forward": 2 * L + 2, "other backward": 2 * L}
