@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
+PEFT_BASE = FIX / "hf_llama"  # the model tests/fixtures/lora_peft adapts (tests/test_lora.py's BASE)
 MICRO = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1"]
 MICRO += ["model.head_dim=16", "model.mlp_dim=64", "model.seq_len=16", "train.eval_every=0"]
 ENV = {
@@ -174,6 +175,7 @@ def chat_train(w: Path, name: str) -> list[str]:
         *MICRO,
         "model.seq_len=64",
         "model.vocab_size=320",
+        "data.document_mask=true",
     )
 
 
@@ -219,9 +221,9 @@ def peft_file(w: Path, kind: str) -> None:
 
 
 PEFT_READ = (
-    "import sys; from pathlib import Path; from jaxdist import config; from jaxdist.adapters import peft; "
+    "import sys; from pathlib import Path; from jaxdist.adapters import peft; from jaxdist.hf import mapping; "
     "from jaxdist.errors import JaxdistError\n"
-    "try:\n    peft.read(Path(sys.argv[1]), config.load(None, []).model)\n"
+    "try:\n    peft.read(Path(sys.argv[1]), mapping.hf_config(None, [], Path(sys.argv[2])).model)\n"
     "except JaxdistError as e:\n    print(f'error: {e}', file=sys.stderr); sys.exit(2)"
 )
 
@@ -583,6 +585,10 @@ def cases() -> list[Case]:
             "data", "prepare", "--train-tokenizer", 300, "--workers", 1, "--out", w / "o_u8s", w / "latin1_docs"
         ),
         expect="ok",
+        setup=lambda w: (
+            write(w / "latin1_docs" / "a.txt", "plain " * 100),
+            write(w / "latin1_docs" / "b.txt", b"caf\xe9 " * 100),
+        ),
         check=lambda w, r: (
             json.loads((w / "o_u8s" / "manifest.json").read_text())["input"]["skipped"] == {"not_utf8": 1}
         ),
@@ -678,13 +684,13 @@ def cases() -> list[Case]:
     add(
         "L",
         "10 peft.read: NaN tensor",
-        lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_nan")],
+        lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_nan"), str(PEFT_BASE)],
         setup=lambda w: peft_file(w, "nan"),
     )
     add(
         "L",
         "10 peft.read: int32 tensor",
-        lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_int")],
+        lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_int"), str(PEFT_BASE)],
         setup=lambda w: peft_file(w, "int"),
     )
     add(
