@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     from jaxdist.planner.estimate import candidates, estimate, recommend, scaling
     from jaxdist.planner.layout import Layout
     from jaxdist.planner.tables import STEP_TIME_NOTE, offload_options
+    from jaxdist.objectives import refusals
 
     cfg = config.load(args.config, args.overrides)
     hw = hardware.get(args.hardware)
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         ests = candidates(cfg, args.devices, hw)
         if not ests:
+            refusals.check_sizes(cfg, {"fsdp": args.devices})  # a config train refuses on any mesh says why
             raise JaxdistError(
                 f"no mesh of {args.devices} devices can split this model and batch; "
                 f"change --devices or train.global_batch"

@@ -555,3 +555,54 @@ def test_plan_says_whether_offload_makes_it_fit():
     e = both["estimate"]
     assert e.memory.host > 0 and e.host.exposed_s > 0 and e.step_s > both["step_s_without"]
     assert "fits" in tables.offload_lines(options)[1]
+
+
+# A table of plans (LoRA, QLoRA, MoE, offload, the issue's qwen3-8b QLoRA that recommended cp=2) whose
+# every candidate, and the printed command, the trainer's own start-up validation must accept.
+PLANS = [
+    ["--config", "tiny", "lora.rank=4"],
+    ["--config", "tiny", "lora.rank=4", "lora.base_dtype=nf4", "lora.block_size=8"],
+    ["--config", "tiny", "offload.params=host"],
+    ["--config", "tiny-moe"],
+    ["--config", "qwen3-8b", "--hardware", "h100-80gb", "lora.rank=16", "lora.base_dtype=nf4"],
+]
+
+
+@pytest.mark.parametrize("argv", PLANS, ids=["lora", "qlora", "offload", "moe", "qwen3-8b-qlora"])
+def test_every_candidate_and_the_command_pass_the_trainers_validation(argv):
+    """`plan` sizes only what `train` accepts: each candidate's config on a real 8-device mesh goes through
+    `training.step.check` (the trainer's start-up refusals), and so does the recommended command, parsed
+    by the trainer. (Before: LoRA candidates on cp meshes, recommended for qwen3-8b, which train refuses.)"""
+    import shlex
+
+    from jaxdist import train
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.distributed import sharding
+    from jaxdist.training import step
+
+    out = plan.run(plan.parse_args([*argv, "--devices", "8", "--no-scaling"]))
+    assert out["candidates"] and out["recommended"] is not None
+    for e in out["candidates"]:
+        mesh = mesh_mod.mesh_from_string(e.layout.name)
+        step.check(e.layout.cfg, mesh, sharding.make_rules(e.layout.cfg.mesh.rules))
+    words = shlex.split(out["command"])
+    got = train.resolve_config(train.parse_args(words[3:]))
+    step.check(got, mesh_mod.mesh_from_string(got.mesh.shape), sharding.make_rules(got.mesh.rules))
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--config", "tiny-moe", "lora.rank=4"], "LoRA on mixture-of-experts layers is not supported"),
+        (["--config", "tiny", "--mesh", "fsdp=4,cp=2", "lora.rank=4"], "LoRA is not supported with context"),
+        (["--config", "tiny", "--mesh", "pp=2,fsdp=4", "offload.params=host"], "offload.params=host"),
+        (["--config", "tiny", "lora.rank=4", "lora.base_dtype=nf4", "lora.block_size=7"], "lora.block_size=8 fits"),
+        (["--config", "tiny", "lora.rank=5000"], "use lora.rank <= 128"),
+    ],
+    ids=["moe-lora", "cp-lora", "pp-offload", "nf4-block-7", "rank-5000"],
+)
+def test_plan_refuses_what_train_refuses(argv, words, capsys):
+    """Issue 39 item 9: a config the trainer refuses is refused by `plan` with the trainer's own line."""
+    assert plan.main([*argv, "--devices", "8", "--no-scaling"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from jaxdist.adapters import quant
 from jaxdist.adapters.lora import TARGETS, block_axis, per_layer_shapes
 from jaxdist.distributed.mesh import axis_size
@@ -26,11 +28,19 @@ def check(cfg, mesh, rules) -> None:
         raise JaxdistError(
             "lora.rank > 0 with cp > 1: LoRA is not supported with context parallelism yet; use dp/fsdp/tp/pp"
         )
+    shapes = per_layer_shapes(m)
+    widest = min(
+        min(math.prod(shapes[weight][:n_in]), math.prod(shapes[weight][n_in:]))
+        for target, (_, weight, n_in) in TARGETS.items()
+        if target in lo.targets
+    )
+    if lo.rank > widest:
+        raise JaxdistError(
+            f"lora.rank={lo.rank} exceeds {widest}, the smaller side of the smallest adapted matrix: a rank above "
+            f"min(inputs, outputs) adds parameters and nothing the adapter can express; use lora.rank <= {widest}"
+        )
     if lo.base_dtype not in quant.KINDS:
         return
-    if lo.base_dtype == "nf4" and lo.block_size % 2:
-        raise JaxdistError(f"lora.block_size={lo.block_size} must be even for nf4 (two codes per byte)")
-    shapes = per_layer_shapes(m)
     names = {
         "wq_DNH": ("embed", "heads", "head_dim"),
         "wk_DKH": ("embed", "kv_heads", "head_dim"),
@@ -40,13 +50,26 @@ def check(cfg, mesh, rules) -> None:
         "w_up_DF": ("embed", "mlp"),
         "w_down_FD": ("mlp", "embed"),
     }
+    dims = []  # (weight, its block dimension, the shards that dimension is split over)
     for _, weight, _ in TARGETS.values():
         shape = shapes[weight]
         axis = block_axis(weight) % len(shape)
-        n = shape[axis]
-        shards = axis_size(mesh, logical_to_spec(names[weight], rules)[axis])
-        if n % lo.block_size or (n // lo.block_size) % shards:
-            raise JaxdistError(
-                f"lora.block_size={lo.block_size} does not fit {weight}'s dimension {n} split over {shards} "
-                f"device(s) ({n} / block_size blocks must divide by {shards}); choose a block size that does"
-            )
+        dims.append((weight, shape[axis], axis_size(mesh, logical_to_spec(names[weight], rules)[axis])))
+
+    def fits(b: int) -> bool:
+        return (lo.base_dtype != "nf4" or b % 2 == 0) and all(n % b == 0 and (n // b) % k == 0 for _, n, k in dims)
+
+    if fits(lo.block_size):
+        return
+    good = [b for b in range(1, min(n for _, n, _ in dims) + 1) if fits(b)]
+    near = sorted(good, key=lambda b: (abs(b - lo.block_size), -b))[:3]
+    suggest = f"lora.block_size={near[0]} fits (so do {', '.join(map(str, sorted(near[1:])))})" if near else ""
+    if not near:
+        suggest = "no block size fits this mesh; use lora.base_dtype=bfloat16 or fewer shards"
+    if lo.base_dtype == "nf4" and lo.block_size % 2:
+        raise JaxdistError(f"lora.block_size={lo.block_size} must be even for nf4 (two codes per byte); {suggest}")
+    weight, n, shards = next((w, n, k) for w, n, k in dims if n % lo.block_size or (n // lo.block_size) % k)
+    raise JaxdistError(
+        f"lora.block_size={lo.block_size} does not fit {weight}'s dimension {n} split over {shards} "
+        f"device(s) ({n} / block_size blocks must divide by {shards}); {suggest}"
+    )

@@ -261,7 +261,6 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
-        if not (mesh["pp"] > 1 and cfg.offload.params == "host")  # refused by jaxdist.distributed.offload.check
         if _architecture_takes(cfg, mesh)
         if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
     ]

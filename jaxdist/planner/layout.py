@@ -22,6 +22,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedules
 from jaxdist.parallel.schedules import SCHEDULES
 from jaxdist.planner.hardware import Hardware
+from jaxdist.objectives import refusals
 
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 
@@ -197,3 +198,4 @@ class Layout:
             raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
         for g in param_table(cfg.model):
             self.shards(g)
+        refusals.check_sizes(cfg, m)  # the trainer's own start-up refusals: what train refuses is never planned

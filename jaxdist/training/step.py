@@ -21,19 +21,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.adapters import checks as lora_checks
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.distributed import offload, sharding
-from jaxdist.distributed.mesh import axis_size, check_mesh
+from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
 from jaxdist.models.attention import document_segments
 from jaxdist.models.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 from jaxdist.objectives import registry as objectives
+from jaxdist.objectives.refusals import check  # the trainer's start-up refusals, shared with the planner
 from jaxdist.optim import registry as optimizers
 from jaxdist.optim.adamw import decay_mask
 from jaxdist.parallel import context, pipeline
-from jaxdist.parallel import moe as moe_parallel
 from jaxdist.reduce import registry
 from jaxdist.reduce.gradients import GradientStage, token_loss_sums, without_aux
 
@@ -85,16 +84,6 @@ class Program:
 
     def batch_shards(self) -> int:
         return axis_size(self.mesh, self.batch_sharding.spec[0])
-
-
-def check_batch(cfg: Config, mesh: Mesh, rules) -> None:
-    shards = axis_size(mesh, sharding.batch_spec(rules)[0])
-    per_step = cfg.train.grad_accum_steps * shards
-    if cfg.train.global_batch % per_step:
-        raise JaxdistError(
-            f"train.global_batch={cfg.train.global_batch} must be divisible by train.grad_accum_steps="
-            f"{cfg.train.grad_accum_steps} x {shards} batch shards (dp*fsdp*ep); use a multiple of {per_step}"
-        )
 
 
 def build_program(
@@ -180,18 +169,6 @@ def build_program(
         apply_fn=apply_fn,
         model=model,
     )
-
-
-def check(cfg: Config, mesh: Mesh, rules) -> None:
-    """Every start-up check that needs the mesh, as one-line errors, before anything is traced."""
-    check_mesh(mesh)  # its axes; the axis names the config uses were checked when it was loaded
-    check_batch(cfg, mesh, rules)
-    moe_parallel.check(cfg, mesh, rules)
-    context.check(cfg, mesh, rules)
-    lora_checks.check(cfg, mesh, rules)
-    offload.check(cfg, mesh)
-    registry.check(cfg, mesh)
-    objectives.check(cfg, mesh)
 
 
 def trained_part(cfg: Config, tree):
