@@ -1,7 +1,7 @@
 """`python -m jaxdist.bench`: throughput, memory and communication of the compiled train step.
 
     python -m jaxdist.bench --mesh fsdp=1 --mesh fsdp=8 --mesh dp=8     # one JSON line per mesh
-    python -m jaxdist.bench --compile-only --config configs/llama3-8b.yaml --mesh fsdp=8   # does it fit?
+    python -m jaxdist.bench --compile-only --config llama3-8b --mesh fsdp=8 --hardware h100-80gb  # does it fit?
 
 Each mesh runs warm-up steps, then timed steps (each synchronised), on synthetic tokens of the
 configured shape. Memory and collectives come from the compiled program, so they are exact and
@@ -17,7 +17,7 @@ import os
 import sys
 
 from jaxdist import config
-from jaxdist.analysis.bench import compile_only, measure
+from jaxdist.analysis.bench import compile_only, measure, verdict_line
 from jaxdist.analysis.bench_table import table
 from jaxdist.distributed import xla_flags
 from jaxdist.distributed.platform import setup_platform
@@ -39,6 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="compile with abstract inputs (nothing allocated, nothing run): memory and "
         "collectives of a real config without its hardware; no timings",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="with --compile-only: the device to judge against (e.g. h100-80gb; see python -m jaxdist.plan "
+        "--help): a verdict, fits or not, with the planner's and the compiler's bytes per device",
     )
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after flags
@@ -65,14 +71,26 @@ def main(argv=None) -> int:
             f"--steps {args.steps} / --warmup {args.warmup}: bench times at least one step "
             "(--steps >= 1) after --warmup >= 0 untimed ones"
         )
+    if args.hardware and not args.compile_only:
+        raise JaxdistError("--hardware judges a --compile-only compile against a device; add --compile-only")
+    if args.hardware:
+        # deferred: flax, jax, optax load on first use, not when python -m jaxdist.bench starts
+        from jaxdist.planner import hardware
+
+        hardware.get(args.hardware)  # an unknown name fails before compiling
     cfg = config.load(args.config, args.overrides)
     _patient_cpu_collectives()
     setup_platform(args.cpu_devices)
     records = []
     for mesh_text in args.mesh or [cfg.mesh.shape]:
-        record = compile_only(cfg, mesh_text) if args.compile_only else measure(cfg, mesh_text, args.warmup, args.steps)
+        if args.compile_only:
+            record = compile_only(cfg, mesh_text, args.hardware)
+        else:
+            record = measure(cfg, mesh_text, args.warmup, args.steps)
         records.append(record)
         print(json.dumps(record), flush=True)
+        if (line := verdict_line(record)) is not None:
+            print(line, file=sys.stderr, flush=True)
     if args.table:
         print("\n" + table(records))
     return 0

@@ -68,16 +68,43 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
 
 
 def test_compile_only_allocates_nothing_and_prints_no_timings(capsys, monkeypatch):
-    """--compile-only: the same JSON line from abstract inputs; running or placing anything is an error."""
+    """--compile-only: the same JSON line from abstract inputs; running or placing anything is an error.
+    With --hardware: a verdict against that device's usable memory, the planner's bytes beside the
+    compiler's, and (on CPU) the parts of the CPU program a GPU's does not have; the verdict turns when
+    the budget is below the planner's figure."""
+    import dataclasses
+
     import jax
 
+    from jaxdist import config
+    from jaxdist.analysis import bench as bench_mod
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.planner import hardware
+
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("allocated")))
-    assert bench.main(["--compile-only", "--mesh", "fsdp=8", *SMALL]) == 0
-    (r,) = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    argv = ["--compile-only", "--mesh", "fsdp=8", *SMALL, "model.compute_dtype=bfloat16"]
+    assert bench.main([*argv, "--hardware", "h100-80gb"]) == 0
+    out, err = capsys.readouterr()
+    (r,) = [json.loads(x) for x in out.strip().splitlines()]
     assert not {"tokens_per_sec", "step_time_s", "mfu", "loss"} & set(r)
     assert r["devices"] == 8 and r["bytes_per_device"]["arguments"] > 0 and r["bytes_per_device"]["temp"] > 0
     assert r["bytes_per_device"]["host_arguments"] == r["bytes_per_device"]["host_outputs"] == 0
     assert "all-gather" in r["collectives"] and r["pipeline"]["schedule"] == "none"
+    h100 = hardware.get("h100-80gb")
+    assert r["hardware"] == "h100-80gb" and r["verdict"] == "fits" and r["verdict_from"] == "planner"
+    assert 0.5 * h100.hbm_bytes < r["budget_bytes"] <= h100.hbm_bytes
+    assert r["bytes_per_device"]["arguments"] <= r["planner_bytes"] < 10 * r["compiled_bytes"]  # same order
+    assert r["compiled_bytes"] == r["bytes_per_device"]["total"]
+    assert "attention scores materialised" in r["not_representative"] and "bfloat16" in r["not_representative"]
+    assert err.startswith("fsdp=8 on h100-80gb: FITS (planner's figure") and "the CPU program is not a GPU's" in err
+    small = dataclasses.replace(h100, name="small-gpu", hbm_bytes=r["planner_bytes"] / 2)
+    monkeypatch.setitem(hardware.HARDWARE, "small-gpu", small)
+    cfg = config.load(None, [*SMALL, "model.compute_dtype=bfloat16"])
+    got = bench_mod.fit(cfg, mesh_mod.mesh_from_string("fsdp=8"), r["compiled_bytes"], "cpu", "small-gpu")
+    assert got["verdict"] == "does not fit" and got["planner_bytes"] == r["planner_bytes"]
+    assert bench.main(["--hardware", "h100-80gb", *SMALL]) == 2  # a verdict needs --compile-only
+    assert bench.main(["--compile-only", "--hardware", "h100-90gb", *SMALL]) == 2
+    assert "unknown hardware 'h100-90gb'" in capsys.readouterr().err
 
 
 def test_bench_raises_the_cpu_collective_abort_unless_the_user_set_it(monkeypatch):

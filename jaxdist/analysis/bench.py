@@ -31,8 +31,9 @@ def mesh_devices(text: str, devices: list) -> list:
     return devices
 
 
-def compile_only(cfg, mesh_text: str) -> dict:
-    """bench's JSON line from the compiled program alone: abstract state and tokens, no timings."""
+def compile_only(cfg, mesh_text: str, hardware_name: str | None = None) -> dict:
+    """bench's JSON line from the compiled program alone: abstract state and tokens, no timings; with
+    `hardware_name` (or on a GPU the planner knows), a verdict: does it fit that device's memory."""
     # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
     import jax
 
@@ -62,7 +63,77 @@ def compile_only(cfg, mesh_text: str) -> dict:
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
     record["host_transfers"] = offload.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
     record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
+    record.update(fit(cfg, mesh, record["bytes_per_device"].get("total"), record["platform"], hardware_name))
     return record
+
+
+def fit(cfg, mesh, compiled_total: int | None, platform: str, hardware_name: str | None) -> dict:
+    """`verdict` ("fits" / "does not fit") against `hardware_name`'s usable memory, with the planner's and
+    the compiler's per-device bytes side by side. The compiler's figure decides on the device itself;
+    on another platform (a CPU compile standing in for a GPU) the planner's does, and `not_representative`
+    says which parts of the CPU program a GPU's does not have."""
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.bench starts
+    from jaxdist.observe import report
+    from jaxdist.planner import hardware, memory
+    from jaxdist.planner.layout import Layout
+
+    if hardware_name:
+        hw = hardware.get(hardware_name)
+    else:
+        hw = report.hardware_for(mesh.devices.flat[0])
+        if hw is None or hw.backend == "cpu":
+            return {}  # no budget named: the JSON line as before (memory figures, no verdict)
+    planned = memory.estimate(Layout(cfg, {a: int(n) for a, n in mesh.shape.items()}, hw))
+    same = platform == hw.backend
+    decides = compiled_total if same and compiled_total is not None else planned.total
+    out = {
+        "hardware": hw.name,
+        "budget_bytes": planned.capacity,
+        "planner_bytes": planned.total,
+        "compiled_bytes": compiled_total,
+        "verdict": "fits" if decides <= planned.capacity else "does not fit",
+        "verdict_from": "compiled" if same and compiled_total is not None else "planner",
+    }
+    if platform == "cpu" and hw.backend != "cpu":
+        out["not_representative"] = cpu_differences(cfg, mesh)
+    return out
+
+
+def cpu_differences(cfg, mesh) -> str:
+    """What a CPU-compiled step holds that the same step compiled for a GPU does not (why its temp bytes
+    overstate a GPU's): attention scores materialised, bf16 arithmetic normalised to float32."""
+    m, sizes = cfg.model, dict(mesh.shape)
+    rows = cfg.train.global_batch // max(1, sizes["dp"] * sizes["fsdp"] * sizes["ep"] * cfg.train.grad_accum_steps)
+    t = m.seq_len // max(1, sizes["cp"])
+    scores = max(rows, 1) * max(m.num_heads // sizes["tp"], 1) * t * m.seq_len * 4
+    parts = [
+        f"attention scores materialised ({rows} x {max(m.num_heads // sizes['tp'], 1)} heads x {t} x {m.seq_len} "
+        f"float32 = {size(scores)} per layer; a GPU's fused attention keeps none)"
+    ]
+    if m.compute_dtype == "bfloat16":
+        parts.append("bfloat16 arithmetic normalised to float32 (XLA:CPU upcasts it; a GPU computes in bf16)")
+    return "the CPU program is not a GPU's: " + "; ".join(parts) + "; the verdict uses the planner's figure"
+
+
+def size(b: float) -> str:
+    """Bytes in the unit that shows them: 292.8 GB, 41.0 MB, 12.0 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:,.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def verdict_line(record: dict) -> str | None:
+    """One line for a person: the verdict, the planner's figure beside the compiler's, the CPU caveat."""
+    if "verdict" not in record:
+        return None
+    gb = lambda b: "n/a" if b is None else size(b)
+    line = (
+        f"{record['mesh']} on {record['hardware']}: {record['verdict'].upper()} ({record['verdict_from']}'s figure "
+        f"vs {gb(record['budget_bytes'])} usable); per device: planner {gb(record['planner_bytes'])}, "
+        f"compiled on {record['platform']} {gb(record['compiled_bytes'])}"
+    )
+    return line + (f"\n  {record['not_representative']}" if "not_representative" in record else "")
 
 
 def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
