@@ -1,4 +1,4 @@
-"""`python -m jaxdist.convert`: Hugging Face Llama checkpoints in and out.
+"""`python -m jaxdist.convert`: Hugging Face checkpoints (the families in docs/model-families.md) in and out.
 
     python -m jaxdist.convert from-hf HF_DIR OUT_RUN_DIR [--mesh fsdp=8] [section.key=value ...]
     python -m jaxdist.convert to-hf RUN_DIR_OR_CHECKPOINT HF_DIR [--dtype bfloat16|float32] [--peft]
@@ -33,22 +33,35 @@ def parse_args(argv):
     command, rest = argv[0], argv[1:]
     p = ArgumentParser(prog=f"python -m jaxdist.convert {command}")
     if command == "from-hf":
-        p.description = "Hugging Face Llama directory -> jaxdist run dir (parameters only)"
+        p.description = (
+            "Hugging Face model (a directory or a Hub id ORG/NAME[@REV]) -> jaxdist run dir (parameters only)"
+        )
         p.add_argument("hf_dir")
         p.add_argument("out_run_dir")
         p.add_argument("--mesh", default=None, help="mesh to load onto, e.g. fsdp=4,tp=2 (default fsdp=-1)")
         p.add_argument("--config", default=None, help="YAML for the non-model sections (default configs/tiny.yaml)")
         p.add_argument("overrides", nargs="*", help="section.key=value written into the run's config.yaml")
     else:
-        p.description = "jaxdist run dir or checkpoint -> Hugging Face Llama directory"
+        p.description = "jaxdist run dir or checkpoint -> Hugging Face model directory"
         p.add_argument("path")
         p.add_argument("hf_dir")
-        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=("float32", "bfloat16"),
+            help="dtype of the written tensors (default float32, whatever the run computed in; bfloat16 halves the files)",
+        )
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5 GB)")
         p.add_argument(
             "--peft",
             action="store_true",
             help="LoRA runs: write the adapter alone in PEFT's format (default: adapters merged into the weights)",
+        )
+        p.add_argument(
+            "--allow-base-mismatch",
+            action="store_true",
+            help="--peft for an int8/nf4 (QLoRA) base: write the adapter although peft applies it to the original "
+            "float weights, not the quantised base it was trained against (a warning states the difference)",
         )
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices on CPU (default 8)")
     multi = p.add_argument_group("multi-process (default: from JAX_* variables, SLURM, OpenMPI or Kubernetes)")
@@ -75,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = hf_config(args.config, args.overrides, hf_dir, args.mesh)
         from_hf(hf_dir, Path(args.out_run_dir), cfg)
     else:
-        files = to_hf(Path(args.path), Path(args.hf_dir), args.dtype, int(args.max_shard_gb * 1e9), peft=args.peft)
+        files = to_hf(
+            Path(args.path),
+            Path(args.hf_dir),
+            args.dtype,
+            int(args.max_shard_gb * 1e9),
+            peft=args.peft,
+            allow_base_mismatch=args.allow_base_mismatch,
+        )
         print(f"exported {len(files)} file(s) to {args.hf_dir}")
     return 0
 

@@ -39,10 +39,13 @@ FAMILIES = {
     "qwen2": ("hf_qwen2", "lora_peft_qwen2", ALL),
     "qwen3": ("hf_qwen3", "lora_peft_qwen3", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
     "mistral": ("hf_mistral", "lora_peft_mistral", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    # rsLoRA (peft's use_rslora: alpha / sqrt(r)) on Llama's q and v; logits only, as Llama's
+    "llama_rslora": ("hf_llama", "lora_peft_rslora", ["q_proj", "v_proj"]),
 }
+RSLORA = {"llama_rslora"}
 
 
-def peft_reference(base_dir: Path, out: Path, modules: list[str], tokens, merged: bool):
+def peft_reference(base_dir: Path, out: Path, modules: list[str], tokens, merged: bool, rslora: bool = False):
     """peft's adapter files in `out`, its logits on `tokens`, and (`merged`) merge_and_unload()'s."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -50,7 +53,9 @@ def peft_reference(base_dir: Path, out: Path, modules: list[str], tokens, merged
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    conf = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules, init_lora_weights=False)
+    conf = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules, init_lora_weights=False, use_rslora=rslora
+    )
     model = get_peft_model(base, conf).eval()
     model.save_pretrained(out)
     (out / "README.md").unlink(missing_ok=True)
@@ -109,7 +114,8 @@ def make(family: str) -> None:
     base_dir, out_dir = FIXTURES / base_name, FIXTURES / out_name
     print(f"== {family}")
     sequences = np.load(base_dir / "reference.npz")["sequences"]
-    expected, extra = peft_reference(base_dir, out_dir, modules, sequences, merged=family != "llama")
+    logits_only = family in ("llama", *RSLORA)
+    expected, extra = peft_reference(base_dir, out_dir, modules, sequences, not logits_only, family in RSLORA)
     np.savez(out_dir / "reference.npz", sequences=sequences, logits=expected, **extra)
     print(f"wrote {out_dir}: peft's adapter files and its logits {expected.shape}")
     merged_ref = extra.get("merged_logits")

@@ -1,5 +1,5 @@
 """LoRA inside the model: adapters attached to the layer matrices, and the matmul that runs a frozen
-(possibly quantised) base weight plus its adapter, W x + (alpha / r) B (A x).
+(possibly quantised) base weight plus its adapter, W x + (alpha / r) B (A x) (rsLoRA: alpha / sqrt(r)).
 
 Adapters carry logical axis names built from their weight's: A takes the weight's input names and
 `lora_rank`, B `lora_rank` and its output names (e.g. wq_DNH (embed, heads, head_dim) -> A (embed,
@@ -42,12 +42,18 @@ def block_axis(weight: str) -> int:
     return IN_DIMS[weight] - 1 - per_layer
 
 
+def scaling(lora) -> float:
+    """The adapter's factor: alpha / rank, or alpha / sqrt(rank) with `lora.rslora` (rsLoRA, Kalajdzievski
+    2023; peft's `use_rslora`), which keeps the update's scale steady as the rank grows."""
+    return lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
+
+
 def attach(block, lora, rngs: nnx.Rngs) -> None:
     """Give a (dense) Block's targeted matrices adapters, and every layer matrix a scale slot when the
     base is quantised (the scales are computed when the base is stored: jaxdist.adapters.tree)."""
     for part, weight, _ in TARGETS.values():
         module = getattr(block, part)
-        module.lora_scale = lora.alpha / lora.rank  # static: marks the module as frozen-base LoRA
+        module.lora_scale = scaling(lora)  # static: marks the module as frozen-base LoRA
         w = getattr(module, weight)
         names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape
         if lora.base_dtype in quant.KINDS:

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jaxdist.adapters.lora import TARGETS, A, B, per_layer_shapes
@@ -44,38 +45,44 @@ def adapter_tensors(blocks: dict, lora, dtype=np.float32) -> dict[str, np.ndarra
     return out
 
 
-def adapter_config(lora, base_model: str = "") -> dict:
+def adapter_config(lora, base_model: str = "", revision: str | None = None) -> dict:
+    """`base_model_name_or_path` (a Hub id or a folder) and `revision` are what
+    `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the base from."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": [MODULES[t].split(".")[-1] for t in lora.targets],
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": bool(lora.rslora),
         "use_dora": False,
         "inference_mode": True,
         "modules_to_save": None,
     }
 
 
-def write(out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32) -> list[Path]:
+def write(
+    out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32, revision: str | None = None
+) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(adapter_tensors(blocks, lora, dtype), str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
-    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config(lora, base_model), indent=2))
+    config = adapter_config(lora, base_model, revision)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return [out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"]
 
 
 def read(adapter_dir: Path, m) -> tuple[dict, dict]:
-    """A PEFT LoRA adapter directory -> (lora config overrides {rank, alpha, targets}, `blocks` adapters in
+    """A PEFT LoRA adapter directory -> (lora config overrides {rank, alpha, targets[, rslora]}, `blocks` adapters in
     jaxdist's stacked layout, numpy float32), the inverse of `adapter_tensors`."""
 
     adapter_dir = Path(adapter_dir)
-    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    conf = _config(adapter_dir)
     by_module = {v.split(".")[-1]: k for k, v in MODULES.items()}
     modules = conf["target_modules"]
     modules = [modules] if isinstance(modules, str) else modules
@@ -86,7 +93,6 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
         k
         for k in (
             "use_dora",
-            "use_rslora",
             "rank_pattern",
             "alpha_pattern",
             "layers_to_transform",
@@ -104,7 +110,7 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
         )
     targets = [t for t in MODULES if MODULES[t].split(".")[-1] in modules]
     r = int(conf["r"])
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    tensors = _tensors(adapter_dir / "adapter_model.safetensors")
     expected = {
         f"base_model.model.model.layers.{i}.{MODULES[t]}.lora_{x}.weight"
         for t in targets
@@ -137,4 +143,53 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
             b.append(tb.T.reshape(r, *shape[n_in:]))
         blocks.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
         blocks[part][weight + B] = np.stack(b).astype(np.float32)
-    return {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}, blocks
+    lora = {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}
+    return lora | ({"rslora": True} if conf.get("use_rslora") else {}), blocks
+
+
+def _config(adapter_dir: Path) -> dict:
+    """adapter_config.json as a dict with the keys read, or a one-line error naming the file."""
+    path = adapter_dir / "adapter_config.json"
+    if not path.is_file():
+        raise JaxdistError(
+            f"{path} not found; pass a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)"
+        )
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise JaxdistError(f"{path} is not readable JSON ({type(e).__name__}); re-save the adapter") from None
+    if not isinstance(conf, dict):
+        raise JaxdistError(f"{path} must hold a JSON object; re-save the adapter")
+    bad = [k for k in ("r", "lora_alpha", "target_modules") if k not in conf]
+    r, alpha, modules = conf.get("r"), conf.get("lora_alpha"), conf.get("target_modules")
+    if not bad and not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
+        bad.append(f"r={r!r} (a positive integer)")
+    if not bad and not (
+        isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha) and alpha > 0
+    ):
+        bad.append(f"lora_alpha={alpha!r} (a positive number)")
+    if not bad and not (
+        isinstance(modules, str) or (isinstance(modules, list) and all(isinstance(m, str) for m in modules))
+    ):
+        bad.append(f"target_modules={modules!r} (a list of module names)")
+    if bad:
+        raise JaxdistError(f"{path}: missing or invalid {', '.join(bad)}; is it a PEFT LoRA adapter?")
+    return conf
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray]:
+    """The adapter's tensors: a float dtype and finite values, or a one-line error naming the first bad one."""
+    if not path.is_file():
+        raise JaxdistError(f"{path} not found; a PEFT adapter folder holds adapter_model.safetensors beside its config")
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError, TypeError) as e:
+        raise JaxdistError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}); re-save the adapter"
+        ) from None
+    for name, t in sorted(tensors.items()):
+        if t.dtype.kind != "f" and str(t.dtype) != "bfloat16":
+            raise JaxdistError(f"{path}: {name} is {t.dtype}, not a float tensor; is it a LoRA adapter?")
+        if not np.all(np.isfinite(t.astype(np.float32))):
+            raise JaxdistError(f"{path}: {name} holds NaN or Inf; the adapter is damaged (re-save or re-train it)")
+    return tensors

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxdist.adapters import quant
 from jaxdist.adapters.lora import IN_DIMS, SCALE, A, B, block_axis
+from jaxdist.adapters.lora import scaling as lora_scaling
 
 
 def is_adapter(key: str) -> bool:
@@ -72,8 +73,8 @@ def store_base(params: dict, lora) -> dict:
 
 def merge(params: dict, lora) -> dict:
     """The stored LoRA parameters -> plain float32 parameters of the same model without LoRA: every
-    base tensor de-quantised / cast up, each adapted matrix W + (alpha / r) A B."""
-    scaling = lora.alpha / lora.rank
+    base tensor de-quantised / cast up, each adapted matrix W + (alpha / r) A B (rsLoRA: alpha / sqrt(r))."""
+    scaling = lora_scaling(lora)
 
     def walk(tree: dict) -> dict:
         out = {}

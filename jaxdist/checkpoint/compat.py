@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import yaml
 
+from jaxdist.adapters.lora import SCALE, A, B
 from jaxdist.config import Config
 from jaxdist.config.schema import SHAPE_FIELDS
 from jaxdist.data.corpus import ALLOW
@@ -91,11 +92,16 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def check_model(saved_params, abstract_params, where: Path) -> None:
-    """Same tensors with the same shapes, or an error naming the first tensor that differs."""
+def check_model(saved_params, abstract_params, where: Path, saved_config: dict | None = None, cfg=None) -> None:
+    """Same tensors with the same shapes, or an error naming the first tensor that differs (LoRA's: the
+    lora.* keys that changed since `saved_config`, when given, and the export-first way)."""
     saved = {_path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved_params)[0]}
     wanted = {_path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     fix = "use the model.* settings it was trained with, or a new --run-dir"
+    changed = changed_keys(saved_config, cfg) if saved_config is not None and cfg is not None else {}
+    lora = _lora_mismatch(set(saved), set(wanted), saved, wanted, where, changed)
+    if lora:
+        raise JaxdistError(lora)
     for name, shape in wanted.items():
         if name not in saved:
             raise JaxdistError(f"checkpoint {where} is of a different model: it has no tensor params/{name}; {fix}")
@@ -115,6 +121,45 @@ def check_model(saved_params, abstract_params, where: Path) -> None:
         raise JaxdistError(
             f"checkpoint {where} is of a different model: it has tensor params/{extra[0]} that this config lacks; {fix}"
         )
+
+
+def _lora_mismatch(
+    saved: set, wanted: set, saved_shapes: dict, wanted_shapes: dict, where: Path, changed: dict
+) -> str | None:
+    """The line for a checkpoint whose LoRA tensors (adapters, quantisation scales) differ from this
+    config's, naming the lora.* cause and the way that works: export, then start from the export."""
+    adapter = lambda n: n.endswith((A, B))
+    quant = lambda n: n.endswith(SCALE)
+    had, has = {n for n in saved if adapter(n)}, {n for n in wanted if adapter(n)}
+    export = f"python -m jaxdist.convert to-hf {where} DIR"
+    if has and not had:
+        return (
+            f"checkpoint {where} has no LoRA adapters (a full-training run) and this run has lora.rank > 0: a "
+            f"LoRA run starts from a Hugging Face model; export it first ({export}) and start a new --run-dir "
+            "with --restore hf:DIR lora.rank=..."
+        )
+    if had and not has:
+        return (
+            f"checkpoint {where} is a LoRA run's (adapters beside a frozen base) and this run has lora.rank=0: "
+            f"export it merged ({export}) and start from --restore hf:DIR in a new --run-dir"
+        )
+    if not had:
+        return None
+    same = had == has and {n for n in saved if quant(n)} == {n for n in wanted if quant(n)}
+    if same and all(saved_shapes[n] == wanted_shapes[n] for n in wanted if adapter(n) or quant(n)):
+        return None
+    keys = {k: v for k, v in changed.items() if k.startswith("lora.")}
+    what = (
+        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in keys.items())
+        if keys
+        else "rank, targets, base_dtype or block_size"
+    )
+    back = " ".join(f"{k}={a}" for k, (a, _) in keys.items()) or "the lora.* values of its config.yaml"
+    return (
+        f"checkpoint {where} was trained with other lora.* settings ({what}): its adapters or quantised base "
+        f"do not fit this config's; resume with {back}, or export it merged ({export}) and start a new "
+        "--run-dir with --restore hf:DIR and the new lora.* values"
+    )
 
 
 def _shapes(tree) -> list[tuple]:

@@ -65,13 +65,13 @@ def _restore_step(
 ) -> tuple[TrainState, dict, dict | None]:
     where = directory / str(step)
     metadata = manager.item_metadata(step)
-    compat.check_model(metadata["params"], prog.abstract_state.params, where)
+    meta = _meta(manager, step)
+    compat.check_model(metadata["params"], prog.abstract_state.params, where, meta.get("config", {}), cfg)
     if not params_only and metadata.get("train") is None:
         raise JaxdistError(
             f"checkpoint {where} holds parameters only (e.g. imported from Hugging Face); start "
             f"from it with --restore {where} checkpoint.params_only=true and a new --run-dir"
         )
-    meta = _meta(manager, step)
     changes = {}
     if not params_only:
         compat.check_resume(meta, cfg, where)

@@ -254,6 +254,7 @@ class LoraConfig:
         0  # LoRA adapter rank; 0 = off (every parameter trained). On: only adapters train (jaxdist/adapters)
     )
     alpha: PositiveFloat = 16.0  # the adapted weight is W + (alpha / rank) A B
+    rslora: bool = False  # rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank (peft's use_rslora)
     dropout: Annotated[float, Range(0, 1, hi_open=True)] = (
         0.0  # dropout on the adapters' input (only 0 is supported yet)
     )

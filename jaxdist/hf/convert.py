@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
 from jaxdist.adapters import peft as peft_format
+from jaxdist.adapters import quant
 from jaxdist.adapters import tree as adapters
 from jaxdist.checkpoint import integrity, run_params
 from jaxdist.data import run_tokenizer
@@ -32,6 +34,12 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     # deferred: orbax loads on first use, not when python -m jaxdist.convert starts
     import orbax.checkpoint as ocp
 
+    if cfg.lora.rank or cfg.lora.base_dtype != "float32":  # the checkpoint holds the plain model's weights
+        raise JaxdistError(
+            f"convert from-hf writes the plain model (no adapters), so lora.rank={cfg.lora.rank} / "
+            f"lora.base_dtype={cfg.lora.base_dtype} would describe a checkpoint it does not write; drop the lora.* "
+            f"overrides, and start LoRA at training: python -m jaxdist.train --restore hf:{hf_dir} lora.rank=..."
+        )
     # Decided together: process 0 must not write before every process has looked.
     if not checkpoint.all_agree(not (checkpoint.has_checkpoints(out) or (out / "config.yaml").exists())):
         raise JaxdistError(f"{out} already holds a run; choose a new OUT_RUN_DIR (nothing was overwritten)")
@@ -68,11 +76,18 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
 
 
 def to_hf(
-    path: Path, out: Path, dtype: str, max_shard_bytes: int, log: Callable = print, peft: bool = False
+    path: Path,
+    out: Path,
+    dtype: str,
+    max_shard_bytes: int,
+    log: Callable = print,
+    peft: bool = False,
+    allow_base_mismatch: bool = False,
 ) -> list[Path]:
     """Export a run's newest intact checkpoint as an HF model; a LoRA run's adapters merged into the
-    weights, or (`peft`) alone as a PEFT adapter for the original HF model. The model folder appears
-    whole or not at all: it is written as a hidden sibling and renamed into place."""
+    weights, or (`peft`) alone as a PEFT adapter for the original HF model (refused for an int8 / NF4
+    base, whose adapters mean another model on the float base, unless `allow_base_mismatch`). The folder
+    appears whole or not at all: it is written as a hidden sibling and renamed into place."""
 
     out = Path(out)
     _check_export_folder(out)
@@ -85,7 +100,7 @@ def to_hf(
     source = source if source.is_dir() else None
     export.generation_config(source)  # a corrupt one is copied nowhere: checked before any work
     if peft:
-        return _write_peft(path, out, cfg, params, source, dtype, log)
+        return _write_peft(path, out, cfg, params, source, dtype, log, allow_base_mismatch, mesh)
     if cfg.lora.rank:  # the adapters folded into the weights: a plain checkpoint for transformers
         params = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
         log(f"merged the LoRA adapters (rank {cfg.lora.rank}) into the base weights")
@@ -117,18 +132,60 @@ def _check_export_folder(out: Path) -> None:
         raise JaxdistError(f"{out} already holds a model; choose a new HF_DIR (nothing was overwritten)")
 
 
-def _write_peft(path, out: Path, cfg, params, source: Path | None, dtype: str, log) -> list[Path]:
-    """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from."""
+def _write_peft(path, out: Path, cfg, params, source, dtype: str, log, allow_base_mismatch: bool, mesh) -> list[Path]:
+    """A LoRA run's adapters alone, as a PEFT adapter for the HF model the run started from (recorded in
+    adapter_config.json, so `AutoPeftModelForCausalLM.from_pretrained(DIR)` finds it)."""
 
     if not cfg.lora.rank:
         raise JaxdistError(f"{path} is not a LoRA run (lora.rank=0): --peft needs adapters; export without --peft")
+    if cfg.lora.base_dtype in quant.KINDS:
+        if not allow_base_mismatch:
+            raise JaxdistError(
+                f"{path} trained its adapters against a {cfg.lora.base_dtype}-quantised base: peft applies them "
+                "to the original float weights, which is another model; export merged (drop --peft), which "
+                "reproduces the trained model, or pass --allow-base-mismatch to write the adapter anyway"
+            )
+        log(f"warning: {base_difference(params, cfg, export.origin(source), mesh)}")
     blocks = jax.device_get(adapters.trainable(params))["blocks"]
-    base = export._source_config(source).get("_name_or_path", "")
+    came_from = export.origin(source)
+    base, revision = came_from.get("base_model_name_or_path", ""), came_from.get("revision")
+    if not base:
+        log(
+            "warning: the run did not start from a Hugging Face model it recorded: adapter_config.json's "
+            "base_model_name_or_path is empty; set it before AutoPeftModelForCausalLM.from_pretrained"
+        )
     if jax.process_index() != 0:
         return []
-    files = peft_format.write(out, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype])
-    log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) to {out}")
+    files = _write_whole(
+        out, lambda tmp: peft_format.write(tmp, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype], revision), log
+    )
+    log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) for {base or '?'} to {out}")
     return files
+
+
+def base_difference(params, cfg, came_from: dict, mesh) -> str:
+    """How far the quantised base the adapters were trained against lies from the original weights (read
+    again from where the run's model came from): the largest relative Frobenius difference of a tensor."""
+    kind = cfg.lora.base_dtype
+    what = f"the adapters were trained against a {kind} copy of the base; peft applies them to the original weights"
+    local = Path(came_from.get("local") or "")
+    if not came_from.get("local") or not local.is_dir():
+        return f"{what} (not measured: the original model folder {came_from.get('local') or '?'} is not here)"
+    plain = cfg.replace(lora=dict(rank=0, base_dtype="float32"))
+    original, _ = import_params(local, plain, mesh)
+    stored = jax.jit(lambda p: adapters.merge(adapters.frozen(p), cfg.lora))(params)
+    rel = jax.jit(
+        lambda a, b: jax.tree.map(lambda x, y: jnp.linalg.norm(x - y) / jnp.maximum(jnp.linalg.norm(y), 1e-30), a, b)
+    )(stored, original)
+    worst = max(((float(v), "/".join(str(getattr(k, "key", k)) for k in p)) for p, v in _leaves(rel)), default=(0, ""))
+    return (
+        f"{what}, which differ from {local}'s by up to {worst[0]:.2%} (relative Frobenius norm, {worst[1]}): "
+        "peft's outputs will differ from the trained model's (the merged export reproduces it)"
+    )
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def _export_tokenizer(cfg, recorded, run_dir: Path) -> tuple[str, dict]:

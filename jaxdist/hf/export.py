@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
-from jaxdist.hf import families, mapping
+from jaxdist.hf import families, hub, mapping
 from jaxdist.hf.tensors import SIDE_FILES, SOURCE, TOKENIZER_FILES, layer_shape, names
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -49,7 +49,7 @@ def export(
     log: Callable = print,
     token_ids: dict | None = None,
 ) -> list[Path]:
-    """Write `params` (unstaged jaxdist parameters) as a Hugging Face Llama directory. Process 0 writes.
+    """Write `params` (unstaged jaxdist parameters) as a Hugging Face model directory of `m.family`. Process 0 writes.
     `token_ids`: bos/eos ids of the run's recorded tokenizer, for what the imported config leaves null."""
     check_exportable(m)
     np_dtype = EXPORT_DTYPES[dtype]
@@ -141,11 +141,26 @@ def copy_tokenizer(tokenizer: str, source_dir: Path | None, out_dir: Path) -> No
             shutil.copyfile(source_dir / name, out_dir / name)
 
 
+ORIGIN = "origin.json"  # in hf_source/: the Hub id (or folder) the model came from, for a PEFT export's base
+
+
 def keep_source(hf_dir: Path, run_dir: Path) -> None:
     """Copy the HF model's config, generation config and tokenizer into `run_dir/hf_source/`, so an
-    export gets the same token ids and tokenizer back."""
+    export gets the same token ids and tokenizer back, and record where the model came from (`origin`)."""
     target = Path(run_dir) / SOURCE
     target.mkdir(parents=True, exist_ok=True)
+    name, revision = hub.base_model_name(Path(hf_dir))
+    origin = {"base_model_name_or_path": name, "revision": revision, "local": str(Path(hf_dir).resolve())}
+    (target / ORIGIN).write_text(json.dumps(origin, indent=2))
     for name in SIDE_FILES:
         if (Path(hf_dir) / name).is_file():
             shutil.copyfile(Path(hf_dir) / name, target / name)
+
+
+def origin(source_dir: Path | None) -> dict:
+    """Where the run's Hugging Face model came from ({base_model_name_or_path, revision, local}); a run
+    recorded before `origin.json` existed falls back to its config.json's `_name_or_path` (maybe "")."""
+    path = source_dir / ORIGIN if source_dir else None
+    if path is not None and path.is_file():
+        return mapping.read_json(path, ORIGIN)
+    return {"base_model_name_or_path": _source_config(source_dir).get("_name_or_path", ""), "revision": None}

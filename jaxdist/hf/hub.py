@@ -81,3 +81,14 @@ def _in_cache(path: Path, repo: str, name: str, download: str, revision: str | N
     raise JaxdistError(
         f"hf:{name}: {ref} in the Hugging Face cache {what}; run {download} to repair the cache (nothing was read)"
     )
+
+
+def base_model_name(local: Path) -> tuple[str, str | None]:
+    """(what `base_model_name_or_path` should say, the revision) for a model read from `local`: the Hub id
+    ORG/NAME and the snapshot's commit when `local` is a snapshot in huggingface_hub's cache
+    (`.../models--ORG--NAME/snapshots/COMMIT`), else the folder's absolute path."""
+    local = Path(local).expanduser().resolve()
+    snapshots, repo = local.parent, local.parent.parent.name
+    if snapshots.name == "snapshots" and repo.startswith("models--") and repo.count("--") >= 2:
+        return repo[len("models--") :].replace("--", "/", 1), local.name
+    return str(local), None

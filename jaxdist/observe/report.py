@@ -179,6 +179,18 @@ def param_and_state_bytes(prog) -> tuple[int, int]:
     return per_device(st.params, sh.params), per_device(st.opt_state, sh.opt_state)
 
 
+def reducer_state_bytes(prog) -> int:
+    """Bytes per device of the gradient stage's state (DGC's momentum and residuals, error feedback...):
+    under a per-replica method the optimizer's state lives there, not in `opt_state`."""
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    import jax
+
+    leaves = zip(
+        jax.tree.leaves(prog.abstract_state.reducer_state), jax.tree.leaves(prog.state_shardings.reducer_state)
+    )
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in leaves)
+
+
 def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
     from jaxdist.distributed.mesh import format_mesh
@@ -186,6 +198,8 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     from jaxdist.models.resolve import compute_dtype
 
     p_bytes, o_bytes = param_and_state_bytes(prog)
+    r_bytes = reducer_state_bytes(prog)
+    reducer = f", gradient-stage state {r_bytes / 2**20:.1f} MiB ({prog.gradients.name})" if r_bytes else ""
     counts = registry.of(cfg.model).count_params(cfg.model)
     n = counts["total"]
     mesh = {a: int(s) for a, s in prog.mesh.shape.items()}
@@ -198,7 +212,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
     lines = [
         f"mesh {format_mesh(mesh)} over {prog.mesh.size} {prog.mesh.devices.flat[0].platform} devices",
         f"model {n / 1e6:.2f}M params{active}; per device: params {p_bytes / 2**20:.1f} MiB, "
-        f"optimizer {o_bytes / 2**20:.1f} MiB; {flops_tok / 1e6:.1f} MFLOP/token",
+        f"optimizer {o_bytes / 2**20:.1f} MiB{reducer}; {flops_tok / 1e6:.1f} MFLOP/token",
         f"batch {cfg.train.global_batch} x {cfg.model.seq_len} tokens, {cfg.train.grad_accum_steps} micro-batch(es), "
         f"gradient stage {prog.gradients.name}, compute {compute_dtype(cfg.model)}",
     ]
@@ -208,7 +222,7 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
 
         lo, trained = cfg.lora, count_adapter_params(cfg.model, cfg.lora)
         lines.append(
-            f"LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(lo.targets)}: {trained / 1e6:.2f}M trained "
+            f"LoRA rank {lo.rank} (alpha {lo.alpha:g}{', rsLoRA' if lo.rslora else ''}) on {', '.join(lo.targets)}: {trained / 1e6:.2f}M trained "
             f"params ({100 * trained / n:.2f}% of the model); the base is frozen, stored as {lo.base_dtype}"
             + (f" in blocks of {lo.block_size}" if lo.base_dtype in ("int8", "nf4") else "")
         )
