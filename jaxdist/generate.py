@@ -8,6 +8,7 @@ Prompts are left-padded to one length; each row's positions start at its first r
 padding is masked out, so a batched prompt decodes as it would alone (tested against transformers run on
 each prompt: the same greedy tokens, log-probabilities to 1e-4). One jitted program
 runs the prefill (the whole prompt into the cache) and a `lax.scan` of single-token steps.
+Text output: each prompt under `--- prompt K of N ---`, its completion under `--- completion ---`.
 `--json` prints one object per prompt: `tokens` (the new ids) and `logprobs` (each chosen token's
 log-probability under the model, before temperature). `--temperature 0` (the default) is greedy.
 """
@@ -40,7 +41,10 @@ def parse_args(argv):
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a jaxdist run dir or checkpoints/STEP (its latest checkpoint)")
-    src.add_argument("--hf", help="a Hugging Face Llama: a directory or a Hub id ORG/NAME[@REV]")
+    src.add_argument(
+        "--hf",
+        help="a Hugging Face model (Llama, Qwen2/3, Mistral, Mixtral, Qwen3-MoE...): a directory or a Hub id ORG/NAME[@REV]",
+    )
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-tokens", action="append", default=[], help='token ids "ID ID ..." (repeatable)')
     p.add_argument(
@@ -97,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     new, logp, compile_s, run_s = generate(
         cfg, params, graphdef, mesh, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed
     )
-    for prompt, toks, lps in zip(prompts, new.tolist(), logp.tolist()):
+    for k, (prompt, toks, lps) in enumerate(zip(prompts, new.tolist(), logp.tolist())):
         toks, lps = cut_at_eos(toks, lps, stop)
         if args.json:
             print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": text.decode(toks)}))
         elif text.usable:
-            print(text.decode(prompt) + text.decode(toks))
+            print(row(k + 1, len(prompts), text.decode(prompt), text.decode(toks)))
         else:
             print(f"{prompt} -> {toks}")
     n = new.size
@@ -112,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def row(k: int, n: int, prompt: str, completion: str) -> str:
+    """One prompt and its completion as text, each under a marker line, so that rows (and a completion
+    that starts mid-word or spans lines) never run together."""
+    return f"--- prompt {k} of {n} ---\n{prompt}\n--- completion ---\n{completion}"
 
 
 if __name__ == "__main__":

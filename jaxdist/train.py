@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start from another run's checkpoint (its run dir or checkpoints/STEP); with "
         "checkpoint.params_only=true parameters only. A run dir with its own checkpoints resumes them. "
         "hf:DIR or hf:ORG/NAME[@REV] (a Hub id, through the Hugging Face cache) fine-tunes a Hugging Face "
-        "Llama (model shape from its config.json)",
+        "model of a family in docs/model-families.md (its shape from config.json)",
     )
     p.add_argument(
         "--extend-context",

@@ -124,3 +124,20 @@ def test_run_dir_generation_equals_hf_generation(tmp_path):
         assert new[k].tolist() == ref[f"greedy{k}"].tolist()
         assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
     assert decode.eos_ids(source) == {2}
+
+
+def test_text_rows_mark_each_prompt_and_its_completion():
+    """Text output: rows never run together (a completion that starts mid-word, or spans lines, stays
+    attributable): each prompt under `--- prompt K of N ---`, its completion under `--- completion ---`."""
+    out = [generate.row(k + 1, 2, p, c) for k, (p, c) in enumerate([("Hi", " there\nfriend"), ("Count", " 1 2")])]
+    assert "\n".join(out).splitlines() == [
+        "--- prompt 1 of 2 ---",
+        "Hi",
+        "--- completion ---",
+        " there",
+        "friend",
+        "--- prompt 2 of 2 ---",
+        "Count",
+        "--- completion ---",
+        " 1 2",
+    ]

@@ -234,3 +234,41 @@ def test_tqdm_disable_and_non_terminals_get_plain_lines(monkeypatch):
     assert not progress.plain_output(Tty())
     with open(os.devnull, "w") as null:
         assert progress.plain_output(null)
+
+
+def test_the_bar_shows_the_step_an_evaluation_line_names(tiny_cfg, monkeypatch):
+    """The bar counted a step after its evaluation's line: it showed 35/60 while "eval at step 36" printed."""
+    from jaxdist.observe import metrics
+
+    monkeypatch.setattr(progress, "plain_output", lambda stream=None: False)
+    p = progress.Progress(tiny_cfg.replace(train={"log_every": 100}), metrics.MetricWriter(None), 100, 1.0, 0.0)
+    seen = []
+    monkeypatch.setattr(p, "say", lambda message: seen.append((message, p.bar.n)))
+    vals = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "skipped": 0.0}
+    for i in range(36):
+        p.record(i, vals, evaluate=(lambda: 1.5) if i == 35 else None)
+    p.close()
+    assert [(m.split(":")[0], n) for m, n in seen] == [("eval at step 36", 36)], seen
+
+
+def test_the_optimizer_line_counts_the_gradient_stages_state(tiny_cfg):
+    """Under reduce.method=topk (DGC) the optimizer's state is the gradient stage's (momentum, residuals):
+    the start-up line said "optimizer 0.0 MiB"; it now names that state's bytes per device, exactly the
+    abstract state's shards (two-sided: the same sum)."""
+    import math
+
+    import jax
+
+    from jaxdist.distributed import mesh as mesh_mod
+    from jaxdist.observe import report
+    from jaxdist.training import step
+
+    cfg = tiny_cfg.replace(model=SMALL, reduce=dict(method="topk"), mesh=dict(shape="dp=8"))
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("dp=8"))
+    st, sh = prog.abstract_state.reducer_state, prog.state_shardings.reducer_state
+    want = sum(
+        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(st), jax.tree.leaves(sh))
+    )
+    assert want > 0 and report.reducer_state_bytes(prog) == want
+    line = report.summary_lines(cfg, prog, 1.0)[1]
+    assert f"gradient-stage state {want / 2**20:.1f} MiB ({prog.gradients.name})" in line, line

@@ -506,3 +506,13 @@ def test_bad_prepare_input_is_one_line_exit_2(prepared, tmp_path, capsys):
     assert "too small" in fails("--train-tokenizer", 100, "--out", tmp_path / "o", CORPUS)
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
     assert json.loads((a / "manifest.json").read_text())["vocab_size"] == 4096  # the refused --out is untouched
+
+
+def test_prepare_says_hub_ids_are_not_taken_for_the_tokenizer(tmp_path, capsys):
+    """`prepare --tokenizer hf:ORG/NAME` was refused as 'not found' without saying why: it names the fix."""
+    (tmp_path / "a.txt").write_text("hello")
+    argv = ["prepare", "--tokenizer", "hf:Qwen/Qwen3-0.6B", "--out", str(tmp_path / "o"), str(tmp_path / "a.txt")]
+    assert prepare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Hub ids are not read here" in err and "hf download Qwen/Qwen3-0.6B" in err
+    assert not (tmp_path / "o").exists()

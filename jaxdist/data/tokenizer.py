@@ -82,6 +82,12 @@ def _read_json(path: Path) -> dict:
 def _locate(path: str) -> tuple[Path, Path]:
     """PATH (a tokenizer.json or a directory holding one) -> (tokenizer file, folder of its config)."""
     p = Path(path).expanduser()
+    if str(path).startswith("hf:") and not p.exists():
+        repo = str(path)[3:]
+        raise JaxdistError(
+            f"tokenizer {path}: Hub ids are not read here (train --restore, generate --hf and convert take them); "
+            f"give the model's local folder: `hf download {repo}` prints it"
+        )
     if p.is_dir():
         if not (p / "tokenizer.json").is_file():
             raise JaxdistError(

@@ -172,6 +172,7 @@ class Progress:
         self.steps_on_clock += 1
         done = step + 1
         self._account(done, vals)
+        self.bar.update(1)  # before an evaluation's line: the bar shows step `done` when "eval at step done" prints
 
         record = {}
         if done % self.cfg.train.log_every == 0 or final or evaluate is not None:
@@ -213,7 +214,6 @@ class Progress:
             self.writer.write({"step": done, **record})
             if self.plain:
                 self.say(self.line(done, record))
-        self.bar.update(1)
 
     def line(self, done: int, record: dict) -> str:
         """One plain log line: step, loss (raw and smoothed, with units), eval loss, tokens/s, MFU, ETA."""
