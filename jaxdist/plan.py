@@ -54,10 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts (--help stays instant)
     from jaxdist.distributed.mesh import parse_mesh
+    from jaxdist.objectives import refusals
     from jaxdist.planner.estimate import candidates, estimate, recommend, scaling
     from jaxdist.planner.layout import Layout
     from jaxdist.planner.tables import STEP_TIME_NOTE, offload_options
-    from jaxdist.objectives import refusals
 
     cfg = config.load(args.config, args.overrides)
     hw = hardware.get(args.hardware)

@@ -19,10 +19,10 @@ from jaxdist.distributed import sharding
 from jaxdist.distributed.hlo import dtype_bytes
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
+from jaxdist.objectives import refusals
 from jaxdist.parallel import schedules
 from jaxdist.parallel.schedules import SCHEDULES
 from jaxdist.planner.hardware import Hardware
-from jaxdist.objectives import refusals
 
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 
