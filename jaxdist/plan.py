@@ -35,7 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(
         prog="python -m jaxdist.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", default=None, help="YAML path or shipped config name (default: tiny)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML path or shipped config name (default: tiny), or a Hugging Face model: hf:DIR, hf:ORG/NAME[@REV] "
+        "or a model folder (its shape from config.json)",
+    )
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
     p.add_argument("--hardware", default="h100-80gb", help=f"one of {', '.join(hardware.HARDWARE)}")
     p.add_argument(
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     from jaxdist.planner.layout import Layout
     from jaxdist.planner.tables import STEP_TIME_NOTE, offload_options
 
-    cfg = config.load(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     hw = hardware.get(args.hardware)
     if args.plot:
         check_plot_path(args.plot)
@@ -96,6 +101,24 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def is_hf(spec: str) -> bool:
+    """`--config hf:...`, or a folder holding config.json: a Hugging Face model."""
+    folder = Path(spec).expanduser()
+    return spec.startswith("hf:") or (folder.is_dir() and (folder / "config.json").is_file())
+
+
+def load_config(spec: str | None, overrides: list[str]) -> config.Config:
+    """--config: a YAML path or shipped name, or a Hugging Face model (`hf:DIR`, `hf:ORG/NAME[@REV]`, or a
+    folder holding config.json) whose shape comes from its config.json (only that file is fetched)."""
+    if spec and is_hf(spec):
+        # deferred: huggingface_hub, jax load on first use, not when python -m jaxdist.plan starts
+        from jaxdist.hf import hub, mapping
+
+        hf_dir = hub.local_dir(spec.removeprefix("hf:"), patterns=["config.json"])
+        return mapping.hf_config(None, overrides, hf_dir)
+    return config.load(spec, overrides)
+
+
 def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
 
@@ -114,7 +137,10 @@ def train_command(args: argparse.Namespace, cfg: config.Config, best: Estimate) 
         if given[section][key] != value
     }
     kept = [o for o in args.overrides if o.split("=", 1)[0] not in changed]
-    words = ["python", "-m", "jaxdist.train", *(["--config", args.config] if args.config else [])]
+    start = ["--config", args.config] if args.config else []
+    if args.config and is_hf(args.config):  # train reads a Hugging Face model's shape through --restore hf:
+        start = ["--restore", "hf:" + args.config.removeprefix("hf:")]
+    words = ["python", "-m", "jaxdist.train", *start]
     words += ["--mesh", format_mesh(best.layout.mesh), *kept]
     return shlex.join(words + [f"{k}={_yaml_value(v)}" for k, v in changed.items()])
 

@@ -16,6 +16,7 @@ modelled): the same tolerances.
 import functools
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -606,3 +607,23 @@ def test_plan_refuses_what_train_refuses(argv, words, capsys):
     assert plan.main([*argv, "--devices", "8", "--no-scaling"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("spec", ["hf:tests/fixtures/hf_qwen3", "tests/fixtures/hf_qwen3"])
+def test_plan_takes_a_hugging_face_model(spec):
+    """`plan --config hf:DIR|DIR` plans that model's shape (config.json), and the command it prints starts
+    from it with --restore hf: and trains that shape (parsed by the trainer)."""
+    import shlex
+
+    from jaxdist import train
+    from jaxdist.hf import mapping
+
+    out = plan.run(plan.parse_args(["--config", spec, "--devices", "8", "--no-scaling"]))
+    fixture = Path(__file__).parent / "fixtures" / "hf_qwen3"
+    want = mapping.hf_config(None, [], fixture).model
+    assert out["recommended"].layout.cfg.model == want and want.family == "qwen3"
+    words = shlex.split(out["command"])
+    assert words[3:5] == ["--restore", "hf:tests/fixtures/hf_qwen3"]
+    args = train.parse_args(words[3:])
+    got = mapping.apply(train.resolve_config(args), fixture)
+    assert got.model == want

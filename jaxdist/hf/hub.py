@@ -25,8 +25,9 @@ WANTED = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 
 
-def local_dir(spec: str) -> Path:
-    """A local model directory for `spec` (a path, or ORG/NAME[@REVISION]), or a one-line error."""
+def local_dir(spec: str, patterns: list[str] | None = None) -> Path:
+    """A local model directory for `spec` (a path, or ORG/NAME[@REVISION]), or a one-line error.
+    `patterns`: the files to fetch of a Hub id (default WANTED; `plan` needs config.json alone)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -35,10 +36,10 @@ def local_dir(spec: str) -> Path:
     match = _HUB_ID.match(spec)
     if match is None or spec.startswith((".", "/", "~")):
         raise JaxdistError(f"{spec}: no such directory, and not a Hub id (ORG/NAME[@REVISION])")
-    return _snapshot(match["repo"], match["revision"])
+    return _snapshot(match["repo"], match["revision"], patterns or WANTED)
 
 
-def _snapshot(repo: str, revision: str | None) -> Path:
+def _snapshot(repo: str, revision: str | None, patterns: list[str] = WANTED) -> Path:
     name = repo + (f"@{revision}" if revision else "")
     download = f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
     try:
@@ -47,7 +48,7 @@ def _snapshot(repo: str, revision: str | None) -> Path:
             raise errors.HFValidationError(f"revision {revision!r} contains '..'")
         path = Path(
             huggingface_hub.snapshot_download(
-                repo, revision=revision, allow_patterns=WANTED, local_files_only=constants.HF_HUB_OFFLINE
+                repo, revision=revision, allow_patterns=patterns, local_files_only=constants.HF_HUB_OFFLINE
             )
         )
     except errors.HFValidationError as e:
