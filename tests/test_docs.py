@@ -235,7 +235,9 @@ def test_every_command_shown_parses(page, cmd, monkeypatch):
         return  # a config a run wrote (runs/X/config.yaml) exists only after that run
     if name == "train":
         check_on_the_test_devices(train.resolve_config(args))  # --mesh and --steps become overrides there
-    elif name in ("bench", "plan"):
+    elif name == "plan":
+        module.load_config(args.config, list(args.overrides))  # also a Hugging Face model (hf:DIR)
+    elif name == "bench":
         config.load(args.config, list(args.overrides))
 
 
