@@ -467,7 +467,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:  # issue 39: a full disk left a half-written adapter the rerun refused
         m.setattr(peft, "save_file", full_disk)
-        with pytest.raises(OSError):
+        with pytest.raises(JaxdistError, match="no space left on device"):
             export()
     assert sorted(f.name for f in tmp_path.iterdir()) == ["a", "b", "merged", "tokens.bin"]
     said.clear()
