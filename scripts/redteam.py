@@ -68,8 +68,14 @@ def sh(argv: list[str], timeout: float = 600, env=None, cwd=None) -> subprocess.
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env or ENV, cwd=cwd or ROOT)
 
 
+MOUNTED: list[str] = []  # unmounted at the end (a bind mount is not a mount point to Path.is_mount)
+
+
 def mount(args: list[str]) -> bool:
-    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    ok = subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    if ok and not args[0].startswith("-o"):
+        MOUNTED.append(args[-1])
+    return ok
 
 
 def tmpfs(path: Path, kb: int) -> bool:
@@ -798,8 +804,8 @@ def main() -> int:
         for k in alone:
             one(k)
     finally:
-        for m in sorted({p for p in w.rglob("*") if p.is_mount()}, key=lambda p: -len(p.parts)):
-            subprocess.run(["umount", "-l", str(m)], capture_output=True)
+        for m in reversed(MOUNTED):
+            subprocess.run(["umount", "-l", m], capture_output=True)
         if not args.keep:
             shutil.rmtree(w, ignore_errors=True)
     rows = [results[k] for k in sorted(results)]
