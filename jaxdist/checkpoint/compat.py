@@ -59,6 +59,8 @@ FREE_KEYS = frozenset(
         "mesh.dcn",
         "mesh.rules",
         "model.remat",
+        "model.loss_gather_mib",  # how the loss gathers and keeps its blocks: memory and speed, not the result
+        "model.loss_keep_mib",
         "offload.optimizer",
         "offload.params",
         "offload.activations",
@@ -85,6 +87,7 @@ OMITTED_AT_DEFAULT = {
     "objective.label_smoothing": 0.0,
     "objective.gamma": 0.5,
     "objective.orpo_lambda": 0.1,
+    "lora.rslora": False,
 }
 
 
