@@ -111,7 +111,7 @@ def test_an_unknown_config_name_lists_the_shipped_ones():
         ("mesh.rules={embd: [fsdp]}", "mesh.rules names unknown logical axis 'embd'; did you mean 'embed'"),
         ("mesh.rules={embed: [fdsp]}", "mesh.rules.embed names unknown mesh axis 'fdsp'"),
         ("reduce.axis=xp", "reduce.axis='xp' is not a mesh axis; use one of dp, pp, fsdp, cp, ep, tp"),
-        ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batches"),
+        ("train.zzzzzz=1", "unknown config key 'train.zzzzzz': known keys: train.eval_batch_size, train.eval_batches"),
     ],
 )
 def test_ranges_and_names_are_checked_in_one_place(override, message):

@@ -139,14 +139,19 @@ def _layer_traffic(t: _Tally) -> None:
     if pp == 1:
         # QLoRA without remat saves the de-quantised layer for the backward: gathered once
         passes_ = 1 if t.frozen and lay.cfg.lora.base_dtype in KINDS and m.remat == "none" else 2
+        # Without remat the norms' explicitly gathered scales (parallel/matmul.gathered) are the backward's
+        # residuals: gathered once, in the forward
+        norms = gathered_per_layer(lay, lambda g: "norm" in g.path) if m.remat == "none" and not t.frozen else 0
         t.add(
             "fsdp",
             "all-gather",
             "layer weights (fwd + bwd)",
-            layer * gather,
+            (layer - norms) * gather,
             passes_ * t.layer_steps,
             n=lay.weight_shards,
         )
+        if norms:
+            t.add("fsdp", "all-gather", "layer norm scales (fwd)", norms * gather, t.layer_steps, n=lay.weight_shards)
     else:
         _staged_layer_gathers(t, layer, gather)
     if t.frozen:
@@ -212,7 +217,8 @@ def _table_traffic(t: _Tally) -> None:
     if not t.frozen:
         t.reduce_grads("head gradient", head_full, passes, t.dp_syncs)
     norm = tables["norm"]
-    t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, 2, n=lay.weight_shards)
+    norm_gathers = 1 if m.remat == "none" and not t.frozen else 2  # without remat, kept for the backward
+    t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, norm_gathers, n=lay.weight_shards)
     if not t.frozen:
         t.reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, t.dp_syncs)
     _embedding_traffic(t, tables["embed"])
