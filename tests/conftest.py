@@ -2,7 +2,10 @@
 
 import contextlib
 import os
+import subprocess
 import tempfile
+import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test session, inherited by subprocess tests: the same program
@@ -83,9 +86,6 @@ def unwritable_dir(path):
     """A new folder at `path` that this process cannot write into, even as root (CI runs as root, and
     root ignores permission bits): chmod 555 for other users; as root, `chattr +i` (immutable), else a
     read-only bind mount. Undone on exit so the folder can be cleaned up."""
-    import subprocess
-    from pathlib import Path
-
     path = Path(path)
     path.mkdir()
     ok = lambda *cmd: subprocess.run(cmd, capture_output=True).returncode == 0
@@ -114,9 +114,6 @@ def unwritable_dir(path):
 def full_disk(path, size_kb: int):
     """A tmpfs of `size_kb` KiB at the new folder `path`, a disk that fills; `grow(kb)` makes room (as freeing
     space would). Skipped where mounting is not allowed; unmounted on exit."""
-    import subprocess
-    from pathlib import Path
-
     path = Path(path)
     path.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], capture_output=True)
@@ -139,3 +136,28 @@ def pytest_terminal_summary(terminalreporter):
     result = yield  # the outermost wrapper: the short test summary has been written
     terminalreporter.write_line(f"skipped tests: {len(terminalreporter.stats.get('skipped', []))}")
     return result
+
+
+def gone(pid: int, within: float = 10) -> bool:
+    """The process has ended (a zombie counts: nothing of it runs) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _key(arg: str) -> str | None:
+    key = arg.split("=", 1)[0]
+    return key if "=" in arg and "." in key and not arg.startswith("-") else None
+
+
+def overriding(args, *new: str) -> list[str]:
+    """`args` then `new`, each `section.key=` given once: an earlier value of a key in `new` is dropped, as
+    a user editing the command would (a key given twice is a warning, jaxdist/config/files.py)."""
+    keys = {_key(a) for a in new} - {None}
+    return [a for a in args if _key(a) not in keys] + list(new)

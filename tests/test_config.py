@@ -283,3 +283,13 @@ def test_warmup_fraction_sets_the_schedule_and_replaces_warmup_steps():
     assert float(lr(10)) < float(lr(4))
     same = adamw.schedule(config.load(None, ["optim.warmup_steps=4"]).optim, 40, cfg.train.global_batch)
     assert [float(lr(s)) for s in range(40)] == pytest.approx([float(same(s)) for s in range(40)])
+
+
+def test_a_key_given_twice_says_which_value_wins(capsys):
+    """`train.steps=5 train.steps=6`: the last wins, as for a repeated flag, with one warning line (was
+    silent); the same value twice says nothing."""
+    assert config.load(None, ["train.steps=5", "train.steps=6"]).train.steps == 6
+    err = capsys.readouterr().err
+    assert err == "warning: train.steps is given twice (5, then 6); using 6\n"
+    config.load(None, ["train.steps=6", "train.steps=6"])
+    assert capsys.readouterr().err == ""

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_ARGS, unwritable_dir
+from conftest import SMALL_ARGS, overriding, unwritable_dir
 
 from jaxdist import checkpoint, config
 from jaxdist.data import loader as loader_mod
@@ -108,7 +108,7 @@ ROWS = [  # (id, paths -> (options, overrides), expected message)
     (
         "a flag hiding a bad override of its key",
         lambda p: (["--steps", "2"], ["train.steps=-5"]),
-        r"train.steps is given twice \(--steps 2 and train.steps=4\); give one of them",
+        r"train.steps is given twice \(--steps 2 and train.steps=-5\); give one of them",
     ),
     (
         "bad flag value",
@@ -175,7 +175,7 @@ def run_row(paths, build, message, capsys):
     options, overrides = build(paths)
     if "--run-dir" not in options:
         options = ["--run-dir", str(paths.run), *options]
-    args = [*options, *SMALL, *overrides]  # later overrides win
+    args = [*options, *overriding(SMALL, *overrides)]  # a row's overrides replace SMALL's
     before = snapshot(tmp_path, saved_run)
     rc = main(args)
     err = capsys.readouterr().err.strip()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, overriding
 
 from jaxdist import checkpoint, config, convert, generate
 from jaxdist.checkpoint import integrity, run_params
@@ -208,7 +208,7 @@ def test_run_records_its_tokenizer_and_every_reader_uses_it(bpe_run, tmp_path, c
         == 0
     )
     capsys.readouterr()
-    resumed = [*args, f"data.path={other}", "train.steps=3", "--allow-config-change", "data"]
+    resumed = [*overriding(args, f"data.path={other}", "train.steps=3"), "--allow-config-change", "data"]
     assert train_main(["--run-dir", str(run_dir), *resumed]) == 2
     line = error_line(capsys)
     assert re.search(
@@ -292,17 +292,22 @@ def test_resume_on_a_changed_corpus_is_refused_unless_allowed(tmp_path, capsys, 
     assert train_main(args) == 0
     (texts / "3.txt").write_text(" ".join(WORDS) * 20)  # a file added since the checkpoint
     capsys.readouterr()
-    assert train_main([*args, "train.steps=3"]) == 2
+    assert train_main(overriding(args, "train.steps=3")) == 2
     line = error_line(capsys)
     assert re.search(r"on a corpus that changed since it was saved \(3 files, [\d,]+ bytes then; 4 files", line)
     assert "--allow-config-change data" in line
-    assert train_main([*args, "train.steps=3", "--allow-config-change", "data"]) == 0
+    assert train_main([*overriding(args, "train.steps=3"), "--allow-config-change", "data"]) == 0
     assert "restored step 2" in capsys.readouterr().out
 
 
 # ---- never hang: failed writes stop the run in one line ---------------------------------------------
 
-FAULT_RUN = [*MICRO, "train.steps=6", "train.log_every=1", "checkpoint.every=4", "checkpoint.async_save=false"]
+FAULT_RUN = [
+    *overriding(MICRO, "train.steps=6"),
+    "train.log_every=1",
+    "checkpoint.every=4",
+    "checkpoint.async_save=false",
+]
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 TB_FAULT = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     for name, values in raw.items():
         if name in _section_types() and values is not None and not isinstance(values, dict):
             raise _not_a_section(name, values, f" in {path}")
+    given: dict[str, Any] = {}
     for text in overrides:
         section, name, value = parse_override(text)
         if section not in _section_types():
@@ -141,6 +143,10 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
         if raw[section] is None:
             raw[section] = {}
         raw[section][name] = value
+        key = f"{section}.{name}"
+        if key in given and given[key] != value:  # the last wins, as for a repeated flag; said, not silent
+            print(f"warning: {key} is given twice ({given[key]!r}, then {value!r}); using {value!r}", file=sys.stderr)
+        given[key] = value
     return from_dict(raw)
 
 
