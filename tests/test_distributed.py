@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_ARGS
+from conftest import SMALL_ARGS, gone
 
 from jaxdist.distributed import launch as launch_mod
 from jaxdist.errors import JaxdistError
@@ -334,19 +334,6 @@ def test_sigterm_stops_two_processes_at_one_step_with_a_checkpoint(tmp_path):
 
 def children(pid: int) -> list[int]:
     return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
-
-
-def gone(pid: int, within: float = 10) -> bool:
-    """The process has ended (a zombie counts: nothing of it runs) within `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.parametrize("victim", ["process", "training process"])

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import gone
 
 from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peer_lines, peer_wire, peers, supervisor
@@ -203,18 +204,6 @@ def test_the_launcher_kills_a_stopped_process_after_the_grace_period(tmp_path):
     )
     for pid in map(int, (tmp_path / "pids").read_text().split()):  # the supervisor and its training process
         assert gone(pid), pid
-
-
-def gone(pid: int, within: float = 5) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_stopped_training_process_is_the_one_named(capsys):

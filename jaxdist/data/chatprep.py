@@ -260,6 +260,37 @@ def encode_line(ct: chat.ChatTokenizer, text: str, loss_on: str, seq_len: int, b
     return ids, mask
 
 
+def encode_lines(files: list[str], encode, sink, args, tmp: Path, log, noun: str) -> tuple[int, dict[str, int]]:
+    """The per-line loop of `prepare --chat` and `--preference`: each JSONL line decoded, `encode(text)`d and
+    added to `sink(text)` (its split's writer); a bad line stops the run (`--on-error stop`) or is skipped,
+    counted by kind and listed in `skipped.txt`. Returns the lines read and the skips by kind."""
+    on_error = args.on_error or "skip"
+    skipped: list[str] = []
+    kinds: collections.Counter = collections.Counter()
+    lines = 0
+    for f, lineno, raw in conversations(files):
+        lines += 1
+        try:
+            text = decode_line(raw)  # not UTF-8, or over the size limit: a bad line
+            encoded = encode(text)
+        except chat.BadConversation as e:
+            if on_error == "stop":
+                raise JaxdistError(f"{f}:{lineno}: {e.reason}; fix the line, or pass --on-error skip") from None
+            kinds[e.kind] += 1
+            skipped.append(f"{f}:{lineno}: {e.reason}")
+            continue
+        sink(text).add(*encoded)
+    if skipped:
+        (tmp / "skipped.txt").write_text("".join(s + "\n" for s in skipped), encoding="utf-8")
+        shown = "\n".join(f"  {s}" for s in skipped[:REPORT_LINES])
+        more = f"\n  ... {len(skipped) - REPORT_LINES} more" if len(skipped) > REPORT_LINES else ""
+        log(
+            f"skipped {len(skipped)} of {lines} {noun} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}); "
+            f"every one is listed in {args.out}/skipped.txt:\n{shown}{more}"
+        )
+    return lines, dict(sorted(kinds.items()))
+
+
 def encode_chat(args, files: list[str], total_bytes: int, dtype: str, tmp: Path, log, held_out) -> dict:
     """Render, encode, check and pack every conversation into `tmp`; returns the manifest.
     `held_out(text, fraction)`: the split rule `prepare` uses for documents (a hash of the line)."""
@@ -271,32 +302,18 @@ def encode_chat(args, files: list[str], total_bytes: int, dtype: str, tmp: Path,
     packers = {
         name: Packer(tmp / name, dtype, S, boundary, boundary_mask, args.shard_tokens) for name in ("train", "val")
     }
-    skipped: list[str] = []
-    kinds: collections.Counter = collections.Counter()
-    lines = 0
     t0 = time.perf_counter()
-    for f, lineno, raw in conversations(files):
-        lines += 1
-        try:
-            text = decode_line(raw)
-            ids, mask = encode_line(ct, text, loss_on, S, boundary)
-        except chat.BadConversation as e:
-            if on_error == "stop":
-                raise JaxdistError(f"{f}:{lineno}: {e.reason}; fix the line, or pass --on-error skip") from None
-            kinds[e.kind] += 1
-            skipped.append(f"{f}:{lineno}: {e.reason}")
-            continue
-        packers["val" if held_out(text.strip(), args.val_fraction) else "train"].add(ids, mask)
+    lines, skips = encode_lines(
+        files,
+        lambda text: encode_line(ct, text, loss_on, S, boundary),
+        lambda text: packers["val" if held_out(text.strip(), args.val_fraction) else "train"],
+        args,
+        tmp,
+        log,
+        "conversations",
+    )
     splits = {name: p.finish() for name, p in packers.items()}
     seconds = time.perf_counter() - t0
-    if skipped:
-        (tmp / "skipped.txt").write_text("".join(s + "\n" for s in skipped), encoding="utf-8")
-        shown = "\n".join(f"  {s}" for s in skipped[:REPORT_LINES])
-        more = f"\n  ... {len(skipped) - REPORT_LINES} more" if len(skipped) > REPORT_LINES else ""
-        log(
-            f"skipped {len(skipped)} of {lines} conversations ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}); "
-            f"every one is listed in {args.out}/skipped.txt:\n{shown}{more}"
-        )
     tokens = sum(s["tokens"] for s in splits.values())
     trained = sum(s["trained_tokens"] for s in splits.values())
     padding = sum(s["padding_tokens"] for s in splits.values())
@@ -323,7 +340,7 @@ def encode_chat(args, files: list[str], total_bytes: int, dtype: str, tmp: Path,
             "seq_len": S,
             "boundary_id": boundary,
             "on_error": on_error,
-            "skipped": dict(sorted(kinds.items())),
+            "skipped": skips,
         },
     }
 

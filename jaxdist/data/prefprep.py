@@ -28,7 +28,6 @@ section (seq_len, record length, pad id, counts).
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from tokenizers import Tokenizer
 
 from jaxdist.data import chat
 from jaxdist.data import tokenizer as tokenizer_mod
-from jaxdist.data.chatprep import REPORT_LINES, conversations, decode_line, parse_line
+from jaxdist.data.chatprep import encode_lines, parse_line
 from jaxdist.errors import JaxdistError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -206,35 +205,21 @@ def encode_preference(args, files: list[str], total_bytes: int, dtype: str, tmp:
     """Tokenize, check and write every pair into `tmp`; returns the manifest."""
     ct = load_tokenizer(args.tokenizer, args.chat_template)
     pad = chat.boundary_id(ct) if ct.text else ct.tok.eos_id
-    on_error, S = args.on_error or "skip", args.seq_len
+    on_error, S = args.on_error or "skip", args.seq_len  # encode_lines reads the same default
     if ct.text:
         (tmp / "chat_template.jinja").write_text(ct.text, encoding="utf-8")
     writers = {n: PairWriter(tmp / n, dtype, record_length(S), args.shard_tokens) for n in ("train", "val")}
-    skipped: list[str] = []
-    kinds: collections.Counter = collections.Counter()
-    lines = 0
     t0 = time.perf_counter()
-    for f, lineno, raw in conversations(files):
-        lines += 1
-        try:
-            text = decode_line(raw)  # not UTF-8, or over the size limit: a bad line
-            ids, mask, padding = encode_pair(ct, text, S, pad)
-        except chat.BadConversation as e:
-            if on_error == "stop":
-                raise JaxdistError(f"{f}:{lineno}: {e.reason}; fix the line, or pass --on-error skip") from None
-            kinds[e.kind] += 1
-            skipped.append(f"{f}:{lineno}: {e.reason}")
-            continue
-        writers["val" if held_out(text.strip(), args.val_fraction) else "train"].add(ids, mask, padding)
+    lines, skips = encode_lines(
+        files,
+        lambda text: encode_pair(ct, text, S, pad),
+        lambda text: writers["val" if held_out(text.strip(), args.val_fraction) else "train"],
+        args,
+        tmp,
+        log,
+        "pairs",
+    )
     splits = {name: w.finish() for name, w in writers.items()}
-    if skipped:
-        (tmp / "skipped.txt").write_text("".join(s + "\n" for s in skipped), encoding="utf-8")
-        shown = "\n".join(f"  {s}" for s in skipped[:REPORT_LINES])
-        more = f"\n  ... {len(skipped) - REPORT_LINES} more" if len(skipped) > REPORT_LINES else ""
-        log(
-            f"skipped {len(skipped)} of {lines} pairs ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}); "
-            f"every one is listed in {args.out}/skipped.txt:\n{shown}{more}"
-        )
     log(
         f"{splits['train']['documents']:,} train / {splits['val']['documents']:,} held-out pairs in rows of "
         f"{S} + 1 tokens in {time.perf_counter() - t0:.1f}s; dtype {dtype} -> {args.out}"
@@ -252,5 +237,5 @@ def encode_preference(args, files: list[str], total_bytes: int, dtype: str, tmp:
         "splits": splits,
         "val_fraction": args.val_fraction,
         "input": {"files": len(files), "bytes": total_bytes, "lines": lines},
-        "preference": section | {"skipped": dict(sorted(kinds.items()))},
+        "preference": section | {"skipped": skips},
     }
