@@ -177,7 +177,7 @@ def schedules_study(args) -> int:
 
     from jaxdist import config
     from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.parallel import schedules
+    from jaxdist.parallel import schedule_registry, schedules
     from jaxdist.training import step
 
     base = config.load(None, [*SMALL, "train.eval_every=0", *args.overrides])
@@ -198,9 +198,9 @@ def schedules_study(args) -> int:
             compiled = prog.train_step.lower(state, tokens).compile()
             pl = prog.pipeline
             measured = None
-            if name in schedules.SCHEDULES:  # the branches each stage's lax.switch ran, from the program
+            if schedule_registry.get(name).tabled:  # the branches each stage's lax.switch ran, from the program
                 with prog.activate():
-                    counts = np.asarray(jax.jit(prog.apply_fn.objective_sums.executed)(state.params, tokens))
+                    counts = np.asarray(jax.jit(prog.apply_fn.objective.executed)(state.params, tokens))
                 # stage 0's executed forwards + backwards over the table's lock-step time (F = B = 1; one
                 # lane: its slots); the last stage's F slots compute nothing, so stage 0 is the one to read
                 busy = counts[0, 1] + counts[0, 2]

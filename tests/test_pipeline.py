@@ -18,7 +18,7 @@ from conftest import compiled_gradients, learnable_batches, tokens_spec
 from jaxdist.distributed import hlo, sharding
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline, schedules
+from jaxdist.parallel import pipeline, schedule_registry
 from jaxdist.training import step
 
 TINY = dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=16)
@@ -58,7 +58,9 @@ CASES = {
         dict(pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=4)),
     ),
 }
-TABLE_SCHEDULES = [k for k, (_, _, o) in CASES.items() if o.get("pipeline", {}).get("schedule") in schedules.SCHEDULES]
+TABLE_SCHEDULES = [
+    k for k, (_, _, o) in CASES.items() if schedule_registry.get(o.get("pipeline", {}).get("schedule", "gpipe")).tabled
+]
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_schedule_length_and_permute_bytes(case):
     text = compiled.as_text()
     trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
     # GPipe / circular: one forward loop, one backward loop; a table schedule: one loop over its slots
-    assert trips.count(pl.iterations) == (1 if pl.schedule in schedules.SCHEDULES else 2), trips
+    assert trips.count(pl.iterations) == (1 if pl.entry.tabled else 2), trips
     per_pass = BATCH // prog.cfg.train.grad_accum_steps
     microbatch_bytes = per_pass // pl.microbatches // prog.batch_shards() * m.seq_len * m.d_model * 4
     in_loop = [
@@ -238,7 +240,7 @@ def test_table_schedule_runs_each_action_once_per_stage(build, batches, referenc
     pl = prog.pipeline
     params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
     with prog.activate():
-        counts = jax.jit(prog.apply_fn.objective_sums.executed)(params, jax.device_put(batches[0], prog.batch_sharding))
+        counts = jax.jit(prog.apply_fn.objective.executed)(params, jax.device_put(batches[0], prog.batch_sharding))
     counts = np.asarray(counts)  # (P, [idle, forward, backward]): the switch branches each stage ran
     M, S = pl.microbatches, pl.stages
     forwards = np.array([M] * (S - 1) + [0])  # the last stage's F computes nothing: its B runs the loss

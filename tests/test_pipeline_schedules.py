@@ -9,7 +9,7 @@ from conftest import compiled_gradients
 from jaxdist import checkpoint
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline, schedules
+from jaxdist.parallel import pipeline, schedule_registry, schedules
 from jaxdist.training import step
 
 NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2))
@@ -21,7 +21,7 @@ def test_table_invariants(name, P, M, V):
     """Every F and B of every (stage, chunk, micro-batch) exactly once, in dependency order (check());
     the bubble and the inputs each stage keeps: 1F1B (P-1)/(M+P-1) idle with at most P - s micro-batches
     in flight at stage s; interleaved (P-1)/(V M+P-1); GPipe keeps all M."""
-    t = schedules.build(name, P, M, V)
+    t = schedule_registry.get(name).table(P, M, V)
     schedules.check(t)
     flight = schedules.in_flight(t)
     if name == "1f1b":
@@ -46,7 +46,7 @@ def test_lockstep_time():
     recomputes the stage): 1F1B on one lane pays B in almost every slot, 2(M+P-1)·3 minus its few
     forward-only slots; paired slots cost F + B and match GPipe's (M+P-1)(F+B)."""
     P, M = 4, 8
-    one, paired, gpipe = (schedules.build(n, P, M) for n in ("1f1b", "1f1b_paired", "gpipe"))
+    one, paired, gpipe = (schedule_registry.get(n).table(P, M) for n in ("1f1b", "1f1b_paired", "gpipe"))
     assert schedules.lockstep_time(gpipe, 1, 3) == (M + P - 1) * 4 == 44
     assert schedules.lockstep_time(paired, 1, 3) == 44
     assert schedules.lockstep_time(one, 1, 3) == 58  # 2(M+P-1) slots, 4 of them forward-only: 18·3 + 4
@@ -54,7 +54,7 @@ def test_lockstep_time():
 
 def test_check_catches_a_broken_table():
     """check() fails on a table with a backward before its gradient arrived and on a missing action."""
-    t = schedules.build("1f1b", 2, 2)
+    t = schedule_registry.get("1f1b").table(2, 2)
     kind = t.kind.copy()
     t_b0 = int(np.flatnonzero(kind[:, 0, 0] == schedules.BWD)[0])
     swapped = schedules.Table(2, 2, 1, np.roll(kind, -1, axis=0), t.chunk, np.roll(t.mb, -1, axis=0))
@@ -66,11 +66,11 @@ def test_check_catches_a_broken_table():
 
 
 def test_render():
-    assert schedules.build("1f1b", 2, 2).render().splitlines() == [
+    assert schedule_registry.get("1f1b").table(2, 2).render().splitlines() == [
         "s0  F0  F1   .  B0   .  B1",
         "s1   .  F0  B0  F1  B1   .",
     ]
-    assert schedules.build("1f1b_paired", 2, 2).render().splitlines() == [
+    assert schedule_registry.get("1f1b_paired").table(2, 2).render().splitlines() == [
         "s0      F0      F1      B0      B1",
         "s1       .   F0+B0   F1+B1       .",
     ]
@@ -132,3 +132,43 @@ def test_checkpoints_move_between_schedules(tiny_cfg):
     saved = {"config": tiny_cfg.replace(pipeline=dict(schedule="gpipe")).to_dict()}
     now = tiny_cfg.replace(pipeline=dict(schedule="1f1b"))
     assert checkpoint.check_config_drift(saved, now, "ckpt") == {"pipeline.schedule": ("gpipe", "1f1b")}
+
+
+def test_registry_covers_exactly_the_schedules_config_accepts():
+    """One entry per pipeline.schedule value, both ways; the table schedules (an engine) are the ones the
+    planner models by their table; an unknown name is a one-line error."""
+    import typing
+
+    from jaxdist.config.schema import PipelineConfig
+
+    accepted = set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"]))
+    assert accepted == set(schedule_registry.SCHEDULES)
+    assert all(name == s.name for name, s in schedule_registry.SCHEDULES.items())
+    assert {n for n, s in schedule_registry.SCHEDULES.items() if s.tabled} == {
+        "1f1b",
+        "1f1b_paired",
+        "interleaved_1f1b",
+    }
+    assert schedule_registry.virtual_names() == "circular or interleaved_1f1b"
+    with pytest.raises(JaxdistError, match=r"pipeline.schedule='nope' is not one of gpipe, circular, .*; pick one"):
+        schedule_registry.get("nope")
+
+
+def test_no_module_compares_schedule_names():
+    """Every decision on pipeline.schedule asks parallel/schedule_registry.py: no other module of jaxdist/
+    spells a schedule's name in quotes (config/schema.py declares the accepted values), nor keeps a
+    tuple of names to test membership in."""
+    from pathlib import Path
+
+    pkg = Path(pipeline.__file__).resolve().parent.parent
+    names = [f'"{n}"' for n in schedule_registry.SCHEDULES] + [f"'{n}'" for n in schedule_registry.SCHEDULES]
+    allowed = {pkg / "parallel" / "schedule_registry.py", pkg / "config" / "schema.py"}
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        if path in allowed:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if any(n in code for n in names) or "in VIRTUAL" in code or "in SCHEDULES" in code:
+                offenders.append(f"{path.relative_to(pkg)}:{i}: {line.strip()}")
+    assert offenders == []

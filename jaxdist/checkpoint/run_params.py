@@ -67,7 +67,7 @@ def _read_params(manager, directory: Path, step: int, mesh, rules_for):
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, shardings)
     if staged:  # (stage, layers/stage, ...): read with the layer sharding, one more unsharded dim in front
         stages = jax.tree.leaves(saved[pipeline.STACK])[0].shape[0]
-        repeats = cfg.pipeline.repeats if cfg.pipeline.schedule in pipeline.VIRTUAL else 1
+        repeats = pipeline.virtual_repeats(cfg)
         plan = pipeline.Plan(cfg.pipeline.schedule, stages, 1, repeats, layers // (stages * repeats))
         stack = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from jaxdist.config.schema import PipelineConfig
 from jaxdist.data.run_tokenizer import byte_tokens
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import hardware
@@ -52,7 +53,7 @@ def artefact_lines(cfg, run_dir: Path) -> list[str]:
 
 def no_effect_lines(cfg, pp: int) -> list[str]:
     """Settings that change nothing on this mesh, said once at start-up (they were ignored silently)."""
-    if pp == 1 and cfg.pipeline.schedule != "gpipe":
+    if pp == 1 and cfg.pipeline.schedule != PipelineConfig.schedule:  # set away from its default
         return [
             f"warning: pipeline.schedule={cfg.pipeline.schedule} has no effect at pp=1 (no pipeline on this mesh); "
             "give the mesh a pp axis > 1 to pipeline, or drop it"

@@ -34,11 +34,10 @@ from jaxdist.config import Config
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import schedules
+from jaxdist.parallel import schedule_registry, schedules
 from jaxdist.parallel.microbatch import split_microbatches
 
 AXIS = "pp"
-VIRTUAL = ("circular", "interleaved_1f1b")  # schedules with pipeline.repeats chunks per stage
 STACK = "blocks"  # the model's stacked layers (params[STACK] leaves have a leading `layers` axis)
 
 
@@ -51,20 +50,25 @@ class Plan:
     layers_per_group: int  # stacked units (layers, or moe_every-layer groups) per group: U / (P V)
 
     @property
+    def entry(self) -> schedule_registry.Schedule:
+        """The schedule's registry entry (engine, layout, table builder, refusals)."""
+        return schedule_registry.get(self.schedule)
+
+    @property
     def iterations(self) -> int:
         """Loop iterations per pass: GPipe / circular's forward scan; a table schedule's slots."""
-        if self.schedule in schedules.SCHEDULES:
+        if self.entry.tabled:
             return self.table().slots
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        if self.schedule in schedules.SCHEDULES:
+        if self.entry.tabled:
             return self.table().bubble_fraction
         return (self.stages - 1) / self.iterations
 
     def table(self) -> schedules.Table:
-        return schedules.build(self.schedule, self.stages, self.microbatches, self.repeats)
+        return self.entry.table(self.stages, self.microbatches, self.repeats)
 
 
 def plan(cfg: Config, mesh, rules) -> Plan | None:
@@ -76,15 +80,15 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
-    if p.schedule not in VIRTUAL and p.repeats != 1:
+    entry = schedule_registry.get(p.schedule)
+    if not entry.virtual and p.repeats != 1:
         raise JaxdistError(
-            f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular or interleaved_1f1b; "
+            f"pipeline.repeats={p.repeats} needs pipeline.schedule={schedule_registry.virtual_names()}; "
             f"set pipeline.repeats=1 for {p.schedule}"
         )
-    repeats = p.repeats if p.schedule in VIRTUAL else 1
+    repeats = virtual_repeats(cfg)
     micro = p.microbatches or stages
-    if p.schedule in schedules.SCHEDULES:
-        check_table_schedule(cfg, stages, micro)
+    entry.refuses(cfg, stages, micro)
     if units % (stages * repeats):
         fits = [
             f"pp={d}" + (f",repeats={repeats}" if repeats > 1 else "")
@@ -117,19 +121,9 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     return Plan(p.schedule, stages, micro, repeats, units // (stages * repeats))
 
 
-def check_table_schedule(cfg: Config, stages: int, micro: int) -> None:
-    """What the table-driven schedules (parallel/pipeline_1f1b.py) cannot do yet: one-line errors."""
-    name = cfg.pipeline.schedule
-    if cfg.model.moe_experts:
-        raise JaxdistError(
-            f"pipeline.schedule={name} with MoE layers (model.moe_experts={cfg.model.moe_experts}) is not "
-            "supported yet; use pipeline.schedule=gpipe or circular for MoE models"
-        )
-    if name == "interleaved_1f1b" and micro % stages:
-        raise JaxdistError(
-            f"pipeline.schedule=interleaved_1f1b needs pipeline.microbatches a multiple of pp={stages} "
-            f"(got {micro}); use pipeline.microbatches={stages * max(1, micro // stages)}"
-        )
+def virtual_repeats(cfg: Config) -> int:
+    """Chunks per stage: pipeline.repeats for a schedule with virtual stages, else 1."""
+    return cfg.pipeline.repeats if schedule_registry.get(cfg.pipeline.schedule).virtual else 1
 
 
 def describe(pl: Plan | None) -> dict[str, Any]:
@@ -304,9 +298,18 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
             return out
         return out, model.combine_aux(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
-    if pl.schedule in schedules.SCHEDULES:  # training computes its own gradients (jaxdist.reduce.gradients)
-        # deferred: optax loads on first use, not when python -m jaxdist.convert, python -m jaxdist.plan starts
-        from jaxdist.parallel.pipeline_1f1b import schedule_objective
+    engine = pl.entry.engine  # a table schedule: training takes its gradients from it (jaxdist.reduce.gradients)
+    return PipelinedApply(apply_fn, engine(graphdef, pl, positions_T) if engine else None)
 
-        apply_fn.objective_sums = schedule_objective(graphdef, pl, positions_T)
-    return apply_fn
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedApply:
+    """The model's apply_fn with the layer stack run as a pipeline (`pipelined_apply`). `objective`: a table
+    schedule's objective_sums(params, tokens_BT1, order_T) whose gradients the table computes (custom VJP;
+    `jaxdist.reduce.gradients.objective_sums` uses it as it is); None: autodiff through the scan."""
+
+    forward: Callable
+    objective: Callable | None = None
+
+    def __call__(self, params, tokens_BT, features=False):
+        return self.forward(params, tokens_BT, features=features)

@@ -82,7 +82,7 @@ def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], sch
 def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
     """`objective(params, tokens_BT1) -> (loss_sum, (loss_sum, token_count, {}))` for `jaxdist.reduce.gradients`,
     its gradient computed by the table's schedule (custom VJP). `params` are staged (`to_stages`)."""
-    table = schedules.build(pl.schedule, pl.stages, pl.microbatches, pl.repeats)
+    table = pl.table()
     consts, used, bufs = switch_constants(table)
 
     def run(params, tokens_BT1):

@@ -33,43 +33,45 @@ import numpy as np
 from jaxdist.errors import JaxdistError
 
 IDLE, FWD, BWD = 0, 1, 2
-SCHEDULES = ("1f1b", "1f1b_paired", "interleaved_1f1b")
-PAIRED = (
-    "1f1b_paired",
-)  # schedules placed on two lanes (a forward and a backward per slot)  # run by tables (the other names run by autodiff: pipeline.py)
+Orders = list[list[tuple[int, int, int]]]  # per stage, its actions (kind, chunk, micro-batch) in execution order
 
 
-def orders(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int, int]]]:
-    """Per stage, its actions (kind, chunk, micro-batch) in execution order."""
+def _interleave(fwd: list, bwd: list, warm: int) -> list:
+    """`warm` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    order = fwd[:warm]
+    for k in range(len(fwd) - warm):
+        order += [fwd[warm + k], bwd[k]]
+    return order + bwd[len(fwd) - warm :]
+
+
+def gpipe_orders(stages: int, microbatches: int, repeats: int = 1) -> Orders:
+    """All forwards (chunk by chunk), then all backwards (the reference the 1F1B family is compared with)."""
     P, M, V = stages, microbatches, repeats
-    out = []
-    for s in range(P):
-        if schedule == "gpipe":
-            fs = [(FWD, v, i) for v in range(V) for i in range(M)]
-            out.append(fs + [(BWD, v, i) for v in reversed(range(V)) for i in range(M)])
-            continue
-        if schedule in ("1f1b", "1f1b_paired"):
-            fwd = [(FWD, 0, i) for i in range(M)]
-            bwd = [(BWD, 0, i) for i in range(M)]
-            warm = min(P - 1 - s, M)
-        elif schedule == "interleaved_1f1b":
-            if M % P:
-                raise JaxdistError(
-                    f"interleaved_1f1b needs pipeline.microbatches a multiple of pp={P} (got {M}); "
-                    f"use pipeline.microbatches={P * max(1, M // P)}"
-                )
-            # op k: micro-batch round k // (P V), chunk (k // P) % V (reversed for backwards)
-            mb = lambda k: (k // (P * V)) * P + k % P
-            fwd = [(FWD, (k // P) % V, mb(k)) for k in range(M * V)]
-            bwd = [(BWD, V - 1 - (k // P) % V, mb(k)) for k in range(M * V)]
-            warm = min((V - 1) * P + 2 * (P - 1 - s), M * V)
-        else:
-            raise JaxdistError(f"unknown pipeline schedule {schedule!r}; use one of gpipe, {', '.join(SCHEDULES)}")
-        order = fwd[:warm]
-        for k in range(len(fwd) - warm):
-            order += [fwd[warm + k], bwd[k]]
-        out.append(order + bwd[len(fwd) - warm :])
-    return out
+    fs = [(FWD, v, i) for v in range(V) for i in range(M)]
+    return [fs + [(BWD, v, i) for v in reversed(range(V)) for i in range(M)] for _ in range(P)]
+
+
+def one_f_one_b_orders(stages: int, microbatches: int, repeats: int = 1) -> Orders:
+    """PipeDream-Flush: stage s runs min(P-1-s, M) forwards, then alternates, then drains (one chunk)."""
+    P, M = stages, microbatches
+    fwd = [(FWD, 0, i) for i in range(M)]
+    bwd = [(BWD, 0, i) for i in range(M)]
+    return [_interleave(fwd, bwd, min(P - 1 - s, M)) for s in range(P)]
+
+
+def interleaved_orders(stages: int, microbatches: int, repeats: int = 1) -> Orders:
+    """Megatron's interleaved 1F1B: V chunks per stage, forwards in rounds of P micro-batches."""
+    P, M, V = stages, microbatches, repeats
+    if M % P:
+        raise JaxdistError(
+            f"interleaved_1f1b needs pipeline.microbatches a multiple of pp={P} (got {M}); "
+            f"use pipeline.microbatches={P * max(1, M // P)}"
+        )
+    # op k: micro-batch round k // (P V), chunk (k // P) % V (reversed for backwards)
+    mb = lambda k: (k // (P * V)) * P + k % P
+    fwd = [(FWD, (k // P) % V, mb(k)) for k in range(M * V)]
+    bwd = [(BWD, V - 1 - (k // P) % V, mb(k)) for k in range(M * V)]
+    return [_interleave(fwd, bwd, min((V - 1) * P + 2 * (P - 1 - s), M * V)) for s in range(P)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +191,6 @@ def simulate(
         rows.append(row)
     a = np.array(rows, dtype=np.int32)  # (slots, P, lanes, 3)
     return Table(P, microbatches, V, a[..., 0], a[..., 1], a[..., 2])
-
-
-def build(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
-    lanes = 2 if schedule in PAIRED else 1
-    return simulate(orders(schedule, stages, microbatches, repeats), stages, microbatches, repeats, lanes)
 
 
 # ---- what the executor needs: where each stage's inputs and gradients wait ----------------------------

@@ -20,8 +20,7 @@ from jaxdist.distributed.hlo import dtype_bytes
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.objectives import refusals
-from jaxdist.parallel import schedules
-from jaxdist.parallel.schedules import SCHEDULES
+from jaxdist.parallel import schedule_registry, schedules
 from jaxdist.planner.hardware import Hardware
 
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
@@ -30,7 +29,7 @@ PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 @functools.lru_cache(maxsize=256)
 def schedule_table(schedule: str, stages: int, microbatches: int, repeats: int):
     """(Table, Buffers) of a table schedule, built once per shape (the candidates share them)."""
-    table = schedules.build(schedule, stages, microbatches, repeats)
+    table = schedule_registry.get(schedule).table(stages, microbatches, repeats)
     return table, schedules.buffers(table)
 
 
@@ -119,14 +118,14 @@ class Layout:
 
     @property
     def repeats(self) -> int:
-        virtual = self.cfg.pipeline.schedule in ("circular", "interleaved_1f1b")
+        virtual = schedule_registry.get(self.cfg.pipeline.schedule).virtual
         return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and virtual else 1
 
     @property
     def table(self):
         """The schedule table (jaxdist.parallel.schedules) of a table schedule (1f1b, 1f1b_paired,
         interleaved_1f1b) on pp > 1, else None (GPipe / circular: autodiff through the schedule's scan)."""
-        if self.mesh["pp"] == 1 or self.cfg.pipeline.schedule not in SCHEDULES:
+        if self.mesh["pp"] == 1 or not schedule_registry.get(self.cfg.pipeline.schedule).tabled:
             return None
         return schedule_table(self.cfg.pipeline.schedule, self.mesh["pp"], self.pipe_micro, self.repeats)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxdist.data import loss_mask
 from jaxdist.distributed import offload
 from jaxdist.models.moe import metrics_from_sums
+from jaxdist.parallel import pipeline
 from jaxdist.parallel.loss import cross_entropy
 from jaxdist.parallel.microbatch import split_microbatches
 
@@ -64,10 +65,10 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale=1
     has an aux objective, so a dense model's program holds none of it). Returns (objective_sum,
     (cross_entropy_sum, token_count, stats)); all are sums, so micro-batches add up; MoE stats gain
     `moe_routed`, the positions routed, which their per-token metrics divide by.
-    An `apply_fn` carrying its own `objective_sums` (a pipeline schedule that computes its gradients
-    itself, behind a custom VJP) is used as it is."""
-    if hasattr(apply_fn, "objective_sums"):
-        return apply_fn.objective_sums(params, tokens_BT1, order_T)
+    A pipelined apply_fn with its own objective (a table schedule that computes its gradients itself,
+    behind a custom VJP: `pipeline.PipelinedApply.objective`) is used as it is."""
+    if isinstance(apply_fn, pipeline.PipelinedApply) and apply_fn.objective is not None:
+        return apply_fn.objective(params, tokens_BT1, order_T)
     aux = {}
 
     def model_only(p, x, **kw):  # the aux outputs leave through `aux` within this same trace

@@ -1,0 +1,105 @@
+"""Every `pipeline.schedule`, in one table: how it runs, how it is laid out, what it refuses.
+
+Each entry (`Schedule`) bundles what used to be decided by comparing schedule names in several modules:
+the engine (autodiff through `pipeline.run_schedule`'s scan, or a static table executed by
+`pipeline_1f1b` with its own gradients), whether a stage holds `pipeline.repeats` virtual chunks, the
+table builder (the per-stage orders of `schedules.py`, placed on one or two lanes), which the planner's
+model and the executor both read, and the one-line refusals of a (config, mesh). `get(name)` is the
+entry; nothing else compares schedule names (`tests/test_pipeline_schedules.py::test_no_module_compares_schedule_names`).
+
+Adding a schedule: its orders function in `schedules.py` (or its engine module), one `Schedule` entry
+in `SCHEDULES`, and its name among config/schema.py's `pipeline.schedule` values (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.parallel import pipeline_1f1b, schedules
+
+Refusal = Callable[[Config, int, int], None]  # (cfg, stages, micro-batches) -> raises JaxdistError or returns
+
+
+def _refuses_nothing(cfg: Config, stages: int, micro: int) -> None:
+    return None
+
+
+def _refuses_moe(cfg: Config, stages: int, micro: int) -> None:
+    """What the table engine (parallel/pipeline_1f1b.py) cannot do yet."""
+    if cfg.model.moe_experts:
+        scans = " or ".join(n for n, s in SCHEDULES.items() if not s.tabled)
+        raise JaxdistError(
+            f"pipeline.schedule={cfg.pipeline.schedule} with MoE layers (model.moe_experts={cfg.model.moe_experts}) "
+            f"is not supported yet; use pipeline.schedule={scans} for MoE models"
+        )
+
+
+def _refuses_interleaved(cfg: Config, stages: int, micro: int) -> None:
+    _refuses_moe(cfg, stages, micro)
+    if micro % stages:
+        raise JaxdistError(
+            f"pipeline.schedule={cfg.pipeline.schedule} needs pipeline.microbatches a multiple of pp={stages} "
+            f"(got {micro}); use pipeline.microbatches={stages * max(1, micro // stages)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What one `pipeline.schedule` brings. Only `name` and `orders` are required."""
+
+    name: str
+    # the table builder: (stages, micro-batches, repeats) -> per stage its actions. A table schedule's
+    # engine executes it and the planner models its slots, buffers and collectives from it; for the scan
+    # schedules it is the reference order (GPipe's all-forwards-then-all-backwards).
+    orders: Callable[[int, int, int], schedules.Orders]
+    # the engine. None: autodiff through pipeline.run_schedule's lax.scan (forward loop, backward by jax).
+    # Else (graphdef, plan, positions_T) -> objective_sums(params, tokens, order_T) computing its own
+    # gradients by the table (custom VJP); jaxdist.reduce.gradients uses it as it is.
+    engine: Callable | None = None
+    virtual: bool = False  # a stage holds pipeline.repeats chunks (the circular layout of pipeline.to_stages)
+    lanes: int = 1  # table lanes: 2 places a forward and a backward in the same slot
+    refuses: Refusal = _refuses_nothing  # one-line errors for what it cannot do (cfg, stages, micro-batches)
+
+    @property
+    def tabled(self) -> bool:
+        """Run by its table (engine set): the step's loop has the table's slots, the planner models the table."""
+        return self.engine is not None
+
+    def table(self, stages: int, microbatches: int, repeats: int = 1) -> schedules.Table:
+        """The orders placed on lock-step slots (`schedules.simulate`)."""
+        return schedules.simulate(self.orders(stages, microbatches, repeats), stages, microbatches, repeats, self.lanes)
+
+
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule("gpipe", schedules.gpipe_orders),
+        Schedule("circular", schedules.gpipe_orders, virtual=True),
+        Schedule("1f1b", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, refuses=_refuses_moe),
+        Schedule(
+            "1f1b_paired", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, lanes=2, refuses=_refuses_moe
+        ),
+        Schedule(
+            "interleaved_1f1b",
+            schedules.interleaved_orders,
+            pipeline_1f1b.schedule_objective,
+            virtual=True,
+            refuses=_refuses_interleaved,
+        ),
+    )
+}
+
+
+def get(name: str) -> Schedule:
+    """The entry `pipeline.schedule=name` picks; an unknown name is a one-line error."""
+    if name not in SCHEDULES:
+        raise JaxdistError(f"pipeline.schedule={name!r} is not one of {', '.join(SCHEDULES)}; pick one")
+    return SCHEDULES[name]
+
+
+def virtual_names() -> str:
+    """The schedules with virtual chunks, for error messages ("circular or interleaved_1f1b")."""
+    return " or ".join(n for n, s in SCHEDULES.items() if s.virtual)
