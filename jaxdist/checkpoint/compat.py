@@ -88,6 +88,9 @@ OMITTED_AT_DEFAULT = {
     "objective.gamma": 0.5,
     "objective.orpo_lambda": 0.1,
     "lora.rslora": False,
+    "data.sources": [],
+    "data.stages": [],
+    "data.on_exhausted": "repeat",
 }
 
 

@@ -33,6 +33,7 @@ def validate(cfg) -> None:
         parse_step_range(cfg.train.profile_steps)
     validate_moe(cfg.model)
     validate_lora(cfg.lora)
+    validate_mixture(cfg.data)
 
 
 def validate_fields(cfg) -> None:
@@ -134,3 +135,57 @@ def parse_step_range(text: str) -> tuple[int, int]:
     if not 0 <= start < stop:
         raise JaxdistError(f"train.profile_steps={text!r} needs 0 <= START < STOP")
     return start, stop
+
+
+def validate_mixture(d) -> None:
+    """data.sources and data.stages: named, weighted sources instead of data.path, and stage weights that
+    name only those sources and leave some positive total."""
+    if d.stages and not d.sources:
+        raise JaxdistError("data.stages changes the weights of data.sources, which is empty; list the sources first")
+    if not d.sources:
+        return
+    if d.path:
+        raise JaxdistError(
+            f"data.path={d.path!r} and data.sources are both set; give each source's path in data.sources "
+            "and drop data.path"
+        )
+    names = []
+    for i, src in enumerate(d.sources):
+        if not src.name or src.name in names:
+            what = "has no name" if not src.name else f"repeats the name {src.name!r}"
+            raise JaxdistError(
+                f"data.sources[{i}] {what}; give each source a unique name (it is logged as eval_loss/NAME)"
+            )
+        if not src.path:
+            raise JaxdistError(
+                f"data.sources[{i}] ({src.name}) has no path; give a prepared folder, token files or a text glob"
+            )
+        if not (math.isfinite(src.weight) and src.weight > 0):
+            raise JaxdistError(
+                f"data.sources[{i}] ({src.name}) has weight {src.weight}; weights must be > 0 (drop the source, "
+                "or give it weight 0 from a step on with data.stages)"
+            )
+        names.append(src.name)
+    validate_stages(d.stages, names)
+
+
+def validate_stages(stages, names: list[str]) -> None:
+    """Each stage after the last, naming only sources of data.sources, with weights >= 0 and a positive sum."""
+    last = 0
+    for i, stage in enumerate(stages):
+        if stage.step <= last:
+            raise JaxdistError(
+                f"data.stages[{i}].step={stage.step} must be > {last} (stages start after step 0, in increasing order)"
+            )
+        last = stage.step
+        for name, w in stage.weights.items():
+            if name not in names:
+                raise JaxdistError(
+                    f"data.stages[{i}] names source {name!r}, which data.sources lacks ({', '.join(names)})"
+                )
+            if not (math.isfinite(w) and w >= 0):
+                raise JaxdistError(f"data.stages[{i}].weights.{name}={w} must be >= 0")
+        if sum(stage.weights.values()) <= 0:
+            raise JaxdistError(
+                f"data.stages[{i}] (from step {stage.step}) gives every source weight 0; give one a positive weight"
+            )

@@ -116,6 +116,23 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One source of a mixture (`data.sources`): a name, what `data.path` accepts, a sampling weight."""
+
+    name: str = ""  # logged as eval_loss/NAME; unique within data.sources
+    path: str = ""  # what data.path accepts: a prepared folder, token files, a text glob or folder
+    weight: float = 1.0  # relative share of the batch rows (> 0); normalised over the sources
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """From optimizer step `step` on, the mixture's weights are `weights` (`data.stages`)."""
+
+    step: int = 0  # the first step these weights apply to (> 0; stages in increasing order)
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)  # source name -> weight (>= 0); unnamed: 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: Literal["text", "tokens"] = (
         "text"  # text: UTF-8 files as bytes (or data.tokenizer); tokens: flat token-id files
@@ -129,6 +146,15 @@ class DataConfig:
     prefetch: Positive = 2  # batches prepared ahead by background threads
     tokenizer: str = ""  # tokenizer.json or HF model folder (text source); empty: byte tokens
     document_mask: bool = False  # attention stays inside each EOS-ended document; positions restart
+    sources: list[SourceConfig] = dataclasses.field(
+        default_factory=list
+    )  # a mixture: [{name, path, weight}, ...] instead of data.path; rows drawn by weight (docs/data.md)
+    stages: list[StageConfig] = dataclasses.field(
+        default_factory=list
+    )  # [{step: S, weights: {name: w}}, ...]: from step S on, these weights (an annealing phase)
+    on_exhausted: Literal["repeat", "stop"] = (
+        "repeat"  # a mixture source read to its end: repeat it reshuffled, or stop (refused at start-up)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,9 +348,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         return _choice(key, value, typing.get_args(tp))
     if origin is dict:
-        return _axis_rules(key, value)
+        return _weights(key, value) if typing.get_args(tp)[1] is float else _axis_rules(key, value)
     if origin is list:
-        return _names(key, value)
+        (item,) = typing.get_args(tp)
+        return _records(key, value, item) if dataclasses.is_dataclass(item) else _names(key, value)
     return _scalar(key, value, tp)
 
 
@@ -349,6 +376,31 @@ def _axis_rules(key: str, value: Any) -> dict:
             raise JaxdistError(f"{key}.{k} must be a list of mesh axis names, got {v!r}")
         out[str(k)] = list(v)
     return out
+
+
+def _records(key: str, value: Any, cls: type) -> list:
+    """A list of mappings, each one `cls` with its fields type-checked (data.sources, data.stages)."""
+    value = [] if value is None else value
+    if not isinstance(value, (list, tuple)):
+        raise JaxdistError(f"{key} must be a list of mappings, got {value!r}; write it as [{{...}}, {{...}}]")
+    out, hints = [], _field_types(cls)
+    for i, item in enumerate(value):
+        if dataclasses.is_dataclass(item):
+            item = dataclasses.asdict(item)
+        if not isinstance(item, dict):
+            raise JaxdistError(f"{key}[{i}] must be a mapping of {', '.join(hints)}, got {item!r}")
+        for k in item:
+            if k not in hints:
+                raise _unknown(f"{key}[{i}].{k}", [f"{key}[{i}].{h}" for h in hints])
+        out.append(cls(**{k: _coerce(f"{key}[{i}].{k}", v, hints[k]) for k, v in item.items()}))
+    return out
+
+
+def _weights(key: str, value: Any) -> dict:
+    """{source name: weight}: a mapping of names to numbers."""
+    if not isinstance(value, dict):
+        raise JaxdistError(f"{key} must be a mapping of source names to weights, got {value!r}")
+    return {str(k): _scalar(f"{key}.{k}", v, float) for k, v in value.items()}
 
 
 def _names(key: str, value: Any) -> list:

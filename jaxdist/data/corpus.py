@@ -39,8 +39,10 @@ def check_prepared(folder: Path, manifest: dict) -> None:
 
 
 def files(cfg) -> list[str]:
-    """The files this config's data comes from (both splits of a prepared folder)."""
+    """The files this config's data comes from (both splits of a prepared folder; every source's)."""
     d = cfg.data
+    if d.sources:
+        return [f for src in d.sources for f in files(cfg.replace(data=dict(path=src.path, sources=[], stages=[])))]
     folder = Path(d.path).expanduser() if d.path else None
     manifest = read_manifest(folder) if folder is not None and folder.is_dir() else None
     if manifest is not None:

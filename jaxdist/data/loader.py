@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.data import prefprep, tokenizer
+from jaxdist.data import mixture, prefprep, tokenizer
 from jaxdist.data.corpus import check_prepared
 from jaxdist.data.files import expand_path, stdlib_files
 from jaxdist.data.loss_mask import Masked
@@ -58,6 +58,8 @@ def resolve_token_dtype(cfg: Config) -> Config:
     files (auto). config.yaml then records what was read, and runs are never told apart by a dtype
     that had no effect."""
     d = cfg.data
+    if d.sources:  # each source's own rule, when it is read (read_source)
+        return cfg
     if d.source != "tokens":
         want = "auto"
     elif (manifest := prepared(d.path)) is not None:
@@ -93,8 +95,18 @@ def mask_eos(cfg: Config) -> int | None:
 
 
 def document_eos(cfg: Config) -> int:
-    """The id that ends a document in this config's token stream (for `data.document_mask`)."""
+    """The id that ends a document in this config's token stream (for `data.document_mask`); a mixture's
+    sources must agree on it."""
     d = cfg.data
+    if d.sources:
+        ids = {src.name: document_eos(source_config(cfg, src)) for src in d.sources}
+        if len(set(ids.values())) > 1:
+            listing = ", ".join(f"{n}: {i}" for n, i in ids.items())
+            raise JaxdistError(
+                f"data.document_mask=true but the sources of data.sources end documents with different ids "
+                f"({listing}); prepare them with one tokenizer"
+            )
+        return next(iter(ids.values()))
     if d.source == "text" and not d.tokenizer:
         return d.separator
     manifest = prepared(d.path) if d.source == "tokens" else None
@@ -350,6 +362,25 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     return Subset(windows, 0, n - n_eval, what), Subset(windows, n - n_eval, n, tail)
 
 
+def source_config(cfg: Config, src) -> Config:
+    """The config that reads one source of data.sources as data.path reads a path."""
+    one = cfg.replace(data=dict(path=src.path, sources=[], stages=[], on_exhausted="repeat"))
+    return resolve_token_dtype(source_of_prepared(one, log=lambda *a, **k: None))
+
+
+def read_source(cfg: Config, src) -> tuple[Subset, Subset]:
+    """One mixture source's (train, eval) windows, read as data.path would be."""
+    if prefprep.paired(cfg):
+        raise JaxdistError(
+            f"objective.method={cfg.objective.method} trains on preference pairs, which data.sources does not mix; "
+            "give one prepared folder as data.path"
+        )
+    try:
+        return load_windows(source_config(cfg, src))
+    except JaxdistError as e:
+        raise JaxdistError(f"data.sources {src.name}: {e}") from None
+
+
 def row_width(cfg: Config) -> int:
     """Tokens in one batch row: a window of model.seq_len + 1, or a preference pair's two of them."""
     return prefprep.record_length(cfg.model.seq_len) if prefprep.paired(cfg) else cfg.model.seq_len + 1
@@ -386,6 +417,14 @@ def batches(
     return grain.MapDataset.range(1 << 62).map(rows_of_step)
 
 
+def mixed_batches(mix, global_batch: int, rows: tuple[int, int]) -> grain.MapDataset:
+    """Step-indexed dataset of a mixture: element s is this process's rows of step s's global batch."""
+    lo, hi = rows
+    return grain.MapDataset.range(1 << 62).map(
+        lambda s: np.stack([mix.window(s * global_batch + r) for r in range(lo, hi)])
+    )
+
+
 def eval_batches(source, global_batch: int, count: int, rows: tuple[int, int]) -> list[np.ndarray]:
     """The first `count` global batches of the held-out split, in order (the same every eval)."""
     if len(source) == 0 or count == 0:
@@ -407,13 +446,28 @@ class Loader:
         self.sharding = batch_sharding
         self.global_shape = (cfg.train.global_batch, row_width(cfg))
         self.rows = local_rows(batch_sharding, *self.global_shape)
+        self.options = grain.ReadOptions(num_threads=cfg.data.prefetch, prefetch_buffer_size=cfg.data.prefetch)
+        self.mixture = None
+        self.eval_names: list[str] = []  # with data.sources: the source of each eval batch
+        if cfg.data.sources:
+            self.mixture = mixture.Mixture(cfg, read_source)
+            self._eval = []
+            for name, held in zip(self.mixture.names, self.mixture.held_out):
+                got = eval_batches(held, cfg.train.global_batch, cfg.train.eval_batches, self.rows)
+                self._eval += got
+                self.eval_names += [name] * len(got)
+            self.train = self.held_out = None
+            self.iterator = self._mixed_iterator()
+            return
         self.train, self.held_out = load_windows(cfg)
         dataset = batches(
             self.train, cfg.train.global_batch, cfg.train.seed, self.rows, test_poison_step(), cfg.model.vocab_size
         )
-        options = grain.ReadOptions(num_threads=cfg.data.prefetch, prefetch_buffer_size=cfg.data.prefetch)
-        self.iterator = iter(dataset.to_iter_dataset(options))
+        self.iterator = iter(dataset.to_iter_dataset(self.options))
         self._eval = eval_batches(self.held_out, cfg.train.global_batch, cfg.train.eval_batches, self.rows)
+
+    def _mixed_iterator(self):
+        return iter(mixed_batches(self.mixture, self.global_shape[0], self.rows).to_iter_dataset(self.options))
 
     def to_global(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, local, self.global_shape)
@@ -431,9 +485,18 @@ class Loader:
         return [self.to_global(b) for b in self._eval]
 
     def get_state(self) -> dict:
-        return self.iterator.get_state()
+        """grain's iterator state (the next step); with data.sources also each source's windows read."""
+        state = self.iterator.get_state()
+        if self.mixture is not None:
+            state = {**state, "sources": self.mixture.read(int(state["next_index"]))}
+        return state
 
     def set_state(self, state: dict) -> None:
+        if self.mixture is not None and "sources" in state:
+            state = dict(state)
+            read = state.pop("sources")
+            self.mixture.resume(int(state["next_index"]), read)
+            self.iterator = self._mixed_iterator()
         self.iterator.set_state(state)
 
 
@@ -443,6 +506,12 @@ def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
         return None
     if cfg.train.eval_batches == 0:
         return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
+    if loader.mixture is not None:
+        return (
+            f"no source of data.sources holds a held-out window of model.seq_len+1={cfg.model.seq_len + 1} tokens "
+            "(a prepared folder's val/, else the last data.eval_fraction of its stream); add held-out data or lower "
+            "model.seq_len"
+        )
     if loader.held_out.label.startswith("the val/ split"):
         return (
             f"the val/ split of {cfg.data.path} ({loader.held_out.label.split(', ')[-1]}) holds no window of "

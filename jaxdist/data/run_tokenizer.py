@@ -65,6 +65,16 @@ def of_config(cfg) -> RunTokenizer:
     from jaxdist.data import loader
 
     d = cfg.data
+    if d.sources:  # a mixture: one vocabulary, so one tokenizer for every source
+        runs = {src.name: of_config(loader.source_config(cfg, src)) for src in d.sources}
+        kinds = {(r.kind, r.sha256) for r in runs.values()}
+        if len(kinds) > 1:
+            listing = ", ".join(f"{n}: {r.kind}{f' {r.sha256[:12]}' if r.sha256 else ''}" for n, r in runs.items())
+            raise JaxdistError(
+                f"the sources of data.sources were tokenized differently ({listing}); their token ids must mean the "
+                "same text: prepare every source with one tokenizer"
+            )
+        return next(iter(runs.values()))
     manifest = loader.prepared(d.path) if d.source == "tokens" and d.path else None
     if manifest is not None:
         folder = Path(d.path).expanduser()

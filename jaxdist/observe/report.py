@@ -63,7 +63,9 @@ def no_effect_lines(cfg, pp: int) -> list[str]:
 
 def data_line(cfg, loader) -> str:
     """What is read (token shards only, the dtype actually read), tokens, windows, where evaluation reads,
-    and how many passes over the training windows the run will make."""
+    and how many passes over the training windows the run will make (with data.sources, per source)."""
+    if loader.mixture is not None:
+        return loader.mixture.line(cfg)
     tokens = sum(len(a) for a in loader.train.source.arrays)
     train, held = len(loader.train), len(loader.held_out)
     read = cfg.train.steps * cfg.train.global_batch

@@ -39,6 +39,7 @@ def train(
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
 
+    from jaxdist.data import mixture
     from jaxdist.objectives import registry as objectives
     from jaxdist.observe import metrics, profiling
 
@@ -50,6 +51,8 @@ def train(
             stats = {k: sum(float(st[k]) for _, _, st in sums) / pairs for k in sums[0][2]}
             return {"loss": sum(float(x) for x, _, _ in sums) / pairs, **stats}
         sums = [s.prog.eval_step(state.params, b) for b in eval_arrays]
+        if getattr(s.loader, "eval_names", None):  # data.sources: each source's loss too (eval_loss/NAME)
+            return mixture.eval_losses(s.loader.eval_names, [(float(x), float(c)) for x, c in sums])
         return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
 
     def evaluate(state) -> float | dict:
