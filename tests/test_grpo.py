@@ -14,13 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import MICRO_MODEL
 
 from jaxdist.data import loss_mask
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping
 from jaxdist.hf import tensors as hf_tensors
-from jaxdist.objectives import grpo
+from jaxdist.inference import rollout
+from jaxdist.objectives import grpo, grpo_stage, rewards
 from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,3 +108,115 @@ def test_grpo_loss_statistics_and_gradients_match_trl(trl_setup, loss_type):
     for k, g in ours.items():
         want = fx[f"grad/{k}"]
         assert np.abs(np.asarray(g) - want).max() <= TOL * max(1.0, np.abs(want).max()), k
+
+
+def test_rewards_call_trl_style_functions_and_refuse_bad_ones(tmp_path):
+    """A TRL-signature function from a file, the built-ins, weights, None / NaN as unscorable, one-line errors."""
+    f = tmp_path / "my_rewards.py"
+    f.write_text(
+        "def length(prompts, completions, completion_ids, answer, **kw):\n"
+        "    return [None if c == 'skip' else float(len(c)) for c in completions]\n"
+        "def boom(prompts, completions, **kw):\n    raise KeyError('x')\n"
+        "def short(prompts, completions, **kw):\n    return [1.0]\n"
+        "def text(prompts, completions, **kw):\n    return ['a'] * len(completions)\n"
+    )
+    fns = {n: rewards.load(n) for n in (f"{f}:length", "answer_match", "digits")}
+    completions = ["12 apples", "skip", "12", "x"]
+    cols = {"answer": ["12", "3", "12", "12"]}
+    total, per = rewards.score(fns, [1.0, 2.0, 0.5], ["p"] * 4, completions, cols)
+    assert per["answer_match"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert np.isnan(per[f"{f}:length"][1]) and per["digits"][0] == 2 / 9
+    assert total[0] == 9 + 2 + 0.5 * 2 / 9 and total[1] == 0.0  # one function declined, the others count
+    assert rewards.score({"l": fns[f"{f}:length"]}, [1.0], ["p"], ["skip"], {"answer": ["1"]})[0][0] != 0  # NaN
+    for name, match in (("boom", "raised KeyError"), ("short", "returned 1 rewards for 4"), ("text", "returned str")):
+        with pytest.raises(JaxdistError, match=f"reward function .*{name} {match}"):
+            rewards.score({f"{f}:{name}": rewards.load(f"{f}:{name}")}, [1.0], ["p"] * 4, completions, cols)
+    for bad, match in (
+        ("nope", "neither a built-in"),
+        (f"{tmp_path}/x.py:f", "is not a file"),
+        (f"{f}:zz", "no function"),
+    ):
+        with pytest.raises(JaxdistError, match=match):
+            rewards.load(bad)
+
+
+def test_rows_keep_the_completion_through_its_first_eos():
+    rows, kept = rollout.rows_of([[5, 6], [7]], np.array([[9, 2, 9], [3, 4, 9]]), {2}, 6, 0)
+    ids, mask = loss_mask.split(rows)
+    assert kept == [[9, 2], [3, 4, 9]]
+    assert np.asarray(ids).tolist() == [[5, 6, 9, 2, 0, 0], [7, 3, 4, 9, 0, 0]]
+    assert np.asarray(mask).tolist() == [[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tiny_cfg):
+    """GRPO on the micro model, fsdp=4,tp=2 with 2 micro-batches, beta > 0 (a reference copy), 2 iterations."""
+    cfg = tiny_cfg.replace(model=dict(MICRO_MODEL, num_kv_heads=2), train=dict(global_batch=8, grad_accum_steps=2))
+    g = grpo.GRPO(group_size=4, beta=0.1, max_new_tokens=6, iterations=2, loss_type="grpo")
+    mesh = mesh_from_string("fsdp=4,tp=2", jax.devices())
+    run = rollout.GRPORun(cfg, mesh, g, {"digits": rewards.load("digits")}, [1.0], lambda ids: "1a" * len(ids), [])
+    return run, run.prog.init_state(0)
+
+
+def test_rollouts_sample_the_training_weights_at_the_rows_positions(grpo_run):
+    """The decoder's log-probs of the tokens it sampled (on the training mesh, from the state's arrays) equal
+    the training forward's on the rows built from them (1e-4: two programs): same weights, same positions."""
+    run, state = grpo_run
+    out = run.sample(state.params, [[1, 2, 3], [4, 5, 6, 7, 8]], seed=0)
+    assert out.rows.shape == (8, 17) and out.logprobs.shape == (8, 6)
+    with run.prog.activate():
+        logps, mask = jax.device_get(
+            jax.jit(lambda p, r: grpo.token_logps(run.prog.apply_fn, p, r))(state.params, out.rows)
+        )
+    for n in range(8):
+        start = 3 if n < 4 else 5
+        assert mask[n].sum() == 6 and mask[n, start - 1 : start + 5].all()
+        assert np.abs(logps[n, start - 1 : start + 5] - out.logprobs[n]).max() < 1e-4
+    for mesh, what in (("pp=2", "pipeline parallelism"), ("cp=2", "context parallelism")):
+        with pytest.raises(JaxdistError, match=f"GRPO does not support {what}"):
+            rollout.GRPORun(run.cfg, mesh_from_string(mesh, jax.devices()[:2]), run.g, {}, [], str, [])
+    with pytest.raises(JaxdistError, match="a prompt of 12 tokens \\+ max_new_tokens 6 is more than a row"):
+        run.sample(state.params, [[1] * 12], seed=0)
+
+
+def test_grpo_stage_sharded_with_accumulation_equals_one_device(grpo_run, tiny_cfg):
+    """The GRPO stage's loss, statistics and gradients on fsdp=4,tp=2 with 2 micro-batches equal one device
+    without accumulation (1e-5 of each tensor's largest entry), with a reference different from the policy
+    (beta > 0: the stage's copy, perturbed) and old log-probs different from the policy's (iterations > 1)."""
+    run, state = grpo_run
+    rng = np.random.default_rng(0)
+    out = run.sample(state.params, [[1, 2, 3], [4, 5, 6, 7, 8]], seed=1)
+    adv = rng.normal(size=8).astype(np.float32)
+    old = rng.normal(-5.5, 0.3, (8, 16)).astype(np.float32)
+    batch = grpo_stage.pack(out.rows, adv, old)
+    ref = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), state.reducer_state)
+
+    def outputs(prog, params, ref):
+        fn = jax.jit(lambda p, r, t: prog.gradients.apply(p, t, r, 0))
+        with prog.activate():
+            grads, loss, _, metrics = fn(params, ref, jax.device_put(batch, prog.batch_sharding))
+        return jax.device_get((loss, metrics, grads))
+
+    many = outputs(run.prog, state.params, ref)
+    one_cfg = run.cfg.replace(train=dict(grad_accum_steps=1))
+    prog = step.build_program(
+        one_cfg, mesh_from_string("dp=1", jax.devices()[:1]), lambda f, c, m, model: grpo_stage.grpo_stage(f, c, run.g)
+    )
+    one = outputs(prog, jax.device_get(state.params), jax.device_get(ref))
+    assert abs(float(one[0]) - float(many[0])) < TOL * max(1.0, abs(float(one[0])))
+    for k in ("kl", "clip_ratio", "completion_length"):
+        assert abs(float(one[1][k]) - float(many[1][k])) < TOL, k
+    assert float(one[1]["kl"]) > 1e-3 and float(one[1]["clip_ratio"]) > 0  # the reference and the clip both act
+    for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(many[2])):
+        assert np.abs(a - b).max() <= TOL * max(np.abs(a).max(), 1e-12)
+
+
+def test_a_grpo_step_trains_and_logs_trl_names(grpo_run):
+    run, state = grpo_run
+    records = [{"ids": [1, 2, 3], "prompt": "a"}, {"ids": [4, 5], "prompt": "b"}]
+    new, m = run.step(jax.tree.map(jnp.copy, state), records, seed=2)
+    for k in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length", "rollout_tokens_per_s"):
+        assert np.isfinite(m[k]), k
+    assert m["reward"] == 0.5 and m["completion_length"] == 6.0 and 0 < m["generate_share"] < 1
+    assert int(new.step) == 2  # iterations=2: two optimizer steps on one batch of rollouts
+    assert m["kl"] == 0.0 and m["clip_ratio"] == 0.0  # equal advantages (0) and reference = policy at start

@@ -97,13 +97,16 @@ def token_logps(apply_fn: Callable, params, rows_NW, temperature: float = 1.0):
     return -cross_entropy(head, targets), weights
 
 
-def weights(mask_NT, loss_type: str, max_new_tokens: int):
-    """Each token's weight in the batch's loss (mask_NT: the whole batch's completion mask)."""
+def weights(mask_NT, loss_type: str, max_new_tokens: int, rows=None, tokens=None):
+    """Each token's weight in the batch's loss. `mask_NT`: completion masks of these rows; `rows`, `tokens`:
+    the whole batch's row and completion-token counts (default: these rows', when they are the batch)."""
+    rows = mask_NT.shape[0] if rows is None else rows
+    tokens = mask_NT.sum() if tokens is None else tokens
     if loss_type == "grpo":
-        return mask_NT / jnp.maximum(mask_NT.sum(-1, keepdims=True), 1.0) / mask_NT.shape[0]
+        return mask_NT / jnp.maximum(mask_NT.sum(-1, keepdims=True), 1.0) / rows
     if loss_type == "dr_grpo":
-        return mask_NT / (mask_NT.shape[0] * max_new_tokens)
-    return mask_NT / jnp.maximum(mask_NT.sum(), 1.0)  # bnpo, dapo: over the batch's completion tokens
+        return mask_NT / (rows * max_new_tokens)
+    return mask_NT / jnp.maximum(tokens, 1.0)  # bnpo, dapo: over the batch's completion tokens
 
 
 def token_terms(logps_NT, old_NT, ref_NT, adv_N, mask_NT, g: GRPO):

@@ -65,7 +65,11 @@ def check(cfg: Config, mesh: Mesh) -> None:
     """One-line errors for what a non-default objective cannot do (yet), before anything is traced."""
     if is_default(cfg):
         return
-    m = f"objective.method={cfg.objective.method}"
+    unsupported(cfg, mesh, f"objective.method={cfg.objective.method}")
+
+
+def unsupported(cfg: Config, mesh: Mesh, m: str) -> None:
+    """The refusals every objective beyond `lm` shares (DPO's and GRPO's), naming it as `m`."""
     refusals = [
         (
             reduce_registry.method(cfg) is not reduce_registry.IMPLICIT,
