@@ -92,11 +92,11 @@ def test_the_ring_watch_hears_an_end_at_once_unless_it_was_clean(clean):
     sup, peer = new_supervisor(), peer_wire.Listener(1)
     watch = threading.Thread(target=sup._watch, args=(record(peer),))
     watch.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # generous: a loaded CI machine; the loop ends as soon as it is heard
     while not peer.watchers and time.monotonic() < deadline:
         time.sleep(0.01)
     peer.close(clean=clean)
-    watch.join(timeout=5)
+    watch.join(timeout=60)
     assert not watch.is_alive()
     assert (1 in sup.listener.gone) is not clean
     if not clean:
@@ -195,9 +195,10 @@ def test_the_launcher_kills_a_stopped_process_after_the_grace_period(tmp_path):
     env = {**os.environ, "PYTHON": str(python), "STOP_GRACE": "1", "PIDS_FILE": str(tmp_path / "pids")}
     t0 = time.monotonic()
     r = subprocess.run(
-        [str(ROOT / "scripts" / "launch_local.sh"), "2"], env=env, capture_output=True, text=True, timeout=30
+        [str(ROOT / "scripts" / "launch_local.sh"), "2"], env=env, capture_output=True, text=True, timeout=300
     )
-    assert r.returncode == 3 and time.monotonic() - t0 < 15, r.stderr
+    # 90 s: generous on a loaded machine, and far below the 1,115 s the SIGTERM-only launcher waited
+    assert r.returncode == 3 and time.monotonic() - t0 < 90, r.stderr
     assert "launch_local: process 0 exited with status 3; stopping the others" in r.stderr
     assert (
         "launch_local: process 1 did not stop within 1s of SIGTERM (stopped or hung); killing it (SIGKILL)" in r.stderr
@@ -213,7 +214,7 @@ def test_a_stopped_training_process_is_the_one_named(capsys):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while not supervisor.is_stopped(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         host1, host0 = supervisor.Supervisor(launch_mod.Launch("127.0.0.1:1", 2, 1, "flags")), new_supervisor()
