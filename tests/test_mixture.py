@@ -1,6 +1,7 @@
 """data.sources / data.stages: proportions, stage changes, determinism over meshes and process splits,
 exact resume, the run-out rule, config errors. The loader alone: no model is compiled."""
 
+import json
 import math
 
 import grain
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import config
 from jaxdist.checkpoint.compat import OMITTED_AT_DEFAULT
 from jaxdist.data import loader as loader_mod
-from jaxdist.data import mixture
+from jaxdist.data import mixture, run_tokenizer
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.observe import report
@@ -166,6 +167,13 @@ def test_eval_is_per_source(corpus):
         (["data.sources=[{name: a, path: x}]", "data.stages=[{step: 5, weights: {b: 1}}]"], "names source 'b'"),
         (["data.sources=[{name: a, path: x}]", "data.stages=[{step: 0, weights: {a: 1}}]"], r"step=0 must be > 0"),
         (["data.stages=[{step: 5, weights: {a: 1}}]"], "data.sources, which is empty"),
+        (
+            [
+                "data.sources=[{name: a, path: x}]",
+                "data.stages=[{step: 5, weights: {a: 1}}, {step: 5, weights: {a: 2}}]",
+            ],
+            r"data.stages\[1\].step=5 must be > 5",
+        ),
         (["data.sources=[{name: a, path: x, wieght: 1}]"], r"unknown config key 'data.sources\[0\].wieght'"),
         (["data.sources=[{name: a, path: x, weight: lots}]"], r"data.sources\[0\].weight must be float"),
         (["data.sources=a"], "data.sources must be a list of mappings"),
@@ -176,10 +184,38 @@ def test_bad_mixture_config_is_one_line(overrides, message):
         config.load(None, overrides)
 
 
-def test_a_missing_source_is_named(corpus):
+def test_a_missing_source_sources_tokenized_differently_and_pairs_are_refused(corpus):
     cfg = config.load(None, ["data.source=tokens", "data.sources=[{name: gone, path: /nonexistent/x.bin}]"])
     with pytest.raises(JaxdistError, match=r"^data.sources gone: data.path='/nonexistent/x.bin' matches no files"):
         loader_mod.Loader(cfg, batch_sharding("dp=8"))
+    from test_tokenize import word_tokenizer
+
+    from jaxdist.data import prepare
+
+    (corpus / "doc.txt").write_text("a b a b " * 100)
+    tok = word_tokenizer(corpus / "tok", post_bos=False)
+    assert (
+        prepare.main(
+            [
+                "prepare",
+                "--tokenizer",
+                str(tok),
+                "--out",
+                str(corpus / "prep"),
+                "--workers",
+                "1",
+                str(corpus / "doc.txt"),
+            ]
+        )
+        == 0
+    )
+    two = f"data.sources=[{{name: words, path: {corpus}/prep}}, {{name: ids, path: {corpus}/web.bin}}]"
+    with pytest.raises(
+        JaxdistError, match=r"were tokenized differently \(words: tokenizer [0-9a-f]{12}, ids: unknown\)"
+    ):
+        run_tokenizer.of_config(config.load(None, ["data.source=tokens", two]))
+    with pytest.raises(JaxdistError, match="which data.sources does not mix"):
+        loader_mod.Loader(mix_cfg(corpus, "objective.method=dpo"), batch_sharding("dp=8"))
 
 
 def test_mixture_keys_at_their_defaults_leave_run_names_unchanged(corpus):
@@ -192,3 +228,39 @@ def test_mixture_keys_at_their_defaults_leave_run_names_unchanged(corpus):
     cfg = mix_cfg(corpus)
     assert rundir.identity(cfg) != rundir.identity(mix_cfg(corpus, weights=(0.2, 0.3, 0.5)))
     assert config.from_dict(config.yaml_load(config.dump(cfg))) == cfg  # config.yaml reads back the same
+
+
+def test_a_mixture_trains_evaluates_per_source_and_resumes_each_source(corpus, tmp_path):
+    """End to end (MICRO_MODEL): the data line per source, eval_loss/NAME beside eval_loss, and a resume
+    whose stage weights changed (--allow-config-change data) continues each source from its checkpoint."""
+    from conftest import MICRO_MODEL
+
+    from jaxdist.train import run
+
+    model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"]
+    cfg = mix_cfg(corpus, *model).replace(train=dict(steps=2, eval_every=2, eval_batches=1), checkpoint=dict(every=2))
+    said = []
+    run(cfg, tmp_path / "run", log=said.append)
+    assert any(str(m).startswith("data: a mixture of 3 sources") for m in said)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r and "step" in r]
+    assert [r["step"] for r in evals] == [2]
+    for r in evals:
+        per = [r[f"eval_loss/{n}"] for n in SIZES]
+        assert all(np.isfinite(per)) and min(per) <= r["eval_loss"] <= max(per)  # a token-weighted mean of them
+    later = cfg.replace(train=dict(steps=3, eval_every=0), data=dict(stages=[{"step": 2, "weights": {"math": 1.0}}]))
+    seen = {}
+    original = loader_mod.Loader.set_state
+
+    def spy(self, state):
+        seen.update(state)
+        original(self, state)
+        seen["next"] = [self.mixture.stream[g] for g in range(2 * 8, 3 * 8)]
+
+    try:
+        loader_mod.Loader.set_state = spy
+        run(later, tmp_path / "run", log=lambda *a: None, allowed=frozenset({"data.stages"}))
+    finally:
+        loader_mod.Loader.set_state = original
+    assert seen["sources"] == {"web": 8, "code": 5, "math": 3}  # 2 steps of 8 rows at 0.5 / 0.3 / 0.2
+    assert seen["next"] == [(2, 3 + i) for i in range(8)]  # math only, from its 4th window on

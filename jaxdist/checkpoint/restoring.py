@@ -92,10 +92,13 @@ def _restore_step(
     if params_only:
         fresh = prog.init_state(cfg.train.seed)  # new optimizer, step 0: fine-tuning starts here
         return dataclasses.replace(fresh, params=restored["params"]), changes, None
-    try:  # this process's iterator file; absent when the process count changed
-        manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
-    except ValueError:
-        loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
+    if getattr(loader, "mixture", None) is not None:  # data.sources: each source from its saved position
+        loader.set_state(meta["data_state"])
+    else:
+        try:  # this process's iterator file; absent when the process count changed
+            manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader.iterator)))
+        except ValueError:
+            loader.set_state(meta["data_state"])  # batches are step-indexed: the same for every process
     return dataclasses.replace(abstract, params=restored["params"], **restored["train"]), changes, meta.get("progress")
 
 
