@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -29,6 +30,7 @@ from jaxdist.training import step
 REPO = Path(__file__).resolve().parent.parent
 HF = REPO / "tests" / "fixtures" / "hf_llama"
 TRL = REPO / "tests" / "fixtures" / "trl"
+QWEN = REPO / "tests" / "fixtures" / "chat" / "qwen"
 TOL = 1e-5
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -220,3 +222,51 @@ def test_a_grpo_step_trains_and_logs_trl_names(grpo_run):
     assert m["reward"] == 0.5 and m["completion_length"] == 6.0 and 0 < m["generate_share"] < 1
     assert int(new.step) == 2  # iterations=2: two optimizer steps on one batch of rollouts
     assert m["kl"] == 0.0 and m["clip_ratio"] == 0.0  # equal advantages (0) and reference = policy at start
+
+
+def test_prepare_prompts_keeps_columns_and_never_cuts(tmp_path, small_cfg):
+    """prepare --prompts: plain (TRL: with the tokenizer's special tokens) and conversational prompts
+    (chat template, generation prompt), the other columns kept; too long / empty / bad lines counted."""
+    from jaxdist.data import loader as loader_mod
+    from jaxdist.data import prefprep, promptprep
+    from jaxdist.data import prepare as prepare_mod
+
+    lines = [
+        {"prompt": "What is 2+2?", "answer": "4"},
+        {"prompt": [{"role": "user", "content": "Hi?"}], "answer": "Hello", "level": 3},
+        {"prompt": "x " * 200, "answer": "1"},
+        {"prompt": "", "answer": "1"},
+        {"question": "no prompt"},
+    ]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines) + "not json\n")
+    argv = ["prepare", "--prompts", "--tokenizer", str(QWEN), "--seq-len", "64", "--val-fraction", "0", str(src)]
+    manifest = prepare_mod.prepare(prepare_mod.parse_args([*argv, "--out", str(tmp_path / "p")]), log=lambda m: None)
+    assert manifest["prompts"]["skipped"] == {"bad_json": 1, "empty": 1, "malformed": 1, "too_long": 1}
+    got = promptprep.read(tmp_path / "p")
+    ct = prefprep.load_tokenizer(str(QWEN), None)
+    assert (
+        [r["answer"] for r in got] == ["4", "Hello"] and got[1]["level"] == 3 and got[1]["prompt"] == lines[1]["prompt"]
+    )
+    assert got[0]["ids"] == ct.parser.encode("What is 2+2?").ids
+    assert (
+        got[1]["ids"]
+        == prefprep.tokenize_pair(
+            ct,
+            {
+                **lines[1],
+                "chosen": [{"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            },
+        )[0]
+    )  # the prompt DPO's pairs would have: rendered with the assistant's turn opened
+    with pytest.raises(JaxdistError, match="the prompt is \\d+ tokens, more than --seq-len 64 - 1"):
+        prepare_mod.prepare(prepare_mod.parse_args([*argv, "--out", str(tmp_path / "q"), "--on-error", "stop"]))
+    with pytest.raises(JaxdistError, match="--preference and --prompts exclude each other"):
+        prepare_mod.prepare(prepare_mod.parse_args([*argv, "--preference", "--out", str(tmp_path / "r")]))
+    assert not (tmp_path / "q").exists() and not (tmp_path / "r").exists()
+    cfg = small_cfg.replace(
+        data=dict(source="tokens", path=str(tmp_path / "p")), model=dict(seq_len=64, vocab_size=512)
+    )
+    with pytest.raises(JaxdistError, match="holds GRPO prompts \\(prepare --prompts\\), not training tokens"):
+        loader_mod.load_windows(cfg)

@@ -52,17 +52,29 @@ def check_args(args, files: list[str]) -> None:
     """Flag combinations, before anything is read or written (`--chat`, and `--preference`, which shares
     its flags but --loss-on)."""
     chat_flags = ("seq_len", "loss_on", "chat_template")
-    kind = "--preference" if getattr(args, "preference", False) else "--chat" if args.chat else None
-    if args.chat and kind == "--preference":
-        raise JaxdistError("--chat and --preference exclude each other; give one")
+    kinds = [
+        k
+        for k, on in (
+            ("--chat", args.chat),
+            ("--preference", getattr(args, "preference", False)),
+            ("--prompts", getattr(args, "prompts", False)),
+        )
+        if on
+    ]
+    if len(kinds) > 1:
+        raise JaxdistError(f"{' and '.join(kinds)} exclude each other; give one")
+    kind = kinds[0] if kinds else None
     if kind is None:
         given = [f"--{f.replace('_', '-')}" for f in chat_flags if getattr(args, f) is not None]
         if given:
-            raise JaxdistError(f"{', '.join(given)} only apply to chat or preference data; add --chat or --preference")
+            raise JaxdistError(
+                f"{', '.join(given)} only apply to chat, preference or prompt data; add --chat, --preference or --prompts"
+            )
         return
-    if kind == "--preference" and args.loss_on is not None:
-        raise JaxdistError("--loss-on does not apply to --preference (only completion tokens are trained on); drop it")
-    what = "conversations" if kind == "--chat" else "preference pairs"
+    if kind != "--chat" and args.loss_on is not None:
+        why = "only completion tokens are trained on" if kind == "--preference" else "prompts are never trained on"
+        raise JaxdistError(f"--loss-on does not apply to {kind} ({why}); drop it")
+    what = {"--chat": "conversations", "--preference": "preference pairs", "--prompts": "prompts"}[kind]
     if getattr(args, "field", None) is not None:  # was ignored without a word
         raise JaxdistError(f"--field does not apply to {kind}: each JSONL line is read whole as {what}; drop --field")
     if not args.tokenizer:

@@ -194,6 +194,11 @@ class Subset:
 def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """A prepared folder's (train/, val/) shards, with the dtype and vocabulary its manifest records."""
     d, folder = cfg.data, Path(cfg.data.path).expanduser()
+    if "prompts" in manifest:  # data/promptprep.py: rollouts are sampled from them, no tokens to train on
+        raise JaxdistError(
+            f"{folder} holds GRPO prompts (prepare --prompts), not training tokens; python -m jaxdist.train "
+            "does not run GRPO yet: use jaxdist.inference.rollout.GRPORun (scripts/grpo_recipe.py)"
+        )
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise JaxdistError(
             f"{folder} was prepared with {manifest['vocab_size']} token ids but model.vocab_size="

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxdist.data import chatprep, prefprep
+from jaxdist.data import chatprep, prefprep, promptprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
 from jaxdist.data.shards import FORMAT, MANIFEST, ShardWriter, check_out, remove_stale, replace_folder
@@ -102,6 +102,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--preference",
         action="store_true",
         help='JSONL pairs {"prompt", "chosen", "rejected"} for objective.method=dpo (jaxdist/data/prefprep.py)',
+    )
+    c.add_argument(
+        "--prompts",
+        action="store_true",
+        help='JSONL prompts {"prompt", ...columns for the reward} for GRPO (jaxdist/data/promptprep.py)',
     )
     return q.parse_intermixed_args(argv[1:])
 
@@ -217,10 +222,19 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             log(f"trained a byte-level BPE of {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
         else:
             tokenizer_mod.copy_files(tok, tmp)
-        if args.chat:  # conversations -> windows of tokens + loss mask
-            manifest = chatprep.encode_chat(args, files, total_bytes, dtype, tmp, log, is_held_out)
-        elif args.preference:  # preference pairs -> records of a chosen and a rejected row + loss mask
-            manifest = prefprep.encode_preference(args, files, total_bytes, dtype, tmp, log, is_held_out)
+        # conversations -> windows + loss mask; preference pairs -> a chosen and a rejected row + loss mask;
+        # prompts (+ the reward's columns) -> prompt records for GRPO's rollouts
+        special = (
+            chatprep.encode_chat
+            if args.chat
+            else prefprep.encode_preference
+            if args.preference
+            else promptprep.encode_prompts
+            if args.prompts
+            else None
+        )
+        if special is not None:
+            manifest = special(args, files, total_bytes, dtype, tmp, log, is_held_out)
         else:
             manifest = encode_all(args, files, total_bytes, tok, dtype, tmp, log)
         if manifest["splits"]["train"]["documents"] == 0:
