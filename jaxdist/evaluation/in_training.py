@@ -39,7 +39,7 @@ def check(cfg, mesh) -> None:
 
 
 def task_evaluator(s, run_dir: Path):
-    """-> evaluate(params) -> {"eval/TASK/METRIC": value} for `s` (training.startup.Setup)."""
+    """-> evaluate(params) -> {"eval/TASK/METRIC": value} for `s` (a set-up `jaxdist.training.run.Run`)."""
     cfg, t = s.cfg, s.cfg.train
     check(cfg, s.mesh)
     manager = harness.task_manager(t.eval_include_path or None, t.eval_tasks)

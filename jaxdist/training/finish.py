@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxdist.observe import report
 from jaxdist.training.opening import local_devices
-from jaxdist.training.startup import Setup
+
+if TYPE_CHECKING:
+    from jaxdist.training.state import RunState
 
 
 @dataclasses.dataclass
@@ -31,36 +34,41 @@ def stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
     return RunResult(run_dir, float("nan"), None, 0.0, 0)
 
 
-def before_writing(s: Setup, run_dir: Path, stopper, restored, start: int) -> RunResult | None:
+def before_writing(run: RunState) -> RunResult | None:
     """A result without writing anything: stopped during start-up, or nothing left to train."""
-    if (stopped := stopped_before_training(stopper, run_dir, s.log)) is not None:
+    run_dir, start, steps = run.run_dir, run.start, run.cfg.train.steps
+    if (stopped := stopped_before_training(run.stopper, run_dir, run.log)) is not None:
         return stopped
-    if start >= s.cfg.train.steps:
-        s.log(
-            f"nothing to do: {restored.path} is already at step {start} of train.steps={s.cfg.train.steps} "
+    if start >= steps:
+        assert run.restored is not None  # start > 0 only when restored
+        run.log(
+            f"nothing to do: {run.restored.path} is already at step {start} of train.steps={steps} "
             "(raise --steps to train further, or pass --run-dir for a new run)"
         )
         return RunResult(run_dir, float("nan"), None, 0.0, start)
     return None
 
 
-def finish(s: Setup, run_dir, stopper, saver, progress, writer, compiled, compile_s, predicted, steps_done, plotted):
+def finish(run: RunState) -> RunResult:
     """The summary line of metrics.jsonl, the closing lines; -> the run's result."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     from jaxdist.observe import metrics
 
-    summary = progress.summary(steps_done, compile_s)
-    summary.update(report.memory_summary(compiled, predicted, metrics.device_memory(local_devices(s.mesh))))
+    stopper, saver, progress = run.stopper, run.saver, run.progress
+    run_dir, steps_done, plotted = run.run_dir, run.steps_done, run.plotted
+    summary = progress.summary(steps_done, run.compile_s)
+    devices = local_devices(run.mesh)
+    summary.update(report.memory_summary(run.compiled, run.predicted, metrics.device_memory(devices)))
     try:
-        writer.write(summary)
-        writer.close()
+        run.writer.write(summary)
+        run.writer.close()
     except (metrics.OutputFailed, OSError) as e:
         kept = f"checkpoint step {saver.last_saved} is saved" if saver.last_saved else "no checkpoint was saved"
         raise metrics.OutputFailed(
             f"{e if isinstance(e, metrics.OutputFailed) else metrics.reason(e)}; stopping: {kept}; free space "
             "or fix the folder, then run the same command to resume"
         ) from None
-    log = s.log
+    log = run.log
     ev = f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     log(report.memory_line(summary))
     # a stopped run is not done: say so here, and let the stop line (signal, step, checkpoint) close

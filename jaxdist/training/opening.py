@@ -4,7 +4,7 @@ start-up lines said, the metrics writer; the checkpoint saver; the progress bar 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
@@ -12,7 +12,9 @@ from jaxdist.config import relative
 from jaxdist.data import run_tokenizer
 from jaxdist.observe import report, trackers
 from jaxdist.training import rundir
-from jaxdist.training.startup import Setup
+
+if TYPE_CHECKING:
+    from jaxdist.training.state import RunState
 
 
 def _quietly(close):
@@ -23,30 +25,28 @@ def _quietly(close):
     return call
 
 
-def start_writing(
-    s: Setup, run_dir: Path, lock: rundir.RunLock, closers, restored, resuming, restore, origin, start: int
-):
-    """Take the lock, record the config and tokenizer, say the start-up lines; -> the metrics writer."""
+def start_writing(run: RunState) -> None:
+    """Take the lock, record the config and tokenizer, say the start-up lines; the metrics writer."""
     # deferred: jax, optax load on first use, not when python -m jaxdist.train starts
     from jaxdist.observe import metrics
     from jaxdist.optim import adamw
 
-    cfg, log, is_main = s.cfg, s.log, s.is_main
-    if not checkpoint.all_agree(not is_main or lock.take(log)):
-        raise lock.refused()
+    cfg, log, is_main, run_dir, restored, start = run.cfg, run.log, run.is_main, run.run_dir, run.restored, run.start
+    if not checkpoint.all_agree(not is_main or run.lock.take(log)):
+        raise run.lock.refused()
     run_dir.mkdir(parents=True, exist_ok=True)
     changes = restored.changes if restored is not None else {}
     if is_main:
         rundir.record_config(run_dir, config_mod.dump(cfg), start, changes)
-        run_tokenizer.record(s.run_tok, run_dir)
+        run_tokenizer.record(run.run_tok, run_dir)
         for line in [
-            report.run_dir_line(run_dir, origin, restored, resuming, restore, cfg),
-            *report.summary_lines(cfg, s.prog, s.flops_tok),
-            *report.no_effect_lines(cfg, s.mesh.shape["pp"]),
-            report.data_line(cfg, s.loader),
-            *([f"warning: {s.no_eval}; evaluation is off"] if s.no_eval else []),
+            report.run_dir_line(run_dir, run.origin, restored, run.resuming, run.restore, cfg),
+            *report.summary_lines(cfg, run.prog, run.flops_tok),
+            *report.no_effect_lines(cfg, run.mesh.shape["pp"]),
+            report.data_line(cfg, run.loader),
+            *([f"warning: {run.no_eval}; evaluation is off"] if run.no_eval else []),
             report.units_line(cfg),
-            report.peak_line(s.peak, s.peak_source),
+            report.peak_line(run.peak, run.peak_source),
             *report.artefact_lines(cfg, run_dir),
         ]:
             log(line)
@@ -54,13 +54,13 @@ def start_writing(
         for line in adamw.schedule_notes(cfg, start, changes):
             log(line)
     tracked = trackers.Trackers(cfg.train.trackers, run_dir, cfg.to_dict(), config_mod.dump(cfg)) if is_main else None
-    writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=start if resuming else None, trackers=tracked)
-    closers.callback(_quietly(writer.close))
-    return writer
+    resume_step = start if run.resuming else None
+    run.writer = metrics.MetricWriter(run_dir, enabled=is_main, resume_step=resume_step, trackers=tracked)
+    run.closers.callback(_quietly(run.writer.close))
 
 
-def saver(s: Setup, run_dir: Path):
-    return checkpoint.Saver(run_dir, s.cfg, log=s.log if s.is_main else lambda *a: None)
+def saver(run: RunState) -> checkpoint.Saver:
+    return checkpoint.Saver(run.run_dir, run.cfg, log=run.log if run.is_main else lambda *a: None)
 
 
 def local_devices(mesh):
@@ -70,8 +70,8 @@ def local_devices(mesh):
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
 
-def progress(s: Setup, writer, closers, saver, state, resumed, start: int):
-    """The progress bar and per-step bookkeeping (`resumed`: the checkpoint it carries on from, or None);
+def progress(run: RunState) -> None:
+    """The progress bar and per-step bookkeeping (carried on from the checkpoint it resumes, if any);
     checkpoint messages go above the bar from now on."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
@@ -79,20 +79,21 @@ def progress(s: Setup, writer, closers, saver, state, resumed, start: int):
     from jaxdist.observe import metrics
     from jaxdist.observe.progress import Progress  # imports JAX: not before main() has its signal handlers
 
-    local = local_devices(s.mesh)
+    local = local_devices(run.mesh)
+    resumed = run.restored if run.resuming else None
     bar = Progress(
-        s.cfg,
-        writer,
-        s.cfg.train.global_batch * s.cfg.model.seq_len,
-        s.flops_tok,
-        s.peak,
-        start=start,
-        enabled=s.is_main,
-        skipped_in_a_row=int(jax.device_get(state.skipped)),
+        run.cfg,
+        run.writer,
+        run.cfg.train.global_batch * run.cfg.model.seq_len,
+        run.flops_tok,
+        run.peak,
+        start=run.start,
+        enabled=run.is_main,
+        skipped_in_a_row=int(jax.device_get(run.state.skipped)),
         memory=lambda: metrics.device_memory(local),
-        log=s.log,
+        log=run.log,
         carry=resumed.progress if resumed is not None else None,
     )
-    closers.callback(bar.close)
-    saver.log = bar.say  # checkpoint messages go above the progress bar, not into it
-    return bar
+    run.closers.callback(bar.close)
+    run.saver.log = bar.say  # checkpoint messages go above the progress bar, not into it
+    run.progress = bar

@@ -5,14 +5,20 @@ restoring leaves behind (newer checkpoints set aside, the Hugging Face source ke
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxdist import checkpoint
 from jaxdist.errors import JaxdistError
 
+if TYPE_CHECKING:
+    from jaxdist.training.state import RunState
 
-def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, is_main: bool, log):
-    """-> (resuming, from_hf, restored or None): this run dir's latest checkpoint, else `restore` (another
-    run's checkpoint, or hf:DIR for a Hugging Face model's weights with a fresh optimizer), else nothing."""
+
+def start_from(run: RunState) -> None:
+    """`run`'s restore fields (resuming, from_hf, restored or None, start): this run dir's latest checkpoint,
+    else `run.restore` (another run's checkpoint, or hf:DIR for a Hugging Face model's weights with a fresh
+    optimizer), else nothing."""
+    cfg, run_dir, prog, restore, log = run.cfg, run.run_dir, run.prog, run.restore, run.log
     resuming = checkpoint.has_checkpoints(run_dir / checkpoint.SUBDIR)
     if not resuming:
         checkpoint.check_run_dir_model(run_dir, cfg)
@@ -32,21 +38,22 @@ def start_from(cfg, run_dir: Path, prog, loader, restore: str | None, allowed, i
                 f"objective.method={cfg.objective.method} starts from a model's weights with a fresh optimizer: "
                 f"add checkpoint.params_only=true to --restore {restore}"
             )
-        if resuming and restore and is_main:
+        if resuming and restore and run.is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(
             run_dir if resuming else Path(restore),
             prog,
-            loader,
+            run.loader,
             cfg,
             params_only=cfg.checkpoint.params_only and not resuming,
             log=log,
-            allowed=allowed,
+            allowed=run.allowed,
             drift=resuming,
         )
     if restored is not None and not resuming and not from_hf:
         restored.state = with_reference(cfg, prog, restored.state)
-    return resuming, from_hf, restored
+    run.resuming, run.from_hf, run.restored = resuming, from_hf, restored
+    run.start = restored.step if restored else 0
 
 
 def with_reference(cfg, prog, state):
@@ -67,15 +74,17 @@ def with_reference(cfg, prog, state):
         return dataclasses.replace(state, reducer_state=copy(state.params))
 
 
-def after_restore(s, run_dir: Path, restored, resuming: bool, from_hf: bool, start: int) -> None:
-    """Once writing (`s`: the run's `startup.Setup`): newer checkpoints set aside, a Hugging Face source
-    kept, the line that says what was restored."""
+def after_restore(run: RunState) -> None:
+    """Once writing: newer checkpoints set aside, a Hugging Face source kept, the line that says what was
+    restored."""
+    restored, resuming, from_hf, run_dir = run.restored, run.resuming, run.from_hf, run.run_dir
+    assert restored is not None
     if resuming:
-        checkpoint.set_aside_newer(run_dir, restored.step, s.log)
-    if from_hf and s.is_main:
+        checkpoint.set_aside_newer(run_dir, restored.step, run.log)
+    if from_hf and run.is_main:
         # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
         from jaxdist.hf import export
 
         export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
-    what = "parameters" if (s.cfg.checkpoint.params_only or from_hf) and not resuming else f"step {start}"
-    s.log(f"restored {what} from {restored.path} in {restored.seconds:.1f}s")
+    what = "parameters" if (run.cfg.checkpoint.params_only or from_hf) and not resuming else f"step {run.start}"
+    run.log(f"restored {what} from {restored.path} in {restored.seconds:.1f}s")

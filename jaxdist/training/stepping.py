@@ -6,35 +6,34 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxdist.errors import JaxdistError
 from jaxdist.observe import plots, report
 from jaxdist.training import hooks
-from jaxdist.training.startup import Setup
+
+if TYPE_CHECKING:
+    from jaxdist.training.state import RunState
 
 
-def compile_step(s: Setup, restored):
-    """-> (the first state, the first batch, the compiled step, seconds, the planner's predicted bytes
-    per device)."""
+def compile_step(run: RunState) -> None:
+    """`run`'s first state, first batch, compiled step, its seconds, the planner's predicted bytes per device."""
     t0 = time.perf_counter()
-    state = restored.state if restored else s.prog.init_state(s.cfg.train.seed)
-    first = next(s.loader)
-    compiled = s.prog.train_step.lower(state, first).compile()
-    compile_s = time.perf_counter() - t0
-    predicted = report.predicted_bytes(s.cfg, s.mesh)
-    if s.is_main:
-        s.log(
-            f"compiled in {compile_s:.1f}s; {report.compiled_line(compiled)}"
+    run.state = run.restored.state if run.restored else run.prog.init_state(run.cfg.train.seed)
+    run.first = next(run.loader)
+    run.compiled = run.prog.train_step.lower(run.state, run.first).compile()
+    run.compile_s = time.perf_counter() - t0
+    run.predicted = predicted = report.predicted_bytes(run.cfg, run.mesh)
+    if run.is_main:
+        run.log(
+            f"compiled in {run.compile_s:.1f}s; {report.compiled_line(run.compiled)}"
             + (f"; planner predicts {predicted / 2**20:,.1f} MiB per device" if predicted else "")
         )
-    return state, first, compiled, compile_s, predicted
 
 
-def train(
-    s: Setup, run_dir: Path, stopper, saver, progress, compiled, state, first, eval_arrays, start: int, task_eval=None
-):
-    """The step loop with its hooks (profile, checkpoint, batches, metrics) -> (steps done, the loss
-    plot or why there is none). The plot is drawn however the loop ends. `task_eval(params) ->
+def train(run: RunState) -> None:
+    """The step loop with its hooks (profile, checkpoint, batches, metrics) -> `run.steps_done`, `run.plotted`
+    (the loss plot or why there is none). The plot is drawn however the loop ends. `run.task_eval(params) ->
     {eval/TASK/METRIC: value}` runs beside the held-out loss at each evaluation (train.eval_tasks)."""
     # deferred: jax loads on first use, not when python -m jaxdist.train starts
     import jax
@@ -43,16 +42,19 @@ def train(
     from jaxdist.objectives import registry as objectives
     from jaxdist.observe import metrics, profiling
 
+    run_dir, stopper, saver, progress = run.run_dir, run.stopper, run.saver, run.progress
+    eval_arrays, task_eval, state, start = run.eval_arrays, run.task_eval, run.state, run.start
+
     def held_out(state) -> float | dict:
         """The held-out loss; a preference objective's also its statistics ({"loss": ..., "rewards/...": ...})."""
-        if not objectives.is_default(s.cfg):
-            sums = jax.device_get([s.prog.eval_step(state.params, state.reducer_state, b) for b in eval_arrays])
+        if not objectives.is_default(run.cfg):
+            sums = jax.device_get([run.prog.eval_step(state.params, state.reducer_state, b) for b in eval_arrays])
             pairs = sum(float(c) for _, c, _ in sums)
             stats = {k: sum(float(st[k]) for _, _, st in sums) / pairs for k in sums[0][2]}
             return {"loss": sum(float(x) for x, _, _ in sums) / pairs, **stats}
-        sums = [s.prog.eval_step(state.params, b) for b in eval_arrays]
-        if getattr(s.loader, "eval_names", None):  # data.sources: each source's loss too (eval_loss/NAME)
-            return mixture.eval_losses(s.loader.eval_names, [(float(x), float(c)) for x, c in sums])
+        sums = [run.prog.eval_step(state.params, b) for b in eval_arrays]
+        if getattr(run.loader, "eval_names", None):  # data.sources: each source's loss too (eval_loss/NAME)
+            return mixture.eval_losses(run.loader.eval_names, [(float(x), float(c)) for x, c in sums])
         return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
 
     def evaluate(state) -> float | dict:
@@ -63,12 +65,12 @@ def train(
         return (got if isinstance(got, dict) else {"loss": got}) | task_eval(state.params)
 
     stopper.training = True
-    batches = hooks.Batches(s.loader, first)
+    batches = hooks.Batches(run.loader, run.first)
     saver.carry = progress.carry  # the smoothed loss goes into each checkpoint
-    metrics_hook = hooks.Metrics(progress, evaluate, s.cfg.train.eval_every)
+    metrics_hook = hooks.Metrics(progress, evaluate, run.cfg.train.eval_every)
     per_step = [
-        hooks.Profile(profiling.StepTrace(s.cfg.train.profile_steps, run_dir / "profile", progress.say)),
-        hooks.Checkpoint(saver, s.loader, before_save=metrics_hook.flush),
+        hooks.Profile(profiling.StepTrace(run.cfg.train.profile_steps, run_dir / "profile", progress.say)),
+        hooks.Checkpoint(saver, run.loader, before_save=metrics_hook.flush),
         batches,
         metrics_hook,
     ]
@@ -78,22 +80,24 @@ def train(
         with contextlib.closing(saver):
             try:
                 state, steps_done = hooks.run_steps(
-                    lambda st: compiled(st, batches.current),
+                    lambda st: run.compiled(st, batches.current),
                     state,
                     start,
-                    s.cfg.train.steps,
+                    run.cfg.train.steps,
                     stopper.requested,
                     per_step,
                 )
             except metrics.OutputFailed as e:  # metrics.jsonl or a tracker: stop, keeping the work if there is room
-                raise metrics.OutputFailed(f"{e}; stopping: {_save_after_failure(saver, per_step, s.loader)}") from None
+                raise metrics.OutputFailed(
+                    f"{e}; stopping: {_save_after_failure(saver, per_step, run.loader)}"
+                ) from None
         for h in per_step:
             h.close(state)
     finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
         progress.close()
-        if s.is_main:
+        if run.is_main:
             plotted = _plot(run_dir)
-    return steps_done, plotted
+        run.steps_done, run.plotted = steps_done, plotted
 
 
 def _plot(run_dir: Path):
