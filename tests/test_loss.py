@@ -181,10 +181,14 @@ def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
     """fsdp=8: every all-gather of a weight matrix (rank >= 2) moves bf16 under bf16 compute, exactly half
     the bytes of the float32 program's, while every gradient reduction of a weight matrix (the layers'
     and the head's) stays float32 with the float32 program's bytes; the loss agrees with float32 to
-    bf16 precision (2e-2)."""
+    bf16 precision (2e-2). reduce.dtype=bfloat16 (the implicit path): those 8 reductions run in bf16
+    in the partitioned program, half the bytes; the same loss (the forward is unchanged, 1e-6) and the
+    gradient norm within 1e-2 of the float32 reduction's (each partial sum rounded to bf16 first; XLA:CPU
+    then sums in float32: its all-reduce promotion pass, so a bf16 ring's own rounding is not run here)."""
     out = {}
-    for dtype in ("float32", "bfloat16"):
-        c = cfg.replace(model=dict(compute_dtype=dtype))
+    programs = {"float32": {}, "bfloat16": {}, "reduce bf16": dict(reduce=dict(dtype="bfloat16"))}
+    for name, over in programs.items():
+        c = cfg.replace(model=dict(compute_dtype="float32" if name == "float32" else "bfloat16"), **over)
         prog = step.build_program(c, mesh_mod.mesh_from_string("fsdp=8"))
         compiled, text = partitioned_hlo(prog, c)
         gathers = [  # matrices: rank >= 2 (the norms' float32 scales, gathered as [1, D], are not cast)
@@ -196,11 +200,18 @@ def test_bf16_gathers_half_the_bytes_and_loss_matches_fp32(cfg, batches):
             (dt, hlo.shape_bytes(f"{dt}[{dims}]")[0]) for dt, dims in REDUCTION.findall(text) if dims.count(",") >= 1
         ]
         _, metrics = compiled(prog.init_state(0), jax.device_put(batches[0], prog.batch_sharding))
-        out[dtype] = gathers, reductions, float(metrics["loss"])
-    (f32, f32_red, f32_loss), (bf16, bf16_red, bf16_loss) = out["float32"], out["bfloat16"]
+        out[name] = gathers, reductions, float(metrics["loss"]), float(metrics["grad_norm"])
+    (f32, f32_red, f32_loss, _), (bf16, bf16_red, bf16_loss, norm) = out["float32"], out["bfloat16"]
     assert f32 and {dt for dt, _ in f32} == {"f32"} and {dt for dt, _ in bf16} == {"bf16"}
     assert sum(b for _, b in bf16) * 2 == sum(b for _, b in f32)
     # 7 layer matrices (one scan body) + the head: reduced over fsdp in float32 under both dtypes
     assert len(bf16_red) == len(f32_red) == 8 and {dt for dt, _ in bf16_red} == {"f32"}
     assert sorted(bf16_red) == sorted(f32_red)
     assert bf16_loss == pytest.approx(f32_loss, rel=2e-2) and bf16_loss != f32_loss
+    gathers, red, loss16, norm16 = out["reduce bf16"]
+    assert sorted(gathers) == sorted(bf16)
+    assert (
+        len(red) == 8 and {dt for dt, _ in red} == {"bf16"} and 2 * sum(b for _, b in red) == sum(b for _, b in f32_red)
+    )
+    assert loss16 == pytest.approx(bf16_loss, rel=1e-6)
+    assert norm16 == pytest.approx(norm, rel=1e-2)

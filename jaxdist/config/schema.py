@@ -226,7 +226,9 @@ class ReduceConfig:
     method: Literal["implicit", "dense", "topk", "powersgd", "int8", "diloco", "demo"] = (
         "implicit"  # implicit: XLA inserts it
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"  # dense: the all-reduce's dtype
+    dtype: Literal["float32", "bfloat16"] = (
+        "float32"  # the gradient reduction's dtype: dense's all-reduce; implicit's reduce-scatter / all-reduce of the bf16 weight gradients (layers, head) under model.compute_dtype=bfloat16. float32 by default: a bf16 sum over many replicas rounds each partial sum to 8 bits of mantissa (torchtitan's FSDP2 also reduces in float32); bfloat16 halves the bytes (MaxText's choice)
+    )
     ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per chunk of <= 65536
     rank: Positive = 4  # powersgd: rank of the low-rank factors
     start_step: NonNegative = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)

@@ -279,9 +279,11 @@ def _backward(res, g_N, shards, vb, chunk: int):
         dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
         dx = dx + _dot("nsv,dsv->nsd", dz, w)
-        # The weight gradient leaves its matmul in float32, so its reduction over the batch runs in float32.
-        dw = matmul.dot_general_f32(x, dz.reshape(dz.shape[0], -1), (((0,), (0,)), ((), ()))).reshape(w.shape)
-        dw = constrain(dw, ("embed", "vocab", None))
+        # The weight gradient leaves its matmul in float32 (or bf16 under reduce.dtype=bfloat16), the
+        # dtype its reduction over the batch runs in.
+        dw = matmul.weight_grad(
+            x, dz.reshape(dz.shape[0], -1), (((0,), (0,)), ((), ())), w.shape, ("embed", "vocab", None)
+        )
         # Written in place into the gradient (sharded like W): no stack of blocks to transpose.
         dw_blocks = jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2)
         return (dx, dw_blocks), None

@@ -30,6 +30,32 @@ def dot_general_f32(a, b, dimension_numbers):
     return jax.lax.dot_general(a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32)
 
 
+# The dtype the implicit stage reduces weight gradients in (reduce.dtype): set while the gradients are traced.
+_REDUCE_DTYPE = contextvars.ContextVar("reduce_dtype", default=jnp.float32)
+
+
+@contextlib.contextmanager
+def reduce_in(dtype):
+    """Trace gradients whose batch reductions run in `dtype` (float32 or bfloat16): a bf16 weight
+    gradient's matmul then returns bf16, so XLA reduces its partial sums (reduce-scatter / all-reduce
+    over the batch axes) in bf16, half the bytes, before the float32 master gradient is formed."""
+    token = _REDUCE_DTYPE.set(jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _REDUCE_DTYPE.reset(token)
+
+
+def weight_grad(a, b, dimension_numbers, shape, names):
+    """A weight gradient (a matmul contracting the tokens), reshaped to `shape` and constrained to the
+    weight's sharding `names`, as float32. Its partial sums over the batch axes are reduced in float32
+    (`dot_general_f32`), or in bf16 under `reduce_in(bfloat16)` when the operands are bf16."""
+    if a.dtype == b.dtype == jnp.bfloat16 and _REDUCE_DTYPE.get() == jnp.bfloat16:
+        dw = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.bfloat16)
+        return constrain(dw.reshape(shape), names).astype(jnp.float32)
+    return constrain(dot_general_f32(a, b, dimension_numbers).reshape(shape), names)
+
+
 def token_matmul(x, w):
     """x[..., I] @ w[I, ...] with the leading (token) dims flattened into one: a plain 2-D matmul. Its
     weight gradient contracts one token dim, which XLA's CPU backend computes without the transposing
@@ -120,11 +146,10 @@ def weight_matmul(x, w, names, in_dims: int = 1):
         tokens = tuple(range(lead))
         if context.splits_sequence():  # no (batch, seq) flattening under cp (see token_matmul)
             g2 = g.reshape(*g.shape[:lead], math.prod(out_dims))  # a 2-D result (see jaxdist.parallel.matmul)
-            dw = dot_general_f32(x, g2, ((tokens, tokens), ((), ())))
+            dw = weight_grad(x, g2, ((tokens, tokens), ((), ())), w16.shape, names)
         else:
             x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, math.prod(out_dims))
-            dw = dot_general_f32(x2, g2, (((0,), (0,)), ((), ())))
-        dw = constrain(dw.reshape(w16.shape), names)
+            dw = weight_grad(x2, g2, (((0,), (0,)), ((), ())), w16.shape, names)
         w2 = flat(w16)
         out_axes = tuple(range(1, w2.ndim))
         dx = jax.lax.dot_general(g, w2, ((tuple(range(lead, g.ndim)), out_axes), ((), ())))

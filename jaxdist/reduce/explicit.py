@@ -54,8 +54,10 @@ def dense(axis: str, dtype=jnp.float32) -> Reducer:
     """`psum` in `dtype` (bfloat16 halves the bytes; the sum is then rounded to bfloat16)."""
     if jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu":
         raise JaxdistError(
-            f"reduce.dtype={jnp.dtype(dtype).name} crashes XLA's CPU compiler (its all-reduce "
-            "promotion pass, jax 0.10.2); use reduce.dtype=float32 on CPU"
+            f"reduce.dtype={jnp.dtype(dtype).name} with reduce.method=dense crashes XLA's CPU compiler "
+            "(a bf16 psum inside a shard_map manual over some mesh axes only: 'Invalid binary instruction "
+            "opcode copy', jax 0.10.2); use reduce.dtype=float32 on CPU, or reduce.method=implicit, whose "
+            "bf16 reduction compiles"
         )
 
     def update(grads, state, step=None):

@@ -17,6 +17,7 @@ from jaxdist.distributed import offload
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel import pipeline
 from jaxdist.parallel.loss import cross_entropy
+from jaxdist.parallel.matmul import reduce_in
 from jaxdist.parallel.microbatch import split_microbatches
 
 
@@ -152,11 +153,14 @@ class GradientStage:
     name: str = "implicit"
 
 
-def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None) -> GradientStage:
-    """Plain jit: XLA partitions the batch and inserts the gradient all-reduce itself."""
+def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None, reduce_dtype="float32") -> GradientStage:
+    """Plain jit: XLA partitions the batch and inserts the gradient reduction itself, in `reduce_dtype`
+    for the bf16 weight gradients of the layers' matrices and the head (`jaxdist.parallel.matmul.reduce_in`;
+    the embedding's and the norms' stay float32)."""
 
     def apply(params, tokens, state, step):
-        grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
+        with reduce_in(reduce_dtype):
+            grads, loss, count, stats = accumulate_with_stats(apply_fn, params, tokens, microbatches, order_T)
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)
 
     return GradientStage(init=lambda params: (), apply=apply)

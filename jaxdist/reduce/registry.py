@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxdist.adapters import tree as adapters
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.models.resolve import ResolvedModel
+from jaxdist.models.resolve import ResolvedModel, compute_dtype
 from jaxdist.parallel import context
 from jaxdist.reduce import compress, demo, dgc, diloco, explicit
 from jaxdist.reduce.gradients import GradientStage, implicit_gradients, partial_gradients
@@ -72,7 +72,7 @@ def _implicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> 
     if cfg.lora.rank:  # gradients of the adapters only
         split = lambda p: (adapters.trainable(p), adapters.frozen(p))
         return partial_gradients(apply_fn, cfg.train.grad_accum_steps, split, adapters.combine, order_T)
-    return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, order_T)
+    return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, order_T, cfg.reduce.dtype)
 
 
 def _explicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
@@ -206,6 +206,12 @@ def check(cfg: Config, mesh: Mesh) -> None:
         raise JaxdistError(
             f"offload.params=host is not supported with reduce.method={cfg.reduce.method} (its per-replica "
             "gradient stage keeps parameters on the device); use reduce.method=implicit or offload.params=none"
+        )
+    if m is IMPLICIT and cfg.reduce.dtype == "bfloat16" and compute_dtype(cfg.model) == jnp.float32:
+        raise JaxdistError(
+            "reduce.dtype=bfloat16 with reduce.method=implicit reduces the bf16 weight gradients of "
+            "model.compute_dtype=bfloat16; with float32 compute nothing would change: set "
+            "model.compute_dtype=bfloat16, or reduce.dtype=float32"
         )
     if not m.takes_optim and cfg.optim.name != "adamw":
         raise JaxdistError(
