@@ -1,6 +1,7 @@
 import json
 import os
 
+import pytest
 from conftest import SMALL_ARGS
 
 from jaxdist import bench
@@ -49,6 +50,15 @@ def test_bench_prints_one_json_line_per_mesh(capsys):
     assert one["pipeline"]["schedule"] == "none"
     assert "all-gather" in eight["collectives"]  # fsdp gathers parameters
     assert eight["collectives"]["collective-permute"]["bytes"] > 0  # stages pass activations
+    # per mesh axes: the stages' permutes cross pp only, the weight gathers fsdp only; the split adds up
+    by_axis = eight["collectives_by_axis"]
+    assert set(by_axis["pp"]) >= {"collective-permute"} and set(by_axis["fsdp"]) >= {"all-gather"}
+    assert "collective-permute" not in by_axis["fsdp"] and "all-gather" not in by_axis["pp"]
+    for kind, total in eight["collectives"].items():
+        parts = [kinds[kind] for kinds in by_axis.values() if kind in kinds]
+        assert sum(p["count"] for p in parts) == total["count"]
+        assert sum(p["bytes"] for p in parts) == pytest.approx(total["bytes"])
+    assert one["collectives_by_axis"] == {}
     assert eight["pipeline"] == {
         "schedule": "gpipe",
         "stages": 2,

@@ -157,6 +157,32 @@ def test_memory_and_collectives_match_compiler(pair):
     lay, mem, measured = compile_pair(*pair, default_fusion=False)
     assert memory.estimate(lay).arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
     check_collectives(lay, measured)
+    if pair[1] == "fsdp=8":  # launches, per kind, exactly (125m fsdp=8: 196 all-gathers, 20 all-reduces, 2 all-to-alls)
+        launches = {}
+        for t in comms.step_traffic(lay):
+            launches[t.kind] = launches.get(t.kind, 0) + t.count
+        assert launches == {k: v["count"] for k, v in measured.items()}
+
+
+def test_launch_latency_per_interconnect():
+    """Each launch pays the hardware's per-collective latency plus one hop per ring step (NCCL's ring
+    model): an 8-GPU fsdp all-gather 3.6 + 7 x 0.47 us inside a node; across 2 nodes (fsdp=16) one of
+    its 15 steps crosses the network (2.7 us); an all-reduce takes twice the steps. The step time adds
+    count x latency over the bandwidth term."""
+    from jaxdist.planner.traffic import Traffic, launch_latency, traffic_time
+
+    cfg = config.load(None, [])
+    h100 = hardware.get("h100-80gb")
+    one = Layout(cfg, parse_mesh("fsdp=8", 8), h100)
+    two = Layout(cfg, parse_mesh("fsdp=16", 16), h100)
+    gather = Traffic("fsdp", "all-gather", "w", 0.0, 1)
+    assert launch_latency(one, gather) == pytest.approx(3.6e-6 + 7 * 0.47e-6)
+    assert launch_latency(two, gather) == pytest.approx(3.6e-6 + 14 * 0.47e-6 + 2.7e-6)
+    reduce = Traffic("fsdp", "all-reduce", "g", 0.0, 1)
+    assert launch_latency(one, reduce) == pytest.approx(3.6e-6 + 14 * 0.47e-6)
+    many = Traffic("fsdp", "all-gather", "w", 1e6, 100)
+    assert traffic_time(one, many) == pytest.approx(1e6 / h100.fast_bandwidth + 100 * launch_latency(one, gather))
+    assert launch_latency(Layout(cfg, parse_mesh("fsdp=1", 1), h100), gather) == 0.0
 
 
 @pytest.mark.parametrize("pair", OUT_OF_SAMPLE + FRESH + MOE, ids=pair_id)
@@ -265,6 +291,27 @@ def test_cpu_emits_all_reduce_where_gpus_reduce_scatter():
     gpu = by_kind(comms.step_traffic(Layout(cfg, mesh, hardware.get("h100-80gb"))))
     assert "reduce-scatter" not in cpu and "reduce-scatter" in gpu
     assert gpu["reduce-scatter"] == pytest.approx(cpu["all-reduce"] / 2, rel=0.01)
+
+
+def test_bf16_reduction_halves_the_matrices_gradient_bytes():
+    """reduce.dtype=bfloat16 (implicit, bf16 compute): on a GPU the layers' matrices and the head reduce
+    their gradients in bf16 (half the bytes, the norms' stay float32), the same launches; XLA:CPU
+    promotes them back to float32, so the CPU entry's bytes do not move."""
+
+    def reductions(hw, dtype):
+        cfg = config.load(None, ["model.compute_dtype=bfloat16", f"reduce.dtype={dtype}"])
+        out = {t.what: t for t in comms.step_traffic(Layout(cfg, parse_mesh("fsdp=8", 8), hardware.get(hw)))}
+        return out["layer gradients"], out["head gradient"]
+
+    (layer32, head32), (layer16, head16) = reductions("h100-80gb", "float32"), reductions("h100-80gb", "bfloat16")
+    assert head16.bytes == head32.bytes / 2 and head16.count == head32.count
+    assert layer32.bytes / 2 < layer16.bytes < 0.51 * layer32.bytes and layer16.count == layer32.count
+    assert reductions("cpu", "bfloat16") == reductions("cpu", "float32")
+    from jaxdist.errors import JaxdistError
+    from jaxdist.reduce import registry
+
+    with pytest.raises(JaxdistError, match="with float32 compute nothing would change"):  # a no-op is refused
+        registry.check(config.load(None, ["model.compute_dtype=float32", "reduce.dtype=bfloat16"]), None)
 
 
 def test_70b_hand_checked():

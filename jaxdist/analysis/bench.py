@@ -56,7 +56,7 @@ def compile_only(cfg, mesh_text: str, hardware_name: str | None = None) -> dict:
         "platform": devices[0].platform,
         "flops_per_token": flops.flops_per_token(cfg.model),
         "compile_s": time.perf_counter() - t0,
-        **metrics.compiled_stats(compiled),
+        **metrics.compiled_stats(compiled, mesh),
         "pipeline": pipeline.describe(pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))),
     }
     record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
@@ -192,7 +192,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
         "flops_per_token": flops_tok,
         "compile_s": compile_s,
         "loss": float(m["loss"]),
-        **metrics.compiled_stats(compiled),
+        **metrics.compiled_stats(compiled, mesh),
     }
     stats = devices[0].memory_stats()  # None on CPU; on GPU the allocator's high-water mark
     if stats and "peak_bytes_in_use" in stats:

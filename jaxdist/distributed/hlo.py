@@ -316,6 +316,18 @@ def summarize(colls: list[Collective]) -> dict[str, dict[str, float]]:
     return {k: v for k, v in out.items() if v["count"]}
 
 
+def by_axes(colls: list[Collective], mesh_shape: dict[str, int], axis_order: tuple[str, ...]) -> dict[str, dict]:
+    """`summarize` per group of mesh axes a collective spans: {"fsdp": {kind: {"count", "bytes"}},
+    "dp+fsdp": {...}, ...} (axes in mesh order, joined by "+"; "none" for a collective over one device)."""
+    out: dict[str, dict] = {}
+    for c in per_step(colls):
+        axes = "+".join(a for a in axis_order if spans_axis(c, mesh_shape, axis_order, a)) or "none"
+        row = out.setdefault(axes, {}).setdefault(c.kind, {"count": 0, "bytes": 0.0})
+        row["count"] += c.count
+        row["bytes"] += c.count * c.sent_bytes
+    return out
+
+
 def spans_axis(c: Collective, mesh_shape: dict[str, int], axis_order: tuple[str, ...], axis: str) -> bool:
     """Whether a collective's groups communicate across `axis` (device ids laid out row-major
     over `axis_order`, as `jaxdist.distributed.mesh` builds single-host meshes)."""

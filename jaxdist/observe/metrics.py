@@ -90,10 +90,15 @@ def compiled_memory(compiled) -> dict | None:
     return out
 
 
-def compiled_stats(compiled) -> dict:
-    """Per-device memory (bytes, `compiled_memory`) and collectives (count, bytes sent per device)."""
-    text = compiled.as_text()
-    return {"bytes_per_device": compiled_memory(compiled) or {}, "collectives": hlo.summarize(hlo.collectives(text))}
+def compiled_stats(compiled, mesh=None) -> dict:
+    """Per-device memory (bytes, `compiled_memory`) and collectives (launches per step, bytes sent per
+    device) by kind; given the `mesh`, also by the mesh axes each spans (`collectives_by_axis`)."""
+    colls = hlo.collectives(compiled.as_text())
+    out = {"bytes_per_device": compiled_memory(compiled) or {}, "collectives": hlo.summarize(colls)}
+    if mesh is not None:
+        shape = {a: int(n) for a, n in mesh.shape.items()}
+        out["collectives_by_axis"] = hlo.by_axes(colls, shape, tuple(mesh.axis_names))
+    return out
 
 
 def _kept_on_resume(record: dict, resume_step: int) -> bool:

@@ -13,7 +13,8 @@ every backend):
   (one gather per layer per pass; with remat the recompute and the gradient share the backward's:
   jaxdist.parallel.matmul.gathered, an explicit gather whose copy is the recompute's residual; XLA
   never merges two all-gathers of one array, each having its own channel).
-- gradients: float32 (bf16 compute included), per layer, inside the backward scan (so once per
+- gradients: float32 (bf16 compute included; reduce.dtype=bfloat16 halves the layers' matrices and the
+  head on GPU/TPU, not on XLA:CPU, which promotes a bf16 all-reduce to float32), per layer, inside the backward scan (so once per
   accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
   reduce-scatter over fsdp, then all-reduce of the shard over dp. **XLA:CPU emits an all-reduce over fsdp instead of the reduce-scatter** (then slices),
   twice the bytes; we model each backend as it compiles.
@@ -69,7 +70,7 @@ from jaxdist.planner import lora
 from jaxdist.planner.context_traffic import context_traffic
 from jaxdist.planner.expert_traffic import expert_layer_bytes, expert_traffic
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
-from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer
+from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer, loss_plan
 from jaxdist.planner.optimizer_traffic import optimizer_traffic
 from jaxdist.planner.traffic import Traffic
 from jaxdist.reduce import registry
@@ -84,6 +85,10 @@ def step_traffic(lay: Layout) -> list[Traffic]:
         return t.out
     _layer_traffic(t)
     _table_traffic(t)
+    # One combined all-reduce of the step's scalar partial sums (each parameter array's squared-gradient
+    # sum for the norm, the loss sums: 23 float32 for the 125m model's 11 arrays, read in its HLO).
+    arrays = len(param_table(lay.cfg.model))
+    t.add("fsdp", "all-reduce", "step scalars (gradient norm, loss sums)", 4 * (2 * arrays + 1), 1, n=lay.devices)
     if lay.cp > 1:
         t.out += context_traffic(lay, t.layer_steps)
     if lay.mesh["pp"] > 1:
@@ -107,23 +112,31 @@ class _Tally:
         pass_batch = lay.cfg.train.global_batch // (lay.batch_shards * self.passes)  # rows per device per pass
         self.rows = pass_batch * self.T
         self.frozen = lora.enabled(lay)  # LoRA: only the adapters have gradients
+        # reduce.dtype=bfloat16 on the implicit path halves the matrices' gradient reductions under bf16
+        # compute; XLA:CPU's all-reduce promotion pass runs them in float32 again (read in its HLO)
+        bf16 = lay.cfg.reduce.dtype == "bfloat16" and lay.compute_dtype == "bfloat16" and lay.hw.backend != "cpu"
+        self.grad_scale = 0.5 if implicit and bf16 else 1.0
 
-    def add(self, axis, kind, what, full_bytes, count, n=None):
+    def add(self, axis, kind, what, full_bytes, count, n=None, tensors=1):
+        """`count` times a collective over `full_bytes` in all, launched as `tensors` collectives each
+        time (one per array: the launches a GPU pays latency for), over `n` devices (the axis's size)."""
         n = self.mesh[axis] if n is None else n
         if n > 1 and count:
-            self.out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count))
+            self.out.append(Traffic(axis, kind, what, count * ring_bytes(kind, n, full_bytes), count * tensors, n))
 
-    def reduce_grads(self, what, full_bytes, count_fsdp, count_dp):
+    def reduce_grads(self, what, full_bytes, count_fsdp, count_dp, tensors=1):
         """Gradients are reduced over every axis that splits tokens, fsdp x cp (labelled fsdp, as the
         weights gathered over mesh.rules.embed: the ZeRO traffic that overlaps compute; its link spans
         fsdp x cp x tp devices, see link_bandwidth), then ep, then dp."""
         lay, ep, group = self.lay, self.mesh["ep"], self.mesh["fsdp"] * self.lay.cp
         if lay.hw.backend == "cpu":  # one all-reduce over the batch group (fsdp x cp, and ep)
-            self.add("fsdp" if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=group * ep)
+            self.add(
+                "fsdp" if ep == 1 else "ep", "all-reduce", what, full_bytes, count_fsdp, n=group * ep, tensors=tensors
+            )
         else:
-            self.add("fsdp", "reduce-scatter", what, full_bytes, count_fsdp, n=group)
-            self.add("ep", "all-reduce", what, full_bytes / group, count_fsdp)
-        self.add("dp", "all-reduce", what, full_bytes / lay.weight_shards, count_dp)
+            self.add("fsdp", "reduce-scatter", what, full_bytes, count_fsdp, n=group, tensors=tensors)
+            self.add("ep", "all-reduce", what, full_bytes / group, count_fsdp, tensors=tensors)
+        self.add("dp", "all-reduce", what, full_bytes / lay.weight_shards, count_dp, tensors=tensors)
 
 
 def _layer_traffic(t: _Tally) -> None:
@@ -142,6 +155,8 @@ def _layer_traffic(t: _Tally) -> None:
         # Without remat the norms' explicitly gathered scales (parallel/matmul.gathered) are the backward's
         # residuals: gathered once, in the forward
         norms = gathered_per_layer(lay, lambda g: "norm" in g.path) if m.remat == "none" and not t.frozen else 0
+        # one all-gather per array (parallel/matmul.gathered: XLA combines none of them)
+        arrays = _gathered_arrays(lay, lambda g: not norms or "norm" not in g.path)
         t.add(
             "fsdp",
             "all-gather",
@@ -149,20 +164,52 @@ def _layer_traffic(t: _Tally) -> None:
             (layer - norms) * gather,
             passes_ * t.layer_steps,
             n=lay.weight_shards,
+            tensors=arrays,
         )
         if norms:
-            t.add("fsdp", "all-gather", "layer norm scales (fwd)", norms * gather, t.layer_steps, n=lay.weight_shards)
+            arrays = _gathered_arrays(lay, lambda g: "norm" in g.path)
+            t.add(
+                "fsdp",
+                "all-gather",
+                "layer norm scales (fwd)",
+                norms * gather,
+                t.layer_steps,
+                n=lay.weight_shards,
+                tensors=arrays,
+            )
     else:
         _staged_layer_gathers(t, layer, gather)
     if t.frozen:
         _adapter_traffic(t)
     else:  # gradients are reduced where they are produced, inside the scans
-        t.reduce_grads("layer gradients", layer, t.layer_steps, t.layer_steps if t.every_pass else m.num_layers // pp)
+        norms = gathered_per_layer(lay, lambda g: "norm" in g.path)  # float32 whatever reduce.dtype
+        grads = (layer - norms) * t.grad_scale + norms
+        t.reduce_grads("layer gradients", grads, t.layer_steps, t.layer_steps if t.every_pass else m.num_layers // pp)
     per_layer_tp = 7 + (2 if pp > 1 else int(m.remat == "full"))  # + the recomputed forward ones
     activations = lay.micro_batch * t.T * m.d_model * lay.act_bytes
-    t.add("tp", "all-reduce", "layer activations", activations, per_layer_tp * t.layer_steps)
+    # launched as 2 forward and 2 backward collectives per layer (XLA combines the backward's input
+    # gradients of q, k, v and of gate, up into one all-reduce each), + the recomputed forward ones
+    launches = 4 + (2 if pp > 1 else int(m.remat == "full"))
+    t.add(
+        "tp",
+        "all-reduce",
+        "layer activations",
+        per_layer_tp * activations,
+        t.layer_steps,
+        tensors=launches,
+    )
     if experts:
         expert_traffic(lay, t.add, experts, t.layer_steps, implicit=t.every_pass)
+
+
+def _gathered_arrays(lay: Layout, keep) -> int:
+    """Arrays of one (dense) layer that `keep` selects and that the fsdp all-gather splits: each is its
+    own all-gather per pass."""
+    return sum(
+        1
+        for g in param_table(lay.cfg.model)
+        if g.role == "layer" and "expert" not in g.names and lay.shards(g) > lay.tp_shards(g) and keep(g)
+    )
 
 
 def _staged_layer_gathers(t: _Tally, layer: float, gather: float) -> None:
@@ -209,13 +256,26 @@ def _table_traffic(t: _Tally) -> None:
         gathers = 2 if m.tie_embeddings and tp > 1 else 1
         t.add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
         t.add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
-    else:  # jaxdist.parallel.loss: every block gathered forward and again for the backward's recompute
+    else:  # jaxdist.parallel.loss: every chunk of blocks gathered forward and again for the backward
         blocks = head_full * lay.act_bytes / PARAM_BYTES
-        t.add("fsdp", "all-gather", "head weight blocks (fwd + bwd)", blocks, 2 * head_passes, n=lay.weight_shards)
+        rows_per_block = block_rows(m.vocab_size, tp, rows, D, m.loss_block)
+        nb = m.vocab_size // (tp * rows_per_block)
+        chunks = nb // loss_plan(lay, rows, rows_per_block).chunk
+        t.add(
+            "fsdp",
+            "all-gather",
+            "head weight chunks (fwd + bwd)",
+            blocks,
+            2 * head_passes,
+            n=lay.weight_shards,
+            tensors=chunks,
+        )
         t.add("tp", "all-reduce", "head input gradient (float32)", rows * D * PARAM_BYTES, passes)
         t.add("tp", "all-reduce", "log-sum-exp statistics", rows * 3 * PARAM_BYTES, passes)
-    if not t.frozen:
-        t.reduce_grads("head gradient", head_full, passes, t.dp_syncs)
+    if not t.frozen:  # each block's gradient is reduced in the backward's block loop (blockwise)
+        per_block = nb if m.loss_impl != "naive" else 1
+        scale = t.grad_scale if m.loss_impl != "naive" else 1.0  # the naive head's gradient is not weight_grad's
+        t.reduce_grads("head gradient", head_full * scale, passes, t.dp_syncs, tensors=per_block)
     norm = tables["norm"]
     norm_gathers = 1 if m.remat == "none" and not t.frozen else 2  # without remat, kept for the backward
     t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, norm_gathers, n=lay.weight_shards)

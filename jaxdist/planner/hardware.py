@@ -6,6 +6,14 @@ Figures are vendor datasheet numbers (dense, no sparsity) and, for TPUs, the JAX
 what one device can push into a ring: NVLink 4 (H100/H200) is 900 GB/s bidirectional = 450 GB/s out;
 an 8-GPU node with one 400 Gb/s NIC per GPU gives 50 GB/s per GPU across nodes. On a TPU torus a ring
 along one axis uses both directions of one link pair (scaling book: W_ici bidirectional).
+
+Collective latency (`latency_s` + steps x `hop_*_s`, per launch): GPUs take NCCL's own tuning model for
+a ring in its small-message protocol (LL), the regime where launches rather than bytes decide
+(NVIDIA/nccl src/graph/tuning.cc, `baseLat` / `hwLat`, Ring/LL: 3.6 us per collective, 0.47 us per
+NVLink step, 2.7 us per network step); its large-message protocol (Simple: 8.4 + 3.4 / 9.6 us) is
+slower to start but then bandwidth-bound, where this term no longer matters. TPUs: about 1 us per ICI
+hop (the JAX scaling book's sharding chapter); launch and DCN step values are assumptions (5 us,
+25 us), not measured. The CPU entry's figures are this machine's rough scale, for relative numbers.
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ class Hardware:
     fast_bandwidth: float  # bytes/s per device inside a node (NVLink) or a TPU slice (ICI)
     slow_bandwidth: float  # bytes/s per device between nodes (InfiniBand / DCN)
     devices_per_node: int  # devices sharing the fast links (a GPU node; a TPU slice)
-    latency_s: float  # per-collective launch/latency cost (alpha of the alpha-beta model)
+    latency_s: float  # per-collective launch cost, whatever its size (the alpha of the alpha-beta model)
     flash_attention: bool  # attention without a materialised T x T matrix (cuDNN on GPUs)
     backend: str  # "gpu" | "tpu" | "cpu": decides which collectives XLA emits
     matmul_efficiency: float = 0.7  # fraction of peak that large matmuls reach in practice
     note: str = ""
     host_bandwidth: float = 0.0  # bytes/s per device and direction to host memory (PCIe, NVLink-C2C); 0 unknown
+    hop_fast_s: float = 0.0  # added per ring step on the fast links (a ring of n: n-1 steps, all-reduce 2(n-1))
+    hop_slow_s: float = 0.0  # added per ring step that crosses nodes / slices (the slow network)
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
@@ -46,11 +56,13 @@ def _gpu(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, note, host=63e9, per_node=8)
         nvlink,
         ib,
         per_node,
-        10e-6,
+        3.6e-6,  # NCCL Ring/LL base latency
         True,
         "gpu",
         note=note,
         host_bandwidth=host,
+        hop_fast_s=0.47e-6,  # NCCL Ring/LL, NVLink
+        hop_slow_s=2.7e-6,  # NCCL Ring/LL, network
     )
 
 
@@ -139,6 +151,8 @@ HARDWARE: dict[str, Hardware] = {
         False,
         "tpu",
         note="TPU v5e, 2D torus ICI up to 256 chips, DCN beyond",
+        hop_fast_s=1e-6,
+        hop_slow_s=25e-6,
     ),
     "tpu-v5p": Hardware(
         "tpu-v5p",
@@ -152,6 +166,8 @@ HARDWARE: dict[str, Hardware] = {
         False,
         "tpu",
         note="TPU v5p, 3D torus ICI up to 8960 chips, DCN beyond",
+        hop_fast_s=1e-6,
+        hop_slow_s=25e-6,
     ),
     # This machine class: 2 cores shared by the simulated devices (XLA fp32 matmul ~120 GFLOP/s in all),
     # "links" are memory copies. Good for relative numbers only.
