@@ -264,3 +264,19 @@ def test_a_mixture_trains_evaluates_per_source_and_resumes_each_source(corpus, t
         loader_mod.Loader.set_state = original
     assert seen["sources"] == {"web": 8, "code": 5, "math": 3}  # 2 steps of 8 rows at 0.5 / 0.3 / 0.2
     assert seen["next"] == [(2, 3 + i) for i in range(8)]  # math only, from its 4th window on
+
+
+def test_a_resume_on_changed_source_files_is_refused_unless_accepted(corpus, tmp_path):
+    from jaxdist.data import corpus as corpus_mod
+
+    cfg = mix_cfg(corpus)
+    meta = {"corpus": corpus_mod.fingerprint(cfg)}
+    assert meta["corpus"]["files"] == 3 and meta["corpus"]["bytes"] == 2 * sum(SIZES.values())
+    corpus_mod.check_unchanged(meta, cfg, tmp_path, frozenset())  # the same files: fine
+    (tmp_path / "more.bin").write_bytes(b"\0\0" * 100)
+    more = cfg.replace(
+        data=dict(sources=[*cfg.to_dict()["data"]["sources"], {"name": "more", "path": str(tmp_path / "more.bin")}])
+    )
+    with pytest.raises(JaxdistError, match="on a corpus that changed since it was saved \\(3 files"):
+        corpus_mod.check_unchanged(meta, more, tmp_path, frozenset())
+    corpus_mod.check_unchanged(meta, more, tmp_path, frozenset({"data.sources"}))

@@ -64,7 +64,7 @@ def fingerprint(cfg) -> dict:
 def check_unchanged(meta: dict, cfg, where: Path, allowed: frozenset[str]) -> None:
     """Refuse a resume whose corpus differs from the one the checkpoint was trained on."""
     saved = meta.get("corpus")
-    if not saved or allowed & {ALLOW, "data.path", "data.source"}:  # a new corpus was accepted by name
+    if not saved or allowed & {ALLOW, "data.path", "data.source", "data.sources"}:  # a new corpus accepted by name
         return
     try:
         now = fingerprint(cfg)
