@@ -102,6 +102,17 @@ FAMILIES = {  # fixture name -> (architecture, config fields)
          "sliding_window_pattern": 2, "query_pre_attn_scalar": 24, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
          "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "pad_token_id": 0},
     ),
+    # DeepSeek-V3: 3 layers, the first dense; MLA with q and kv low rank (q 24, kv 16), rotary key 4
+    # shared over heads, nope 8 and v 6 (all different), interleaved rotary; 8 experts in 4 groups, 2 groups
+    # kept, top-3 (so the group limit changes choices), one shared expert, routed_scaling 2.5, random e_score_correction_bias (selection only).
+    "hf_deepseek_v3": (
+        "DeepseekV3",
+        {**{k: v for k, v in SMALL.items() if k != "head_dim"}, "hidden_size": 32, "num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 64,
+         "moe_intermediate_size": 16, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+         "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+         "num_experts_per_tok": 3, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+         "first_k_dense_replace": 1, "rope_interleave": True, "num_mtp_layers": 0},
+    ),
 }  # fmt: skip
 CONFIG_CLASS = {"Gemma3": "Gemma3TextConfig"}  # Gemma3Config is the multimodal one
 
@@ -116,6 +127,9 @@ def build(fields: dict, seed: int, arch: str = "Llama"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: a buffer, used in the top-k only
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 
@@ -237,7 +251,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check-export", action="store_true", help="also load jaxdist's exports with transformers")
     p.add_argument(
-        "--only", default="", help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma3)"
+        "--only",
+        default="",
+        help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma3, deepseek_v3)",
     )
     args = p.parse_args()
     torch.set_default_dtype(torch.float32)

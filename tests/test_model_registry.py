@@ -28,6 +28,21 @@ SHAPES = {  # family -> a small model of it (the MoE ones with experts)
     "mixtral": {"moe_experts": 4, "moe_topk": 2},
     "qwen3_moe": {"qk_norm": True, "moe_experts": 4, "moe_topk": 2, "moe_every": 2, "moe_mlp_dim": 32},
     "gemma3": {"qk_norm": True, "sliding_window": 4, "sliding_window_pattern": 2, "tie_embeddings": True},
+    "deepseek_v3": {
+        "mla_q_rank": 16,
+        "mla_kv_rank": 16,
+        "mla_nope_dim": 8,
+        "mla_rope_dim": 4,
+        "mla_v_dim": 8,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_router": "sigmoid",
+        "moe_groups": 2,
+        "moe_topk_groups": 1,
+        "moe_shared_experts": 1,
+        "moe_mlp_dim": 32,
+        "dense_layers": 1,
+    },  # fmt: skip
 }
 
 

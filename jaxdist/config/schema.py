@@ -44,7 +44,7 @@ class ModelConfig:
     rope_high_freq_factor: PositiveFloat = 4.0  # llama3: high_freq_factor
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3"] = (
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3", "deepseek_v3"] = (
         "llama"  # architecture and Hugging Face family (models/registry.py); the decoder's switches set its math
     )
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
@@ -57,6 +57,21 @@ class ModelConfig:
         0.0  # gemma3: rotary base of the windowed layers (rope_local_base_freq); 0 = rope_theta
     )
     query_pre_attn_scalar: NonNegativeFloat = 0.0  # gemma3: attention scores x query_pre_attn_scalar^-1/2; 0 = head_dim
+    mla_q_rank: NonNegative = 0  # deepseek_v3: query low rank (q_lora_rank), normed; 0 = one full q projection
+    mla_kv_rank: NonNegative = 0  # deepseek_v3: compressed key/value latent width (kv_lora_rank), the cached part
+    mla_nope_dim: NonNegative = 0  # deepseek_v3: per-head query/key width without rotary (qk_nope_head_dim)
+    mla_rope_dim: NonNegative = (
+        0  # deepseek_v3: rotary query width per head and the one shared rotary key (qk_rope_head_dim)
+    )
+    mla_v_dim: NonNegative = 0  # deepseek_v3: per-head value width (v_head_dim)
+    rope_interleave: bool = False  # deepseek_v3: rotary pairs are adjacent dims (x0, x1), not the two halves
+    dense_layers: NonNegative = 0  # deepseek_v3: the first n layers have a dense MLP (first_k_dense_replace)
+    moe_groups: NonNegative = (
+        0  # deepseek_v3: experts in n groups; a token picks from moe_topk_groups of them (n_group)
+    )
+    moe_topk_groups: NonNegative = 0  # deepseek_v3: groups kept per token, ranked by their 2 best scores (topk_group)
+    moe_routed_scale: PositiveFloat = 1.0  # deepseek_v3: routed experts' gates x this (routed_scaling_factor)
+    moe_bias_rate: NonNegativeFloat = 0.0  # deepseek_v3: aux-loss-free balancing, the selection bias moves this much per step against each expert's load (0 = frozen)
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     remat: Literal["none", "full", "dots_saveable", "offload_dots"] = (

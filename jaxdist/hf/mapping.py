@@ -91,6 +91,7 @@ SHAPE_KEYS = (
     "rope_high_freq_factor",
     "rope_original_max_len",
     *families.fields_of(ModelConfig()),
+    *registry.OWNED,  # an architecture's own fields (DeepSeek-V3's ranks, Gemma 3's pattern)
 )  # fields config.json decides
 
 
@@ -280,11 +281,16 @@ class Tensor:
     experts: bool = False  # one HF tensor per expert: our leading (per-layer) dim is the expert
     every: int = 1  # stacked entry g is HF layer g * every + offset (model.moe_every > 1 groups)
     offset: int = 0
+    depth: int = 0  # stacked entries (0: model.stack_depth; an architecture with two stacks says)
+    shape: tuple = ()  # one layer's jaxdist shape (): the shared table (tensors.layer_shape)
 
 
 def tensors(m: ModelConfig) -> list[Tensor]:
     """Every parameter of the model, in HF's file order."""
-    layer = registry.of(m).hf_layer  # one layer's tensors: the architecture's entry
+    arch = registry.of(m)
+    if arch.hf_tensors is not None:  # an architecture with its own layout (several stacks)
+        return [Tensor(**t) for t in arch.hf_tensors(m)]
+    layer = arch.hf_layer  # one layer's tensors: the architecture's entry
     out = [Tensor(("embed_VD",), "model.embed_tokens.weight", 0, False)]
     n = m.moe_every if m.moe_experts else 1
     for j in range(n):  # n > 1: the scanned unit holds n layers (models/llama.py SparseGroup)

@@ -140,6 +140,8 @@ class Weights:
 
 def layer_shape(t: mapping.Tensor, m: ModelConfig) -> tuple[int, ...]:
     """The jaxdist shape of one layer of `t` (no stacking dims; one expert's for per-expert tensors)."""
+    if t.shape:
+        return tuple(t.shape)
     D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
     if t.path[-2:] in (("q_norm", "scale"), ("k_norm", "scale")):
         return (H,)
@@ -164,7 +166,7 @@ def names(t: mapping.Tensor, m: ModelConfig) -> list[str]:
     if not t.stacked:
         return [t.hf]
     experts = range(m.moe_experts) if t.experts else [0]
-    return [t.hf.format(i=g * t.every + t.offset, e=e) for g in range(m.stack_depth) for e in experts]
+    return [t.hf.format(i=g * t.every + t.offset, e=e) for g in range(t.depth or m.stack_depth) for e in experts]
 
 
 def read_block(sl, idx: tuple[slice, ...], shape: tuple[int, ...], n_in: int) -> np.ndarray:

@@ -63,10 +63,10 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
         S = P + new_tokens
         slots_S = jnp.arange(S)
         valid_BS = slots_S[None, :] >= pad_B[:, None]  # padding never attended to
-        cache = jnp.zeros((m.num_layers, B, S, m.num_kv_heads, m.head_dim), dtype)
+        cache_k, cache_v = model.empty_cache(B, S, dtype)  # the architecture's (MLA: the latent)
         positions_BP = jnp.maximum(jnp.arange(P)[None, :] - pad_B[:, None], 0)
         mask_BPS = valid_BS[:, None, :] & (slots_S[None, None, :] <= jnp.arange(P)[None, :, None])
-        logits_BPV, ck, cv = model.decode(tokens_BP, positions_BP, cache, cache, 0, mask_BPS)
+        logits_BPV, ck, cv = model.decode(tokens_BP, positions_BP, cache_k, cache_v, 0, mask_BPS)
         keys = jax.random.split(key, new_tokens)
         token_B, logp_B = sample(logits_BPV[:, -1], keys[0], temperature, top_p)
 

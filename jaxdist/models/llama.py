@@ -314,6 +314,12 @@ class Llama(nnx.Module):
         out = self.head(x_BTD) if features else self.logits(x_BTD)
         return out if aux is None else (out, self.combine_aux(aux))
 
+    def empty_cache(self, batch: int, slots: int, dtype):
+        """The (k, v) caches `decode` fills: (L, B, S, K, H) each."""
+        m = self.cfg
+        cache = jnp.zeros((m.num_layers, batch, slots, m.num_kv_heads, m.head_dim), dtype)
+        return cache, cache
+
     def decode(self, tokens_BT, positions_BT, cache_k_LBSKH, cache_v_LBSKH, index, mask_BTS):
         """KV-cache forward of a chunk of tokens (the prompt, then one token at a time) written at cache
         slot `index`: -> (logits_BTV, new caches). The caches are stacked by layer like the weights."""

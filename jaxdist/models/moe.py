@@ -95,10 +95,11 @@ class MoE(nnx.Module):
         self.factor = None if cfg.moe_dispatch == "dropless" else cfg.moe_capacity_factor
         self.weights = (cfg.moe_aux_weight, cfg.moe_z_weight)
 
-    def __call__(self, x_BTD):
-        """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`)."""
+    def __call__(self, x_BTD, route_fn=None):
+        """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`). `route_fn`: another
+        router's (logits_BTE -> (ids, gates)), e.g. DeepSeek-V3's group-limited one (models/deepseek3.py)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
-        route_fn = functools.partial(route, topk=self.topk, router=self.router, norm=self.norm_topk)
+        route_fn = route_fn or functools.partial(route, topk=self.topk, router=self.router, norm=self.norm_topk)
         y_BTD, dropped_B, counts_BE = expert_ffn(
             x_BTD,
             logits_BTE,
@@ -149,6 +150,7 @@ def metrics_from_sums(stats: dict, count) -> dict:
         "moe_dropped": stats["moe_dropped"],
         "moe_dropped_fraction": stats["moe_dropped"] / assignments,
         "moe_load_cv": cv,
+        "moe_load_LE": load_LE,  # per layer and expert: the training step takes it out (Architecture.after_step)
     }
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
-from jaxdist.models import decoder_hf, gemma3_hf
+from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf
 
 # Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
 COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
@@ -44,6 +44,9 @@ class Architecture:
     hf_layer: Callable  # (ModelConfig, sparse) -> [(path in the unit, HF name with {i}/{e}, n_in, per expert)]
     attention_flops: Callable  # ModelConfig -> attention FLOPs per token, forward + backward
     check: Callable = _no_check  # (Config, mesh axis sizes) -> None, or a one-line JaxdistError
+    hf_tensors: Callable | None = None  # ModelConfig -> every tensor (hf.mapping.Tensor fields); None: from hf_layer
+    # (ModelConfig, params, expert loads (L, E)) -> params: a non-gradient update after the optimizer's
+    after_step: Callable | None = None
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -116,7 +119,33 @@ GEMMA3 = Architecture(
     check=_gemma3_check,
 )
 
-ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3)}
+
+DEEPSEEK_V3 = Architecture(
+    name="deepseek_v3",
+    hf=(deepseek3_hf.FAMILY,),
+    fields=(
+        "mla_q_rank",
+        "mla_kv_rank",
+        "mla_nope_dim",
+        "mla_rope_dim",
+        "mla_v_dim",
+        "rope_interleave",
+        "dense_layers",
+        "moe_groups",
+        "moe_topk_groups",
+        "moe_routed_scale",
+        "moe_bias_rate",
+    ),  # fmt: skip
+    module="jaxdist.models.deepseek3",
+    axes=COMMON_AXES | {"expert"},
+    hf_layer=deepseek3_hf.layer_tensors,
+    attention_flops=deepseek3_rules.attention_flops,
+    check=deepseek3_rules.check,
+    hf_tensors=deepseek3_hf.tensors,
+    after_step=deepseek3_rules.after_step,
+)
+
+ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3)}
 BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
 FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
 OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}

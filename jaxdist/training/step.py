@@ -26,6 +26,7 @@ from jaxdist.config import Config
 from jaxdist.distributed import offload, sharding
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
+from jaxdist.models import registry as models_registry
 from jaxdist.models.attention import document_segments
 from jaxdist.models.resolve import ResolvedModel, compute_dtype, make_model, resolve  # noqa: F401 (re-exported)
 from jaxdist.objectives import registry as objectives
@@ -236,6 +237,7 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_devic
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
+        load_LE = extra.pop("moe_load_LE", None) if isinstance(extra, dict) else None  # MoE loads: not logged
         if cfg.offload.optimizer == "host":  # stream it in for the update only; out_shardings send it back
             state = dataclasses.replace(state, opt_state=jax.device_put(state.opt_state, on_device["opt_state"]))
         if cfg.offload.params == "host":  # likewise the parameters (and their gradients, host after the scan)
@@ -245,6 +247,9 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_devic
         trained = trained_part(cfg, state.params)  # LoRA: the adapters; the frozen base passes through
         updates, opt_state = tx.update(grads, state.opt_state, trained)
         params = optax.apply_updates(trained, updates)
+        after = models_registry.of(cfg.model).after_step
+        if after is not None and load_LE is not None:  # a non-gradient update (DeepSeek-V3's balancing bias)
+            params = after(cfg.model, params, load_LE)
         if cfg.lora.rank:
             params = adapters.combine(params, adapters.frozen(state.params))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -1,0 +1,250 @@
+"""DeepSeek-V3 (models/deepseek3.py) against transformers' DeepseekV3ForCausalLM: `tests/fixtures/hf_deepseek_v3/`
+was made by transformers (scripts/make_hf_fixture.py --only deepseek_v3): 3 layers, the first dense, MLA with
+q and kv low rank, interleaved rotary, 8 experts in 4 groups (2 kept), top-3, a shared expert, random
+norms and a random e_score_correction_bias. torch is not needed here.
+
+- logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2;
+- greedy generation over the latent cache gives transformers' tokens exactly;
+- export -> the fixture's files bit for bit, and import of the export bit for bit;
+- the selection bias and the group limit are not vacuous; what is not supported is one line each;
+- the auxiliary-loss-free bias update moves load toward balance (a flipped sign does not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxdist import config
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.errors import JaxdistError
+from jaxdist.hf import export, mapping, tensors
+from jaxdist.inference import decode
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_deepseek_v3"
+SHARDED = "fsdp=2,ep=2,tp=2"
+REF = np.load(FIXTURE / "reference.npz")
+
+
+def imported(mesh_text: str, overrides=(), devices=None):
+    cfg = mapping.hf_config(None, list(overrides), FIXTURE, mesh_text)
+    mesh = mesh_from_string(mesh_text, devices)
+    params, model = tensors.import_params(FIXTURE, cfg, mesh)
+    return cfg, mesh, params, model
+
+
+def flat(params) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+@jax.jit(static_argnums=0)
+def _apply(graphdef, params, tokens):
+    return nnx.merge(graphdef, params)(tokens)
+
+
+def forward(model, params, mesh, tokens):
+    """(logits, aux): one compiled program per (graphdef, mesh), shared by the tests."""
+    with sharding.activate(mesh, model.rules):
+        logits, aux = _apply(model.graphdef, params, tokens)
+    return np.asarray(logits), aux
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return imported(SHARDED)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return imported("fsdp=1", devices=jax.devices()[:1])
+
+
+def test_logits_match_transformers_one_device_and_sharded(sharded, one_device):
+    cfg, mesh, params, model = sharded
+    m = cfg.model
+    assert (m.family, m.dense_layers, m.moe_groups, m.moe_topk_groups, m.mla_q_rank, m.mla_kv_rank) == (
+        "deepseek_v3",
+        1,
+        4,
+        2,
+        24,
+        16,
+    )
+    diff = np.abs(forward(model, params, mesh, REF["sequences"])[0] - REF["logits"]).max()
+    one = np.abs(forward(one_device[3], one_device[2], one_device[1], REF["sequences"])[0] - REF["logits"]).max()
+    print(f"deepseek_v3: max |logit diff| one device {one:.3g}, {SHARDED} {diff:.3g}")
+    assert one <= 1e-4 and diff <= 1e-4
+    w = [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if "w_gate_EDF" in jax.tree_util.keystr(p)]
+    assert w and all(a.sharding.spec[-3] == "ep" for a in w)  # each device holds its experts only
+
+
+def test_greedy_generation_over_the_latent_cache_matches_transformers(sharded):
+    cfg, mesh, params, model = sharded
+    prompts = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
+    new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(REF["greedy0"]))
+    for k in (0, 1):
+        assert new[k].tolist() == REF[f"greedy{k}"].tolist()
+        assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4
+    # The cache decode fills is the latent: kv_rank + rope numbers per token and layer, not N (nope + rope + v).
+    from jaxdist.models import deepseek3
+
+    ck, cv = nnx.eval_shape(lambda: nnx.merge(model.graphdef, params)).empty_cache(2, 7, jnp.float32)
+    assert ck.shape == (3, 2, 7, 16) and cv.shape == (3, 2, 7, 4)
+    assert deepseek3.cache_bytes_per_token(cfg.model, 4) == (3 * 20 * 4, 3 * 4 * (8 + 4 + 6) * 4)
+
+
+def test_export_is_the_fixture_bit_for_bit(sharded, tmp_path):
+    cfg, mesh, params, _ = sharded
+    export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
+    original, exported = load_file(str(FIXTURE / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(original) == sorted(exported)
+    assert all(np.array_equal(original[k], exported[k]) for k in original)
+    assert mapping.model_fields(tmp_path) == mapping.model_fields(FIXTURE)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["DeepseekV3ForCausalLM"] and written["model_type"] == "deepseek_v3"
+    again, _ = tensors.import_params(tmp_path, cfg, mesh)
+    a, b = flat(params), flat(again)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_selection_bias_and_group_limit_are_not_vacuous(one_device):
+    """Without the fixture's correction bias the logits are far off; on transformers' own router logits
+    of the fixture's sequences, the group limit and the bias change which experts are chosen."""
+    from jaxdist.models.deepseek3 import route
+
+    cfg, mesh, params, model = one_device
+    biases = [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if "e_bias_E" in jax.tree_util.keystr(p)]
+    zero = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if "e_bias_E" in jax.tree_util.keystr(p) else x, params
+    )
+    assert np.abs(forward(model, zero, mesh, REF["sequences"])[0] - REF["logits"]).max() > 1e-2
+    m, logits_LNE, bias_LE = cfg.model, jnp.asarray(REF["router_logits"]), np.asarray(biases[0])
+    pick = lambda groups, kept, b: np.sort(
+        np.stack([route(logits_LNE[i][None], jnp.asarray(b[i]), m.moe_topk, groups, kept, 1.0, True)[0][0]
+                  for i in range(len(b))]), axis=-1)  # fmt: skip
+    limited = pick(4, 2, bias_LE)
+    assert (limited != pick(4, 4, bias_LE)).any(-1).mean() > 0.05  # the group limit decides for some tokens
+    assert (limited != pick(4, 2, 0 * bias_LE)).any(-1).mean() > 0.05  # and so does the bias
+
+
+def write_config(tmp_path, **edit):
+    raw = {**json.loads((FIXTURE / "config.json").read_text()), **edit}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"num_nextn_predict_layers": 1}, "multi-token prediction"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantise"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "rope_theta": 1e4}}, "yarn"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+    ],
+)
+def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
+    with pytest.raises(JaxdistError, match=named) as e:
+        mapping.model_fields(write_config(tmp_path, **edit))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=deepseek_v3"),
+        (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=deepseek_v3"),
+        (["lora.rank=4"], "lora.rank"),
+        (["model.moe_groups=3"], "moe_groups=3"),
+        (["model.rope_scaling=llama3"], "rope_scaling"),
+    ],
+)
+def test_refusals_are_one_line(overrides, named):
+    from jaxdist.models import registry
+
+    model = mapping.model_overrides(overrides)
+    cfg = mapping.apply(config.load(None, [o for o in overrides if not o.startswith("model.")]), FIXTURE)
+    cfg = cfg.replace(model=model)
+    mesh = mesh_from_string(cfg.mesh.shape)
+    with pytest.raises(JaxdistError, match=named) as e:
+        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
+    assert "\n" not in str(e.value)
+
+
+RATE, STEPS = 0.02, 6
+
+
+@pytest.fixture(scope="module")
+def bias_run(tmp_path_factory):
+    """The fixture trained on one skewed batch (a few repeated tokens) on fsdp=4,ep=2 with a tiny learning
+    rate (the weights hardly move; the selection biases do, by RATE per step): (program, compiled step,
+    states per step, load CV per step, batch)."""
+    from jaxdist.training import step
+
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.bin"  # for the checkpoint's loader state
+    np.tile(np.arange(128), 40).astype(np.uint16).tofile(tokens)
+    overrides = [f"data.path={tokens}", "data.source=tokens", "model.seq_len=16", "train.global_batch=8", "optim.lr=1e-9", "optim.warmup_steps=0",
+                 f"model.moe_bias_rate={RATE}", "mesh.shape=fsdp=4,ep=2"]  # fmt: skip
+    cfg = mapping.apply(config.load(None, overrides), FIXTURE)
+    prog = step.build_program(cfg, mesh_from_string("fsdp=4,ep=2"))
+    params, _ = tensors.import_params(FIXTURE, cfg, prog.mesh, prog.rules)
+    state = prog.state_from_params(params)
+    batch = np.tile(np.array([5, 9, 5, 17, 5, 9], np.int32), 30)[: 8 * 17].reshape(8, 17)
+    batch = jax.device_put(batch, prog.batch_sharding)
+    shape = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=prog.batch_sharding)
+    compiled = prog.train_step.lower(prog.abstract_state, shape).compile()
+    states, cvs = [state], []
+    for _ in range(STEPS):  # the step donates its input state: each kept state is a copy
+        state, metrics = compiled(jax.tree.map(lambda x: x.copy(), state), batch)
+        states.append(state)
+        cvs.append(float(metrics["moe_load_cv"]))
+    return prog, compiled, states, cvs, batch
+
+
+def biases(state):
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+    return next(np.asarray(a) for p, a in leaves if "e_bias_E" in jax.tree_util.keystr(p))
+
+
+def test_bias_update_moves_load_toward_balance(bias_run):
+    """DeepSeek-V3 §2.1.2: after each step b_e -= rate * sign(load_e - mean load), per MoE layer. On a
+    skewed batch the load's coefficient of variation falls (a flipped sign raises it)."""
+    from jaxdist.models.deepseek3 import balance_bias
+
+    _, _, states, cvs, _ = bias_run
+    load = jnp.array([[6.0, 1.0, 2.0, 3.0]])  # mean 3: overloaded down, underloaded up, at the mean kept
+    assert balance_bias(jnp.zeros((1, 4)), load, 0.5).tolist() == [[-0.5, 0.5, 0.5, 0.0]]
+    step_LE = biases(states[1]) - biases(states[0])  # a sign step: -rate, 0 (at the mean) or +rate per expert
+    assert np.isclose(np.abs(step_LE), RATE, atol=1e-7).mean() > 0.5
+    assert np.all(np.isclose(np.abs(step_LE), RATE, atol=1e-7) | np.isclose(step_LE, 0, atol=1e-7))
+    assert np.abs(biases(states[-1]) - biases(states[0])).max() <= STEPS * RATE + 1e-6
+    print(f"deepseek_v3 aux-free bias update (rate {RATE}): load CV by step {[round(c, 3) for c in cvs]}")
+    assert cvs[-1] < 0.8 * cvs[0]
+
+
+def test_bias_is_checkpointed_and_resumes_exactly(bias_run, tmp_path):
+    """The biases are in the checkpoint (they are parameters the optimizer leaves alone): a restored
+    state steps to the same bytes as the uninterrupted one."""
+    from jaxdist import checkpoint
+    from jaxdist.data import loader as loader_mod
+
+    prog, compiled, states, _, batch = bias_run
+    loader = loader_mod.Loader(prog.cfg, prog.batch_sharding)
+    saver = checkpoint.Saver(tmp_path, prog.cfg, log=lambda *a: None)
+    saver.save(states[3], 3, loader)
+    saver.close()
+    restored = checkpoint.restore(tmp_path, prog, loader, prog.cfg).state
+    assert np.array_equal(biases(restored), biases(states[3])) and not np.array_equal(
+        biases(states[3]), biases(states[0])
+    )
+    resumed, _ = compiled(restored, batch)
+    for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(states[4]), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
