@@ -3,6 +3,7 @@ exact resume, the run-out rule, config errors. The loader alone: no model is com
 
 import json
 import math
+import re
 
 import grain
 import numpy as np
@@ -242,6 +243,7 @@ def test_a_mixture_trains_evaluates_per_source_and_resumes_each_source(corpus, t
     said = []
     run(cfg, tmp_path / "run", log=said.append)
     assert any(str(m).startswith("data: a mixture of 3 sources") for m in said)
+    assert any(re.search(r"eval.* loss .*, web \d\.\d{4}, code \d\.\d{4}, math \d\.\d{4}", str(m)) for m in said), said
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r and "step" in r]
     assert [r["step"] for r in evals] == [2]

@@ -56,8 +56,10 @@ def loss_text(loss: float | None, byte_tokens: bool) -> str:
 
 
 def task_text(record: dict) -> str:
-    """train.eval_tasks' scores for a log line: ', jx_choice acc 0.75, ...' ('' without tasks)."""
-    shown = [
+    """data.sources' held-out losses and train.eval_tasks' scores for a log line: ', web 3.21, code 2.87,
+    jx_choice acc 0.75, ...' ('' with neither)."""
+    shown = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith(("loss/", "eval_loss/"))]
+    shown += [
         f"{k[5:].replace('/', ' ')} {v:.4g}"
         for k, v in record.items()
         if k.startswith("eval/") and "sample_len" not in k
