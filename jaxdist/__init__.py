@@ -7,26 +7,30 @@ The library's entry, for notebooks and scripts (docs/getting-started.md#from-pyt
     cfg = jaxdist.config.load("tiny", ["train.steps=20"])     # a shipped config by name or a YAML path
     result = jaxdist.run(cfg, "runs/notebook")                # -> jaxdist.RunResult; errors: jaxdist.JaxdistError
 
-These names load on first use: `import jaxdist` runs before every jaxdist module, the supervisor (which
-never loads JAX) and the platform set-up (which must come before JAX) included, so it imports nothing.
+The names are plain: `config` (the package), `JaxdistError`, `setup_platform` and `RunResult` are imported
+here, from modules that load no JAX (`import jaxdist` runs before every jaxdist module, the supervisor's and
+the platform set-up's included); `run` is `jaxdist.training.loop.run`, which imports the library (JAX,
+flax, optax, orbax) when called.
 """
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
+from typing import Any
 
-_EXPORTS = {
-    "run": "jaxdist.training.loop",
-    "RunResult": "jaxdist.training.finish",
-    "JaxdistError": "jaxdist.errors",
-    "setup_platform": "jaxdist.distributed.platform",
-}
-__all__ = sorted([*_EXPORTS, "config"])
+from jaxdist import config
+from jaxdist.config import Config
+from jaxdist.distributed.platform import setup_platform
+from jaxdist.errors import JaxdistError
+from jaxdist.training.state import RunResult
+
+__all__ = ["JaxdistError", "RunResult", "config", "run", "setup_platform"]
 
 
-def __getattr__(name: str):
-    if name == "config":  # the package itself: load, dump, Config and its sections
-        return importlib.import_module("jaxdist.config")
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+def run(cfg: Config, run_dir: Path | str, **options: Any) -> RunResult:
+    """Train `cfg` and write `run_dir`: `jaxdist.training.loop.run` (options: log, restore, stopper, allowed,
+    origin, tasks; its docstring says what each does)."""
+    # deferred: flax, jax, optax, orbax load on first use, not when python -m jaxdist.train, python -m jaxdist.plan starts
+    from jaxdist.training.loop import run as train
+
+    return train(cfg, run_dir, **options)

@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 from jaxdist import config
-from jaxdist.checkpoint.signals import StopSignal
 from jaxdist.distributed import launch as launch_mod
 from jaxdist.distributed import peers, supervisor
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
 from jaxdist.observe import quiet, trackers
-from jaxdist.training import rundir
-from jaxdist.training.loop import run
-from jaxdist.training.startup import with_resolved_mesh
+from jaxdist.training.signals import StopSignal
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,40 +103,6 @@ def resolve_config(args: argparse.Namespace):
     return config.load(args.config, overrides)
 
 
-def print_config(cfg) -> str:
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
-
-    return config.dump(with_resolved_mesh(cfg, jax.device_count()))
-
-
-def prepare_run_dir(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
-    """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
-    folder named by the config (rundir.default_run_dir), which the same command finds again."""
-    path = Path(run_dir) if run_dir else rundir.default_run_dir(cfg, config_name, restore)
-    rundir.check_storable(path)
-    if path.exists() and not path.is_dir():
-        raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
-    ckpts = path / "checkpoints"  # checkpoint.SUBDIR (not imported: orbax loads after the platform is set)
-    if ckpts.exists() and not ckpts.is_dir():  # else the first save fails, steps later
-        raise JaxdistError(f"{ckpts} is a file, where checkpoints go; move it away or choose another --run-dir")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise JaxdistError(f"--run-dir {path}: {probe} is not writable; choose a folder you can write to")
-    return path
-
-
-def allowed_changes(text: str) -> frozenset[str]:
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.checkpoint.compat import check_allowed_keys
-
-    keys = frozenset(k.strip() for k in text.split(",") if k.strip())
-    check_allowed_keys(keys)
-    return keys
-
-
 def eval_tasks(cfg):
     """train.eval_tasks' harness (`jaxdist.evaluation.in_training.task_evaluator`), None without tasks."""
     if not cfg.train.eval_tasks:
@@ -170,21 +132,24 @@ def _main(argv: list[str] | None, stopper) -> int:
             cfg = mapping.apply(cfg, Path(args.restore[3:]), mapping.model_overrides(args.overrides))
             if not args.extend_context:
                 mapping.check_positions(cfg.model.seq_len, Path(args.restore[3:]))
-        # deferred: grain, jax load on first use, not when python -m jaxdist.train starts
-        from jaxdist.data import loader  # the token dtype read: a prepared folder's manifest decides
+        if not args.print_config:
+            trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
+            if cfg.train.eval_tasks and importlib.util.find_spec("lm_eval") is None:  # as trackers
+                raise JaxdistError('train.eval_tasks needs lm-eval: pip install "jaxdist[eval]"')
+        # The library, once, here: --help, a bad flag or a missing extra answers before it loads.
+        # deferred: flax, grain, jax, optax, orbax load on first use, not when python -m jaxdist.train starts
+        from jaxdist.data import loader
+        from jaxdist.training import loop, rundir, startup
 
-        cfg = loader.resolve_token_dtype(cfg)
+        cfg = loader.resolve_token_dtype(cfg)  # the token dtype read: a prepared folder's manifest decides
         if args.print_config:
             setup_platform(args.cpu_devices)
-            print(print_config(cfg), end="")
+            print(config.dump(startup.on_all_devices(cfg)), end="")
             return 0
-        trackers.check_installed(cfg.train.trackers)  # before JAX starts: a missing extra is a quick error
-        if cfg.train.eval_tasks and importlib.util.find_spec("lm_eval") is None:  # before JAX starts, as trackers
-            raise JaxdistError('train.eval_tasks needs lm-eval: pip install "jaxdist[eval]"')
-        run_dir = prepare_run_dir(args.run_dir, cfg, args.config, typed_restore)
+        run_dir = rundir.prepare(args.run_dir, cfg, args.config, typed_restore)
         setup_platform(args.cpu_devices)
         tasks = eval_tasks(cfg)  # train.eval_tasks: the harness (the eval extra)
-        allowed = allowed_changes(args.allow_config_change)
+        allowed = rundir.allowed_changes(args.allow_config_change)
         launch = launch_mod.detect(args.coordinator, args.num_processes, args.process_id)
         launch_mod.initialize(launch, args.init_timeout, args.heartbeat_timeout)
         peers.join(launch, run_dir)  # the peers' supervisors, for naming one that dies
@@ -196,7 +161,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             if args.run_dir
             else "named by this config, train.steps aside: the same command resumes it, a larger --steps extends it"
         )
-        run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin, tasks=tasks)
+        loop.run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin, tasks=tasks)
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.training import step
+from jaxdist.training.signals import StopSignal
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -296,7 +297,7 @@ def test_reducer_state_is_saved_and_restored(tmp_path):
 
 
 def test_first_signal_requests_a_stop_second_sigint_aborts():
-    with checkpoint.StopSignal() as stopper:
+    with StopSignal() as stopper:
         assert not stopper.requested()
         # raise_signal delivers to this (the main) thread before it returns, so the Python handler runs at
         # the next bytecode; os.kill may land on another thread and run it later, past the block below

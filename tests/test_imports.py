@@ -70,7 +70,7 @@ def test_jaxdist_has_no_import_cycle():
 # packages in earlier rows, never from its row or a later one. The commands (the modules at the top of
 # jaxdist/ and the packages' __main__.py) import from everything and from no other command.
 LAYERS = [
-    ("errors", "__init__"),  # jaxdist/__init__.py imports nothing: its public names load on first use
+    ("errors",),
     ("config",),
     ("distributed",),
     ("data",),
@@ -87,6 +87,7 @@ LAYERS = [
     ("training",),
     ("analysis", "inference"),
     ("evaluation",),
+    ("__init__",),  # jaxdist/__init__.py: the public names (from modules that load no JAX; `run` when called)
     ("train", "bench", "plan", "convert", "generate", "eval", "plot", "__main__"),
 ]
 RANK = {unit: row for row, units in enumerate(LAYERS) for unit in units}
@@ -336,17 +337,27 @@ def test_the_public_api():
     """docs/getting-started.md#from-python: `jaxdist.run`, `.config`, `.RunResult`, `.setup_platform` and
     `.JaxdistError` are the real objects, and `import jaxdist` alone loads no JAX (every jaxdist module,
     the supervisor's and the platform set-up's included, imports the package first)."""
+    import inspect
     import subprocess
     import sys
 
     import jaxdist
-    from jaxdist import config, errors
+    from jaxdist import checkpoint, config, errors
     from jaxdist.distributed import platform
-    from jaxdist.training import finish, loop
+    from jaxdist.training import loop, state
 
-    assert (jaxdist.run, jaxdist.RunResult, jaxdist.config) == (loop.run, finish.RunResult, config)
+    assert (jaxdist.RunResult, jaxdist.config) == (state.RunResult, config)
     assert (jaxdist.JaxdistError, jaxdist.setup_platform) == (errors.JaxdistError, platform.setup_platform)
-    assert callable(jaxdist.config.load) and set(jaxdist.__all__) == {*jaxdist._EXPORTS, "config"}
+    assert callable(jaxdist.config.load) and set(jaxdist.__all__) == {
+        "run",
+        "RunResult",
+        "config",
+        "JaxdistError",
+        "setup_platform",
+    }
+    # jaxdist.run is loop.run's: the same parameters, forwarded (a plain function, no module __getattr__)
+    assert "from jaxdist.training.loop import run as train" in inspect.getsource(jaxdist.run) and callable(loop.run)
+    assert not hasattr(jaxdist, "__getattr__") and not hasattr(checkpoint, "__getattr__")
     code = "import sys, jaxdist; print(sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -32,6 +32,7 @@ from jaxdist.observe import quiet
 from jaxdist.optim import adamw
 from jaxdist.train import main
 from jaxdist.training import rundir, step
+from jaxdist.training.signals import StopSignal
 
 REPO = Path(__file__).resolve().parent.parent
 # The schedule is pinned, so every run here (and in test_faults.py) compiles one program: the
@@ -267,7 +268,7 @@ def test_first_ctrl_c_during_start_up_stops_and_the_second_aborts(capsys):
     import os
     import time
 
-    with checkpoint.StopSignal() as stopper:  # as main() installs it, before JAX work
+    with StopSignal() as stopper:  # as main() installs it, before JAX work
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
         assert stopper.received == "SIGINT" and stopper.requested()

@@ -16,46 +16,49 @@ One module per job:
   setaside   unreadable checkpoints renamed, never deleted
   agree      multi-host agreement on decisions
   run_params a run's parameters alone, read onto a mesh (what export and generation start from)
-  signals    SIGTERM / SIGINT: stop after the current step with a checkpoint
 
 Integrity, as orbax 0.12.8 implements it (checked in its source and in tests/test_checkpoint.py):
 - a save writes `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only after every process has
   committed; a save killed half-way leaves only the tmp folder, never listed as a step, and removed
   (`cleanup_tmp_directories`) when the next run opens the folder for writing;
 - steps beyond `checkpoint.keep` are deleted by the same background thread, after that rename.
-
-The names below load on first use, so `jaxdist.checkpoint.signals` can be imported (and its handlers
-installed) before JAX and orbax are.
 """
 
-from __future__ import annotations
+from jaxdist.checkpoint.agree import all_agree
+from jaxdist.checkpoint.compat import (
+    FREE_KEYS,
+    changed_keys,
+    check_allowed_keys,
+    check_config_drift,
+    check_model,
+    check_resume,
+    check_run_dir_model,
+    check_train_state,
+    saved_config,
+)
+from jaxdist.checkpoint.restoring import Restored, restore
+from jaxdist.checkpoint.saving import Saver
+from jaxdist.checkpoint.setaside import set_aside_newer
+from jaxdist.checkpoint.storage import SUBDIR, checkpoint_dir, has_checkpoints, load_params, open_manager
 
-import importlib
-
-_EXPORTS = {
-    "storage": ("SUBDIR", "open_manager", "checkpoint_dir", "has_checkpoints", "load_params"),
-    "saving": ("Saver",),
-    "restoring": ("Restored", "restore"),
-    "compat": (
-        "FREE_KEYS",
-        "check_model",
-        "check_train_state",
-        "check_resume",
-        "check_config_drift",
-        "check_allowed_keys",
-        "changed_keys",
-        "saved_config",
-        "check_run_dir_model",
-    ),
-    "setaside": ("set_aside_newer",),
-    "agree": ("all_agree",),
-    "signals": ("StopSignal",),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)  # built from the table above
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__all__ = [
+    "FREE_KEYS",
+    "SUBDIR",
+    "Restored",
+    "Saver",
+    "all_agree",
+    "changed_keys",
+    "check_allowed_keys",
+    "check_config_drift",
+    "check_model",
+    "check_resume",
+    "check_run_dir_model",
+    "check_train_state",
+    "checkpoint_dir",
+    "has_checkpoints",
+    "load_params",
+    "open_manager",
+    "restore",
+    "saved_config",
+    "set_aside_newer",
+]

@@ -3,24 +3,15 @@ start-up, nothing left to train); the summary line of metrics.jsonl and the clos
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxdist.observe import report
+from jaxdist.observe import metrics, report
 from jaxdist.training.opening import local_devices
+from jaxdist.training.state import RunResult
 
 if TYPE_CHECKING:
     from jaxdist.training.state import RunState
-
-
-@dataclasses.dataclass
-class RunResult:
-    run_dir: Path
-    final_loss: float
-    eval_loss: float | None
-    tokens_per_sec: float
-    steps: int
 
 
 def stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
@@ -51,8 +42,6 @@ def before_writing(run: RunState) -> RunResult | None:
 
 def finish(run: RunState) -> RunResult:
     """The summary line of metrics.jsonl, the closing lines; -> the run's result."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.observe import metrics
 
     stopper, saver, progress = run.stopper, run.saver, run.progress
     run_dir, steps_done, plotted = run.run_dir, run.steps_done, run.plotted

@@ -12,13 +12,12 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxdist import checkpoint
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.training import rundir
-from jaxdist.training.finish import RunResult
 from jaxdist.training.run import Run
-from jaxdist.training.state import TaskEvaluator
+from jaxdist.training.signals import StopSignal
+from jaxdist.training.state import RunResult, TaskEvaluator
 
 
 def run(
@@ -26,7 +25,7 @@ def run(
     run_dir: Path | str,
     log: Callable[..., None] = print,
     restore: str | None = None,
-    stopper: checkpoint.StopSignal | None = None,
+    stopper: StopSignal | None = None,
     allowed: frozenset[str] = frozenset(),
     origin: str = "",
     tasks: TaskEvaluator | None = None,
@@ -42,7 +41,7 @@ def run(
     numbers)`, built before anything is written; passed in because the harness sits above training).
     """
     own = stopper is None
-    stopper = stopper or checkpoint.StopSignal()
+    stopper = stopper or StopSignal()
     lock = rundir.RunLock(run_dir)
     # `closers`: the progress bar and metric writers, closed however the run ends (a failed save must
     # leave its one error line on a line of its own, and no flush traceback at exit).

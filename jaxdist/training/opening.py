@@ -6,11 +6,15 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+import jax
+
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
 from jaxdist.config import relative
 from jaxdist.data import run_tokenizer
-from jaxdist.observe import report, trackers
+from jaxdist.observe import metrics, report, trackers
+from jaxdist.observe.progress import Progress
+from jaxdist.optim import adamw
 from jaxdist.training import rundir
 
 if TYPE_CHECKING:
@@ -27,9 +31,6 @@ def _quietly(close):
 
 def start_writing(run: RunState) -> None:
     """Take the lock, record the config and tokenizer, say the start-up lines; the metrics writer."""
-    # deferred: jax, optax load on first use, not when python -m jaxdist.train starts
-    from jaxdist.observe import metrics
-    from jaxdist.optim import adamw
 
     cfg, log, is_main, run_dir, restored, start = run.cfg, run.log, run.is_main, run.run_dir, run.restored, run.start
     if not checkpoint.all_agree(not is_main or run.lock.take(log)):
@@ -64,8 +65,6 @@ def saver(run: RunState) -> checkpoint.Saver:
 
 
 def local_devices(mesh):
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
 
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
@@ -73,11 +72,6 @@ def local_devices(mesh):
 def progress(run: RunState) -> None:
     """The progress bar and per-step bookkeeping (carried on from the checkpoint it resumes, if any);
     checkpoint messages go above the bar from now on."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
-
-    from jaxdist.observe import metrics
-    from jaxdist.observe.progress import Progress  # imports JAX: not before main() has its signal handlers
 
     local = local_devices(run.mesh)
     resumed = run.restored if run.resuming else None

@@ -4,11 +4,17 @@ restoring leaves behind (newer checkpoints set aside, the Hugging Face source ke
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax
+import jax.numpy as jnp
+
 from jaxdist import checkpoint
 from jaxdist.errors import JaxdistError
+from jaxdist.hf import export, tensors
+from jaxdist.objectives import registry as objectives
 
 if TYPE_CHECKING:
     from jaxdist.training.state import RunState
@@ -25,14 +31,8 @@ def start_from(run: RunState) -> None:
     restored = None
     from_hf = bool(restore and restore.startswith("hf:")) and not resuming
     if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
-        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
-        from jaxdist.hf import tensors
-
         restored = tensors.restore_for_training(restore[3:], prog, cfg)
     elif resuming or restore:
-        # deferred: jax loads on first use, not when python -m jaxdist.train starts
-        from jaxdist.objectives import registry as objectives
-
         if restore and not resuming and not cfg.checkpoint.params_only and not objectives.is_default(cfg):
             raise JaxdistError(
                 f"objective.method={cfg.objective.method} starts from a model's weights with a fresh optimizer: "
@@ -59,13 +59,6 @@ def start_from(run: RunState) -> None:
 def with_reference(cfg, prog, state):
     """A restored model's state whose frozen reference (a preference objective without LoRA keeps a copy of
     the parameters in the stage's state) is those parameters, not the fresh initialisation's."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.objectives import registry as objectives
 
     if not objectives.keeps_reference_copy(cfg):
         return state
@@ -82,9 +75,6 @@ def after_restore(run: RunState) -> None:
     if resuming:
         checkpoint.set_aside_newer(run_dir, restored.step, run.log)
     if from_hf and run.is_main:
-        # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.train starts
-        from jaxdist.hf import export
-
         export.keep_source(restored.path, run_dir)  # token ids and tokenizer for a later export
     what = "parameters" if (run.cfg.checkpoint.params_only or from_hf) and not resuming else f"step {run.start}"
     run.log(f"restored {what} from {restored.path} in {restored.seconds:.1f}s")

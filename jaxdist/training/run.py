@@ -15,8 +15,7 @@ Nothing is written before `open`; a phase that ends the run early returns its `R
 from __future__ import annotations
 
 from jaxdist.training import finish, opening, resume, startup, stepping
-from jaxdist.training.finish import RunResult
-from jaxdist.training.state import RunState
+from jaxdist.training.state import RunResult, RunState
 
 
 class Run(RunState):

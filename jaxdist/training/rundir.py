@@ -26,7 +26,10 @@ import socket
 import time
 from pathlib import Path
 
+from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, check_allowed_keys, flat
+from jaxdist.checkpoint.storage import SUBDIR
 from jaxdist.errors import JaxdistError
+from jaxdist.models import registry
 
 # A write that fails for these reasons (the lock, config.yaml, the tokenizer record, ...) is the
 # user's environment, not a bug: one line instead of a traceback.
@@ -50,9 +53,6 @@ def check_storable(path: Path, flag: str = "--run-dir") -> None:
 def identity(cfg, restore: str | None = None) -> str:
     """8 hex digits naming what a run computes: the resolved config without the keys a resume may
     change, and where it starts from."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, flat
-    from jaxdist.models import registry
 
     # Another architecture's model fields (at their defaults) are not part of what this run computes.
     inert = {f"model.{f}" for f in registry.inert_fields(cfg.model)}
@@ -66,6 +66,31 @@ def default_run_dir(cfg, config_name: str | None, restore: str | None = None, ro
     """runs/<config name>-<identity>: the folder the same command finds again."""
     name = Path(config_name).stem if config_name else "tiny"
     return root / f"{name}-{identity(cfg, restore)}"
+
+
+def prepare(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
+    """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
+    folder named by the config (`default_run_dir`), which the same command finds again."""
+    path = Path(run_dir) if run_dir else default_run_dir(cfg, config_name, restore)
+    check_storable(path)
+    if path.exists() and not path.is_dir():
+        raise JaxdistError(f"--run-dir {path} is a file; pass a folder path")
+    ckpts = path / SUBDIR
+    if ckpts.exists() and not ckpts.is_dir():  # else the first save fails, steps later
+        raise JaxdistError(f"{ckpts} is a file, where checkpoints go; move it away or choose another --run-dir")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise JaxdistError(f"--run-dir {path}: {probe} is not writable; choose a folder you can write to")
+    return path
+
+
+def allowed_changes(text: str) -> frozenset[str]:
+    """--allow-config-change's keys, checked: those a resume may change."""
+    keys = frozenset(k.strip() for k in text.split(",") if k.strip())
+    check_allowed_keys(keys)
+    return keys
 
 
 def _owner(path: Path) -> str:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxdist.config import relative
+import jax
+
+from jaxdist.config import Config, relative
+from jaxdist.data import loader as loader_mod
 from jaxdist.data import run_tokenizer
+from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.observe import plots, trackers
-from jaxdist.training import rundir
+from jaxdist.models import flops
+from jaxdist.observe import metrics, plots, trackers
+from jaxdist.training import rundir, step
 
 if TYPE_CHECKING:
     from jaxdist.training.state import RunState
@@ -17,23 +22,18 @@ if TYPE_CHECKING:
 
 def with_resolved_mesh(cfg, num_devices: int):
     """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.distributed import mesh as mesh_mod
 
     return cfg.replace(mesh=dict(shape=mesh_mod.format_mesh(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))
+
+
+def on_all_devices(cfg: Config) -> Config:
+    """`cfg` with its mesh resolved on every device JAX sees (what --print-config shows)."""
+    return with_resolved_mesh(cfg, jax.device_count())
 
 
 def set_up(run: RunState) -> None:
     """Every check on input, then the config resolved on the mesh, the program and the data loader, and
     train.eval_tasks' evaluator: `run`'s set-up fields."""
-    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.train starts
-    import jax
-
-    from jaxdist.data import loader as loader_mod
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.models import flops
-    from jaxdist.observe import metrics
-    from jaxdist.training import step
 
     cfg, run_dir, log = run.cfg, run.run_dir, run.log
     rundir.check_storable(run_dir)

@@ -12,19 +12,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.config import Config
-from jaxdist.training import rundir
 
 if TYPE_CHECKING:  # the types of what the phases build (each phase imports its own modules)
     from jax.sharding import Mesh
 
     from jaxdist.checkpoint.restoring import Restored
     from jaxdist.checkpoint.saving import Saver
-    from jaxdist.checkpoint.signals import StopSignal
     from jaxdist.data.loader import Loader
     from jaxdist.data.run_tokenizer import RunTokenizer
     from jaxdist.observe.metrics import MetricWriter
     from jaxdist.observe.progress import Progress
+    from jaxdist.training import rundir
+    from jaxdist.training.signals import StopSignal
     from jaxdist.training.step import Program, TrainState
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `jaxdist.run` returns: the run dir, the last and held-out losses, tokens/s, steps trained."""
+
+    run_dir: Path
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_sec: float
+    steps: int
+
 
 # `tasks` of jaxdist.run: (run, run_dir) -> evaluate(params) -> {"eval/TASK/METRIC": value}
 TaskEvaluator = Callable[["RunState", Path], Callable[[Any], dict[str, float]]]

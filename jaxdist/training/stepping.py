@@ -8,8 +8,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax
+
+from jaxdist.data import mixture
 from jaxdist.errors import JaxdistError
-from jaxdist.observe import plots, report
+from jaxdist.objectives import registry as objectives
+from jaxdist.observe import metrics, plots, profiling, report
+from jaxdist.observe.metrics import reason
 from jaxdist.training import hooks
 
 if TYPE_CHECKING:
@@ -35,12 +40,6 @@ def train(run: RunState) -> None:
     """The step loop with its hooks (profile, checkpoint, batches, metrics) -> `run.steps_done`, `run.plotted`
     (the loss plot or why there is none). The plot is drawn however the loop ends. `run.task_eval(params) ->
     {eval/TASK/METRIC: value}` runs beside the held-out loss at each evaluation (train.eval_tasks)."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
-
-    from jaxdist.data import mixture
-    from jaxdist.objectives import registry as objectives
-    from jaxdist.observe import metrics, profiling
 
     run_dir, stopper, saver, progress = run.run_dir, run.stopper, run.saver, run.progress
     eval_arrays, task_eval, state, start = run.eval_arrays, run.task_eval, run.state, run.start
@@ -105,9 +104,6 @@ def _plot(run_dir: Path):
     try:
         return plots.loss_png(run_dir)
     except Exception as e:
-        # deferred: jax loads on first use, not when python -m jaxdist.train starts
-        from jaxdist.observe.metrics import reason
-
         return str(e) if isinstance(e, JaxdistError) else reason(e)
 
 
