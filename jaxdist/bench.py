@@ -17,8 +17,6 @@ import os
 import sys
 
 from jaxdist import config
-from jaxdist.analysis.bench import compile_only, measure, verdict_line
-from jaxdist.analysis.bench_table import table
 from jaxdist.distributed import xla_flags
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
@@ -73,14 +71,17 @@ def main(argv=None) -> int:
         )
     if args.hardware and not args.compile_only:
         raise JaxdistError("--hardware judges a --compile-only compile against a device; add --compile-only")
-    if args.hardware:
-        # deferred: flax, jax, optax load on first use, not when python -m jaxdist.bench starts
-        from jaxdist.planner import hardware
-
-        hardware.get(args.hardware)  # an unknown name fails before compiling
     cfg = config.load(args.config, args.overrides)
     _patient_cpu_collectives()
     setup_platform(args.cpu_devices)
+    # The library, once, here: --help and a bad flag answer before it loads.
+    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
+    from jaxdist.analysis.bench import compile_only, measure, verdict_line
+    from jaxdist.analysis.bench_table import table
+    from jaxdist.planner import hardware
+
+    if args.hardware:
+        hardware.get(args.hardware)  # an unknown name fails before compiling
     records = []
     for mesh_text in args.mesh or [cfg.mesh.shape]:
         if args.compile_only:

@@ -22,17 +22,6 @@ import sys
 
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
-from jaxdist.inference.decode import (
-    Text,
-    chat_prompts,
-    check_lengths,
-    cut_at_eos,
-    eos_ids,
-    generate,
-    load,
-    recorded_tokenizer,
-    window,
-)
 
 
 def parse_args(argv):
@@ -86,6 +75,20 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_platform(args.cpu_devices)
+    # The library, once, here: --help and a bad flag answer before it loads.
+    # deferred: flax, grain, jax, optax, orbax load on first use, not when python -m jaxdist.generate starts
+    from jaxdist.inference.decode import (
+        Text,
+        chat_prompts,
+        check_lengths,
+        cut_at_eos,
+        eos_ids,
+        generate,
+        load,
+        recorded_tokenizer,
+        window,
+    )
+
     recorded = recorded_tokenizer(args.run_dir)  # checked before the weights are read
     cfg, params, graphdef, mesh, source = load(args.run_dir, args.hf, args.mesh)
     text = Text(cfg, source, recorded)

@@ -71,7 +71,7 @@ def parse_args(argv=None):
 def run_method(label, base, mesh, out: Path, known=None):
     """`known`: a stored row of the same method and shape (another seed): its bytes are reused, which
     saves compiling the step twice (the bytes do not depend on the seed)."""
-    from jaxdist import train
+    import jaxdist
     from jaxdist.analysis import measure
     from jaxdist.reduce import registry
 
@@ -88,7 +88,7 @@ def run_method(label, base, mesh, out: Path, known=None):
     warm = (run * steps - steady * (steps - warm_steps)) / warm_steps if warm_steps else steady
     run_dir = out / label.replace(" ", "_").replace("%", "pct").replace("=", "").replace("(", "").replace(")", "")
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts afresh (metrics.jsonl would append)
-    result = train.run(cfg, run_dir, log=lambda *a, **k: None)
+    result = jaxdist.run(cfg, run_dir, log=lambda *a, **k: None)
     if result.steps < cfg.train.steps:  # stopped early (a signal): no row rather than a wrong one
         raise SystemExit(f"{label}: stopped at step {result.steps} of {cfg.train.steps}; nothing recorded")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -244,7 +244,7 @@ def test_nonfinite_step_leaves_state_unchanged(small_program):
 
 
 def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monkeypatch):
-    from jaxdist.train import run
+    from jaxdist import run
 
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "4")
     cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2"])
@@ -260,7 +260,7 @@ def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monk
 
 
 def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path, monkeypatch):
-    from jaxdist.train import run
+    from jaxdist import run
 
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "5")
     cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "train.max_skipped_steps=1"])

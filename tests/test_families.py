@@ -241,7 +241,7 @@ def test_sliding_window_under_context_parallelism_is_one_line():
 def test_fine_tuning_each_import_lowers_the_loss(name, tmp_path):
     """train --restore hf:DIR on the default mesh (fsdp over 8 devices; ep=2 for MoE): a few AdamW
     steps on a repeating token stream lower the imported model's loss."""
-    from jaxdist import train
+    import jaxdist
 
     tokens = tmp_path / "tokens.bin"
     np.tile(np.random.default_rng(0).integers(0, 128, 64), 400).astype(np.uint16).tofile(tokens)
@@ -259,7 +259,7 @@ def test_fine_tuning_each_import_lowers_the_loss(name, tmp_path):
         *(["mesh.shape=fsdp=-1,ep=2"] if name in MOE else []),
     ]
     cfg = mapping.apply(config.load(None, overrides), FIXTURES / name)
-    train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURES / name}")
+    jaxdist.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURES / name}")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     print(f"{name}: fine-tuning losses {[round(x, 3) for x in losses]}")

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
+import jaxdist
 from jaxdist import config, convert, train
 from jaxdist.checkpoint import run_params
 from jaxdist.data import loader as loader_mod
@@ -176,7 +177,7 @@ SCRATCH = [
 def test_trained_run_exports_and_reimports_bit_identically(tmp_path):
     """A run jaxdist trained from scratch (the tiny byte model, shrunk) -> HF -> jaxdist: the same bits."""
     cfg = config.load(None, SCRATCH)
-    train.run(cfg, tmp_path / "run", log=lambda *a: None)
+    jaxdist.run(cfg, tmp_path / "run", log=lambda *a: None)
     mesh = mesh_from_string("fsdp=-1")
     _, trained, _ = run_params.load_run_params(tmp_path / "run", mesh)
     hf_convert.to_hf(tmp_path / "run", tmp_path / "hf", "float32", 5 * 10**9, log=lambda *a: None)
@@ -204,7 +205,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
         f"data.path={tokens}",
     ]
     cfg = mapping.apply(config.load(None, overrides), FIXTURE)
-    result = train.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
+    result = jaxdist.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")
     mesh = mesh_from_string(cfg.mesh.shape)
     params, model = hf_tensors.import_params(FIXTURE, cfg, mesh)
     loader = loader_mod.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))

@@ -415,7 +415,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
     bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
-    from jaxdist import train
+    import jaxdist
     from jaxdist.adapters import peft
     from jaxdist.checkpoint import run_params
     from jaxdist.hf import convert as hf_convert
@@ -440,10 +440,10 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     ]
     cfg = mapping.apply(config.load(None, overrides), BASE)
     quiet = dict(log=lambda *a: None, restore=f"hf:{BASE}")
-    train.run(cfg, tmp_path / "a", **quiet)
+    jaxdist.run(cfg, tmp_path / "a", **quiet)
     longer = cfg.replace(train=dict(steps=3))
-    resumed = train.run(longer, tmp_path / "a", **quiet)
-    straight = train.run(longer, tmp_path / "b", **quiet)
+    resumed = jaxdist.run(longer, tmp_path / "a", **quiet)
+    straight = jaxdist.run(longer, tmp_path / "b", **quiet)
     assert resumed.steps == straight.steps == 3 and resumed.final_loss == straight.final_loss
     mesh = mesh_mod.mesh_from_string("fsdp=8")
     run_cfg, params, _ = run_params.load_run_params(tmp_path / "a", mesh)

@@ -10,7 +10,8 @@ import matplotlib.image
 import pytest
 from conftest import MICRO_MODEL
 
-from jaxdist import config, plot, train
+import jaxdist
+from jaxdist import config, plot
 from jaxdist.observe import plots, progress
 
 SMALL = MICRO_MODEL
@@ -27,7 +28,7 @@ def five_steps(tmp_path_factory):
     """(run dir, every line the run logged)."""
     run_dir = tmp_path_factory.mktemp("plot") / "run"
     lines = []
-    train.run(five_step_config(), run_dir, log=lines.append)
+    jaxdist.run(five_step_config(), run_dir, log=lines.append)
     return run_dir, lines
 
 
@@ -41,7 +42,7 @@ def test_sigterm_still_writes_loss_png(tmp_path):
         if line.startswith("step 2/5"):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    result = train.run(five_step_config(), tmp_path / "run", log=log)
+    result = jaxdist.run(five_step_config(), tmp_path / "run", log=log)
     assert result.steps == 4 and lines[-1].startswith("stopped by SIGTERM at step 4; latest checkpoint"), lines
     assert lines[-2].startswith("stopped early: 4 steps, loss ") and not any(x.startswith("done") for x in lines)
     assert (tmp_path / "run" / "loss.png").stat().st_size > 20_000

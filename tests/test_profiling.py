@@ -3,7 +3,7 @@
 import gzip
 import json
 
-from jaxdist import train
+import jaxdist
 from jaxdist.observe import profiling
 
 SMALL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
@@ -12,7 +12,7 @@ SMALL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
 def test_profile_steps_write_a_trace_of_those_steps(tiny_cfg, tmp_path):
     cfg = tiny_cfg.replace(model=SMALL, train=dict(steps=4, profile_steps="1:3", log_every=2), checkpoint=dict(every=0))
     logs = []
-    train.run(cfg, tmp_path / "run", log=logs.append)
+    jaxdist.run(cfg, tmp_path / "run", log=logs.append)
     profile = tmp_path / "run" / "profile" / "plugins" / "profile"
     assert len(list(profile.glob("*/*.xplane.pb"))) == 1  # TensorBoard's profile plugin reads this
     [perfetto] = profile.glob("*/*.trace.json.gz")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import MICRO_MODEL
 
-from jaxdist import train
+import jaxdist
 
 SMALL = MICRO_MODEL
 HAVE = {name: importlib.util.find_spec(name) is not None for name in ("tensorboard", "wandb", "mlflow")}
@@ -45,7 +45,7 @@ def tracked_run(tmp_path_factory):
     )
     cfg = cfg.replace(model=SMALL)
     try:
-        train.run(cfg, run_dir, log=lambda *a: None)
+        jaxdist.run(cfg, run_dir, log=lambda *a: None)
     finally:
         mp.undo()
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

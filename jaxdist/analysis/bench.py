@@ -12,11 +12,24 @@ import math
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
+from jaxdist.analysis import measure as measuring
+from jaxdist.data import loader
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.distributed import offload, sharding
+from jaxdist.distributed.mesh import AXES
+from jaxdist.models import flops
+from jaxdist.observe import metrics, report
+from jaxdist.parallel import pipeline
+from jaxdist.planner import hardware, memory
+from jaxdist.planner.layout import Layout
+from jaxdist.training import step
+
 
 def mesh_devices(text: str, devices: list) -> list:
     """All devices, or the first N when the mesh names fixed sizes whose product N is smaller."""
-    # deferred: jax loads on first use, not when python -m jaxdist.bench starts
-    from jaxdist.distributed.mesh import AXES
 
     try:
         sizes = [
@@ -34,22 +47,11 @@ def mesh_devices(text: str, devices: list) -> list:
 def compile_only(cfg, mesh_text: str, hardware_name: str | None = None) -> dict:
     """bench's JSON line from the compiled program alone: abstract state and tokens, no timings; with
     `hardware_name` (or on a GPU the planner knows), a verdict: does it fit that device's memory."""
-    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
-    import jax
-
-    from jaxdist.analysis import measure
-    from jaxdist.data import loader
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.distributed import offload, sharding
-    from jaxdist.models import flops
-    from jaxdist.observe import metrics
-    from jaxdist.parallel import pipeline
-    from jaxdist.training import step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
     t0 = time.perf_counter()
-    compiled = measure.compile_train_step(cfg, mesh)
+    compiled = measuring.compile_train_step(cfg, mesh)
     record = {
         "mesh": mesh_mod.mesh_label(mesh_text, mesh),
         "devices": len(devices),
@@ -59,10 +61,10 @@ def compile_only(cfg, mesh_text: str, hardware_name: str | None = None) -> dict:
         **metrics.compiled_stats(compiled, mesh),
         "pipeline": pipeline.describe(pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))),
     }
-    record["dp_bytes_per_step"] = measure.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
+    record["dp_bytes_per_step"] = measuring.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
     record["host_transfers"] = offload.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
-    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
+    record["compression_ratio"] = measuring.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     record.update(fit(cfg, mesh, record["bytes_per_device"].get("total"), record["platform"], hardware_name))
     return record
 
@@ -72,10 +74,6 @@ def fit(cfg, mesh, compiled_total: int | None, platform: str, hardware_name: str
     the compiler's per-device bytes side by side. The compiler's figure decides on the device itself;
     on another platform (a CPU compile standing in for a GPU) the planner's does, and `not_representative`
     says which parts of the CPU program a GPU's does not have."""
-    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.bench starts
-    from jaxdist.observe import report
-    from jaxdist.planner import hardware, memory
-    from jaxdist.planner.layout import Layout
 
     if hardware_name:
         hw = hardware.get(hardware_name)
@@ -139,15 +137,6 @@ def verdict_line(record: dict) -> str | None:
 def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     """Compile and time `cfg`'s train step on one fixed random batch. `probe(prog, tokens, state) -> dict`,
     if given, looks at the state before the first step and after the last (record["probe"])."""
-    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.data import loader
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.models import flops
-    from jaxdist.observe import metrics
-    from jaxdist.training import step
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
@@ -198,19 +187,15 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     if stats and "peak_bytes_in_use" in stats:
         record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     # Bytes each device sends across dp per optimizer step, and dense float32's over that.
-    # deferred: flax, grain, jax, optax load on first use, not when python -m jaxdist.bench starts
-    from jaxdist.analysis import measure
-    from jaxdist.distributed import sharding
-    from jaxdist.parallel import pipeline
 
     record["pipeline"] = pipeline.describe(
         pipeline.plan(cfg, mesh, sharding.make_rules(cfg.mesh.rules))
     )  # schedule, iterations, bubble_fraction
     # Steady state (after a dense warm-up; DiLoCo: averaged over its sync period), and the average over
     # train.steps with the warm-up included (`_run`): what a whole run saves.
-    steady, run = measure.run_bytes_per_step(cfg, mesh, compiled.as_text())
+    steady, run = measuring.run_bytes_per_step(cfg, mesh, compiled.as_text())
     record["dp_bytes_per_step"], record["dp_bytes_per_step_run"] = steady, run
-    record["compression_ratio"] = measure.compression_ratio(cfg, mesh, steady)
+    record["compression_ratio"] = measuring.compression_ratio(cfg, mesh, steady)
     record["compression_ratio_run"] = record["compression_ratio"] * steady / run if run else record["compression_ratio"]
     if probe:
         record["probe"] = {"first": first, "last": probe(prog, tokens, state)}

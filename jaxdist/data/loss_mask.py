@@ -12,6 +12,7 @@ tokens before it) counts; the model's input is always the decoded id.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -23,8 +24,6 @@ def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def split(tokens):
     """(ids, weights float32) of an encoded (jax or numpy) array: ids >= 0, weight 1 where trained on."""
-    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
-    import jax.numpy as jnp
 
     trained = tokens >= 0
     return jnp.where(trained, tokens, ~tokens), trained.astype(jnp.float32)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxdist.data import tokenizer
+from jaxdist.data import loader, tokenizer
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -61,8 +61,6 @@ def _load(path: str | Path, what: str, sha256: str | None = None) -> RunTokenize
 
 def of_config(cfg) -> RunTokenizer:
     """What this config's token ids mean, every file checked (a JaxdistError in one line otherwise)."""
-    # deferred: grain, jax load on first use, not when python -m jaxdist.convert, python -m jaxdist.generate, python -m jaxdist.train starts
-    from jaxdist.data import loader
 
     d = cfg.data
     if d.sources:  # a mixture: one vocabulary, so one tokenizer for every source

@@ -24,6 +24,7 @@ import math
 import re
 from collections import defaultdict
 
+import jax.numpy as jnp
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -75,8 +76,6 @@ def dtype_bytes(name: str) -> int:
     """Bytes per element of an HLO type name (f32, bf16, s8, ...) or a numpy / jax dtype name."""
     if name in DTYPE_BYTES:
         return DTYPE_BYTES[name]
-    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
-    import jax.numpy as jnp  # numpy names, bfloat16 included
 
     return jnp.dtype(name).itemsize
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
@@ -22,6 +23,7 @@ from jaxdist.adapters import peft as peft_format
 from jaxdist.adapters import quant
 from jaxdist.adapters import tree as adapters
 from jaxdist.checkpoint import integrity, run_params
+from jaxdist.checkpoint.storage import TMP_SUFFIX
 from jaxdist.data import run_tokenizer
 from jaxdist.data.shards import remove_stale
 from jaxdist.distributed import mesh as mesh_mod
@@ -31,8 +33,6 @@ from jaxdist.hf.tensors import import_params
 
 
 def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
-    # deferred: orbax loads on first use, not when python -m jaxdist.convert starts
-    import orbax.checkpoint as ocp
 
     if cfg.lora.rank or cfg.lora.base_dtype != "float32":  # the checkpoint holds the plain model's weights
         raise JaxdistError(
@@ -53,8 +53,6 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
     if jax.process_index() == 0:
         (out / "config.yaml").write_text(config_mod.dump(cfg))
         export.keep_source(hf_dir, out)
-    # deferred: grain, orbax load on first use, not when python -m jaxdist.convert starts
-    from jaxdist.checkpoint.storage import TMP_SUFFIX
 
     directory = out / checkpoint.SUBDIR
     # Checksummed like a training checkpoint: before orbax publishes step 0 (process 0).

@@ -26,6 +26,7 @@ from jaxdist.config import ModelConfig
 from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping
+from jaxdist.models.resolve import resolve
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 SOURCE = "hf_source"  # run-dir folder keeping the imported model's config, generation config, tokenizer
@@ -243,8 +244,6 @@ def _layer_ids(stack: list[range], num_layers: int, stages: int, repeats: int) -
 
 def import_params(hf_dir: Path, cfg, mesh, rules=None):
     """HF weights onto `mesh` laid out as `cfg`'s model (pipeline stages included) -> (params, resolved)."""
-    # deferred: optax loads on first use, not when python -m jaxdist.convert starts
-    from jaxdist.models.resolve import resolve
 
     rules = rules or sharding.make_rules(cfg.mesh.rules)
     model = resolve(cfg, mesh, rules)

@@ -15,19 +15,27 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tokenizers import Tokenizer
 
+from jaxdist.checkpoint import run_params
+from jaxdist.checkpoint.storage import checkpoint_dir
 from jaxdist.data import chat, run_tokenizer
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
+from jaxdist.hf import export, mapping, tensors
+from jaxdist.hf.export import generation_config
 from jaxdist.hf.hub import local_dir
+from jaxdist.hf.mapping import read_json
+from jaxdist.models.resolve import compute_dtype
 
 
 def sample(logits_BV, key, temperature: float, top_p: float):
     """-> (token_B, logprob_B): the chosen token and its log-probability before temperature."""
-    # deferred: jax loads on first use, not when python -m jaxdist.generate starts
-    import jax
-    import jax.numpy as jnp
 
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     if temperature == 0:
@@ -46,12 +54,6 @@ def sample(logits_BV, key, temperature: float, top_p: float):
 
 def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: float):
     """(params, tokens_BP, pad_B, key) -> (new_BN, logprobs_BN), jitted."""
-    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.generate starts
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.models.resolve import compute_dtype
 
     m = cfg.model
     dtype = compute_dtype(m)
@@ -87,19 +89,12 @@ def decode_program(graphdef, cfg, new_tokens: int, temperature: float, top_p: fl
 
 def generation_rules(cfg) -> dict:
     """The run's rules with the batch replicated: a few prompts need not divide the data axes."""
-    # deferred: flax, jax load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.distributed import sharding
 
     return {**sharding.make_rules(cfg.mesh.rules), "batch": ()}
 
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     """-> (cfg, params on the mesh, graphdef, mesh, source dir for tokenizer/eos)."""
-    # deferred: flax, jax, ml_dtypes load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.checkpoint import run_params
-    from jaxdist.checkpoint.storage import checkpoint_dir
-    from jaxdist.distributed import mesh as mesh_mod
-    from jaxdist.hf import export, mapping, tensors
 
     mesh = mesh_mod.mesh_from_string(mesh_text)
     if mesh.shape["pp"] > 1:
@@ -191,9 +186,6 @@ def eos_ids(source: Path, recorded=None) -> set[int]:
     ids: set[int] = set()
     if recorded is not None and recorded.eos_id is not None:
         ids.add(int(recorded.eos_id))
-    # deferred: jax, safetensors load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.hf.export import generation_config
-    from jaxdist.hf.mapping import read_json
 
     generation = generation_config(source) or {}  # checked: JSON, token ids that are ids
     config = source / "config.json"
@@ -209,8 +201,6 @@ def recorded_tokenizer(run_dir: str | None):
     """The tokenizer a run dir recorded (checked), None for --hf or a run dir from before recording."""
     if not run_dir:
         return None
-    # deferred: grain, jax, orbax load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.checkpoint.storage import checkpoint_dir
 
     directory, _ = checkpoint_dir(Path(run_dir))
     return run_tokenizer.of_run(directory.parent)
@@ -219,8 +209,6 @@ def recorded_tokenizer(run_dir: str | None):
 def window(cfg, source: Path, hf: bool) -> int:
     """The most positions the model is meant for: config.json's max_position_embeddings (an HF model,
     or the one a run was imported from), else the window the run was trained at."""
-    # deferred: jax, safetensors load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.hf.mapping import read_json
 
     path = source / "config.json"
     declared = read_json(path, "config.json").get("max_position_embeddings") if path.is_file() else None
@@ -258,8 +246,6 @@ def generate(
     seed: int = 0,
 ):
     """-> (new tokens (B, N), logprobs (B, N), seconds compiling, seconds running) as numpy."""
-    # deferred: jax loads on first use, not when python -m jaxdist.generate starts
-    import jax
 
     V = cfg.model.vocab_size
     for p in prompts:
@@ -272,8 +258,6 @@ def generate(
     pad = np.array([P - len(p) for p in prompts], np.int32)
     run = decode_program(graphdef, cfg, new_tokens, temperature, top_p)
     key = jax.random.key(seed)
-    # deferred: flax, jax load on first use, not when python -m jaxdist.generate starts
-    from jaxdist.distributed import sharding
 
     with sharding.activate(mesh, generation_rules(cfg)):  # the layers' constraints, batch replicated
         t0 = time.perf_counter()

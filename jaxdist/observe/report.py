@@ -8,10 +8,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import jax
+
+from jaxdist.adapters.lora import count_adapter_params
 from jaxdist.config.schema import PipelineConfig
 from jaxdist.data.run_tokenizer import byte_tokens
+from jaxdist.distributed import offload
+from jaxdist.distributed.mesh import format_mesh
 from jaxdist.errors import JaxdistError
-from jaxdist.planner import hardware
+from jaxdist.models import registry
+from jaxdist.models.resolve import compute_dtype
+from jaxdist.observe import metrics
+from jaxdist.observe.metrics import DEVICE_KINDS
+from jaxdist.parallel import pipeline
+from jaxdist.planner import hardware, memory
+from jaxdist.planner.layout import Layout
 
 MiB = 2**20
 
@@ -96,8 +107,6 @@ def peak_line(peak: float, source: str) -> str:
 
 def hardware_for(device):
     """The planner's hardware entry for this device, or None."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.observe.metrics import DEVICE_KINDS
 
     if device.platform == "cpu":
         return hardware.get("cpu")
@@ -107,9 +116,6 @@ def hardware_for(device):
 
 def predicted_bytes(cfg, mesh) -> float | None:
     """The planner's per-device memory for this config on this mesh (None if it cannot model it)."""
-    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
-    from jaxdist.planner import memory
-    from jaxdist.planner.layout import Layout
 
     hw = hardware_for(mesh.devices.flat[0])
     if hw is None:
@@ -122,8 +128,6 @@ def predicted_bytes(cfg, mesh) -> float | None:
 
 def memory_summary(compiled, predicted: float | None, device_memory: dict | None) -> dict:
     """Memory figures for metrics.jsonl's summary: the compiled step's, the device's, the planner's."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.observe import metrics
 
     out = {}
     c = metrics.compiled_memory(compiled)
@@ -152,8 +156,6 @@ def memory_line(figures: dict) -> str:
 
 
 def compiled_line(compiled) -> str:
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.observe import metrics
 
     c = metrics.compiled_memory(compiled)
     if not c:
@@ -169,8 +171,6 @@ def compiled_line(compiled) -> str:
 
 def param_and_state_bytes(prog) -> tuple[int, int]:
     """Bytes per device of parameters and of optimizer state (the largest shard, from shardings)."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
 
     def per_device(abstract, shardings):
         total = 0
@@ -185,8 +185,6 @@ def param_and_state_bytes(prog) -> tuple[int, int]:
 def reducer_state_bytes(prog) -> int:
     """Bytes per device of the gradient stage's state (DGC's momentum and residuals, error feedback...):
     under a per-replica method the optimizer's state lives there, not in `opt_state`."""
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    import jax
 
     leaves = zip(
         jax.tree.leaves(prog.abstract_state.reducer_state), jax.tree.leaves(prog.state_shardings.reducer_state)
@@ -195,10 +193,6 @@ def reducer_state_bytes(prog) -> int:
 
 
 def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
-    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.train starts
-    from jaxdist.distributed.mesh import format_mesh
-    from jaxdist.models import registry
-    from jaxdist.models.resolve import compute_dtype
 
     p_bytes, o_bytes = param_and_state_bytes(prog)
     r_bytes = reducer_state_bytes(prog)
@@ -220,9 +214,6 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         f"gradient stage {prog.gradients.name}, compute {compute_dtype(cfg.model)}",
     ]
     if cfg.lora.rank:
-        # deferred: flax, jax load on first use, not when python -m jaxdist.train starts
-        from jaxdist.adapters.lora import count_adapter_params
-
         lo, trained = cfg.lora, count_adapter_params(cfg.model, cfg.lora)
         lines.append(
             f"LoRA rank {lo.rank} (alpha {lo.alpha:g}{', rsLoRA' if lo.rslora else ''}) on {', '.join(lo.targets)}: {trained / 1e6:.2f}M trained "
@@ -236,9 +227,6 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
             f"sequence per device, load-balanced chunks of {cfg.model.seq_len // (2 * cp)}"
         )
     if prog.pipeline is not None:
-        # deferred: flax, jax load on first use, not when python -m jaxdist.train starts
-        from jaxdist.parallel import pipeline
-
         d = pipeline.describe(prog.pipeline)
         lines.append(
             f"pipeline {d['schedule']}: {d['stages']} stages x {d['repeats']} repeats, "
@@ -247,9 +235,6 @@ def summary_lines(cfg, prog, flops_tok: float) -> list[str]:
         )
     line = None
     if cfg.offload != type(cfg.offload)():
-        # deferred: jax loads on first use, not when python -m jaxdist.train starts
-        from jaxdist.distributed import offload
-
         line = offload_line(cfg, offload.host_transfers(prog))
     if line:
         lines.append(line)

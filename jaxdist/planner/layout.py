@@ -19,6 +19,7 @@ from jaxdist.distributed import sharding
 from jaxdist.distributed.hlo import dtype_bytes
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
+from jaxdist.models import registry
 from jaxdist.objectives import refusals
 from jaxdist.parallel import schedule_registry, schedules
 from jaxdist.planner.hardware import Hardware
@@ -48,8 +49,6 @@ class ParamGroup:
 @functools.lru_cache(maxsize=32)
 def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model with its shape, logical names and role."""
-    # deferred: optax loads on first use, not when python -m jaxdist.plan starts
-    from jaxdist.models import registry
 
     build = registry.of(model).model
     abstract = nnx.eval_shape(lambda: build(model, nnx.Rngs(params=0)))

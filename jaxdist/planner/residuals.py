@@ -25,7 +25,14 @@ import dataclasses
 import functools
 import math
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import export
+
 from jaxdist.config import ModelConfig
+from jaxdist.models import registry
+from jaxdist.models.llama import REMAT_POLICIES
 
 TRACE_T = 16  # where the symbolic sizes are evaluated: the per-token and quadratic terms are exact at any T
 
@@ -40,10 +47,6 @@ class Saved:
 def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     """Residual bytes of one layer, per token and per token pair, float32, on a device holding 1/tp of
     the heads and of the MLP (dense layers; the caller models MoE and context-parallel attention)."""
-    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
-    import jax
-    import jax.numpy as jnp
-    from jax import export
 
     layer, state = _traced_layer(model, tp, policy)
     (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
@@ -70,9 +73,6 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     it (`jax.eval_shape` at two concrete lengths; nothing merged): for context parallelism, whose
     attention (jaxdist.parallel.context) is not the Block's traced here, so the Block's merges do not
     describe its program (jaxdist.planner.memory)."""
-    # deferred: jax loads on first use, not when python -m jaxdist.plan starts
-    import jax
-    import jax.numpy as jnp
 
     layer, state = _traced_layer(model, tp, policy)
 
@@ -89,13 +89,6 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
 def _traced_layer(model: ModelConfig, tp: int, policy: str):
     """(layer(x_BTD, state) under the remat policy, the abstract state) of one dense Block as one device
     computes it under tp (nothing is allocated)."""
-    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.models import registry
-    from jaxdist.models.llama import REMAT_POLICIES
 
     block = registry.of(model).block
     graphdef, state = nnx.split(nnx.eval_shape(lambda: block(_local(model, tp), nnx.Rngs(params=0))))

@@ -10,6 +10,7 @@ from jaxdist import config
 from jaxdist.planner import comms, hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend
 from jaxdist.planner.layout import Layout
+from jaxdist.planner.picture import scaling_png
 from jaxdist.planner.traffic import by_axis, link_bandwidth
 
 STEP_TIME_NOTE = (
@@ -124,8 +125,6 @@ def scaling_table(curves: dict) -> str:
 
 
 def plot(curves: dict, path: str, title: str) -> list[str]:
-    # deferred: matplotlib loads on first use, not when python -m jaxdist.plan starts
-    from jaxdist.planner.picture import scaling_png
 
     return scaling_png(curves, path, title)
 
