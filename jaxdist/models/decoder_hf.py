@@ -293,17 +293,21 @@ FAMILIES = tuple(
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
-LAYER_TENSORS = [
-    (("attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", 0),
-    (("attn", "wq_DNH"), "model.layers.{i}.self_attn.q_proj.weight", 1),
-    (("attn", "wk_DKH"), "model.layers.{i}.self_attn.k_proj.weight", 1),
-    (("attn", "wv_DKH"), "model.layers.{i}.self_attn.v_proj.weight", 1),
-    (("attn", "wo_NHD"), "model.layers.{i}.self_attn.o_proj.weight", 2),
-    (("mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", 0),
-    (("mlp", "w_gate_DF"), "model.layers.{i}.mlp.gate_proj.weight", 1),
-    (("mlp", "w_up_DF"), "model.layers.{i}.mlp.up_proj.weight", 1),
-    (("mlp", "w_down_FD"), "model.layers.{i}.mlp.down_proj.weight", 1),
-]
+# One decoder layer's tensors by role: (path in the layer's parameters, Hugging Face name, n_in — the
+# axes that are the matmul's input, 0 for a vector). `layer_tensors` lists them by name, in file order.
+LAYER_TENSORS = {
+    "attn_norm": (("attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", 0),
+    "q_proj": (("attn", "wq_DNH"), "model.layers.{i}.self_attn.q_proj.weight", 1),
+    "k_proj": (("attn", "wk_DKH"), "model.layers.{i}.self_attn.k_proj.weight", 1),
+    "v_proj": (("attn", "wv_DKH"), "model.layers.{i}.self_attn.v_proj.weight", 1),
+    "o_proj": (("attn", "wo_NHD"), "model.layers.{i}.self_attn.o_proj.weight", 2),
+    "mlp_norm": (("mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", 0),
+    "gate_proj": (("mlp", "w_gate_DF"), "model.layers.{i}.mlp.gate_proj.weight", 1),
+    "up_proj": (("mlp", "w_up_DF"), "model.layers.{i}.mlp.up_proj.weight", 1),
+    "down_proj": (("mlp", "w_down_FD"), "model.layers.{i}.mlp.down_proj.weight", 1),
+}
+ATTENTION = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj")  # before the optional bias / q-k norms
+DENSE_FFN = ("gate_proj", "up_proj", "down_proj")  # a dense layer's feed-forward (a sparse one: its experts)
 BIAS_TENSORS = [
     (("attn", "bq_NH"), "model.layers.{i}.self_attn.q_proj.bias", -1),
     (("attn", "bk_KH"), "model.layers.{i}.self_attn.k_proj.bias", -1),
@@ -317,12 +321,12 @@ QK_NORM_TENSORS = [
 
 def layer_tensors(m: ModelConfig, sparse: bool) -> list[tuple]:
     """(path, hf name, n_in, per expert) of one decoder layer, dense or sparse."""
-    out = [(*t, False) for t in LAYER_TENSORS[:5]]
+    out = [(*LAYER_TENSORS[name], False) for name in ATTENTION]
     out += [(*t, False) for t in BIAS_TENSORS] if m.qkv_bias else []
     out += [(*t, False) for t in QK_NORM_TENSORS] if m.qk_norm else []
-    out.append((*LAYER_TENSORS[5], False))
+    out.append((*LAYER_TENSORS["mlp_norm"], False))
     if not sparse:
-        return out + [(*t, False) for t in LAYER_TENSORS[6:]]
+        return out + [(*LAYER_TENSORS[name], False) for name in DENSE_FFN]
     experts = BY_NAME[m.family].experts
     if not experts:
         exportable(m)  # a dense family: the one-line error naming model.moe_experts
