@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from jaxdist.distributed import launch
+from jaxdist.cluster import launch
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.hf.hub import local_dir

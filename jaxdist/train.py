@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from jaxdist import config
-from jaxdist.distributed import launch as launch_mod
-from jaxdist.distributed import peers, supervisor
+from jaxdist.cluster import launch as launch_mod
+from jaxdist.cluster import peers, supervisor
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping

@@ -441,7 +441,7 @@ def main() -> int:
 def check_k8s_manifest() -> tuple[bool, str]:
     """scripts/k8s-jobset.yaml: each replicated Job's template validated strictly against Kubernetes' own
     batch/v1 Job schema (kubernetes-validate, pip-installed here if missing: 108 MB of schemas, so not a
-    test dependency), and the facts jaxdist.distributed.launch reads from a pod are wired: JOBSET_NAME and
+    test dependency), and the facts jaxdist.cluster.launch reads from a pod are wired: JOBSET_NAME and
     REPLICATED_JOB_NAME from the JobSet's labels, JAX_NUM_PROCESSES equal to the Job's parallelism. The
     JobSet wrapper itself (a CRD) has no schema here and is not checked."""
     import yaml

@@ -1,7 +1,7 @@
 """How long a 2-process run takes to name a dead peer, and what each side prints (docs/multi-host.md).
 
     python scripts/dead_peer_times.py              # each case once; --reps N repeats them
-    JAXDIST_WATCH_PEERS=0 python scripts/dead_peer_times.py --cases training   # the same without jaxdist.distributed.peers
+    JAXDIST_WATCH_PEERS=0 python scripts/dead_peer_times.py --cases training   # the same without jaxdist.cluster.peers
 
 Two processes x 4 simulated CPU devices train the small test model (fsdp=8, --heartbeat-timeout 10); once
 two steps are logged, process 1 is ended one way: `process` SIGKILLs the pid the launcher started,

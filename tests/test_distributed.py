@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_ARGS, gone
 
-from jaxdist.distributed import launch as launch_mod
+from jaxdist.cluster import launch as launch_mod
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +255,7 @@ def test_only_process_zero_speaks(runs):
 
 
 def test_clean_runs_leave_no_process_behind(runs):
-    """Each multi-process command is a supervisor (jaxdist.distributed.peers) and a training process: after the runs
+    """Each multi-process command is a supervisor (jaxdist.cluster.peers) and a training process: after the runs
     ended well, no process of theirs runs, and they said nothing about peers."""
     tmp, _ = runs
     left = []
@@ -341,7 +341,7 @@ def test_a_killed_process_is_named_by_the_survivor(tmp_path, victim):
     """SIGKILL process 1 mid-run (the pid its launcher started, or its training process: the kernel's
     out-of-memory killer picks the big one): process 0 stops in about a second, and its last line names
     process 1 (index, host, pid) as the one that stopped, not the user's code; process 1 says what happened
-    where it can. Without jaxdist.distributed.peers, process 0 aborted in C++ at JAX's heartbeat timeout (gloo's
+    where it can. Without jaxdist.cluster.peers, process 0 aborted in C++ at JAX's heartbeat timeout (gloo's
     "collective mismatch in your code?" or "another task died"), naming no pid or host."""
     procs = two_trainers_mid_run(tmp_path, "--heartbeat-timeout", "10")
     try:

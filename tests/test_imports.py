@@ -72,6 +72,7 @@ def test_jaxdist_has_no_import_cycle():
 LAYERS = [
     ("errors",),
     ("config",),
+    ("cluster",),
     ("distributed",),
     ("data",),
     ("parallel",),

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import gone
 
-from jaxdist.distributed import launch as launch_mod
-from jaxdist.distributed import peer_lines, peer_wire, peers, supervisor
+from jaxdist.cluster import launch as launch_mod
+from jaxdist.cluster import peer_lines, peer_wire, peers, supervisor
 
 
 def test_how_a_process_ended():

@@ -36,8 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from jaxdist.distributed import launch as launch_mod
-from jaxdist.distributed import peer_lines, peer_wire, supervisor
+from jaxdist.cluster import launch as launch_mod
+from jaxdist.cluster import peer_lines, peer_wire, supervisor
 
 KEY = "jaxdist_peers/{}"
 _keep: list = []  # the training process's end of its socket pair: alive as long as the process

@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from jaxdist.distributed import launch as launch_mod
-from jaxdist.distributed import peer_lines, peer_wire
+from jaxdist.cluster import launch as launch_mod
+from jaxdist.cluster import peer_lines, peer_wire
 from jaxdist.errors import JaxdistError
 
 SWITCH = "JAXDIST_WATCH_PEERS"  # "0": no supervisor
