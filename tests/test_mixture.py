@@ -236,7 +236,7 @@ def test_a_mixture_trains_evaluates_per_source_and_resumes_each_source(corpus, t
     whose stage weights changed (--allow-config-change data) continues each source from its checkpoint."""
     from conftest import MICRO_MODEL
 
-    from jaxdist.train import run
+    from jaxdist import run
 
     model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"]
     cfg = mix_cfg(corpus, *model).replace(train=dict(steps=2, eval_every=2, eval_batches=1), checkpoint=dict(every=2))
