@@ -91,6 +91,7 @@ OMITTED_AT_DEFAULT = {
     "data.sources": [],
     "data.stages": [],
     "data.on_exhausted": "repeat",
+    "model.fp8": "off",
 }
 
 

@@ -281,13 +281,14 @@ class Llama(nnx.Module):
             out = unit(x, positions_T, segment_ids_BT) if c is None else unit(x, positions_T, segment_ids_BT, c)
             return out if isinstance(out, tuple) else (out, None)
 
-        if self.cfg.remat == "none":
-            if any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
-                body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
-            return jax.lax.scan(body, x_BTD, (stacked, consts))
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        with matmul.recomputed_layers():  # one gather per weight in the backward, shared by its matmuls
-            return jax.lax.scan(body, x_BTD, (stacked, consts))
+        with matmul.fp8_matmuls(self.cfg.fp8):
+            if self.cfg.remat == "none":
+                if any(offload.on_host(x) for x in jax.tree.leaves(stacked)):  # offload.params=host
+                    body = jax.checkpoint(body, policy=offload.REFETCH_POLICY, prevent_cse=False)
+                return jax.lax.scan(body, x_BTD, (stacked, consts))
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            with matmul.recomputed_layers():  # one gather per weight in the backward, shared by its matmuls
+                return jax.lax.scan(body, x_BTD, (stacked, consts))
 
     def head(self, x_BTD) -> loss.Head:
         """Final-normed hidden states and the head weight (D, V): the loss applies the head block by block."""

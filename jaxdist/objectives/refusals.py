@@ -15,7 +15,7 @@ from jaxdist.distributed import offload, sharding
 from jaxdist.distributed.mesh import AXES, axis_size, check_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.objectives import registry as objectives
-from jaxdist.parallel import context
+from jaxdist.parallel import context, fp8
 from jaxdist.parallel import moe as moe_parallel
 from jaxdist.reduce import registry
 
@@ -27,6 +27,7 @@ def check(cfg: Config, mesh, rules) -> None:
     moe_parallel.check(cfg, mesh, rules)
     context.check(cfg, mesh, rules)
     lora_checks.check(cfg, mesh, rules)
+    fp8.check(cfg, mesh)
     offload.check(cfg, mesh)
     registry.check(cfg, mesh)
     objectives.check(cfg, mesh)

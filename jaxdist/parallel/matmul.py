@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.distributed.sharding import constrain, current_rules, drop_axes, logical_to_spec
-from jaxdist.parallel import context
+from jaxdist.parallel import context, fp8
 
 BF16_F32 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
@@ -105,6 +105,20 @@ def recomputed_layers():
         _KEEP_GATHERED.reset(token)
 
 
+# model.fp8 of the layers being traced (set around the layer scan: models/llama.py).
+_FP8 = contextvars.ContextVar("fp8", default="off")
+
+
+@contextlib.contextmanager
+def fp8_matmuls(mode: str):
+    """Trace the layers' weight matmuls in FP8 (`mode`: tensorwise or rowwise; "off": as before)."""
+    token = _FP8.set(mode)
+    try:
+        yield
+    finally:
+        _FP8.reset(token)
+
+
 def gathered(w, names):
     """`w` all-gathered over the batch axes (FSDP), still split over the others (tp): the copy a matmul
     uses. Explicit, so the forward and the backward can share one copy (XLA never merges two
@@ -125,6 +139,10 @@ def weight_matmul(x, w, names, in_dims: int = 1):
     `w.astype(bf16)` makes XLA reduce the bf16 matmul output, then convert (checked in the HLO)."""
     out_dims = w.shape[in_dims:]
     flat = lambda v: v.reshape(x.shape[-1], *out_dims)
+    if _FP8.get() == "mxfp8":  # block-32 scales: JAX's scaled dot (cuDNN on Blackwell GPUs; fp8.check refuses others)
+        return fp8.mx_matmul(x, flat(gathered(cast_sharded(w, names, x.dtype), names)))
+    if _FP8.get() != "off":
+        return fp8_weight_matmul(x, w, names, in_dims, _FP8.get() == "rowwise")
     if x.dtype == w.dtype:  # as the scan's other matrices: constrained, gradient reduced to the sharding
         return token_matmul(x, flat(cast_sharded(w, names, x.dtype)))
 
@@ -154,6 +172,64 @@ def weight_matmul(x, w, names, in_dims: int = 1):
         out_axes = tuple(range(1, w2.ndim))
         dx = jax.lax.dot_general(g, w2, ((tuple(range(lead, g.ndim)), out_axes), ((), ())))
         return dx.astype(x.dtype), dw
+
+    mm.defvjp(fwd, bwd)
+    return mm(x, w)
+
+
+def fp8_weight_matmul(x, w, names, in_dims: int, rowwise: bool):
+    """weight_matmul with FP8 operands (`jaxdist.parallel.fp8`): forward x and w in e4m3, the gradient in
+    e5m2, three scaled dots accumulating in float32; the weight is quantised on its shard and gathered
+    in FP8 (a quarter of float32's bytes). tensorwise: one scale per tensor, and the backward reuses the
+    forward's quantised x and w. rowwise: a scale per row of what each dot keeps (x per token, w per
+    output column in the forward, per input row in the input gradient's dot, x and the gradient per
+    column in the weight gradient's), so the backward quantises again (w gathered once more, in FP8)."""
+    I, O = x.shape[-1], math.prod(w.shape[in_dims:])
+    ins, outs = tuple(range(in_dims)), tuple(range(in_dims, w.ndim))
+    lead = x.shape[:-1]
+    # (T, I) @ (I, O), (T, O) @ (I, O)^T, (T, I)^T @ (T, O)
+    fwd_dims, dx_dims, dw_dims = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ()))
+
+    def weight(w, per):  # quantised on its shard (the amax crosses shards), then gathered in FP8
+        q, s = fp8.quantize(w, fp8.E4M3, per if rowwise else None)
+        return constrain(q, names), s
+
+    def forward(x, w):
+        wq, sw = weight(w, ins)
+        full = gathered(wq, names)
+        xq, sx = fp8.quantize(x.reshape(-1, I), fp8.E4M3, 1 if rowwise else None)
+        out = fp8.scaled_dot(xq, sx, full.reshape(I, O), sw.reshape(1, -1), fwd_dims)
+        return out.astype(x.dtype).reshape(*lead, *w.shape[in_dims:]), (xq, sx, full, wq, sw)
+
+    @jax.custom_vjp
+    def mm(x, w):
+        return forward(x, w)[0]
+
+    def fwd(x, w):
+        out, (xq, sx, full, wq, sw) = forward(x, w)
+        if rowwise:  # the backward quantises x and w along other dims
+            return out, (x, w)
+        return out, (xq, sx, full if _KEEP_GATHERED.get() else wq, sw)
+
+    def bwd(res, g):
+        g2 = g.reshape(-1, O)
+        if rowwise:
+            x, w = res
+            x2 = x.reshape(-1, I)
+            gq, sg = fp8.quantize(g2, fp8.E5M2, 1)
+            wq, sw = weight(w, outs)
+            dx = fp8.scaled_dot(gq, sg, gathered(wq, names).reshape(I, O), sw.reshape(-1, 1), dx_dims)
+            xq, sx = fp8.quantize(x2, fp8.E4M3, 0)
+            gq, sg = fp8.quantize(g2, fp8.E5M2, 0)
+            dw = fp8.scaled_dot(xq, sx, gq, sg, dw_dims)
+            dtype = x.dtype
+        else:
+            xq, sx, wq, sw = res
+            gq, sg = fp8.quantize(g2, fp8.E5M2, None)
+            dx = fp8.scaled_dot(gq, sg, gathered(wq, names).reshape(I, O), sw.reshape(1, 1), dx_dims)
+            dw = fp8.scaled_dot(xq, sx, gq, sg, dw_dims)
+            dtype = g.dtype
+        return dx.astype(dtype).reshape(*lead, I), constrain(dw.reshape(w.shape if rowwise else wq.shape), names)
 
     mm.defvjp(fwd, bwd)
     return mm(x, w)
