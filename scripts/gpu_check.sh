@@ -130,6 +130,26 @@ bench() {  # name, then config overrides; skipped past the 8-minute budget's las
   fi
 }
 bench remat_dots model.remat=dots_saveable
+bench fp8_tensorwise model.remat=dots_saveable model.fp8=tensorwise  # issue 50: tokens/s against remat_dots
+bench fp8_rowwise model.remat=dots_saveable model.fp8=rowwise
+# FP8 GEMMs: does XLA:GPU rewrite the FP8 dots into cuBLASLt FP8 custom calls, and gather in 1 byte?
+emit "$(timeout 120 python3 - <<'EOF2' 2>/tmp/fp8_hlo.err || echo '{"check": "fp8_hlo", "error": "see /tmp/fp8_hlo.err"}'
+import json, re
+import jax
+from jaxdist import config
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.training import step
+cfg = config.load("configs/tiny.yaml", ["model.fp8=tensorwise", "model.compute_dtype=bfloat16"])
+prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
+tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), "int32", sharding=prog.batch_sharding)
+f = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0)[:2], in_shardings=(prog.state_shardings.params, prog.batch_sharding))
+with prog.activate():
+    text = f.lower(prog.abstract_state.params, tokens).compile().as_text()
+calls = re.findall(r'custom_call_target="([^"]+)"', text)
+print(json.dumps({"check": "fp8_hlo", "fp8_gemms": sum("f8" in c for c in calls), "gemm_targets": sorted(set(calls))[:12],
+                  "f8_converts": text.count("f8e4m3fn"), "e5m2": text.count("f8e5m2")}))
+EOF2
+)"
 bench remat_none model.remat=none
 bench remat_dots_offload model.remat=dots_saveable offload.optimizer=host
 bench remat_full_offload model.remat=full offload.optimizer=host
