@@ -90,6 +90,12 @@ def write(path: Path, data: str | bytes) -> Path:
     return path
 
 
+def fresh(path: Path) -> Path:
+    """`path` removed first: a case that trains a new run starts it even in a reused --keep folder."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def copy(src: Path, dst: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
@@ -451,11 +457,11 @@ def cases() -> list[Case]:
     add(
         "A",
         "10 train.steps=5 train.steps=6",
-        lambda w: jx("train", "--run-dir", w / "run_dup", *MICRO, "train.steps=5", "train.steps=6"),
+        lambda w: jx("train", "--run-dir", fresh(w / "run_dup"), *MICRO, "train.steps=5", "train.steps=6"),
         expect="ok",  # the last wins, as for a repeated flag, and a warning line says so
         check=lambda w, r: (
             "warning: train.steps is given twice (5, then 6); using 6" in r.stderr
-            and json.loads((w / "run_dup" / "metrics.jsonl").read_text().splitlines()[-1]).get("step") == 6
+            and json.loads((w / "run_dup" / "metrics.jsonl").read_text().splitlines()[-1]).get("steps") == 6
         ),
     )
     add(
@@ -466,7 +472,7 @@ def cases() -> list[Case]:
     add(
         "A",
         "10 pipeline.schedule=1f1b at pp=1",
-        lambda w: jx("train", "--run-dir", w / "run_1f1b", *MICRO, "train.steps=1", "pipeline.schedule=1f1b"),
+        lambda w: jx("train", "--run-dir", fresh(w / "run_1f1b"), *MICRO, "train.steps=1", "pipeline.schedule=1f1b"),
         expect="ok",
         check=lambda w, r: "warning" in (r.stdout + r.stderr).lower(),
     )
