@@ -248,3 +248,15 @@ def test_bias_is_checkpointed_and_resumes_exactly(bias_run, tmp_path):
     resumed, _ = compiled(restored, batch)
     for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(states[4]), strict=True):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_shipped_config_has_the_published_parameter_count():
+    """configs/deepseek-v3.yaml: 671B parameters, 37B active per token (the paper's §1 figures; the exact
+    count is the registry's, which equals the model's tensors for every architecture in
+    test_model_registry); its latent cache holds 576 numbers per token and layer against 40,960."""
+    from jaxdist.models.deepseek3 import cache_bytes_per_token, count_params
+
+    m = config.load("configs/deepseek-v3.yaml").model
+    c = count_params(m)
+    assert c["total"] == 671_026_419_200 and round(c["total"] / 1e9) == 671 and int(c["active"] / 1e9) == 37
+    assert cache_bytes_per_token(m, 2) == (61 * 576 * 2, 61 * 128 * 320 * 2)  # bf16: 70,272 vs 4,997,120 B
