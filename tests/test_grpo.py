@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -213,15 +214,25 @@ def test_grpo_stage_sharded_with_accumulation_equals_one_device(grpo_run, tiny_c
         assert np.abs(a - b).max() <= TOL * max(np.abs(a).max(), 1e-12)
 
 
-def test_a_grpo_step_trains_and_logs_trl_names(grpo_run):
-    run, state = grpo_run
+def test_a_grpo_step_with_lora_samples_scores_and_trains(grpo_run):
+    """A whole step (rollouts, rewards, advantages, the train step) with LoRA, on one device (suite time):
+    the decoder samples from the adapted parameters, the reference is the base (the stage keeps no copy),
+    and the step logs TRL's names."""
+    run0, _ = grpo_run
+    cfg = run0.cfg.replace(lora=dict(rank=4), train=dict(grad_accum_steps=1))
+    text = lambda ids: "".join("1" if t % 2 else "a" for t in ids)  # rewards that differ within a group
+    mesh = mesh_from_string("dp=1", jax.devices()[:1])
+    g = dataclasses.replace(run0.g, iterations=1)
+    run = rollout.GRPORun(cfg, mesh, g, {"digits": rewards.load("digits")}, [1.0], text, [])
+    state = run.prog.init_state(0)
+    assert state.reducer_state == ()  # LoRA: the reference is the base with the adapters off, no copy
     records = [{"ids": [1, 2, 3], "prompt": "a"}, {"ids": [4, 5], "prompt": "b"}]
-    new, m = run.step(jax.tree.map(jnp.copy, state), records, seed=2)
+    new, m = run.step(state, records, seed=2)
     for k in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length", "rollout_tokens_per_s"):
         assert np.isfinite(m[k]), k
-    assert m["reward"] == 0.5 and m["completion_length"] == 6.0 and 0 < m["generate_share"] < 1
-    assert int(new.step) == 2  # iterations=2: two optimizer steps on one batch of rollouts
-    assert m["kl"] == 0.0 and m["clip_ratio"] == 0.0  # equal advantages (0) and reference = policy at start
+    assert 0 < m["reward"] < 1 and m["reward_std"] > 0 and m["completion_length"] == 6.0
+    assert 0 < m["generate_share"] < 1 and m["unscored"] == 0 and m["rewards/digits/mean"] == m["reward"]
+    assert int(new.step) == 1 and m["clip_ratio"] == 0.0  # one iteration: the ratio is 1
 
 
 def test_prepare_prompts_keeps_columns_and_never_cuts(tmp_path, small_cfg):
