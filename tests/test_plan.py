@@ -24,7 +24,7 @@ from jaxdist import config, plan
 from jaxdist.analysis import plan_check
 from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.models.llama import count_params
-from jaxdist.planner import comms, hardware, memory, tables
+from jaxdist.planner import comms, hardware, memory, plans, tables
 from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
 from jaxdist.planner.layout import Layout
 from jaxdist.planner.traffic import by_axis, by_kind
@@ -576,7 +576,7 @@ def test_the_printed_command_trains_the_recommended_layout(argv, capsys):
 
     assert plan.main([*argv, "--no-scaling"]) == 0
     printed = capsys.readouterr().out
-    out = plan.run(plan.parse_args([*argv, "--no-scaling"]))
+    out = plans.run(plan.parse_args([*argv, "--no-scaling"]))
     assert f"run it with:\n  {out['command']}\n" in printed and "roofline" in printed
     words = shlex.split(out["command"])
     assert words[:3] == ["python", "-m", "jaxdist.train"]
@@ -628,7 +628,7 @@ def test_every_candidate_and_the_command_pass_the_trainers_validation(argv):
     from jaxdist.distributed import sharding
     from jaxdist.training import step
 
-    out = plan.run(plan.parse_args([*argv, "--devices", "8", "--no-scaling"]))
+    out = plans.run(plan.parse_args([*argv, "--devices", "8", "--no-scaling"]))
     assert out["candidates"] and out["recommended"] is not None
     for e in out["candidates"]:
         mesh = mesh_mod.mesh_from_string(e.layout.name)
@@ -665,7 +665,7 @@ def test_plan_takes_a_hugging_face_model(spec):
     from jaxdist import train
     from jaxdist.hf import mapping
 
-    out = plan.run(plan.parse_args(["--config", spec, "--devices", "8", "--no-scaling"]))
+    out = plans.run(plan.parse_args(["--config", spec, "--devices", "8", "--no-scaling"]))
     fixture = Path(__file__).parent / "fixtures" / "hf_qwen3"
     want = mapping.hf_config(None, [], fixture).model
     assert out["recommended"].layout.cfg.model == want and want.family == "qwen3"
