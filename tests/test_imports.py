@@ -251,7 +251,8 @@ def test_deferred_imports_keep_what_they_say_out_of_start_up():
     """A deferral that says 'jax loads on first use, not when python -m jaxdist.plan starts' is only worth
     its line if importing that command really leaves jax unloaded: checked for every such comment."""
     claims = [(p, *c) for p in sorted(PKG.rglob("*.py")) for c in start_claims(p.read_text())]
-    assert len(claims) > 10  # the parser still reads the comments
+    # the parser still reads the comments: each command's one deferred block is among them
+    assert {c for *_, cmds in claims for c in cmds} >= {"train", "bench", "generate", "plan", "convert", "eval"}
     loaded = libraries_at_start({c for *_, cmds in claims for c in cmds})
     false = [
         f"{p.relative_to(PKG.parent)}:{line}: python -m jaxdist.{c} loads {sorted(set(libs) & loaded[c])} at start"
