@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL
 
-from jaxdist.distributed import hlo, offload
+from jaxdist.distributed import hlo_memory, offload
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.observe import metrics
 from jaxdist.training import step
@@ -142,8 +142,8 @@ def test_device_memory_holds_no_optimizer_state(runs):
     _, plain, _, _ = runs["none"]
     opt_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state))
     host_args, plain_args = (
-        hlo.entry_bytes(compiled.as_text())["arguments"],
-        hlo.entry_bytes(plain.as_text())["arguments"],
+        hlo_memory.entry_bytes(compiled.as_text())["arguments"],
+        hlo_memory.entry_bytes(plain.as_text())["arguments"],
     )
     assert plain_args == {"host": 0, "device": plain.memory_analysis().argument_size_in_bytes}
     assert host_args == {"host": opt_bytes, "device": plain_args["device"] - opt_bytes}

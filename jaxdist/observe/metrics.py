@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from jaxdist.distributed import hlo
+from jaxdist.distributed import hlo, hlo_memory
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import hardware
 
@@ -67,7 +67,7 @@ def compiled_memory(compiled) -> dict | None:
     `host_outputs`, `host_temp` in host memory (pinned_host: offloaded state), and the device `total`
     (aliased counted once). The one reader of memory_analysis(). XLA:CPU's counts a pinned_host
     parameter as a device one (its host_* stay 0), so there the entry layout's memory spaces
-    (hlo.entry_bytes) move those bytes to the host figures; GPUs' memory_analysis() splits them itself."""
+    (hlo_memory.entry_bytes) move those bytes to the host figures; GPUs' memory_analysis() splits them itself."""
     mem = compiled.memory_analysis()
     if mem is None:
         return None
@@ -81,7 +81,7 @@ def compiled_memory(compiled) -> dict | None:
         "host_temp": int(mem.host_temp_size_in_bytes),
     }
     if not (out["host_arguments"] or out["host_outputs"]):
-        entry = hlo.entry_bytes(compiled.as_text())
+        entry = hlo_memory.entry_bytes(compiled.as_text())
         for key in ("arguments", "outputs"):
             out[key] -= entry[key]["host"]
             out["host_" + key] = entry[key]["host"]
