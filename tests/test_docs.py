@@ -23,6 +23,7 @@ from jaxdist.config.keys import with_reference
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.distributed import sharding
 from jaxdist.models.resolve import resolve
+from jaxdist.planner import plans
 from jaxdist.training import step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,7 +237,7 @@ def test_every_command_shown_parses(page, cmd, monkeypatch):
     if name == "train":
         check_on_the_test_devices(train.resolve_config(args))  # --mesh and --steps become overrides there
     elif name == "plan":
-        module.load_config(args.config, list(args.overrides))  # also a Hugging Face model (hf:DIR)
+        plans.load_config(args.config, list(args.overrides))  # also a Hugging Face model (hf:DIR)
     elif name == "bench":
         config.load(args.config, list(args.overrides))
 
