@@ -32,11 +32,20 @@ def programs(small_cfg):
     """fsdp=8 train steps' optimized HLO: blockwise keeping its logits (the default), blockwise
     recomputing them, naive."""
     mesh = mesh_mod.mesh_from_string("fsdp=8")
-    out = {}
+    out = Programs()
     for name, extra in {"keep": {}, "recompute": dict(loss_keep_mib=0), "naive": dict(loss_impl="naive")}.items():
         cfg = small_cfg.replace(model={**STEP, **extra})
-        out[name] = measure.compile_train_step(cfg, mesh, FAST_COMPILE).as_text()
+        compiled = measure.compile_train_step(cfg, mesh, FAST_COMPILE)
+        out[name], out.temp[name] = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
     return out
+
+
+class Programs(dict):
+    """name -> optimized HLO text, and `temp`: name -> temp bytes per device."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = {}
 
 
 def test_kept_logits_leave_no_second_pass_over_the_vocabulary(small_cfg, programs):
@@ -48,6 +57,16 @@ def test_kept_logits_leave_no_second_pass_over_the_vocabulary(small_cfg, program
     flops = {k: hlo_work.matmul_flops(v) for k, v in programs.items()}
     assert flops["recompute"] - flops["keep"] == one_pass
     assert flops["keep"] == flops["naive"]
+
+
+def test_kept_logits_are_kept_in_the_compute_dtype(small_cfg, programs):
+    """Under bf16 compute the forward keeps each block's logits in bf16 (a bf16 matmul's own values, so
+    the backward reads what a recompute would give): the keeping step's temp exceeds the recomputing
+    one's by at least those logits (tokens x V x 2 B per device) and by less than their float32 size."""
+    m = small_cfg.model
+    logits = small_cfg.train.global_batch * m.seq_len // 8 * m.vocab_size
+    extra = programs.temp["keep"] - programs.temp["recompute"]
+    assert 2 * logits <= extra < 4 * logits, (extra, logits)
 
 
 def gathers(text: str) -> dict[str, int]:

@@ -103,7 +103,7 @@ class ModelConfig:
     loss_gather_mib: NonNegative = (
         256  # blockwise: the head is all-gathered this many MiB per device at a time (whole blocks; 0 = one block)
     )
-    loss_keep_mib: NonNegative = 512  # blockwise: keep the forward's float32 logits for the backward (no second matmul over the vocab) when they take at most this many MiB per device; 0 = recompute
+    loss_keep_mib: NonNegative = 512  # blockwise: keep the forward's logits (in the compute dtype) for the backward (no second matmul over the vocab) when they take at most this many MiB per device; 0 = recompute
 
     @property
     def stack_depth(self) -> int:

@@ -11,7 +11,7 @@ reduction: no gather over a sharded vocab). The head is cast to the compute dtyp
 fsdp-sharded and all-gathered a chunk of blocks at a time (`model.loss_gather_mib` per device, 256
 MiB: the whole 8B head in 4 collectives per pass instead of one per block). A custom VJP saves the
 log-sum-exp per token and, when they fit `model.loss_keep_mib` per device (512 MiB), the forward's
-float32 logits: its backward scans the blocks again and turns each block's logits into that block's
+logits in the compute dtype (the bf16 matmul's own values under bf16): its backward scans the blocks again and turns each block's logits into that block's
 head gradient (sharded like W) and its share of the input gradient — three matmuls over the
 vocabulary per step (forward, input gradient, weight gradient), the naive loss's count. Logits that do
 not fit are recomputed block by block (a fourth matmul; working set: a few (tokens, vb) blocks).
@@ -104,11 +104,13 @@ class Plan:
 
 def plan_for(tokens: int, vb: int, nb: int, d_model: int, dtype, gather_mib: int, keep_mib: int) -> Plan:
     """Per device: the most blocks (a divisor of nb, at least 1) whose gathered head (d_model x blocks·vb
-    in `dtype`) takes at most `gather_mib` MiB; keep the logits when all of them (tokens x nb·vb float32)
-    take at most `keep_mib` MiB."""
-    row = d_model * jnp.dtype(dtype).itemsize
-    chunk = max(k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * vb * row <= gather_mib * 2**20))
-    return Plan(chunk, 0 < tokens * nb * vb * 4 <= keep_mib * 2**20)
+    in `dtype`) takes at most `gather_mib` MiB; keep the logits when all of them (tokens x nb·vb in
+    `dtype`, the compute dtype they are kept in) take at most `keep_mib` MiB."""
+    size = jnp.dtype(dtype).itemsize
+    chunk = max(
+        k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * vb * d_model * size <= gather_mib * 2**20)
+    )
+    return Plan(chunk, 0 < tokens * nb * vb * size <= keep_mib * 2**20)
 
 
 def token_rules(rules: Rules | None) -> Rules | None:
@@ -232,7 +234,8 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan):
         m_new = jnp.maximum(m, z.max(axis=2))
         s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
-        return (m_new, s, tgt), (z if plan.keep_logits else None)
+        # kept in the compute dtype: a bf16 matmul's logits are bf16 values, so nothing is lost (half the bytes)
+        return (m_new, s, tgt), (z.astype(x_ND.dtype) if plan.keep_logits else None)
 
     stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
     init = (stat(-jnp.inf), stat(0.0), stat(0.0))
@@ -273,8 +276,7 @@ def _backward(res, g_N, shards, vb, chunk: int):
 
     def body(carry, j_w_z):
         (dx, dw_blocks), (j, w, z) = carry, j_w_z
-        if z is None:
-            z = _block_logits(x, w)
+        z = _block_logits(x, w) if z is None else z.astype(jnp.float32)
         p = jnp.exp(z - lse[:, None, None])
         dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.

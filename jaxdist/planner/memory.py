@@ -328,7 +328,7 @@ def loss_bytes(lay: Layout) -> float:
     blocks = 3 if lay.mesh["pp"] > 1 and lay.table is None else 1
     logits = blocks * tokens * rows * 4
     if plan.keep_logits:  # the forward's logits of every block, kept for the backward (the block among them)
-        logits = max(logits, tokens * m.vocab_size // shards * 4)
+        logits = max(logits, tokens * m.vocab_size // shards * lay.act_bytes)  # kept in the compute dtype
     gathered = 2 * m.d_model * rows * plan.chunk * lay.act_bytes  # a chunk of blocks (one per pass)
     return logits + gathered + tokens * m.d_model * 4
 
