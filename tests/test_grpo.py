@@ -178,6 +178,10 @@ def test_rollouts_sample_the_training_weights_at_the_rows_positions(grpo_run):
     for mesh, what in (("pp=2", "pipeline parallelism"), ("cp=2", "context parallelism")):
         with pytest.raises(JaxdistError, match=f"GRPO does not support {what}"):
             rollout.GRPORun(run.cfg, mesh_from_string(mesh, jax.devices()[:2]), run.g, {}, [], str, [])
+    with pytest.raises(JaxdistError, match="train.global_batch=6 must be a multiple of group_size=4"):
+        rollout.GRPORun(run.cfg.replace(train=dict(global_batch=6)), run.mesh, run.g, {}, [], str, [])
+    with pytest.raises(JaxdistError, match="GRPO group_size=1: a group needs at least 2 completions"):
+        grpo.GRPO(group_size=1)
     with pytest.raises(JaxdistError, match="a prompt of 12 tokens \\+ max_new_tokens 6 is more than a row"):
         run.sample(state.params, [[1] * 12], seed=0)
 
