@@ -113,6 +113,17 @@ FAMILIES = {  # fixture name -> (architecture, config fields)
          "num_experts_per_tok": 3, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
          "first_k_dense_replace": 1, "rope_interleave": True, "num_mtp_layers": 0},
     ),
+    # gpt-oss: layers sliding/full with window 4 < the 16-token sequences, learned sinks, q/k/v/o biases,
+    # 4 experts top-2 with router bias and random expert biases, swiglu_limit 1.0 (so the clamp acts), YaRN
+    # rotary (factor 4 over 16 original positions: all three bands at head_dim 8, truncate false).
+    "hf_gpt_oss": (
+        "GptOss",
+        {**{k: v for k, v in SMALL.items() if k != "rope_theta"}, "hidden_size": 32, "intermediate_size": 16,
+         "head_dim": 8, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "sliding_window": 4, "swiglu_limit": 1.0, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
+    ),
 }  # fmt: skip
 CONFIG_CLASS = {"Gemma3": "Gemma3TextConfig"}  # Gemma3Config is the multimodal one
 
@@ -125,7 +136,7 @@ def build(fields: dict, seed: int, arch: str = "Llama"):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or (arch == "GptOss" and name.endswith("_bias")):  # experts' biases
                 p.copy_(0.5 * torch.randn_like(p))
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias: a buffer, used in the top-k only
             if name.endswith("e_score_correction_bias"):
@@ -253,7 +264,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         default="",
-        help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma3, deepseek_v3)",
+        help="one fixture family (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma3, deepseek_v3, gpt_oss)",
     )
     args = p.parse_args()
     torch.set_default_dtype(torch.float32)

@@ -43,6 +43,16 @@ SHAPES = {  # family -> a small model of it (the MoE ones with experts)
         "moe_mlp_dim": 32,
         "dense_layers": 1,
     },  # fmt: skip
+    "gpt_oss": {
+        "qkv_bias": True,
+        "sliding_window": 4,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_mlp_dim": 32,
+        "rope_scaling": "yarn",
+        "rope_factor": 4.0,
+        "rope_original_max_len": 16,
+    },  # fmt: skip
 }
 
 

@@ -73,6 +73,10 @@ def validate_model(m) -> None:
             f"model.rope_scaling=linear is Gemma 3's full-layer rescale (model.family=gemma3), not {m.family}'s; "
             "use none or llama3"
         )
+    if m.rope_scaling == "yarn" and m.family != "gpt_oss":
+        raise JaxdistError(
+            f"model.rope_scaling=yarn is implemented for model.family=gpt_oss only, not {m.family}; use none or llama3"
+        )
     if m.loss_block and m.vocab_size % m.loss_block:
         raise JaxdistError(
             f"model.loss_block={m.loss_block} must be 0 (automatic) or divide model.vocab_size={m.vocab_size}"

@@ -36,17 +36,17 @@ class ModelConfig:
     vocab_size: Positive = 256  # 256 = bytes
     tie_embeddings: bool = False  # the output head reuses the embedding table
     rope_theta: PositiveFloat = 10000.0  # rotary base frequency
-    rope_scaling: Literal["none", "llama3", "linear"] = (
-        "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below); linear (gemma3's full layers): / rope_factor
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = (
+        "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below); linear (gemma3's full layers): / rope_factor; yarn (gpt_oss): YaRN
     )
     rope_factor: PositiveFloat = 8.0  # llama3: slow-down of long wavelengths
     rope_low_freq_factor: PositiveFloat = 1.0  # llama3: low_freq_factor
     rope_high_freq_factor: PositiveFloat = 4.0  # llama3: high_freq_factor
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3", "deepseek_v3"] = (
-        "llama"  # architecture and Hugging Face family (models/registry.py); the decoder's switches set its math
-    )
+    family: Literal[
+        "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"
+    ] = "llama"  # architecture and Hugging Face family (models/registry.py); the decoder's switches set its math
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
     sliding_window: NonNegative = 0  # each token attends to its last W positions, itself included (Mistral); 0 = all
@@ -71,6 +71,11 @@ class ModelConfig:
     )
     moe_topk_groups: NonNegative = 0  # deepseek_v3: groups kept per token, ranked by their 2 best scores (topk_group)
     moe_routed_scale: PositiveFloat = 1.0  # deepseek_v3: routed experts' gates x this (routed_scaling_factor)
+    rope_beta_fast: PositiveFloat = 32.0  # gpt_oss: YaRN's beta_fast (rotations where interpolation stops)
+    rope_beta_slow: PositiveFloat = 1.0  # gpt_oss: YaRN's beta_slow (rotations where it starts)
+    rope_truncate: bool = True  # gpt_oss: YaRN's correction range rounded outward to whole dims (truncate)
+    swiglu_alpha: PositiveFloat = 1.702  # gpt_oss: experts' gate x sigmoid(alpha x gate) (swiglu_alpha)
+    swiglu_limit: PositiveFloat = 7.0  # gpt_oss: gate clamped above, up clamped both sides to this (swiglu_limit)
     moe_bias_rate: NonNegativeFloat = 0.0  # deepseek_v3: aux-loss-free balancing, the selection bias moves this much per step against each expert's load (0 = frozen)
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU

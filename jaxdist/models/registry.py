@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
-from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf
+from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf, gpt_oss_hf
 
 # Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
 COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
@@ -145,7 +145,19 @@ DEEPSEEK_V3 = Architecture(
     after_step=deepseek3_rules.after_step,
 )
 
-ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3)}
+GPT_OSS = Architecture(
+    name="gpt_oss",
+    hf=(gpt_oss_hf.FAMILY,),
+    fields=("rope_beta_fast", "rope_beta_slow", "rope_truncate", "swiglu_alpha", "swiglu_limit"),
+    module="jaxdist.models.gpt_oss",
+    axes=COMMON_AXES | {"expert"},
+    hf_layer=gpt_oss_hf.layer_tensors,
+    attention_flops=gpt_oss_hf.attention_flops,
+    check=gpt_oss_hf.check,
+    hf_tensors=gpt_oss_hf.tensors,
+)
+
+ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3, GPT_OSS)}
 BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
 FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
 OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}
