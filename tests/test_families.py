@@ -14,6 +14,7 @@ Per family, one import per mesh, shared by the tests (module fixture):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -53,10 +54,11 @@ def forward(model, params, mesh, tokens):
     return np.asarray(out[0] if isinstance(out, tuple) else out)
 
 
-def imported(name: str, mesh_text: str, overrides=(), devices=None):
+@functools.cache  # read-only results: tests that import a fixture onto the same mesh share one import
+def imported(name: str, mesh_text: str, overrides: tuple[str, ...] = (), one_device: bool = False):
     d = FIXTURES / name
     cfg = mapping.hf_config(None, list(overrides), d, mesh_text)
-    mesh = mesh_from_string(mesh_text, devices)
+    mesh = mesh_from_string(mesh_text, jax.devices()[:1] if one_device else None)
     params, model = tensors.import_params(d, cfg, mesh)
     return cfg, mesh, params, model
 
@@ -72,7 +74,7 @@ def test_logits_match_transformers_one_device_and_sharded(family):
     name, ref, (cfg, mesh, params, model) = family
     assert cfg.model.family == FAMILIES[name][0] and cfg.model.moe_dispatch == "dropless"
     sharded = np.abs(forward(model, params, mesh, ref["sequences"]) - ref["logits"]).max()
-    cfg1, mesh1, params1, model1 = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    cfg1, mesh1, params1, model1 = imported(name, "fsdp=1", one_device=True)
     one = np.abs(forward(model1, params1, mesh1, ref["sequences"]) - ref["logits"]).max()
     print(f"{name}: max |logit diff| one device {one:.3g}, {FAMILIES[name][1]} {sharded:.3g}")
     assert one <= 1e-4 and sharded <= 1e-4
@@ -134,7 +136,7 @@ def router_logits(model, params, tokens):
 @pytest.mark.parametrize("name", MOE)
 def test_router_choices_are_transformers(name):
     ref = np.load(FIXTURES / name / "reference.npz")
-    cfg, _, params, model = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    cfg, _, params, model = imported(name, "fsdp=1", one_device=True)
     ours, theirs = router_logits(model, params, ref["sequences"]), ref["router_logits"]
     assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 1e-4
     k = cfg.model.moe_topk
@@ -156,7 +158,7 @@ def test_router_choices_are_transformers(name):
 def test_switches_are_not_vacuous(name, override):
     """The fixture needs its switch: with it flipped the logits are far from transformers'."""
     ref = np.load(FIXTURES / name / "reference.npz")
-    cfg, mesh, params, model = imported(name, "fsdp=1", devices=jax.devices()[:1])
+    cfg, mesh, params, model = imported(name, "fsdp=1", one_device=True)
     key, value = override.split("=")
     cfg = cfg.replace(model={key.split(".")[1]: config.parse_override(override)[2]})
     params, model = tensors.import_params(FIXTURES / name, cfg, mesh)
@@ -335,7 +337,7 @@ def test_each_device_reads_only_its_experts(monkeypatch):
         return out
 
     monkeypatch.setattr(tensors, "read_block", spy)
-    cfg, *_ = imported("hf_mixtral", "fsdp=2,ep=2,tp=2")
+    cfg, *_ = imported.__wrapped__("hf_mixtral", "fsdp=2,ep=2,tp=2")  # an import of its own: the spy reads it
     m = cfg.model
     expert_shapes = {(m.mlp_dim, m.d_model), (m.d_model, m.mlp_dim)}
     experts = [size for shape, size in reads if shape in expert_shapes]
@@ -349,7 +351,7 @@ def test_logits_match_transformers_under_context_parallelism(name, mesh_text):
     from jaxdist.parallel import context
 
     ref = np.load(FIXTURES / name / "reference.npz")
-    cfg, mesh, params, model = imported(name, mesh_text, ["model.seq_len=16"])
+    cfg, mesh, params, model = imported(name, mesh_text, ("model.seq_len=16",))
     perm = context.order(16, dict(mesh.shape)["cp"])
     with sharding.activate(mesh, model.rules):
         out = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t, positions_T=perm))(params, ref["sequences"][:, perm])
