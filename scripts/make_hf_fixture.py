@@ -104,14 +104,17 @@ FAMILIES = {  # fixture name -> (architecture, config fields)
     ),
     # DeepSeek-V3: 3 layers, the first dense; MLA with q and kv low rank (q 24, kv 16), rotary key 4
     # shared over heads, nope 8 and v 6 (all different), interleaved rotary; 8 experts in 4 groups, 2 groups
-    # kept, top-3 (so the group limit changes choices), one shared expert, routed_scaling 2.5, random e_score_correction_bias (selection only).
+    # kept, top-3 (so the group limit changes choices), one shared expert, routed_scaling 2.5, random e_score_correction_bias (selection only);
+    # YaRN x4 from 8 positions (the 16-token sequences pass it), mscale 1 and mscale_all_dim 0.8 (both factors act).
     "hf_deepseek_v3": (
         "DeepseekV3",
         {**{k: v for k, v in SMALL.items() if k != "head_dim"}, "hidden_size": 32, "num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 64,
          "moe_intermediate_size": 16, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
          "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
          "num_experts_per_tok": 3, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-         "first_k_dense_replace": 1, "rope_interleave": True, "num_mtp_layers": 0},
+         "first_k_dense_replace": 1, "rope_interleave": True, "num_mtp_layers": 0,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
+                          "mscale_all_dim": 0.8}},
     ),
     # gpt-oss: layers sliding/full with window 4 < the 16-token sequences, learned sinks, q/k/v/o biases,
     # 4 experts top-2 with router bias and random expert biases, swiglu_limit 1.0 (so the clamp acts), YaRN

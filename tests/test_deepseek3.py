@@ -1,7 +1,8 @@
 """DeepSeek-V3 (models/deepseek3.py) against transformers' DeepseekV3ForCausalLM: `tests/fixtures/hf_deepseek_v3/`
 was made by transformers (scripts/make_hf_fixture.py --only deepseek_v3): 3 layers, the first dense, MLA with
 q and kv low rank, interleaved rotary, 8 experts in 4 groups (2 kept), top-3, a shared expert, random
-norms and a random e_score_correction_bias. torch is not needed here.
+norms and a random e_score_correction_bias, YaRN rotary (x4 from 8 positions, both mscales). torch is not
+needed here.
 
 - logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2;
 - greedy generation over the latent cache gives transformers' tokens exactly;
@@ -12,6 +13,7 @@ norms and a random e_score_correction_bias. torch is not needed here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -118,9 +120,15 @@ def test_export_is_the_fixture_bit_for_bit(sharded, tmp_path):
 def test_selection_bias_and_group_limit_are_not_vacuous(one_device):
     """Without the fixture's correction bias the logits are far off; on transformers' own router logits
     of the fixture's sequences, the group limit and the bias change which experts are chosen."""
-    from jaxdist.models.deepseek3 import route
+    from jaxdist.models.deepseek3 import rotary_setup, route
 
     cfg, mesh, params, model = one_device
+    freq, rotated, scores = rotary_setup(cfg.model)  # the fixture's YaRN acts on frequencies and both factors
+    assert (
+        rotated != 1.0
+        and scores != 1.0
+        and freq != rotary_setup(dataclasses.replace(cfg.model, rope_scaling="none"))[0]
+    )
     biases = [a for p, a in jax.tree_util.tree_flatten_with_path(params)[0] if "e_bias_E" in jax.tree_util.keystr(p)]
     zero = jax.tree_util.tree_map_with_path(
         lambda p, x: jnp.zeros_like(x) if "e_bias_E" in jax.tree_util.keystr(p) else x, params
@@ -146,7 +154,9 @@ def write_config(tmp_path, **edit):
     [
         ({"num_nextn_predict_layers": 1}, "multi-token prediction"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantise"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, "truncate"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16}}, "beta_fast=16"),
         ({"topk_method": "greedy"}, "topk_method"),
         ({"scoring_func": "softmax"}, "scoring_func"),
     ],

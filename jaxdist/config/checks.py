@@ -73,9 +73,10 @@ def validate_model(m) -> None:
             f"model.rope_scaling=linear is Gemma 3's full-layer rescale (model.family=gemma3), not {m.family}'s; "
             "use none or llama3"
         )
-    if m.rope_scaling == "yarn" and m.family != "gpt_oss":
+    if m.rope_scaling == "yarn" and m.family not in ("gpt_oss", "deepseek_v3"):
         raise JaxdistError(
-            f"model.rope_scaling=yarn is implemented for model.family=gpt_oss only, not {m.family}; use none or llama3"
+            f"model.rope_scaling=yarn is implemented for model.family=gpt_oss and deepseek_v3 only, not {m.family}; "
+            "use none or llama3"
         )
     if m.loss_block and m.vocab_size % m.loss_block:
         raise JaxdistError(

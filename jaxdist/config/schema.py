@@ -37,7 +37,7 @@ class ModelConfig:
     tie_embeddings: bool = False  # the output head reuses the embedding table
     rope_theta: PositiveFloat = 10000.0  # rotary base frequency
     rope_scaling: Literal["none", "llama3", "linear", "yarn"] = (
-        "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below); linear (gemma3's full layers): / rope_factor; yarn (gpt_oss): YaRN
+        "none"  # llama3: Llama 3.1/3.2 frequency rescale (factors below); linear (gemma3's full layers): / rope_factor; yarn (gpt_oss, deepseek_v3): YaRN
     )
     rope_factor: PositiveFloat = 8.0  # llama3: slow-down of long wavelengths
     rope_low_freq_factor: PositiveFloat = 1.0  # llama3: low_freq_factor
@@ -76,6 +76,12 @@ class ModelConfig:
     rope_truncate: bool = True  # gpt_oss: YaRN's correction range rounded outward to whole dims (truncate)
     swiglu_alpha: PositiveFloat = 1.702  # gpt_oss: experts' gate x sigmoid(alpha x gate) (swiglu_alpha)
     swiglu_limit: PositiveFloat = 7.0  # gpt_oss: gate clamped above, up clamped both sides to this (swiglu_limit)
+    rope_mscale: NonNegativeFloat = (
+        0.0  # deepseek_v3, rope_scaling=yarn: mscale (with rope_mscale_all_dim: the cos/sin factor)
+    )
+    rope_mscale_all_dim: NonNegativeFloat = (
+        0.0  # deepseek_v3, rope_scaling=yarn: mscale_all_dim (scores x its mscale^2)
+    )
     moe_bias_rate: NonNegativeFloat = 0.0  # deepseek_v3: aux-loss-free balancing, the selection bias moves this much per step against each expert's load (0 = frozen)
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU

@@ -6,6 +6,7 @@ norm, head) with DeepSeek's parts:
   `mla_kv_rank` (RMS-normed) expanded per head into `mla_nope_dim` key and `mla_v_dim` value features, plus
   one rotary key of `mla_rope_dim` shared by every head; queries carry nope + rope features per head.
   Scores scaled by (nope + rope)^-1/2. `rope_interleave`: the rotary pairs are adjacent dims (x0, x1).
+  Rotary default or YaRN (`rotary_setup`: frequencies, the cos/sin factor and the scores' mscale^2).
   The decoding cache holds the normed latent and the rotated shared key, (kv_rank + rope) numbers per
   token and layer, not the full keys and values (N * (nope + rope + v)): `cache_bytes_per_token`.
 - mixture of experts with sigmoid scores, `moe_groups` groups of which each token keeps the
@@ -25,21 +26,52 @@ Shapes: B batch, T sequence, D d_model, N heads, R q rank, C kv rank, P rope dim
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
 from jaxdist.models import llama, moe
-from jaxdist.models.attention import document_mask, rope_frequencies, rotary_by
+from jaxdist.models.attention import document_mask, rotary_by
 
 param = llama.param
 RMSNorm = llama.RMSNorm
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm: the RMSNorm default, not rms_norm_eps
 BIAS = "e_bias_E"  # the selection bias's name in the parameters (not trained by the optimizer)
+
+
+BETA_FAST, BETA_SLOW = 32.0, 1.0  # YaRN's ramp ends (transformers' defaults; every DeepSeek config's values)
+
+
+def _mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature, Eq. 21: 0.1 m ln(scale) + 1 (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rotary_setup(cfg: ModelConfig) -> tuple[tuple[float, ...], float, float]:
+    """(per-pair frequencies, the rotated features' factor, the scores' factor) for the rotary dims, as
+    transformers' default rope or `_compute_yarn_parameters` + `yarn_apply_mscale` (rope_scaling=yarn:
+    interpolated frequencies below the beta_slow rotations, extrapolated above beta_fast, a linear ramp
+    between; cos/sin x mscale(factor, mscale) / mscale(factor, mscale_all_dim); the softmax scale x
+    mscale(factor, mscale_all_dim)^2)."""
+    P, base = cfg.mla_rope_dim, cfg.rope_theta
+    pos = (base ** (np.arange(0, P, 2, dtype=np.float32) / P)).astype(np.float32)
+    if cfg.rope_scaling != "yarn":
+        return tuple((1.0 / pos).tolist()), 1.0, 1.0
+    f, orig, m, m_all = cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_mscale, cfg.rope_mscale_all_dim
+    attention = _mscale(f, m) / _mscale(f, m_all) if m and m_all else _mscale(f)
+    dim = lambda rot: P * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(dim(BETA_FAST)), 0), min(math.ceil(dim(BETA_SLOW)), P - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(P // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    freq = 1.0 / (f * pos) * (1 - extrapolate) + 1.0 / pos * extrapolate
+    return tuple(freq.astype(np.float32).tolist()), attention, (_mscale(f, m_all) ** 2 if m_all else 1.0)
 
 
 def rope_dims(x, interleave: bool):
@@ -66,12 +98,13 @@ class Attention(nnx.Module):
         self.kv_norm = RMSNorm(C, LATENT_EPS, rngs, (None,))
         self.wkv_b_CNH = param(rngs, init, (C, N, Hn + Hv), (None, "heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, Hv, D), ("heads", "head_dim", "embed"))
-        self.q_rank, self.interleave, self.theta = R, cfg.rope_interleave, cfg.rope_theta
-        self.scale = float(Hn + P) ** -0.5
+        self.q_rank, self.interleave = R, cfg.rope_interleave
+        self.freq, self.rope_factor, scores = rotary_setup(cfg)  # static: plain floats
+        self.scale = float(Hn + P) ** -0.5 * scores
 
     def _rotary(self, x, positions):
-        P = self.dims[1]
-        return rotary_by(rope_dims(x, self.interleave), positions, rope_frequencies(P // 2, self.theta))
+        y = rotary_by(rope_dims(x, self.interleave), positions, jnp.asarray(self.freq, jnp.float32))
+        return y if self.rope_factor == 1.0 else y * jnp.asarray(self.rope_factor, y.dtype)
 
     def query(self, x_BTD, positions):
         if self.q_rank:

@@ -2,7 +2,7 @@
 fields read into `model.*` (MLA ranks and head widths, group routing, dense first layers) and written
 back, and the tensor table of its two stacks (`dense_blocks`: the first `first_k_dense_replace` layers;
 `blocks`: the MoE layers after them). Refused in one line each: multi-token-prediction layers, FP8
-block-quantised weights (`quantization_config`), rotary scaling other than none (YaRN)."""
+block-quantised weights (`quantization_config`), rotary scaling other than none and YaRN."""
 
 from __future__ import annotations
 
@@ -88,15 +88,33 @@ def _read(get, where) -> dict:
     }
 
 
+YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
 def _rope(hf: dict, where) -> dict:
+    """rope_theta and rope_scaling (Hub) or rope_parameters (transformers 5): default, or YaRN."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta") or 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": "none"}
+    unknown = set(params) - set(YARN) - {"rope_type", "type", "rope_theta", "truncate"}
+    fixed = {"truncate": True, "beta_fast": 32, "beta_slow": 1}  # models/deepseek3.py's BETA_FAST, BETA_SLOW
+    odd = sorted(unknown | {k for k, v in fixed.items() if params.get(k, v) not in (v, None)})
+    if kind != "yarn" or odd:
+        what = f"rope type {kind!r}" if kind != "yarn" else f"YaRN field {odd[0]}={params.get(odd[0])!r}"
         raise JaxdistError(
-            f"{where}: rope type {kind!r} is not supported for DeepSeek-V3 yet (YaRN's frequencies and softmax "
-            "mscale are not implemented); only rope_scaling null / default imports"
+            f"{where}: {what} is not supported for DeepSeek-V3 (default, or YaRN with {', '.join(YARN)})"
         )
-    return {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta") or 10000.0)), "rope_scaling": "none"}
+    orig = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 4096
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "yarn",
+        "rope_factor": float(params.get("factor") or (hf.get("max_position_embeddings") or 4096) / orig),
+        "rope_original_max_len": int(orig),
+        "rope_mscale": float(params.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+    }
 
 
 def _write(m: ModelConfig, src: dict) -> dict:
@@ -119,6 +137,17 @@ def _write(m: ModelConfig, src: dict) -> dict:
         "first_k_dense_replace": m.dense_layers,
         "num_nextn_predict_layers": 0,
         "attention_bias": False,
+        "rope_scaling": None
+        if m.rope_scaling != "yarn"
+        else {
+            "rope_type": "yarn",
+            "factor": m.rope_factor,
+            "original_max_position_embeddings": m.rope_original_max_len,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": m.rope_mscale,
+            "mscale_all_dim": m.rope_mscale_all_dim,
+        },
     }
 
 

@@ -40,11 +40,13 @@ def check(cfg, sizes: dict) -> None:
     m = cfg.model
     fix = "set model.family=deepseek_v3's fields from a DeepseekV3 config.json (convert from-hf)"
     for field, ok in (("qkv_bias", False), ("qk_norm", False), ("sliding_window", 0), ("embed_scale", 1.0),
-                      ("moe_every", 1), ("rope_scaling", "none")):  # fmt: skip
+                      ("moe_every", 1)):  # fmt: skip
         if getattr(m, field) != ok:
             raise JaxdistError(
                 f"model.{field}={getattr(m, field)!r} has no DeepSeek-V3 form (model.family=deepseek_v3); remove it"
             )
+    if m.rope_scaling not in ("none", "yarn"):
+        raise JaxdistError(f"model.rope_scaling={m.rope_scaling} has no DeepSeek-V3 form; use none or yarn")
     for field in ("mla_kv_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim"):
         if not getattr(m, field):
             raise JaxdistError(

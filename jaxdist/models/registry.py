@@ -135,6 +135,8 @@ DEEPSEEK_V3 = Architecture(
         "moe_topk_groups",
         "moe_routed_scale",
         "moe_bias_rate",
+        "rope_mscale",
+        "rope_mscale_all_dim",
     ),  # fmt: skip
     module="jaxdist.models.deepseek3",
     axes=COMMON_AXES | {"expert"},
