@@ -3,18 +3,21 @@ start-up, nothing left to train); the summary line of metrics.jsonl and the clos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxdist.checkpoint.saving import Saver
 from jaxdist.observe import metrics, report
 from jaxdist.training.opening import local_devices
+from jaxdist.training.signals import StopSignal
 from jaxdist.training.state import RunResult
 
 if TYPE_CHECKING:
     from jaxdist.training.state import RunState
 
 
-def stopped_before_training(stopper, run_dir: Path, log) -> RunResult | None:
+def stopped_before_training(stopper: StopSignal, run_dir: Path, log: Callable[..., None]) -> RunResult | None:
     """A stop (SIGTERM, Ctrl-C) that came before the first step: said, nothing saved."""
     if not stopper.requested():
         return None
@@ -72,7 +75,7 @@ def finish(run: RunState) -> RunResult:
     return RunResult(run_dir, summary["final_loss"], summary["eval_loss"], summary["tokens_per_sec"], steps_done)
 
 
-def _stopped_line(stopper, saver, steps_done: int) -> str:
+def _stopped_line(stopper: StopSignal, saver: Saver, steps_done: int) -> str:
     if saver.last_saved is not None:
         return (
             f"stopped by {stopper.received} at step {steps_done}; latest checkpoint: step {saver.last_saved} "

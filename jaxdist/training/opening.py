@@ -7,6 +7,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import jax
+from jax.sharding import Mesh
 
 from jaxdist import checkpoint
 from jaxdist import config as config_mod
@@ -64,7 +65,7 @@ def saver(run: RunState) -> checkpoint.Saver:
     return checkpoint.Saver(run.run_dir, run.cfg, log=run.log if run.is_main else lambda *a: None)
 
 
-def local_devices(mesh):
+def local_devices(mesh: Mesh) -> list:
 
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 

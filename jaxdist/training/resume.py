@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist import checkpoint
+from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import export, tensors
 from jaxdist.objectives import registry as objectives
+from jaxdist.training.step import Program, TrainState
 
 if TYPE_CHECKING:
     from jaxdist.training.state import RunState
@@ -56,7 +58,7 @@ def start_from(run: RunState) -> None:
     run.start = restored.step if restored else 0
 
 
-def with_reference(cfg, prog, state):
+def with_reference(cfg: Config, prog: Program, state: TrainState) -> TrainState:
     """A restored model's state whose frozen reference (a preference objective without LoRA keeps a copy of
     the parameters in the stage's state) is those parameters, not the fresh initialisation's."""
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, check_allowed_keys, flat
 from jaxdist.checkpoint.storage import SUBDIR
+from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.models import registry
 
@@ -50,7 +51,7 @@ def check_storable(path: Path, flag: str = "--run-dir") -> None:
         )
 
 
-def identity(cfg, restore: str | None = None) -> str:
+def identity(cfg: Config, restore: str | None = None) -> str:
     """8 hex digits naming what a run computes: the resolved config without the keys a resume may
     change, and where it starts from."""
 
@@ -62,13 +63,17 @@ def identity(cfg, restore: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def default_run_dir(cfg, config_name: str | None, restore: str | None = None, root: Path = Path("runs")) -> Path:
+def default_run_dir(
+    cfg: Config, config_name: str | None, restore: str | None = None, root: Path = Path("runs")
+) -> Path:
     """runs/<config name>-<identity>: the folder the same command finds again."""
     name = Path(config_name).stem if config_name else "tiny"
     return root / f"{name}-{identity(cfg, restore)}"
 
 
-def prepare(run_dir: str | None, cfg=None, config_name: str | None = None, restore: str | None = None) -> Path:
+def prepare(
+    run_dir: str | None, cfg: Config | None = None, config_name: str | None = None, restore: str | None = None
+) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
     folder named by the config (`default_run_dir`), which the same command finds again."""
     path = Path(run_dir) if run_dir else default_run_dir(cfg, config_name, restore)

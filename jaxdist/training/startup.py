@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from jaxdist.training.state import RunState
 
 
-def with_resolved_mesh(cfg, num_devices: int):
+def with_resolved_mesh(cfg: Config, num_devices: int) -> Config:
     """`cfg` with `mesh.shape` as the sizes it resolves to on `num_devices` (fsdp=-1 -> fsdp=8)."""
 
     return cfg.replace(mesh=dict(shape=mesh_mod.format_mesh(mesh_mod.parse_mesh(cfg.mesh.shape, num_devices))))

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from jaxdist.checkpoint.saving import Saver
 from jaxdist.data import mixture
+from jaxdist.data.loader import Loader
 from jaxdist.errors import JaxdistError
 from jaxdist.objectives import registry as objectives
 from jaxdist.observe import metrics, plots, profiling, report
@@ -107,7 +109,7 @@ def _plot(run_dir: Path):
         return str(e) if isinstance(e, JaxdistError) else reason(e)
 
 
-def _save_after_failure(saver, per_step, loader) -> str:
+def _save_after_failure(saver: Saver, per_step: list[hooks.Hook], loader: Loader) -> str:
     """After metrics or a tracker failed: a checkpoint of the last step if there is room, else why not."""
     ckpt = next(h for h in per_step if isinstance(h, hooks.Checkpoint))
     batches = next(h for h in per_step if isinstance(h, hooks.Batches))
