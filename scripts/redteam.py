@@ -438,7 +438,7 @@ def cases() -> list[Case]:
         "10 corrupt generation_config.json: to-hf",
         lambda w: jx("convert", "to-hf", w / "fromhf_gencfg", w / "hf_gencfg"),
         setup=lambda w: (
-            sh(jx("convert", "from-hf", FIX / "hf_llama", w / "fromhf_gencfg")).returncode == 0
+            sh(jx("convert", "from-hf", FIX / "hf_llama", fresh(w / "fromhf_gencfg"))).returncode == 0
             and write(w / "fromhf_gencfg" / "hf_source" / "generation_config.json", "{not json") is not None
         ),
     )
