@@ -5,6 +5,7 @@ swiglu_limit 1 (the clamp acts), YaRN rotary with all three bands. torch is not 
 
 - logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2 (experts split over ep);
 - greedy generation over the KV cache (windowed layer, sinks) gives transformers' tokens exactly;
+- each token's top-k expert set equals transformers' at every layer;
 - export -> the fixture's files bit for bit, and import of the export bit for bit;
 - the sinks, the router bias, the window and the clamp are not vacuous; what is not supported is one line each;
 - configs/gpt-oss-20b.yaml has the published 20.91B parameters (3.61B active without the embedding).
@@ -101,6 +102,37 @@ def test_export_is_the_fixture_bit_for_bit(sharded, tmp_path):
     again, _ = tensors.import_params(tmp_path, cfg, mesh)
     a, b = flat(params), flat(again)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_same_experts_chosen_per_token(one_device):
+    """Layer by layer on one device, each token's router logits equal transformers' (the fixture's
+    `router_logits`) to 1e-4 and its top-k expert set is transformers' exactly, every layer and token."""
+    cfg, mesh, params, model = one_device
+    K, tokens = cfg.model.moe_topk, jnp.asarray(REF["sequences"])
+    ref_LNE = REF["router_logits"]
+    top = lambda lg: np.sort(np.argsort(-lg, axis=-1)[..., :K], axis=-1)
+    gap = np.sort(ref_LNE, axis=-1)[..., ::-1]
+    assert (gap[..., K - 1] - gap[..., K]).min() > 2e-4  # no choice is a tie-break within the tolerance
+    with sharding.activate(mesh, model.rules):
+        ours_LNE = np.asarray(_router_logits(model.graphdef, params, tokens))
+    assert np.abs(ours_LNE - ref_LNE).max() <= 1e-4
+    for i in range(len(ref_LNE)):
+        assert np.array_equal(top(ours_LNE[i]), top(ref_LNE[i])), i
+
+
+@jax.jit(static_argnums=0)
+def _router_logits(graphdef, params, tokens):
+    """Each layer's router logits (L, B*T, E), the layers run one by one as the scan runs them."""
+    net = nnx.merge(graphdef, params)
+    layers_def, stacked = nnx.split(net.blocks)
+    x, positions, windows, out = net.embed(tokens), jnp.arange(tokens.shape[1]), net.layer_consts(), []
+    for i in range(windows.shape[0]):
+        block = nnx.merge(layers_def, jax.tree.map(lambda a, i=i: a[i], stacked))
+        h = x + block.attn(block.attn_norm(x), positions, None, windows[i])
+        z = block.mlp_norm(h).reshape(-1, h.shape[-1])
+        out.append(z @ block.mlp.router_DE[...] + block.mlp.router_bias_E[...])
+        x = block(x, positions, None, windows[i])[0]
+    return jnp.stack(out)
 
 
 def _with(params, name: str, fn):
