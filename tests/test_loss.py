@@ -159,6 +159,23 @@ def test_vocabulary_attributable_temp_bytes(cfg, mesh_text):
     assert naive > grads + logits + 8 * block  # what the bounds catch
 
 
+def test_gradients_leave_the_stage_as_means_without_a_division_pass(cfg):
+    """The implicit stage differentiates the loss sum over the batch's kept-target count (the count is
+    the backward's seed), so no parameter-shaped gradient is divided after the backward. Dividing after
+    it by a count read from the batch (the loss mask's, since 2a8f271; a constant before) cost one more
+    float32 vocabulary-table shard in temp at Llama 3 scale: temp(V=128,256) - temp(V=256), llama3-8b
+    2 layers, seq 2048, fp32, 1.07 -> 0.84 GB on fsdp=8 and 0.96 -> 0.84 GB on tp=2,fsdp=4 with the
+    seed (docs/memory.md; compile only, minutes a program). At small shapes XLA places that buffer
+    elsewhere (no temp difference at V=8192..65536, D=64..512), so this reads the traced program."""
+    prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=8"))
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32)
+    with prog.activate():
+        jaxpr = jax.make_jaxpr(lambda p, t: prog.gradients.apply(p, t, (), 0)[0])(prog.abstract_state.params, tokens)
+    shapes = {x.shape for x in jax.tree.leaves(prog.abstract_state.params) if x.ndim >= 2}
+    divided = [e for e in jaxpr.eqns if e.primitive.name == "div" and e.outvars[0].aval.shape in shapes]
+    assert not divided, divided[:2]
+
+
 def partitioned_hlo(prog, cfg):
     """The program after XLA's SPMD partitioner, before XLA:CPU's float normalisation (which computes
     bf16 in f32 on CPU only): the collectives a GPU/TPU would run."""
