@@ -231,3 +231,13 @@ def test_gpt_oss_20b_config_has_the_published_count():
     counts = registry.of(m).count_params(m)
     assert counts["total"] == 20_914_757_184 and round(counts["total"] / 1e9, 2) == 20.91
     assert round((counts["active"] - counts["embed"]) / 1e9, 2) == 3.61
+
+
+def test_the_planner_offers_gpt_oss_20b_no_pp_or_cp_mesh():
+    """The registry entry's refusals are the planner's candidate filter too."""
+    from jaxdist.planner.estimate import _architecture_takes
+
+    cfg = config.load("configs/gpt-oss-20b.yaml")
+    base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    assert _architecture_takes(cfg, base) and _architecture_takes(cfg, {**base, "ep": 2})
+    assert not _architecture_takes(cfg, {**base, "pp": 2}) and not _architecture_takes(cfg, {**base, "cp": 2})
