@@ -6,7 +6,10 @@ jaxdist's float32 Newton–Schulz matches torch's code run with a float32 Newton
 on parameters of size ~0.1, after 4 steps), and torch as shipped (bfloat16 Newton–Schulz) to 2e-3.
 Across meshes: fsdp=8, tp=2×fsdp=4 and dp=2×fsdp=4 give the one-device run with 2 accumulated
 micro-batches (losses to a relative 1e-5, Muon's matrices to 1e-5 of each tensor's largest entry,
-AdamW's tensors to 1e-4).
+AdamW's tensors to 1e-4). Combined, with the same tolerances against the same one-device run: Muon
+with a pipeline (pp=2 × fsdp=4), with offload.optimizer=host and offload.params=host, with a
+compressed reducer (dp=8, chunked top-k, error feedback, ratio 1), and LoRA + Muon on fsdp=8 against
+LoRA + Muon on one device.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.optim import adamw, muon, registry
+from jaxdist.parallel import pipeline
 from jaxdist.planner import comms, hardware, memory, optimizer_traffic
 from jaxdist.planner.layout import Layout
 from jaxdist.planner.traffic import by_kind
@@ -225,6 +229,17 @@ def test_reducers_with_their_own_update_refuse_another_optimizer(method):
 
 STEPS = 4
 MESHES = ["fsdp=8", "tp=2,fsdp=4", "dp=2,fsdp=4"]
+# Muon combined with the other features, each against the same one-device run: a pipeline (the stage
+# axis: each stage's stack of matrices is a matrix per layer), the optimizer state and the parameters
+# in host memory, and a compressed reducer (chunked top-k keeping every entry: the codec's path, with
+# its error-feedback state, delivering the exact mean).
+COMBINED = {
+    "pp=2,fsdp=4": ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=2))),
+    "offload=host": ("fsdp=8", dict(offload=dict(optimizer="host", params="host"))),
+    "topk ratio=1": ("dp=8", dict(reduce=dict(method="topk", dgc="off", ratio=1.0, warmup_fraction=0.0))),
+}
+LORA = dict(lora=dict(rank=4))  # Muon on the adapters (every one a matrix per layer), against LoRA on one device
+COMBINED["lora"] = ("fsdp=8", LORA)
 
 
 @pytest.fixture(scope="module")
@@ -239,9 +254,11 @@ def muon_cfg(small_cfg):
 def muon_runs(muon_cfg):
     """mesh -> (program, state after STEPS steps, loss curve); the reference: one device, 2 micro-batches."""
     batches, runs = learnable_batches(muon_cfg, STEPS), {}
-    cases = {"one": ("fsdp=1", jax.devices()[:1], 2), **{m: (m, None, 1) for m in MESHES}}
-    for key, (text, devices, accum) in cases.items():
-        cfg = muon_cfg.replace(train=dict(grad_accum_steps=accum))
+    cases = {"one": ("fsdp=1", jax.devices()[:1], 2, {}), **{m: (m, None, 1, {}) for m in MESHES}}
+    cases.update({k: (text, None, 1, over) for k, (text, over) in COMBINED.items()})
+    cases["lora one"] = ("fsdp=1", jax.devices()[:1], 2, LORA)  # LoRA's own one-device reference
+    for key, (text, devices, accum, over) in cases.items():
+        cfg = muon_cfg.replace(train=dict(grad_accum_steps=accum), **over)
         prog = step.build_program(cfg, mesh_mod.mesh_from_string(text, devices))
         compiled = prog.train_step.lower(prog.abstract_state, tokens_spec(prog)).compile()
         state, curve = prog.init_state(0), []
@@ -252,20 +269,20 @@ def muon_runs(muon_cfg):
     return runs
 
 
-def ref_state_names(runs):
-    return runs["one"][0].model.names
-
-
-@pytest.mark.parametrize("mesh_text", MESHES)
+@pytest.mark.parametrize("mesh_text", MESHES + list(COMBINED))
 def test_muon_matches_single_device(muon_runs, mesh_text):
-    _, ref_state, ref_curve, _ = muon_runs["one"]
-    _, state, curve, _ = muon_runs[mesh_text]
+    ref_prog, ref_state, ref_curve, _ = muon_runs["lora one" if mesh_text == "lora" else "one"]
+    prog, state, curve, _ = muon_runs[mesh_text]
     np.testing.assert_allclose(curve, ref_curve, rtol=1e-5)
     assert curve[-1] < curve[0]
     # Muon's matrices to 1e-5 of each tensor's largest entry; AdamW's tensors (the embedding: a rare
     # token's row moves by ~lr·sign of a near-zero gradient, which summation order can flip) to 1e-4.
-    labels = jax.tree.leaves(muon.labels(ref_state_names(muon_runs)))
-    params, ref = jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))
+    params, ref = jax.device_get(state.params), jax.device_get(ref_state.params)
+    if prog.pipeline is not None:  # the stack by stage -> the model's layer order
+        params = pipeline.from_stages(params, prog.pipeline)
+    params, ref = step.trained_part(prog.cfg, params), step.trained_part(ref_prog.cfg, ref)  # LoRA: the adapters
+    labels = jax.tree.leaves(muon.labels(step.trained_part(ref_prog.cfg, ref_prog.model.names)))
+    params, ref = jax.tree.leaves(params), jax.tree.leaves(ref)
     for a, r, label in zip(params, ref, labels, strict=True):
         np.testing.assert_allclose(a, r, atol=(1e-5 if label == "muon" else 1e-4) * np.abs(r).max(), rtol=0)
     mu = jax.tree.leaves(state.opt_state)
