@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test; must run before any JAX work."""
 
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -27,9 +28,12 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 from jaxdist import config  # noqa: E402
+from jaxdist.hf import export, mapping, tensors  # noqa: E402
 
 # The smallest Llama that exercises every path, one shape for the whole suite (a program one test file
 # compiled is a cache hit in the next): as overrides for subprocess runs, and as the small_cfg fixture.
@@ -161,3 +165,23 @@ def overriding(args, *new: str) -> list[str]:
     a user editing the command would (a key given twice is a warning, jaxdist/config/files.py)."""
     keys = {_key(a) for a in new} - {None}
     return [a for a in args if _key(a) not in keys] + list(new)
+
+
+def flat_params(params) -> dict:
+    """{key path: numpy array} of a parameter tree."""
+    return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def assert_export_round_trip(params, cfg, mesh, fixture: Path, out: Path, architecture: str, model_type: str):
+    """An imported HF fixture exported again: the fixture's tensors bit for bit, its config fields, its
+    architecture; and the export imported again gives the same parameters bit for bit."""
+    export.export(params, cfg.model, out, "float32", log=lambda *a: None)
+    original, exported = load_file(str(fixture / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(original) == sorted(exported)
+    assert all(np.array_equal(original[k], exported[k]) for k in original)
+    assert mapping.model_fields(out) == mapping.model_fields(fixture)
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [architecture] and written["model_type"] == model_type
+    again, _ = tensors.import_params(out, cfg, mesh)
+    a, b = flat_params(params), flat_params(again)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)

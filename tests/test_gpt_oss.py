@@ -21,14 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_export_round_trip, flat_params
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxdist import config
 from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
-from jaxdist.hf import export, mapping, tensors
+from jaxdist.hf import mapping, tensors
 from jaxdist.inference import decode
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_gpt_oss"
@@ -43,8 +43,7 @@ def imported(mesh_text: str, devices=None):
     return cfg, mesh, params, model
 
 
-def flat(params) -> dict:
-    return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+flat = flat_params
 
 
 @jax.jit(static_argnums=0)
@@ -92,16 +91,7 @@ def test_greedy_generation_matches_transformers(sharded):
 
 def test_export_is_the_fixture_bit_for_bit(sharded, tmp_path):
     cfg, mesh, params, _ = sharded
-    export.export(params, cfg.model, tmp_path, "float32", log=lambda *a: None)
-    original, exported = load_file(str(FIXTURE / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
-    assert sorted(original) == sorted(exported)
-    assert all(np.array_equal(original[k], exported[k]) for k in original)
-    assert mapping.model_fields(tmp_path) == mapping.model_fields(FIXTURE)
-    written = json.loads((tmp_path / "config.json").read_text())
-    assert written["architectures"] == ["GptOssForCausalLM"] and written["model_type"] == "gpt_oss"
-    again, _ = tensors.import_params(tmp_path, cfg, mesh)
-    a, b = flat(params), flat(again)
-    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert_export_round_trip(params, cfg, mesh, FIXTURE, tmp_path, "GptOssForCausalLM", "gpt_oss")
 
 
 def test_same_experts_chosen_per_token(one_device):

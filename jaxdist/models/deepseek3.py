@@ -188,27 +188,16 @@ class MoE(moe.MoE):
         return super().__call__(x_BTD, route_fn=fn)
 
 
-class Block(nnx.Module):
+class Block(llama.Block):
+    """Llama's block (its forward and cached step) around MLA and the bias-corrected MoE; the cached
+    step's two cache arrays are MLA's latent and rotary key instead of k and v."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.mlp = MoE(cfg, rngs) if sparse else llama.MLP(cfg, rngs)
         self.sparse = sparse
-
-    def __call__(self, x_BTD, positions_T, segment_ids_BT=None):
-        """-> x_BTD; a sparse (MoE) block returns (x_BTD, aux)."""
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T, segment_ids_BT)
-        y_BTD, aux = self.mlp(self.mlp_norm(x_BTD)) if self.sparse else (self.mlp(self.mlp_norm(x_BTD)), None)
-        x_BTD = constrain(x_BTD + y_BTD, ("batch", "seq", None))
-        return x_BTD if aux is None else (x_BTD, aux)
-
-    def cached(self, x_BTD, positions_BT, c_BSC, k_BSP, index, mask_BTS):
-        a_BTD, c_BSC, k_BSP = self.attn.cached(self.attn_norm(x_BTD), positions_BT, c_BSC, k_BSP, index, mask_BTS)
-        x_BTD = x_BTD + a_BTD
-        y_BTD = self.mlp(self.mlp_norm(x_BTD))
-        x_BTD = x_BTD + (y_BTD[0] if self.sparse else y_BTD)
-        return constrain(x_BTD, ("batch", "seq", None)), c_BSC, k_BSP
 
 
 def dense_count(cfg: ModelConfig) -> int:
