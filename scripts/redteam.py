@@ -105,6 +105,9 @@ def copy(src: Path, dst: Path) -> Path:
 # ------------------------------------------------------------------------------------------------ setup
 
 
+SETUP = {"corpus", "prep", "run", "chat.jsonl", "lora_run", "tokens128.bin"}  # what setup and lora_run make
+
+
 def setup(w: Path) -> None:
     """The shared inputs: a corpus, its prepared folder (BPE 300), a 2-step run on it, a chat folder."""
     for i in range(4):
@@ -817,6 +820,9 @@ def main() -> int:
         c for c in cases() if not args.only or args.only in (c.group, c.name) or args.only.lower() in c.name.lower()
     ]
     print(f"setting up in {w} ...", flush=True)
+    for old in w.iterdir():  # a reused --keep folder: only the shared setup survives, every case starts clean
+        if old.name not in SETUP:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
     setup(w)
     ENV["HF_HUB_CACHE"] = str(w / "hub")  # the Hub-cache cases' cache (nothing is downloaded: HF_HUB_OFFLINE)
     results: dict[int, tuple] = {}
