@@ -185,3 +185,50 @@ def assert_export_round_trip(params, cfg, mesh, fixture: Path, out: Path, archit
     again, _ = tensors.import_params(out, cfg, mesh)
     a, b = flat_params(params), flat_params(again)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens) -> np.ndarray:
+    """(B, N): the top-1 minus top-2 logit at each step of the reference's greedy paths, from one
+    teacher-forced forward of our model over prompt + the reference's tokens (rows right-padded: the model
+    is causal, so padding after a position never reaches it). The fixtures keep only the chosen tokens'
+    log-probs, so the gap is measured on our side (whose logits the tests bound against the reference)."""
+    from flax import nnx
+
+    from jaxdist.distributed import sharding
+    from jaxdist.inference import decode
+
+    ref = [[int(t) for t in r] for r in ref_tokens]
+    rows = [[int(t) for t in p] + r[:-1] for p, r in zip(prompts, ref, strict=True)]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    with sharding.activate(mesh, decode.generation_rules(cfg)):
+        out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+    logits = np.asarray(out[0] if isinstance(out, tuple) else out, np.float32)
+    gaps = np.zeros((len(ref), len(ref[0])), np.float32)
+    for i, (p, r) in enumerate(zip(prompts, ref)):
+        top2 = np.sort(logits[i, len(p) - 1 : len(p) - 1 + len(r)], -1)[:, -2:]
+        gaps[i] = top2[:, 1] - top2[:, 0]
+    return gaps
+
+
+def assert_same_greedy(tokens, ref_tokens, gaps, tol: float, what: str = "greedy tokens") -> int:
+    """Greedy tokens of two differently compiled programs compared without flaking on a near-tie: per row,
+    the tokens must equal the reference's at every position before the first whose top-1/top-2 gap (`gaps`,
+    greedy_gaps along the reference's path) is below 2 * tol, where tol bounds how far each program's
+    logits may lie from those the gaps came from (then the argmax cannot differ). From a near-tie on
+    nothing is asserted (either choice is right and the paths part). Fails when every row starts with a
+    near-tie (it would check nothing). Prints and returns the number of positions checked."""
+    tokens, ref_tokens, gaps = np.asarray(tokens), np.asarray(ref_tokens), np.asarray(gaps)
+    assert tokens.shape == ref_tokens.shape == gaps.shape, (tokens.shape, ref_tokens.shape, gaps.shape)
+    margin, checked, smallest = 2 * tol, 0, np.inf
+    for k, (row, ref, gap) in enumerate(zip(tokens, ref_tokens, gaps)):
+        tie = gap < margin
+        n = int(np.argmax(tie)) if tie.any() else len(gap)
+        assert row[:n].tolist() == ref[:n].tolist(), f"{what}, row {k}: {row.tolist()} != {ref.tolist()}"
+        checked, smallest = checked + n, min(smallest, float(gap[:n].min(initial=np.inf)))
+    assert checked > 0, f"{what}: every row starts with a near-tie (top-2 gap < {margin:g}); nothing was checked"
+    print(
+        f"{what}: {checked} of {tokens.size} positions checked (margin {margin:g}); smallest top-2 gap {smallest:.4g}"
+    )
+    return checked

@@ -5,7 +5,8 @@ norms and a random e_score_correction_bias, YaRN rotary (x4 from 8 positions, bo
 needed here.
 
 - logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2;
-- greedy generation over the latent cache gives transformers' tokens exactly;
+- greedy generation over the latent cache gives transformers' tokens, every one up to a near-tie
+  (conftest.assert_same_greedy);
 - export -> the fixture's files bit for bit, and import of the export bit for bit;
 - the selection bias and the group limit are not vacuous; what is not supported is one line each;
 - the auxiliary-loss-free bias update moves load toward balance (a flipped sign does not).
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, flat_params
+from conftest import assert_export_round_trip, assert_same_greedy, flat_params, greedy_gaps
 from flax import nnx
 
 from jaxdist import config
@@ -91,8 +92,10 @@ def test_greedy_generation_over_the_latent_cache_matches_transformers(sharded):
     cfg, mesh, params, model = sharded
     prompts = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
     new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(REF["greedy0"]))
+    want = np.stack([REF["greedy0"], REF["greedy1"]])
+    gaps = greedy_gaps(cfg, params, model.graphdef, mesh, prompts, want)  # tol: ours and decode's, each 1e-4
+    assert_same_greedy(new, want, gaps, tol=2e-4, what="deepseek_v3 greedy tokens")  # every token unless a near-tie
     for k in (0, 1):
-        assert new[k].tolist() == REF[f"greedy{k}"].tolist()
         assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4
     # The cache decode fills is the latent: kv_rank + rope numbers per token and layer, not N (nope + rope + v).
     from jaxdist.models import deepseek3

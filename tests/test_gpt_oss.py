@@ -4,7 +4,8 @@ made by transformers (scripts/make_hf_fixture.py --only gpt_oss): 2 layers (slid
 swiglu_limit 1 (the clamp acts), YaRN rotary with all three bands. torch is not needed here.
 
 - logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2 (experts split over ep);
-- greedy generation over the KV cache (windowed layer, sinks) gives transformers' tokens exactly;
+- greedy generation over the KV cache (windowed layer, sinks) gives transformers' tokens, every one up to a
+  near-tie (conftest.assert_same_greedy);
 - each token's top-k expert set equals transformers' at every layer;
 - export -> the fixture's files bit for bit, and import of the export bit for bit;
 - the sinks, the router bias, the window and the clamp are not vacuous; what is not supported is one line each;
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, flat_params
+from conftest import assert_export_round_trip, assert_same_greedy, flat_params, greedy_gaps
 from flax import nnx
 
 from jaxdist import config
@@ -84,8 +85,10 @@ def test_greedy_generation_matches_transformers(sharded):
     cfg, mesh, params, model = sharded
     prompts = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
     new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(REF["greedy0"]))
+    want = np.stack([REF["greedy0"], REF["greedy1"]])
+    gaps = greedy_gaps(cfg, params, model.graphdef, mesh, prompts, want)  # tol: ours and decode's, each 1e-4
+    assert_same_greedy(new, want, gaps, tol=2e-4, what="gpt_oss greedy tokens")  # every token unless a near-tie
     for k in (0, 1):
-        assert new[k].tolist() == REF[f"greedy{k}"].tolist()
         assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import learnable_batches, tokens_spec
+from conftest import assert_same_greedy, greedy_gaps, learnable_batches, tokens_spec
 
 from jaxdist import config
 from jaxdist.adapters import quant
@@ -413,7 +413,7 @@ def test_peft_read_refuses_what_it_would_drop(tmp_path, change, words):
 
 def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     """`--restore hf:DIR` + lora.rank (NF4 base): 2 steps, then resumed to 3, equals 3 straight steps
-    bit for bit; generate on the LoRA run gives the merged export's greedy tokens and log-probs; the
+    bit for bit; generate on the LoRA run gives the merged export's greedy tokens (up to a near-tie) and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
     import jaxdist
     from jaxdist.adapters import peft
@@ -486,8 +486,11 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
 
     prompts = [[5, 17, 42, 8, 99], [3, 1, 4]]
     got = decode.generate(*decode.load(str(tmp_path / "a"), None, "fsdp=4,tp=2")[:4], prompts, 6)
-    want = decode.generate(*decode.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4], prompts, 6)
-    np.testing.assert_array_equal(got[0], want[0])
+    merged = decode.load(None, str(tmp_path / "merged"), "fsdp=4,tp=2")[:4]
+    want = decode.generate(*merged, prompts, 6)
+    # Two compiled programs (NF4 base + adapters vs the merged float32 export): every token up to a near-tie
+    # in the merged model's logits (tol: both decodes' log-probs are held to 1e-4 of each other).
+    assert_same_greedy(got[0], want[0], greedy_gaps(*merged, prompts, want[0]), tol=2e-4, what="LoRA vs merged")
     np.testing.assert_allclose(got[1], want[1], atol=1e-4)
 
 
