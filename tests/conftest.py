@@ -187,11 +187,13 @@ def assert_export_round_trip(params, cfg, mesh, fixture: Path, out: Path, archit
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens) -> np.ndarray:
+def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens, tol: float) -> np.ndarray:
     """(B, N): the top-1 minus top-2 logit at each step of the reference's greedy paths, from one
     teacher-forced forward of our model over prompt + the reference's tokens (rows right-padded: the model
     is causal, so padding after a position never reaches it). The fixtures keep only the chosen tokens'
-    log-probs, so the gap is measured on our side (whose logits the tests bound against the reference)."""
+    log-probs, so the gap is measured on our side (whose logits the tests bound against the reference).
+    Our argmax must be the reference's token wherever the gap is at least 2 * tol (assert_same_greedy's
+    margin): so the steps line up, and the forward the gaps come from is itself checked."""
     from flax import nnx
 
     from jaxdist.distributed import sharding
@@ -209,6 +211,9 @@ def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens) -> np.ndarray:
     for i, (p, r) in enumerate(zip(prompts, ref)):
         top2 = np.sort(logits[i, len(p) - 1 : len(p) - 1 + len(r)], -1)[:, -2:]
         gaps[i] = top2[:, 1] - top2[:, 0]
+        ours = logits[i, len(p) - 1 : len(p) - 1 + len(r)].argmax(-1)
+        wide = gaps[i] >= 2 * tol
+        assert (ours == np.array(r))[wide].all(), f"row {i}: our argmax {ours.tolist()} vs the reference's {r}"
     return gaps
 
 

@@ -93,7 +93,8 @@ def test_greedy_generation_over_the_latent_cache_matches_transformers(sharded):
     prompts = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
     new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(REF["greedy0"]))
     want = np.stack([REF["greedy0"], REF["greedy1"]])
-    gaps = greedy_gaps(cfg, params, model.graphdef, mesh, prompts, want)  # tol: ours and decode's, each 1e-4
+    # tol 2e-4: our forward (the gaps) and the decode are each held to 1e-4 of transformers
+    gaps = greedy_gaps(cfg, params, model.graphdef, mesh, prompts, want, tol=2e-4)
     assert_same_greedy(new, want, gaps, tol=2e-4, what="deepseek_v3 greedy tokens")  # every token unless a near-tie
     for k in (0, 1):
         assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4

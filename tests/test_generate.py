@@ -27,7 +27,7 @@ def reference():
     ref = np.load(FIXTURE / "reference.npz")
     want = np.stack([ref["greedy0"], ref["greedy1"]])
     cfg, params, graphdef, mesh, _ = decode.load(None, str(FIXTURE), "fsdp=4,tp=2")
-    return ref, want, greedy_gaps(cfg, params, graphdef, mesh, [ref["prompt0"], ref["prompt1"]], want)
+    return ref, want, greedy_gaps(cfg, params, graphdef, mesh, [ref["prompt0"], ref["prompt1"]], want, tol=2e-4)
 
 
 def test_greedy_cli_matches_transformers_batched_and_sharded(reference, capsys, monkeypatch):
@@ -152,3 +152,21 @@ def test_text_rows_mark_each_prompt_and_its_completion():
         "--- completion ---",
         " 1 2",
     ]
+
+
+def test_assert_same_greedy_checks_up_to_a_near_tie_and_never_vacuously():
+    """conftest.assert_same_greedy: tokens agree up to the first near-tie (gap < 2 * tol), nothing after it;
+    a mismatch before it fails; a near-tie at position 0 of every row fails (nothing would be checked)."""
+    ref = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    wide = np.ones((2, 4), np.float32)
+    assert assert_same_greedy(ref.copy(), ref, wide, tol=1e-4) == 8
+    tie = wide.copy()
+    tie[0, 2] = 1e-4  # row 0: a near-tie at step 2 (margin 2e-4); its tokens from there on may differ
+    parted = ref.copy()
+    parted[0, 2:] = [9, 9]
+    assert assert_same_greedy(parted, ref, tie, tol=1e-4) == 6
+    parted[0, 1] = 9  # before the near-tie: a real disagreement
+    with pytest.raises(AssertionError, match="row 0"):
+        assert_same_greedy(parted, ref, tie, tol=1e-4)
+    with pytest.raises(AssertionError, match="nothing was checked"):
+        assert_same_greedy(ref, ref, np.zeros((2, 4), np.float32), tol=1e-4)

@@ -490,7 +490,8 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     want = decode.generate(*merged, prompts, 6)
     # Two compiled programs (NF4 base + adapters vs the merged float32 export): every token up to a near-tie
     # in the merged model's logits (tol: both decodes' log-probs are held to 1e-4 of each other).
-    assert_same_greedy(got[0], want[0], greedy_gaps(*merged, prompts, want[0]), tol=2e-4, what="LoRA vs merged")
+    gaps = greedy_gaps(*merged, prompts, want[0], tol=2e-4)
+    assert_same_greedy(got[0], want[0], gaps, tol=2e-4, what="LoRA vs merged")
     np.testing.assert_allclose(got[1], want[1], atol=1e-4)
 
 
