@@ -5,7 +5,8 @@
     python -m jaxdist.plan --config configs/llama3-8b.yaml --devices 64 train.global_batch=256 --plot s.png
 
 Without --mesh every candidate family (DP, FSDP, HSDP, TPxFSDP, PPxFSDP, PPxTPxFSDP) is sized, with the
-accumulation / pipeline micro-batches that make it fit fastest, and the best is recommended. The cost
+accumulation / pipeline micro-batches that make it fit fastest (on pp meshes under every pipeline.schedule),
+and the best is recommended. The cost
 model (jaxdist.planner) is checked against the compiled program in tests/test_plan.py.
 """
 

@@ -258,6 +258,40 @@ def test_1f1b_bubble_hand_checked():
     assert e.bubble_s / (layer_time + e.bubble_s) == pytest.approx(6 / 14)
 
 
+def test_plan_proposes_the_table_schedules():
+    """Issue 47: on a pp mesh the candidates are every schedule of the registry, each sized by its own
+    model. llama2-70b (80 layers) on pp=4,fsdp=8 of 32 H100s, 1024 sequences: at accumulation 1 and M=128
+    GPipe's scan keeps all M + P - 1 stage inputs and does not fit, the table schedules keep at most P
+    (1f1b) or 2P - 3 (paired) whatever M is and do; GPipe fits only at accumulation 2, and paired 1F1B,
+    whose two lanes give it GPipe's bubble, is recommended, its reason naming it and what it beats."""
+    from jaxdist.parallel import schedule_registry
+    from jaxdist.planner.estimate import best_for_mesh, schedule_variants, with_batch
+
+    cfg, hw = config.load("llama2-70b", []), hardware.get("h100-80gb")
+    mesh = parse_mesh("pp=4,fsdp=8", 32)
+    variants = schedule_variants(cfg, mesh)
+    assert {v.pipeline.schedule for v in variants} == set(schedule_registry.SCHEDULES)
+    at_128 = {v.pipeline.schedule: estimate(Layout(with_batch(v, accum=1, pipe_micro=128), mesh, hw)) for v in variants}
+    gpipe = at_128["gpipe"]
+    assert not gpipe.memory.fits
+    for name in ("1f1b", "1f1b_paired", "interleaved_1f1b"):
+        assert at_128[name].memory.activations < gpipe.memory.activations / 5  # 1.6-1.9 GB against 27.3
+    assert at_128["1f1b_paired"].memory.fits
+
+    ests = [best_for_mesh(v, mesh, hw, "PPxFSDP") for v in variants]  # what candidates() keeps per schedule
+    best, reason = recommend(ests)
+    assert schedule_registry.get(best.layout.cfg.pipeline.schedule).tabled
+    assert best.layout.cfg.pipeline.schedule == "1f1b_paired" and best.layout.accum == 1
+    assert best.step_s < next(e for e in ests if e.layout.cfg.pipeline.schedule == "gpipe").step_s
+    assert "schedule 1f1b_paired at M=128" in reason and "keeps 5 stage inputs per stage whatever M is" in reason
+    assert "gpipe fits only at accumulation 2" in reason
+
+    tiny = candidates(config.load("tiny", []), 8, hw)  # the plan's own list: every schedule on a pp mesh
+    assert {e.layout.cfg.pipeline.schedule for e in tiny if e.layout.name == "pp=2,fsdp=4"} == set(
+        schedule_registry.SCHEDULES
+    )
+
+
 def test_lora_state_terms():
     """LoRA: the optimizer holds the adapters' two AdamW moments (+ 8 bytes of counters), gradients are
     the adapters', and the base's layer matrices are stored at 4, 2, 1 + 4/64 and 0.5 + 4/64 bytes per

@@ -30,7 +30,7 @@ from jaxdist.distributed.mesh import AXES
 from jaxdist.errors import JaxdistError
 from jaxdist.models import registry
 from jaxdist.models.flops import flops_per_token
-from jaxdist.parallel import schedules
+from jaxdist.parallel import schedule_registry, schedules
 from jaxdist.planner import comms, memory, transfers
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout, param_table
@@ -68,6 +68,8 @@ class Estimate:
             "global_batch": lay.cfg.train.global_batch,
             "grad_accum_steps": lay.accum,
             "pipeline_microbatches": lay.pipe_micro if lay.mesh["pp"] > 1 else 0,
+            "pipeline_schedule": lay.cfg.pipeline.schedule if lay.mesh["pp"] > 1 else None,
+            "pipeline_repeats": lay.repeats,
             "memory": self.memory.as_dict(),
             "communication": by_axis(lay, list(self.traffic)),
             "dropless_all_to_all": comms.dropless_a2a_tiers(lay),  # worst (reported) and balanced tiers
@@ -256,13 +258,30 @@ def _architecture_takes(cfg: Config, mesh: dict) -> bool:
     return True
 
 
+def schedule_variants(cfg: Config, mesh: dict[str, int]) -> list[Config]:
+    """With pp > 1, `cfg` under every schedule of the registry (parallel/schedule_registry.py), each sized
+    by its own model: the scan schedules' bubble and stacked activations, the table schedules' slots and
+    buffers (Layout.table). A schedule with virtual chunks gets pipeline.repeats (2 where the config says
+    1: one chunk per stage is its non-virtual twin). What a schedule refuses, Layout.validate refuses."""
+    if mesh["pp"] == 1:
+        return [cfg]
+    out = []
+    for entry in schedule_registry.SCHEDULES.values():
+        repeats = max(2, cfg.pipeline.repeats) if entry.virtual else 1
+        pipeline = dataclasses.replace(cfg.pipeline, schedule=entry.name, repeats=repeats)
+        out.append(dataclasses.replace(cfg, pipeline=pipeline))
+    return out
+
+
 def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
-    """Best setting of every candidate mesh: fitting ones fastest first, then the rest by memory."""
+    """Best setting of every candidate mesh and, on pp meshes, of every pipeline schedule: fitting ones
+    fastest first, then the rest by memory."""
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
         if _architecture_takes(cfg, mesh)
-        if (e := best_for_mesh(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh, hw, name))
+        for variant in schedule_variants(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh)
+        if (e := best_for_mesh(variant, mesh, hw, name))
     ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))
 
@@ -277,6 +296,38 @@ def break_ties(fitting: list[Estimate]) -> list[Estimate]:
     """`fitting` (fastest first) with the candidates tied with the fastest reordered by memory headroom."""
     tied = [e for e in fitting if e.step_s <= fitting[0].step_s * (1 + TIE)]
     return sorted(tied, key=lambda e: e.memory.total) + fitting[len(tied) :]
+
+
+def schedule_reason(best: Estimate, ests: list[Estimate]) -> str:
+    """On a pp mesh: the recommended schedule, its activations and bubble (from its table for a table
+    schedule: the stage inputs it keeps, whatever M is), against every other schedule sized on that mesh."""
+    lay = best.layout
+    if lay.mesh["pp"] == 1:
+        return ""
+    kept = (
+        f"its table keeps {lay.table[1].x_size} stage inputs per stage whatever M is"
+        if lay.table is not None
+        else f"its scan keeps the stage inputs of all {lay.pipe_iterations} iterations"
+    )
+    text = (
+        f"; schedule {lay.schedule} at M={lay.pipe_micro}: {best.memory.activations / 1e9:.3g} GB of activations "
+        f"({kept}), bubble {best.bubble_s / best.step_s:.1%} of the step"
+    )
+    others = []
+    for e in ests:
+        if e is best or e.layout.mesh != lay.mesh:
+            continue
+        if not e.memory.fits:
+            verdict = f"does not fit ({e.memory.total / 1e9:.3g} GB)"
+        elif e.layout.accum > lay.accum:
+            verdict = f"fits only at accumulation {e.layout.accum}, {e.step_s / best.step_s - 1:+.0%} step time"
+        else:
+            verdict = f"{e.step_s / best.step_s - 1:+.0%} step time"
+        others.append(
+            f"{e.layout.schedule} {verdict} (accumulation {e.layout.accum}, M={e.layout.pipe_micro}: "
+            f"{e.memory.activations / 1e9:.3g} GB of activations)"
+        )
+    return text + (f"; on this mesh {'; '.join(others)}" if others else "")
 
 
 def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
@@ -296,7 +347,7 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
     slowest = max(best.traffic, key=lambda t: traffic_time(lay, t), default=None)
     reason = (
         f"{best.family} {lay.name} (accumulation {lay.accum}"
-        + (f", {lay.pipe_micro} pipeline micro-batches" if lay.mesh["pp"] > 1 else "")
+        + (f", {lay.pipe_micro} pipeline micro-batches, schedule {lay.schedule}" if lay.mesh["pp"] > 1 else "")
         + f") {f'ties for the fastest ({ties} within {TIE:.0%})' if ties > 1 else 'is the fastest'} of "
         f"{len(fitting)} fitting candidates: {best.step_s:.3g} s/step, "
         f"MFU {best.mfu:.0%}, {best.memory.total / 1e9:.1f} of {best.memory.capacity / 1e9:.0f} GB usable"
@@ -322,9 +373,11 @@ def recommend(ests: list[Estimate]) -> tuple[Estimate | None, str]:
         f"FSDP threshold 2C/W is {2 * hw.flops(lay.compute_dtype) / hw.slow_bandwidth:.0f} tokens across "
         f"nodes, {2 * hw.flops(lay.compute_dtype) / hw.fast_bandwidth:.0f} inside one)"
     )
+    reason += schedule_reason(best, ests)
     if len(fitting) > 1:
         nxt = fitting[1]
-        reason += f"; next: {nxt.family} {nxt.layout.name} ({nxt.step_s / best.step_s - 1:+.0%} step time)"
+        sched = f" {nxt.layout.schedule}" if nxt.layout.schedule else ""
+        reason += f"; next: {nxt.family} {nxt.layout.name}{sched} ({nxt.step_s / best.step_s - 1:+.0%} step time)"
     return best, reason + "."
 
 

@@ -121,6 +121,13 @@ class Layout:
         return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and virtual else 1
 
     @property
+    def schedule(self) -> str | None:
+        """pipeline.schedule on pp > 1 (with 'xV' for V virtual chunks per stage), else None."""
+        if self.mesh["pp"] == 1:
+            return None
+        return self.cfg.pipeline.schedule + (f" x{self.repeats}" if self.repeats > 1 else "")
+
+    @property
     def table(self):
         """The schedule table (jaxdist.parallel.schedules) of a table schedule (1f1b, 1f1b_paired,
         interleaved_1f1b) on pp > 1, else None (GPipe / circular: autodiff through the schedule's scan)."""
@@ -196,4 +203,17 @@ class Layout:
             raise JaxdistError(f"model.num_layers={cfg.model.num_layers} does not split into pp={m['pp']} stages")
         for g in param_table(cfg.model):
             self.shards(g)
+        if m["pp"] > 1:  # the schedule's own refusals, as parallel/pipeline.plan asks them at start-up
+            entry = schedule_registry.get(cfg.pipeline.schedule)
+            if not entry.virtual and cfg.pipeline.repeats != 1:
+                raise JaxdistError(
+                    f"pipeline.repeats={cfg.pipeline.repeats} needs pipeline.schedule="
+                    f"{schedule_registry.virtual_names()}; set pipeline.repeats=1 for {cfg.pipeline.schedule}"
+                )
+            entry.refuses(cfg, m["pp"], self.pipe_micro)
+            if self.repeats > 1 and self.pipe_micro < m["pp"]:
+                raise JaxdistError(
+                    f"{cfg.pipeline.schedule} pipeline.repeats={self.repeats} needs pipeline.microbatches >= "
+                    f"pp={m['pp']} (got {self.pipe_micro})"
+                )
         refusals.check_sizes(cfg, m)  # the trainer's own start-up refusals: what train refuses is never planned

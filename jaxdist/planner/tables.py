@@ -26,7 +26,7 @@ def gb(x: float) -> str:
 
 MEMORY_LEGEND = """columns: family = kind of mesh; mesh = axis sizes (>1); acc = gradient-accumulation micro-batches
   (train.grad_accum_steps); pipe = pipeline micro-batches per accumulation step (pipeline.microbatches; '-' without
-  pp); params, grads, optim (AdamW moments), activ (saved for backward), temp (largest scratch: the layers' or
+  pp); schedule = pipeline.schedule (xV: pipeline.repeats chunks per stage); params, grads, optim (AdamW moments), activ (saved for backward), temp (largest scratch: the layers' or
   the loss's), total: GB per device; fits = total within 90% of the device's memory; step s / no-ovl s = predicted step time with / without
   communication overlapping compute; bubble = share of the step idle in the pipeline bubble; MFU = model FLOPs /
   peak; tok/s = predicted tokens per second (all devices)"""
@@ -34,7 +34,7 @@ MEMORY_LEGEND = """columns: family = kind of mesh; mesh = axis sizes (>1); acc =
 
 def memory_table(ests: list[Estimate]) -> str:
     head = (
-        f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'params':>7} {'grads':>7} {'optim':>7} "
+        f"{'family':<11} {'mesh':<22} {'acc':>4} {'pipe':>4} {'schedule':<19} {'params':>7} {'grads':>7} {'optim':>7} "
         f"{'activ':>7} {'temp':>7} {'total':>7} {'fits':>4} {'step s':>8} {'no-ovl s':>8} {'bubble':>6} "
         f"{'MFU':>5} {'tok/s':>9}"
     )
@@ -43,7 +43,7 @@ def memory_table(ests: list[Estimate]) -> str:
         lay, mem = e.layout, e.memory
         rows.append(
             f"{e.family:<11} {lay.name:<22} {lay.accum:>4} {lay.pipe_micro if lay.mesh['pp'] > 1 else '-':>4} "
-            f"{gb(mem.params):>7} {gb(mem.grads):>7} {gb(mem.optimizer):>7} {gb(mem.activations):>7} "
+            f"{lay.schedule or '-':<19} {gb(mem.params):>7} {gb(mem.grads):>7} {gb(mem.optimizer):>7} {gb(mem.activations):>7} "
             f"{gb(max(mem.temporary, mem.loss)):>7} {gb(mem.total):>7} {'yes' if mem.fits else 'NO':>4} "
             f"{e.step_s:>8.3g} {e.step_no_overlap_s:>8.3g} {e.bubble_s / e.step_s:>6.1%} "
             f"{e.mfu:>5.0%} {e.tokens_per_s:>9.3g}"
