@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 from conftest import SMALL_ARGS
 
-from jaxdist import checkpoint, config
+from jaxdist import checkpoint, config, run
 from jaxdist.checkpoint import integrity
 from jaxdist.data import loader
 from jaxdist.distributed.mesh import mesh_from_string
-from jaxdist.train import main, run
+from jaxdist.train import main
 from jaxdist.training import step
 
 SMALL = [

@@ -370,7 +370,7 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     resolved = loader_mod.resolve_token_dtype(cfg)
     assert (cfg.data.token_dtype, resolved.data.token_dtype) == ("auto", "uint32")  # what config.yaml records
     train, held = loader_mod.load_windows(cfg)
-    line = report.data_line(resolved, SimpleNamespace(train=train, held_out=held))
+    line = report.data_line(resolved, SimpleNamespace(train=train, held_out=held, mixture=None))
     n_train, n_val = len(shards["train"]), len(shards["val"])
     tokens = sum(len(np.fromfile(f, np.uint32)) for f in shards["train"])
     assert line.startswith(
@@ -433,7 +433,7 @@ def test_a_prepared_folder_evaluates_on_its_val_split_only(prepared, tiny_cfg):
     cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(a)), model=dict(vocab_size=4096, seq_len=val_tokens))
     train, held = loader_mod.load_windows(cfg)
     assert len(held) == 0 and len(train) == (manifest["splits"]["train"]["tokens"] - 1) // val_tokens
-    loader = type("L", (), {"train": train, "held_out": held, "has_eval": lambda self: False})()
+    loader = type("L", (), {"train": train, "held_out": held, "mixture": None, "has_eval": lambda self: False})()
     reason = loader_mod.no_eval_reason(cfg.replace(train=dict(eval_every=10)), loader)
     assert reason == (
         f"the val/ split of {a} ({val_tokens:,} tokens) holds no window of model.seq_len+1={val_tokens + 1} tokens; "

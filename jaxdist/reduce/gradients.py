@@ -90,13 +90,14 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale=1
     return loss + aux["objective"] * (scale() if callable(scale) else scale), (loss, count, stats)
 
 
-def on_device_gradients(apply_fn: Callable, order_T=None, scale=1.0) -> Callable:
+def on_device_gradients(apply_fn: Callable, order_T=None, scale=1.0, divide_by=None) -> Callable:
     """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
     device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
-    arrays, as the gradient sums and the update want them."""
+    arrays, as the gradient sums and the update want them. `divide_by`: as `accumulate_with_stats`'s."""
 
     def objective(deltas, params, tokens):
-        return objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T, scale)
+        total, aux = objective_sums(apply_fn, offload.differentiable(params, deltas), tokens, order_T, scale)
+        return (total if divide_by is None else total / divide_by), aux
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -130,7 +131,7 @@ def accumulate_with_stats(
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if any(offload.on_host(p) for p in jax.tree.leaves(params)):  # offload.params=host
-        grad_fn = on_device_gradients(apply_fn, order_T, scale)
+        grad_fn = on_device_gradients(apply_fn, order_T, scale, divide_by)
     if microbatches == 1:
         (_, (loss, count, stats)), grads = grad_fn(params, tokens_BT1)
         return grads, loss, count, stats
