@@ -84,21 +84,11 @@ def check(cfg, mesh) -> None:
             "and mlp_dim must be multiples of 32; use model.fp8=tensorwise or rowwise"
         )
     if m.fp8 == "mxfp8" and isinstance(mesh, jax.sharding.Mesh):  # the devices it runs on (not the planner's)
-        kind = _device_kind(mesh.devices.flat[0])
-        if not _has_mx(kind):
+        d = mesh.devices.flat[0]
+        cc = str(getattr(d, "compute_capability", "") or "")
+        if d.platform != "gpu" or not cc.split(".")[0].isdigit() or int(cc.split(".")[0]) < 10:
             raise JaxdistError(
                 f"model.fp8=mxfp8 needs block-scaled FP8 matmuls in hardware (NVIDIA Blackwell, compute "
-                f"capability 10.0 or later); this machine's devices are {kind}; use model.fp8=tensorwise or rowwise"
+                f"capability 10.0 or later); this machine's devices are {d.platform} {d.device_kind}"
+                f"{f' (compute capability {cc})' if cc else ''}; use model.fp8=tensorwise or rowwise"
             )
-
-
-def _device_kind(d) -> str:
-    cc = getattr(d, "compute_capability", None)
-    return f"{d.platform} {d.device_kind}" + (f" (compute capability {cc})" if cc else "")
-
-
-def _has_mx(kind: str) -> bool:
-    if not kind.startswith("gpu") or "compute capability" not in kind:
-        return False
-    major = kind.rsplit("compute capability ", 1)[1].split(".")[0]
-    return major.isdigit() and int(major) >= 10

@@ -180,7 +180,8 @@ def weight_matmul(x, w, names, in_dims: int = 1):
 def fp8_weight_matmul(x, w, names, in_dims: int, rowwise: bool):
     """weight_matmul with FP8 operands (`jaxdist.parallel.fp8`): forward x and w in e4m3, the gradient in
     e5m2, three scaled dots accumulating in float32; the weight is quantised on its shard and gathered
-    in FP8 (a quarter of float32's bytes). tensorwise: one scale per tensor, and the backward reuses the
+    quantised (1 byte per entry where the backend has FP8 collectives; XLA:CPU widens them to f16,
+    tests/test_fp8.py). tensorwise: one scale per tensor, and the backward reuses the
     forward's quantised x and w. rowwise: a scale per row of what each dot keeps (x per token, w per
     output column in the forward, per input row in the input gradient's dot, x and the gradient per
     column in the weight gradient's), so the backward quantises again (w gathered once more, in FP8)."""
