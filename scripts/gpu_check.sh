@@ -14,7 +14,7 @@
 # Bench: configs/1b.yaml (Llama 3.2 1B shape, seq 8192) in bfloat16 on one GPU, global_batch 2
 # (16K tokens a step), with and without remat, with and without optimizer-state host offload, with
 # parameters offloaded (tokens/s against the same remat without), also with XLA's pipelined host offloading;
-# scripts/offload_prefetch.py's copies and losses with that flag on and off.
+# scripts/memory/offload_prefetch.py's copies and losses with that flag on and off.
 # MFU is against the datasheet dense bf16 peak (989 TFLOP/s); target 55%.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,7 +106,7 @@ JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
 emit "{\"check\": \"tests\", \"rc\": ${PIPESTATUS[0]}, \"elapsed_s\": $(elapsed)}"
 
 echo "== offload prefetch: XLA's pipelined host offloading on and off [$(elapsed)s]"
-line=$(timeout 120 python3 scripts/offload_prefetch.py 2>/tmp/offload_prefetch.err | tail -1)
+line=$(timeout 120 python3 scripts/memory/offload_prefetch.py 2>/tmp/offload_prefetch.err | tail -1)
 if [[ "$line" == \{* ]]; then
   emit "$line"
 else

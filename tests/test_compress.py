@@ -742,7 +742,7 @@ def load_study():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "compression_study.py"
+    path = Path(__file__).parents[1] / "scripts" / "studies" / "compression_study.py"
     spec = importlib.util.spec_from_file_location("compression_study", path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)

@@ -223,7 +223,7 @@ def test_hlo_allgather_gathers_k_and_v_once_per_layer(build):
 
 # Per-device temp bytes of one device's gradient program / cp's, at this module's shape (2 layers, d 32,
 # seq 512, batch 4), measured with jax 0.10.2 on CPU. The docs' table (tiny, seq 8192, the train step:
-# `python scripts/cp_memory.py`) has allgather cp=8 at 1/7.8 and ring at 1/57; at seq 512 the ring's
+# `python scripts/memory/cp_memory.py`) has allgather cp=8 at 1/7.8 and ring at 1/57; at seq 512 the ring's
 # saving is smaller (the T x T scores it never forms are a smaller part of the rest).
 TEMP_RATIOS = {
     "cp=2 allgather": 2.02,

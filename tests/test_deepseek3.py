@@ -1,5 +1,5 @@
 """DeepSeek-V3 (models/deepseek3.py) against transformers' DeepseekV3ForCausalLM: `tests/fixtures/hf_deepseek_v3/`
-was made by transformers (scripts/make_hf_fixture.py --only deepseek_v3): 3 layers, the first dense, MLA with
+was made by transformers (scripts/fixtures/make_hf_fixture.py --only deepseek_v3): 3 layers, the first dense, MLA with
 q and kv low rank, interleaved rotary, 8 experts in 4 groups (2 kept), top-3, a shared expert, random
 norms and a random e_score_correction_bias, YaRN rotary (x4 from 8 positions, both mscales). torch is not
 needed here.

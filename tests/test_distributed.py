@@ -21,7 +21,7 @@ from jaxdist.cluster import launch as launch_mod
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCH = ROOT / "scripts" / "launch_local.sh"
+LAUNCH = ROOT / "scripts" / "cluster" / "launch_local.sh"
 SMALL = [
     *SMALL_ARGS,
     "train.log_every=1",
@@ -105,7 +105,7 @@ RECORDED_COORDINATOR = {"slurm": "vm:61441", "openmpi": f"127.0.0.1:{launch_mod.
 @pytest.mark.parametrize("launcher", ["slurm", "openmpi"])
 def test_detection_from_what_the_launchers_really_set(launcher):
     """The variables srun (SLURM 22.05) and mpirun (OpenMPI 4.1) set for 2 tasks on one node, recorded by
-    `scripts/cluster_check.py --record-env`: each process finds its rank, the count and one coordinator,
+    `scripts/cluster/cluster_check.py --record-env`: each process finds its rank, the count and one coordinator,
     and on a host with GPUs takes its own disjoint share of them, never all and never only the first."""
     envs = [json.loads((LAUNCH_ENV / f"{launcher}_{rank}.json").read_text()) for rank in (0, 1)]
     cpu = [launch_mod.detect(env={**e, "CUDA_VISIBLE_DEVICES": ""}) for e in envs]

@@ -2,7 +2,7 @@
 committed local tasks: a multiple-choice task (acc, acc_norm identical), a perplexity task (rolling
 log-likelihoods and perplexities to 1e-4, one document longer than the window) and a generation task
 with a stop sequence (the same text under greedy decoding), on one device and on an fsdp=4,tp=2 mesh.
-The reference answers are scripts/make_eval_fixture.py's (lm-eval 0.4.13, transformers, torch CPU on
+The reference answers are scripts/fixtures/make_eval_fixture.py's (lm-eval 0.4.13, transformers, torch CPU on
 that script's `convert to-hf` export of a small jaxdist run); no torch here."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, Gemma 3) against
-transformers: `tests/fixtures/hf_<family>/` were made by transformers (scripts/make_hf_fixture.py)
+transformers: `tests/fixtures/hf_<family>/` were made by transformers (scripts/fixtures/make_hf_fixture.py)
 with its logits, greedy continuations and (MoE) router logits; torch is not needed here.
 
 Per family, one import per mesh, shared by the tests (module fixture):

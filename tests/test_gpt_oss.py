@@ -1,5 +1,5 @@
 """gpt-oss (models/gpt_oss.py) against transformers' GptOssForCausalLM: `tests/fixtures/hf_gpt_oss/` was
-made by transformers (scripts/make_hf_fixture.py --only gpt_oss): 2 layers (sliding window 4 < the
+made by transformers (scripts/fixtures/make_hf_fixture.py --only gpt_oss): 2 layers (sliding window 4 < the
 16-token sequences, then full), learned sinks, random q/k/v/o, router and expert biases, 4 experts top-2,
 swiglu_limit 1 (the clamp acts), YaRN rotary with all three bands. torch is not needed here.
 

@@ -3,7 +3,7 @@
 - the loss of each `loss_type` (grpo, bnpo, dr_grpo, dapo), TRL's `kl` and `clip_ratio/*`, and the gradients of
   the norm, head and embedding equal a real `trl.GRPOTrainer._compute_loss` on the tiny Llama fixture with
   fixed completions, old and reference log-probs (`tests/fixtures/trl/grpo_*.npz`, made by
-  scripts/make_trl_grpo_fixture.py); the per-token log-probs (temperature 0.7) and advantages agree too.
+  scripts/fixtures/make_trl_grpo_fixture.py); the per-token log-probs (temperature 0.7) and advantages agree too.
 """
 
 from __future__ import annotations

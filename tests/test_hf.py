@@ -1,5 +1,5 @@
 """Hugging Face Llama import/export against the real reference: `tests/fixtures/hf_llama*` were made by
-transformers (scripts/make_hf_fixture.py) with its logits for fixed sequences; torch is not needed here.
+transformers (scripts/fixtures/make_hf_fixture.py) with its logits for fixed sequences; torch is not needed here.
 
 - imported logits equal transformers' to 1e-4 (fp32), on 1 device and on fsdp=4,tp=2;
 - on fsdp=4,tp=2 each device's slice is what is read (no read larger than one device's shard);

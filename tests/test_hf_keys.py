@@ -1,5 +1,5 @@
 """Exports hold exactly the tensors transformers saves and loads: names and shapes against committed
-key lists that transformers made (tests/fixtures/hf_keys/<Architecture>.json, scripts/make_hf_keys.py:
+key lists that transformers made (tests/fixtures/hf_keys/<Architecture>.json, scripts/fixtures/make_hf_keys.py:
 for each tiny variant, what `save_pretrained` wrote and `from_pretrained` loaded back with no missing,
 unexpected or mismatched key). So transformers loads jaxdist's exports with none either. One case per
 (architecture, variant) file entry; torch and transformers are not needed here."""

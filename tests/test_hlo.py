@@ -158,7 +158,7 @@ def test_unknown_trip_count_is_refused_not_undercounted():
 
 
 def test_golden_cpu_conditional_program_counts_the_largest_branch():
-    """cpu_switch.txt (scripts/make_hlo_switch_fixture.py, jax 0.10.2's compiled XLA:CPU text, 8 devices):
+    """cpu_switch.txt (scripts/fixtures/make_hlo_switch_fixture.py, jax 0.10.2's compiled XLA:CPU text, 8 devices):
     psum f32[16] outside; lax.switch whose branches send all_to_all f32[8,4] / all_to_all f32[8,16] +
     psum f32[32] / nothing; a 3-trip loop around lax.cond of psum f32[64] / all_gather f32[4] -> f32[32].
     Every branch is listed (tagged with its branch); a step is costed by the largest of each."""

@@ -29,7 +29,7 @@ from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "tests" / "fixtures" / "hf_llama"
-PEFT_FIXTURE = REPO / "tests" / "fixtures" / "lora_peft"  # scripts/make_lora_peft_fixture.py (peft 0.21.2)
+PEFT_FIXTURE = REPO / "tests" / "fixtures" / "lora_peft"  # scripts/fixtures/make_lora_peft_fixture.py (peft 0.21.2)
 LORA = dict(rank=4, alpha=8.0, block_size=8)
 MESHES = ["fsdp=8", "fsdp=4,tp=2", "pp=2,fsdp=2,tp=2"]
 
@@ -231,7 +231,7 @@ def test_config_refuses_dropout_and_unknown_targets():
 
 def peft_run(adapter_dir, mesh_text, base_dir=BASE):
     """An HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
-    fn, merged params, cfg, LoRA program). scripts/make_lora_peft_fixture.py runs this same path."""
+    fn, merged params, cfg, LoRA program). scripts/fixtures/make_lora_peft_fixture.py runs this same path."""
     from jaxdist.adapters import peft
     from jaxdist.hf import mapping, tensors
 
@@ -268,7 +268,7 @@ def test_peft_adapters_match_peft_and_transformers():
         np.testing.assert_array_equal(written[k], v)
 
 
-# The dense non-Llama families, each with a peft-made adapter (scripts/make_lora_peft_fixture.py): Qwen2
+# The dense non-Llama families, each with a peft-made adapter (scripts/fixtures/make_lora_peft_fixture.py): Qwen2
 # (q/k/v biases; all seven projections), Qwen3 (q/k norms; q, k, o, up, down), Mistral (window 5 < the
 # 16-token sequences; q, v, gate, down).
 PEFT_FAMILIES = {
@@ -537,7 +537,7 @@ def test_restoring_across_lora_settings_names_the_key_and_the_export_first_way(t
 
 def test_rslora_matches_peft_use_rslora():
     """lora.rslora (alpha / sqrt(r)) against peft's use_rslora=True: a peft-made adapter (r=4, alpha=8, q and
-    v; scripts/make_lora_peft_fixture.py llama_rslora) read by jaxdist gives peft's logits to 1e-4
+    v; scripts/fixtures/make_lora_peft_fixture.py llama_rslora) read by jaxdist gives peft's logits to 1e-4
     (measured 4.3e-6), and its export says use_rslora. With alpha / r instead, the logits are off."""
     from jaxdist.adapters import peft
 

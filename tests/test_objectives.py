@@ -1,7 +1,7 @@
 """Preference objectives (jaxdist/objectives): agreement with TRL, the reference, equivalence, data, errors.
 
 - DPO's loss, TRL's metrics and the gradients of the norm, head and embedding equal a real
-  `trl.DPOTrainer`'s on the tiny Llama fixture (`tests/fixtures/trl/`, made by scripts/make_trl_fixture.py);
+  `trl.DPOTrainer`'s on the tiny Llama fixture (`tests/fixtures/trl/`, made by scripts/fixtures/make_trl_fixture.py);
 - with the reference equal to the policy the loss is ln 2 (and the rewards 0);
 - every loss variant (DPO sigmoid / IPO / robust, SimPO, ORPO) equals TRL's on the fixture's log-probs;
 - with LoRA (reference = the base, adapters off) fsdp=4,tp=2 with 2 micro-batches equals one device

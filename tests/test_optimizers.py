@@ -1,7 +1,7 @@
 """The optimizer registry (jaxdist/optim/registry.py), Muon against torch.optim.Muon and across meshes,
 Lion, and the WSD schedule against its formula.
 
-Muon's reference is `torch.optim.Muon` through a committed fixture (scripts/make_muon_fixture.py):
+Muon's reference is `torch.optim.Muon` through a committed fixture (scripts/fixtures/make_muon_fixture.py):
 jaxdist's float32 Newton–Schulz matches torch's code run with a float32 Newton–Schulz to 1e-5 (absolute,
 on parameters of size ~0.1, after 4 steps), and torch as shipped (bfloat16 Newton–Schulz) to 2e-3.
 Across meshes: fsdp=8, tp=2×fsdp=4 and dp=2×fsdp=4 give the one-device run with 2 accumulated

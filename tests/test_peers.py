@@ -195,7 +195,7 @@ def test_the_launcher_kills_a_stopped_process_after_the_grace_period(tmp_path):
     env = {**os.environ, "PYTHON": str(python), "STOP_GRACE": "1", "PIDS_FILE": str(tmp_path / "pids")}
     t0 = time.monotonic()
     r = subprocess.run(
-        [str(ROOT / "scripts" / "launch_local.sh"), "2"], env=env, capture_output=True, text=True, timeout=300
+        [str(ROOT / "scripts/cluster/launch_local.sh"), "2"], env=env, capture_output=True, text=True, timeout=300
     )
     # 90 s: generous on a loaded machine, and far below the 1,115 s the SIGTERM-only launcher waited
     assert r.returncode == 3 and time.monotonic() - t0 < 90, r.stderr

@@ -325,7 +325,11 @@ def test_bad_jax_num_cpu_devices_is_one_line(value, tmp_path, monkeypatch, capsy
 def test_launch_local_refuses_an_uneven_split():
     env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     r = subprocess.run(
-        ["bash", str(REPO / "scripts" / "launch_local.sh"), "3"], capture_output=True, text=True, env=env, timeout=30
+        ["bash", str(REPO / "scripts/cluster/launch_local.sh"), "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
     )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [

@@ -1,4 +1,4 @@
-"""Work per train step read from the compiled program (issue 42; scripts/step_work.py measures it at
+"""Work per train step read from the compiled program (issue 42; scripts/memory/step_work.py measures it at
 the Llama-3-8B shape): matmul FLOPs with loop bodies times their trip counts, the blockwise loss's
 passes over the vocabulary, and all-gathers per weight per pass under full remat."""
 

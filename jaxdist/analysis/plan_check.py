@@ -1,6 +1,6 @@
 """The planner's inputs from a compiled train step: lower and compile (never run) one (config, mesh)
 on this process's devices, and read what the planner predicts — memory_analysis() and the HLO's
-collectives. Used by tests/test_plan.py and scripts/plan_check.py."""
+collectives. Used by tests/test_plan.py and scripts/memory/plan_check.py."""
 
 from __future__ import annotations
 

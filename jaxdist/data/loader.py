@@ -197,7 +197,7 @@ def prepared_arrays(cfg: Config, manifest: dict) -> tuple[list[np.ndarray], list
     if "prompts" in manifest:  # data/promptprep.py: rollouts are sampled from them, no tokens to train on
         raise JaxdistError(
             f"{folder} holds GRPO prompts (prepare --prompts), not training tokens; python -m jaxdist.train "
-            "does not run GRPO yet: use jaxdist.inference.rollout.GRPORun (scripts/grpo_recipe.py)"
+            "does not run GRPO yet: use jaxdist.inference.rollout.GRPORun (scripts/studies/grpo_recipe.py)"
         )
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise JaxdistError(

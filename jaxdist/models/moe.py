@@ -21,7 +21,7 @@ reading RMS-normalised input, the first layers add outputs as large as the embed
 at init averages over the causal prefix, so those outputs are largely shared by a sequence's tokens.
 In tiny-moe at init (random tokens) the per-sequence mean carries 6% of the router input's energy at
 layer 0 and 64% at layer 3, and the fullest expert takes 59-127 of a device's 128 tokens there (32 is
-balanced; 8 random sequences, `python scripts/moe_init_routing.py`). Embeddings at std 1 (`model.embed_init_std=1.0`, torchtitan's init) keep the tokens
+balanced; 8 random sequences, `python scripts/studies/moe_init_routing.py`). Embeddings at std 1 (`model.embed_init_std=1.0`, torchtitan's init) keep the tokens
 distinct, but Adam moves such a table ~50x slower relative to its size, and that alone costs dense
 tiny as much eval loss as tiny-moe trails it by (docs/moe.md's study). tiny-moe keeps tiny's 0.02
 table and multiplies its output by `model.embed_scale` = sqrt(d_model) = 16 (Vaswani et al. 2017,

@@ -18,7 +18,7 @@ All four are a weighted token sum, `sum_nt loss_nt w_nt` with weights from the w
 so micro-batches and shards add up to the batch's loss exactly. Log-probs are of the logits divided by
 the sampling temperature, as TRL's. Advantages: (reward - group mean) / (group std + 1e-4) with TRL's
 NaN rules (an unscorable completion, NaN reward, is out of its group's statistics and gets advantage 0).
-Checked against a real `trl.GRPOTrainer`: tests/test_grpo.py (fixtures by scripts/make_trl_grpo_fixture.py).
+Checked against a real `trl.GRPOTrainer`: tests/test_grpo.py (fixtures by scripts/fixtures/make_trl_grpo_fixture.py).
 """
 
 from __future__ import annotations

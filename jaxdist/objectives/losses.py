@@ -16,7 +16,7 @@ values are TRL's batch means.
 - ORPO (TRL `ORPOTrainer`): chosen NLL (mean over the batch's chosen tokens) - lambda x mean log sigmoid of
   the log-odds ratio of the length-normalised log-probs.
 
-Checked against TRL on fixed inputs: `tests/test_objectives.py` (fixtures by `scripts/make_trl_fixture.py`).
+Checked against TRL on fixed inputs: `tests/test_objectives.py` (fixtures by `scripts/fixtures/make_trl_fixture.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Per matrix W (fan_in A × fan_out B; a stacked layer, expert or pipeline stage i
     W ← W − lr·(s·O + wd·W)                       s = 0.2·√max(A, B) (match_rms_adamw) or √max(1, B/A) (original)
 
 This is `torch.optim.Muon` step for step (its `weight` is (out, in) = Wᵀ, and NS(Xᵀ) = NS(X)ᵀ;
-tests/test_optimizers.py checks it against a fixture torch made, scripts/make_muon_fixture.py); torch
+tests/test_optimizers.py checks it against a fixture torch made, scripts/fixtures/make_muon_fixture.py); torch
 runs NS in bfloat16, this in the parameters' float32. Which tensors are matrices is read from their
 logical axis names (`matrix_axes`): embeddings, head, norms, biases and the MoE router go to AdamW.
 

@@ -1,6 +1,6 @@
 """What XLA's temp bytes are made of, from its own heap simulation (compile with
 `--xla_dump_to=DIR --xla_dump_hlo_as_proto`: `*after_optimizations.hlo.pb`, as
-`scripts/plan_check.py --dump` writes it).
+`scripts/memory/plan_check.py --dump` writes it).
 
 `compiled.memory_analysis().temp_size_in_bytes` is one preallocated allocation into which XLA's heap
 simulator places every temporary buffer. The dump's HloProto carries the simulator's trace: each

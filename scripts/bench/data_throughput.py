@@ -1,0 +1,117 @@
+"""Data throughput: tokens/s the loader hands the trainer (one prepared folder, and a mixture of sources),
+with 1 and N grain threads, and `prepare`'s MB/s per worker process.
+
+    python scripts/bench/data_throughput.py --prepared data/stdlib --mixture data/stdlib data/tests data/docs
+    python scripts/bench/data_throughput.py --prepared data/stdlib --prepare-mb 100 --workers 1 2
+
+The loader is timed on one device (the batch as a global array, as the trainer takes it) after a
+warm-up, over --steps steps of --global-batch windows of --seq-len + 1 tokens; `prepare` is timed on a
+JSONL corpus of --prepare-mb MB (the standard library's .py files, repeated) with the prepared folder's
+tokenizer. Prints one JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def loader_rate(overrides: list[str], steps: int, threads: int) -> float:
+    """Tokens/s through `Loader.__next__` (global arrays) after 5 warm-up steps."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import config
+    from jaxdist.data import loader as loader_mod
+    from jaxdist.distributed.mesh import mesh_from_string
+
+    cfg = config.load(None, [*overrides, f"data.prefetch={threads}"])
+    sharding = NamedSharding(mesh_from_string("fsdp=1"), P(("dp", "fsdp")))
+    loader = loader_mod.Loader(cfg, sharding)
+    for _ in range(5):
+        next(loader).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(loader).block_until_ready()
+    return steps * cfg.train.global_batch * cfg.model.seq_len / (time.perf_counter() - start)
+
+
+def corpus(folder: Path, megabytes: float) -> Path:
+    """A JSONL corpus of the standard library's .py files, repeated to `megabytes` MB."""
+    from jaxdist.data.files import stdlib_files
+
+    out, size = folder / "corpus.jsonl", 0
+    with out.open("w") as fh:
+        while size < megabytes * 1e6:
+            for f in stdlib_files():
+                text = Path(f).read_bytes().decode("utf-8", errors="ignore")
+                line = json.dumps({"text": text}) + "\n"
+                fh.write(line)
+                size += len(line)
+                if size >= megabytes * 1e6:
+                    break
+    return out
+
+
+def prepare_rate(tokenizer: str, source: Path, workers: int, where: Path) -> dict:
+    from jaxdist.data import prepare
+
+    out = where / f"out-{workers}"
+    start = time.perf_counter()
+    code = prepare.main(
+        ["prepare", "--tokenizer", tokenizer, "--out", str(out), "--workers", str(workers), str(source)]
+    )
+    seconds = time.perf_counter() - start
+    mb = source.stat().st_size / 1e6
+    return {"workers": workers, "exit": code, "MB": round(mb, 1), "s": round(seconds, 1), "MB/s": mb / seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepared", required=True, help="a folder made by python -m jaxdist.data prepare")
+    p.add_argument("--mixture", nargs="*", default=[], help="prepared folders to mix with equal weights")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--threads", type=int, nargs="*", default=[1, 4], help="grain threads (data.prefetch)")
+    p.add_argument("--prepare-mb", type=float, default=0, help="> 0: time prepare on a corpus this large")
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2])
+    args = p.parse_args()
+
+    from jaxdist.distributed.platform import setup_platform
+
+    setup_platform(1)
+    from jaxdist.data.shards import read_manifest
+
+    vocab = read_manifest(Path(args.prepared))["vocab_size"]
+    common = [
+        "data.source=tokens",
+        f"model.vocab_size={vocab}",
+        f"model.seq_len={args.seq_len}",
+        f"train.global_batch={args.global_batch}",
+    ]
+    runs = {"prepared": [*common, f"data.path={args.prepared}"]}
+    if args.mixture:
+        listing = ", ".join(f"{{name: s{i}, path: {path}, weight: 1}}" for i, path in enumerate(args.mixture))
+        runs["mixture"] = [*common, f"data.sources=[{listing}]"]
+    for name, overrides in runs.items():
+        for threads in args.threads:
+            rate = loader_rate(overrides, args.steps, threads)
+            print(json.dumps({"loader": name, "threads": threads, "tokens_per_s": round(rate)}), flush=True)
+    if args.prepare_mb > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = corpus(Path(tmp), args.prepare_mb)
+            for workers in args.workers:
+                got = prepare_rate(args.prepared, source, workers, Path(tmp))
+                got["MB/s per worker"] = got["MB/s"] / workers
+                print(json.dumps({"prepare": got}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The planner's memory and collective bytes against the compiled train step (compile only, 8 CPU devices).
+
+    nice -n 10 python scripts/memory/plan_check.py --mesh fsdp=8 model.remat=full [--dump DIR]
+
+Prints one JSON line: predicted and compiled argument / temp bytes, the relative errors, the model's
+terms, and the bytes per collective kind on both sides; with offload.params / offload.optimizer=host,
+`host_transfers`: the planner's host<->device bytes per step beside those counted from the traced step
+(the compiled program has no copies on CPU: jaxdist.distributed.offload.host_transfers). Its `arguments` are
+memory_analysis()'s, which on CPU count host-resident ones too. `--dump DIR` also writes the compiled HloProto
+there and adds what the temp allocation is made of (jaxdist.planner.heap): `simulator_peak`, the
+bytes XLA's heap simulator holds at its peak, `packing_waste` (temp / simulator_peak - 1),
+`peak_buffers`, the largest buffers live at that peak (defining instruction, bytes), and
+`donated_live` / `donated_buffers`: the bytes (and largest values) live at that peak that XLA placed
+in donated parameter buffers instead, outside temp (heap.donated_live).
+`--devices N` simulates N CPU devices (default 8; e.g. 1 for a single-device mesh).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=None)
+    p.add_argument("--mesh", default="fsdp=8")
+    p.add_argument("--dump", default=None)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--pair", action="append", default=[], help='several pairs: "MESH OVERRIDE ..." each')
+    args = p.parse_args()
+    pairs = [(q.split()[0], q.split()[1:]) for q in args.pair] or [(args.mesh, args.overrides)]
+    # the test suite's flags (tests/conftest.py), so the numbers are the tests' numbers
+    flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    if args.dump:
+        flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*train_step.*", "--xla_dump_hlo_as_proto"]
+        flags += ["--xla_dump_hlo_as_text"]  # the buffer assignment and live ranges, for donated_live
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+    from jaxdist.distributed.platform import setup_platform
+
+    setup_platform(args.devices)
+    from jaxdist.analysis import plan_check
+    from jaxdist.planner import comms, memory
+
+    for mesh, overrides in pairs:
+        report(plan_check, comms, memory, args.config, mesh, overrides, args.dump)
+    return 0
+
+
+def packing(folder: str) -> dict:
+    """The newest train step's heap simulation in `folder`: its peak, the waste above it, the peak's buffers."""
+    import glob
+
+    from jaxdist.planner import heap
+
+    newest = max(glob.glob(f"{folder}/*train_step*after_optimizations.hlo.pb"), key=os.path.getmtime)
+    with open(newest, "rb") as f:
+        peak = max(heap.simulator_peaks(f.read()), key=lambda p: p.live)
+    stem = newest.removesuffix(".hlo.pb")
+    with open(f"{stem}-buffer-assignment.txt") as a, open(f"{stem}-live-range.txt") as r:
+        donated, values = heap.donated_live(a.read(), r.read(), peak.at)
+    out = {"simulator_peak": peak.live, "peak_at": peak.at, "peak_buffers": peak.buffers[:16]}
+    return {**out, "donated_live": donated, "donated_buffers": values[:8]}
+
+
+def host_transfers(lay, mesh: str) -> dict:
+    """Offload's host<->device bytes per device per step: [planner, counted from the traced step]."""
+    from jaxdist.data import loader
+    from jaxdist.distributed import offload
+    from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.planner import transfers
+    from jaxdist.training import step
+
+    counted = offload.host_transfers(
+        step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=loader.mask_eos(lay.cfg))
+    )
+    planned = transfers.host_traffic(lay)
+    return {
+        "host_to_device": [planned.host_to_device, counted["host_to_device_bytes"]],
+        "device_to_host": [planned.device_to_host, counted["device_to_host_bytes"]],
+    }
+
+
+def report(plan_check, comms, memory, path, mesh, overrides, dump):
+    from jaxdist.planner.traffic import by_kind  # after the platform set-up, as the caller's imports
+
+    lay, mem, measured = plan_check.compile_pair(path, mesh, overrides)
+    pred = memory.estimate(lay)
+    kinds = by_kind(comms.step_traffic(lay))
+    out = {
+        "mesh": mesh,
+        "overrides": overrides,
+        "arguments": [pred.arguments, mem.argument_size_in_bytes],
+        "temp": [pred.compiled_temp, mem.temp_size_in_bytes],
+        "temp_err": pred.compiled_temp / mem.temp_size_in_bytes - 1,
+        "args_err": pred.arguments / mem.argument_size_in_bytes - 1,
+        "terms": {k: float(v) for k, v in pred.as_dict().items() if not isinstance(v, bool)},
+        "collectives": {
+            k: [kinds.get(k, 0.0), measured.get(k, {"bytes": 0.0})["bytes"]] for k in set(kinds) | set(measured)
+        },
+    }
+    if "host" in (lay.cfg.offload.params, lay.cfg.offload.optimizer):
+        out["host_transfers"] = host_transfers(lay, mesh)
+    if dump:
+        out.update(packing(dump))
+        out["packing_waste"] = mem.temp_size_in_bytes / out["simulator_peak"] - 1
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
