@@ -169,6 +169,10 @@ def test_eval_is_per_source(corpus):
         (["data.sources=[{name: a, path: x}]", "data.stages=[{step: 0, weights: {a: 1}}]"], r"step=0 must be > 0"),
         (["data.stages=[{step: 5, weights: {a: 1}}]"], "data.sources, which is empty"),
         (
+            ["data.sources=[{name: a, path: x}]", "data.stages=[{step: 20, weights: {a: 2}}]", "train.steps=20"],
+            r"data.stages\[0\].step=20 is past the run's last step \(train.steps=20\), so its weights would never apply",
+        ),
+        (
             [
                 "data.sources=[{name: a, path: x}]",
                 "data.stages=[{step: 5, weights: {a: 1}}, {step: 5, weights: {a: 2}}]",

@@ -33,7 +33,7 @@ def validate(cfg) -> None:
         parse_step_range(cfg.train.profile_steps)
     validate_moe(cfg.model)
     validate_lora(cfg.lora)
-    validate_mixture(cfg.data)
+    validate_mixture(cfg.data, cfg.train.steps)
 
 
 def validate_fields(cfg) -> None:
@@ -142,9 +142,9 @@ def parse_step_range(text: str) -> tuple[int, int]:
     return start, stop
 
 
-def validate_mixture(d) -> None:
+def validate_mixture(d, steps: int) -> None:
     """data.sources and data.stages: named, weighted sources instead of data.path, and stage weights that
-    name only those sources and leave some positive total."""
+    name only those sources and leave some positive total, each from a step the run reaches."""
     if d.stages and not d.sources:
         raise JaxdistError("data.stages changes the weights of data.sources, which is empty; list the sources first")
     if not d.sources:
@@ -171,16 +171,23 @@ def validate_mixture(d) -> None:
                 "or give it weight 0 from a step on with data.stages)"
             )
         names.append(src.name)
-    validate_stages(d.stages, names)
+    validate_stages(d.stages, names, steps)
 
 
-def validate_stages(stages, names: list[str]) -> None:
-    """Each stage after the last, naming only sources of data.sources, with weights >= 0 and a positive sum."""
+def validate_stages(stages, names: list[str], steps: int) -> None:
+    """Each stage after the last and before train.steps, naming only sources of data.sources, with weights
+    >= 0 and a positive sum. A stage from step >= train.steps would never apply: refused, not ignored (a run
+    extended on resume raises train.steps, and the stage is then accepted with it)."""
     last = 0
     for i, stage in enumerate(stages):
         if stage.step <= last:
             raise JaxdistError(
                 f"data.stages[{i}].step={stage.step} must be > {last} (stages start after step 0, in increasing order)"
+            )
+        if stage.step >= steps:
+            raise JaxdistError(
+                f"data.stages[{i}].step={stage.step} is past the run's last step (train.steps={steps}), so its "
+                f"weights would never apply; raise train.steps above {stage.step} or drop the stage"
             )
         last = stage.step
         for name, w in stage.weights.items():
