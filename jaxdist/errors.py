@@ -7,6 +7,7 @@ import errno
 import functools
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 
 class JaxdistError(Exception):
@@ -25,7 +26,13 @@ def disk_full(e: BaseException) -> bool:
     return "StorageFull" in text or "No space left on device" in text or "Disk quota exceeded" in text
 
 
-def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+class Command(Protocol):
+    """A command's entry point: `main(argv=None) -> exit code` (argv None: the process's arguments)."""
+
+    def __call__(self, argv: list[str] | None = None) -> int: ...
+
+
+def command(main: Callable[[list[str] | None], int]) -> Command:
     """Decorate a command's `main(argv) -> exit code`: a JaxdistError ends it with one `error: ...` line
     on stderr and exit status 2 (no traceback), as every jaxdist command does."""
 

@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for k, (prompt, toks, lps) in enumerate(zip(prompts, new.tolist(), logp.tolist())):
         toks, lps = cut_at_eos(toks, lps, stop)
+        shown, completion = text.decode(prompt), text.decode(toks)  # None without a usable tokenizer
         if args.json:
-            print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": text.decode(toks)}))
-        elif text.usable:
-            print(row(k + 1, len(prompts), text.decode(prompt), text.decode(toks)))
+            print(json.dumps({"prompt_tokens": prompt, "tokens": toks, "logprobs": lps, "text": completion}))
+        elif shown is not None and completion is not None:
+            print(row(k + 1, len(prompts), shown, completion))
         else:
             print(f"{prompt} -> {toks}")
     n = new.size

@@ -17,15 +17,15 @@ from jaxdist import config as config_mod
 from jaxdist.checkpoint.compat import check_model
 from jaxdist.checkpoint.restoring import _meta, read_checkpoint
 from jaxdist.distributed import sharding
-from jaxdist.models.resolve import resolve
+from jaxdist.models.resolve import ResolvedModel, resolve
 from jaxdist.parallel import pipeline
 
 
 @dataclasses.dataclass
 class RunParams:
-    cfg: object  # the checkpoint's config, mesh set to the one read onto
+    cfg: config_mod.Config  # the checkpoint's config, mesh set to the one read onto
     params: dict
-    model: object  # resolve.Resolved: graphdef, abstract, specs
+    model: ResolvedModel  # graphdef, abstract, specs
     step_dir: Path  # the step read (checksums verified)
 
     @property

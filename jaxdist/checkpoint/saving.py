@@ -79,6 +79,8 @@ class Saver:
     def _before_commit(self) -> None:
         """Process 0, orbax's background thread: every process has written; checksum the tmp folder
         before orbax renames it to <step>."""
+        if self.pending is None:
+            raise RuntimeError("orbax committed a checkpoint that jaxdist did not start")
         step = self.pending[0]
         folder = self.directory.resolve() / f"{step}{TMP_SUFFIX}"
         if not folder.is_dir():

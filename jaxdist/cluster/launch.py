@@ -122,7 +122,7 @@ def from_slurm(env: Mapping[str, str]) -> dict | None:
 def from_openmpi(env: Mapping[str, str]) -> dict | None:
     if "OMPI_COMM_WORLD_RANK" not in env or "OMPI_COMM_WORLD_SIZE" not in env:
         return None
-    found = {
+    found: dict[str, object] = {
         "num_processes": _int(env["OMPI_COMM_WORLD_SIZE"], "OMPI_COMM_WORLD_SIZE"),
         "process_id": _int(env["OMPI_COMM_WORLD_RANK"], "OMPI_COMM_WORLD_RANK"),
     }
@@ -145,7 +145,7 @@ def from_kubernetes(env: Mapping[str, str]) -> dict | None:
     <jobset>-<replicated job>-<job index>-<pod index>.<subdomain = jobset>, so process 0 is known."""
     if "JOB_COMPLETION_INDEX" not in env:
         return None
-    found = {"process_id": _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")}
+    found: dict[str, object] = {"process_id": _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")}
     if env.get("JOBSET_NAME") and env.get("REPLICATED_JOB_NAME"):
         name = env["JOBSET_NAME"]
         found["coordinator"] = f"{name}-{env['REPLICATED_JOB_NAME']}-0-0.{name}:{_port(env)}"

@@ -12,6 +12,7 @@ import json
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 ASK_S = 2.0  # one question to a peer: connect, ask, answer
@@ -69,7 +70,9 @@ class Listener:
         self.token = secrets.token_hex(16)  # news of a death must carry it: a stray connection stops nothing
         self.gone: dict[int, dict] = {}  # deaths heard of, by process index
         self.mine: dict | None = None  # this process's own end, once known
-        self.state = None  # () -> this process's record while it cannot take part (stopped), else None
+        self.state: Callable[[], dict | None] | None = (
+            None  # () -> this process's record while it cannot take part (stopped), else None
+        )
         self.news = threading.Event()
         self.watchers: list[socket.socket] = []  # peers' connections held open to see this process end
         self._lock = threading.Lock()

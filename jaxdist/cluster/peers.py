@@ -81,6 +81,8 @@ def join(launch: launch_mod.Launch | None, run_dir: Path | str, timeout_s: int =
         "token": token,
     }
     client = global_state.client
+    if client is None:
+        raise RuntimeError("peers.join runs after jax.distributed.initialize, which makes the coordination client")
     client.key_value_set(KEY.format(launch.process_id), json.dumps(me))
     table = []
     for j in range(launch.num_processes):

@@ -15,7 +15,7 @@ from jaxdist.errors import command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxdist.config", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxdist.config", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--write", metavar="PAGE", help="replace the table between PAGE's config-keys marks in place")
     return p.parse_args(argv)
 

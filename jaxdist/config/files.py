@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,7 @@ def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 
 
-def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """defaults <- YAML at `path` (a path or a shipped config name; default tiny) <- overrides like
     'train.steps=10'."""
     path = find(path)

@@ -16,7 +16,7 @@ from jaxdist.errors import JaxdistError
 
 
 @functools.cache  # parsed once per process: --help and the docs table read every section
-def field_docs(cls) -> dict[str, str]:
+def field_docs(cls: type) -> dict[str, str]:
     """Each field's `# comment` in the class source (wherever the formatter wrapped it): the one place a
     key is documented."""
     source = textwrap.dedent(inspect.getsource(cls))
@@ -25,9 +25,12 @@ def field_docs(cls) -> dict[str, str]:
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").replace("noqa", "").strip()
     docs = {}
-    for node in ast.parse(source).body[0].body:
+    cls_node = ast.parse(source).body[0]
+    if not isinstance(cls_node, ast.ClassDef):
+        raise TypeError(f"{cls!r}: field comments are read from a class definition")
+    for node in cls_node.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            lines = range(node.lineno, node.end_lineno + 1)
+            lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
             docs[node.target.id] = " ".join(comments[i] for i in lines if i in comments)
     return docs
 

@@ -382,7 +382,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _weights(key, value) if typing.get_args(tp)[1] is float else _axis_rules(key, value)
     if origin is list:
         (item,) = typing.get_args(tp)
-        return _records(key, value, item) if dataclasses.is_dataclass(item) else _names(key, value)
+        return (
+            _records(key, value, item)
+            if isinstance(item, type) and dataclasses.is_dataclass(item)
+            else _names(key, value)
+        )
     return _scalar(key, value, tp)
 
 
@@ -416,7 +420,7 @@ def _records(key: str, value: Any, cls: type) -> list:
         raise JaxdistError(f"{key} must be a list of mappings, got {value!r}; write it as [{{...}}, {{...}}]")
     out, hints = [], _field_types(cls)
     for i, item in enumerate(value):
-        if dataclasses.is_dataclass(item):
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
             item = dataclasses.asdict(item)
         if not isinstance(item, dict):
             raise JaxdistError(f"{key}[{i}] must be a mapping of {', '.join(hints)}, got {item!r}")

@@ -32,6 +32,8 @@ class YamlWord(str):
     bool field reads it as the bool, any other field as the word (`reduce.method: off` is reported as
     `off`, not False)."""
 
+    truth: bool
+
     def __new__(cls, text: str, truth: bool):
         word = super().__new__(cls, text)
         word.truth = truth

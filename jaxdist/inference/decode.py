@@ -100,11 +100,13 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_text: str):
     if mesh.shape["pp"] > 1:
         raise JaxdistError(f"--mesh {mesh_text}: generation does not pipeline; use dp/fsdp/tp axes only")
     if hf_dir:
-        hf_dir = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
-        cfg = mapping.hf_config(None, [], Path(hf_dir), mesh_text)
-        export.generation_config(Path(hf_dir))  # its EOS ids: checked before the weights are read
-        params, model = tensors.import_params(Path(hf_dir), cfg, mesh, generation_rules(cfg))
-        return cfg, params, model.graphdef, mesh, Path(hf_dir)
+        folder = local_dir(hf_dir)  # a directory, or a Hub id through the Hugging Face cache
+        cfg = mapping.hf_config(None, [], folder, mesh_text)
+        export.generation_config(folder)  # its EOS ids: checked before the weights are read
+        params, model = tensors.import_params(folder, cfg, mesh, generation_rules(cfg))
+        return cfg, params, model.graphdef, mesh, folder
+    if run_dir is None:
+        raise JaxdistError("generation reads a model: pass a run directory or --hf")
     export.generation_config(checkpoint_dir(Path(run_dir))[0].parent / tensors.SOURCE)  # the imported model's
     got = run_params.read_run(Path(run_dir), mesh, generation_rules, log=lambda m: print(m, file=sys.stderr))
     return got.cfg, got.params, got.model.graphdef, mesh, got.run_dir / "hf_source"
