@@ -29,8 +29,13 @@ __all__ = ["JaxdistError", "RunResult", "config", "run", "setup_platform"]
 
 def run(cfg: Config, run_dir: Path | str, **options: Any) -> RunResult:
     """Train `cfg` and write `run_dir`: `jaxdist.training.loop.run` (options: log, restore, stopper, allowed,
-    origin, tasks; its docstring says what each does)."""
+    origin, tasks, rollouts; its docstring says what each does)."""
     # deferred: flax, jax, optax, orbax load on first use, not when python -m jaxdist.train, python -m jaxdist.plan starts
     from jaxdist.training.loop import run as train
 
+    if cfg.objective.method == "grpo" and options.get("rollouts") is None:
+        # deferred: GRPO's driver (the decoder, above training) loads only for GRPO configs
+        from jaxdist.inference import rollout
+
+        options["rollouts"] = rollout.for_run
     return train(cfg, run_dir, **options)

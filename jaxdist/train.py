@@ -161,7 +161,22 @@ def _main(argv: list[str] | None, stopper) -> int:
             if args.run_dir
             else "named by this config, train.steps aside: the same command resumes it, a larger --steps extends it"
         )
-        loop.run(cfg, run_dir, restore=args.restore, stopper=stopper, allowed=allowed, origin=origin, tasks=tasks)
+        rollouts = None
+        if cfg.objective.method == "grpo":
+            # deferred: GRPO's driver (the decoder, above training) loads only for GRPO configs
+            from jaxdist.inference import rollout
+
+            rollouts = rollout.for_run
+        loop.run(
+            cfg,
+            run_dir,
+            restore=args.restore,
+            stopper=stopper,
+            allowed=allowed,
+            origin=origin,
+            tasks=tasks,
+            rollouts=rollouts,
+        )
     except JaxdistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -218,27 +217,6 @@ def test_grpo_stage_sharded_with_accumulation_equals_one_device(grpo_run, tiny_c
         assert np.abs(a - b).max() <= TOL * max(np.abs(a).max(), 1e-12)
 
 
-def test_a_grpo_step_with_lora_samples_scores_and_trains(grpo_run):
-    """A whole step (rollouts, rewards, advantages, the train step) with LoRA, on one device (suite time):
-    the decoder samples from the adapted parameters, the reference is the base (the stage keeps no copy),
-    and the step logs TRL's names."""
-    run0, _ = grpo_run
-    cfg = run0.cfg.replace(lora=dict(rank=4), train=dict(grad_accum_steps=1))
-    text = lambda ids: "".join("1" if t % 2 else "a" for t in ids)  # rewards that differ within a group
-    mesh = mesh_from_string("dp=1", jax.devices()[:1])
-    g = dataclasses.replace(run0.g, iterations=1)
-    run = rollout.GRPORun(cfg, mesh, g, {"digits": rewards.load("digits")}, [1.0], text, [])
-    state = run.prog.init_state(0)
-    assert state.reducer_state == ()  # LoRA: the reference is the base with the adapters off, no copy
-    records = [{"ids": [1, 2, 3], "prompt": "a"}, {"ids": [4, 5], "prompt": "b"}]
-    new, m = run.step(state, records, seed=2)
-    for k in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length", "rollout_tokens_per_s"):
-        assert np.isfinite(m[k]), k
-    assert 0 < m["reward"] < 1 and m["reward_std"] > 0 and m["completion_length"] == 6.0
-    assert 0 < m["generate_share"] < 1 and m["unscored"] == 0 and m["rewards/digits/mean"] == m["reward"]
-    assert int(new.step) == 1 and m["clip_ratio"] == 0.0  # one iteration: the ratio is 1
-
-
 def test_prepare_prompts_keeps_columns_and_never_cuts(tmp_path, small_cfg):
     """prepare --prompts: plain (TRL: with the tokenizer's special tokens) and conversational prompts
     (chat template, generation prompt), the other columns kept; too long / empty / bad lines counted."""
@@ -285,3 +263,123 @@ def test_prepare_prompts_keeps_columns_and_never_cuts(tmp_path, small_cfg):
     )
     with pytest.raises(JaxdistError, match="holds GRPO prompts \\(prepare --prompts\\), not training tokens"):
         loader_mod.load_windows(cfg)
+
+
+@pytest.fixture(scope="module")
+def grpo_train(tmp_path_factory, tiny_cfg):
+    """`python -m jaxdist.train objective.method=grpo` in process (jaxdist.run) on the micro model with LoRA (the
+    reference is the base with the adapters off): 3 steps with a checkpoint after each and a held-out
+    evaluation at step 3, on prompts made by prepare --prompts, two reward functions (a built-in and a file's)."""
+    from jaxdist.data import prepare as prepare_mod
+
+    tmp = tmp_path_factory.mktemp("grpo_train")
+    src = tmp / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{n}+{n}=", "answer": str(2 * n)}) + "\n" for n in range(40)))
+    argv = ["prepare", "--prompts", "--tokenizer", str(QWEN), "--seq-len", "16", "--val-fraction", "0.2", str(src)]
+    prepare_mod.prepare(prepare_mod.parse_args([*argv, "--out", str(tmp / "p")]), log=lambda m: None)
+    (tmp / "reward.py").write_text(
+        "def chars(prompts, completions, **kw):\n    return [len(c) / 8 for c in completions]\n"
+    )
+    cfg = tiny_cfg.replace(
+        model=dict(MICRO_MODEL, vocab_size=512),
+        mesh=dict(shape="dp=4,fsdp=2"),
+        data=dict(source="tokens", path=str(tmp / "p")),
+        objective=dict(
+            method="grpo",
+            reward=["digits", f"{tmp}/reward.py:chars"],
+            reward_weights=[1.0, 0.5],
+            group_size=2,
+            max_new_tokens=4,
+            beta=0.1,
+        ),
+        train=dict(global_batch=8, steps=3, eval_every=3, eval_batches=1, log_every=1),
+        checkpoint=dict(every=1, keep=5, async_save=False),
+        lora=dict(rank=4),
+    )
+    import jaxdist
+
+    jaxdist.run(cfg, tmp / "a", log=lambda *a, **k: None)
+    return cfg, tmp
+
+
+def rows(run_dir):
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r for r in lines if "step" in r}
+
+
+def test_train_grpo_logs_trl_names_and_held_out_reward(grpo_train):
+    """The train command's GRPO: every step logs TRL's names (reward, reward_std, kl, clip_ratio,
+    completion_length), the rollout's tokens/s and generating share; step 3 logs the held-out reward."""
+    cfg, tmp = grpo_train
+    got = rows(tmp / "a")
+    assert sorted(got) == [1, 2, 3]
+    for r in got.values():
+        for k in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length", "rewards/chars/mean"):
+            assert np.isfinite(r[k]), k
+        assert r["reward"] > 0 and 0 < r["completion_length"] <= 4 and r["reward_std"] > 0
+        assert r["rollout_tokens_per_s"] > 0 and 0 < r["generate_share"] < 1
+    assert got[1]["kl"] == 0.0 and got[3]["kl"] > 0  # step 1: fresh adapters, the policy is the reference
+    assert all(r["clip_ratio"] == 0.0 for r in got.values())  # one iteration: the ratio is 1
+    assert got[3]["eval_reward"] > 0 and 0 < got[3]["eval_completion_length"] <= 4
+    assert abs(got[3]["reward"] - got[3]["rewards/digits/mean"] - 0.5 * got[3]["rewards/chars/mean"]) < 1e-6
+    assert "eval_reward" not in got[2] and "eval_loss" not in got[3]
+
+
+def test_train_grpo_resume_draws_the_same_prompts_and_losses(grpo_train):
+    """Resumed at step 2 (a copy of the run with its step-3 checkpoint removed), step 3 reads the same prompts
+    (the stream's saved position) and samples with the same seed: its loss, reward and kl equal the
+    uninterrupted run's (1e-6: the same program on the same inputs)."""
+    import shutil
+
+    import jaxdist
+    from jaxdist.data import prompt_stream
+
+    cfg, tmp = grpo_train
+    shutil.copytree(tmp / "a", tmp / "b")
+    shutil.rmtree(tmp / "b" / "checkpoints" / "3")
+    jaxdist.run(cfg, tmp / "b", log=lambda *a, **k: None)
+    a, b = rows(tmp / "a"), rows(tmp / "b")
+    for k in ("loss", "reward", "reward_std", "kl", "completion_length", "grad_norm", "eval_reward"):
+        assert abs(a[3][k] - b[3][k]) <= 1e-6 * max(1.0, abs(a[3][k])), k
+    stream, again = prompt_stream.PromptStream(cfg), prompt_stream.PromptStream(cfg)
+    first = [next(stream).records for _ in range(3)]
+    next(again), next(again)
+    moved = prompt_stream.PromptStream(cfg)
+    moved.set_state(again.get_state())
+    assert next(moved).records == first[2] and first[2] != first[1]
+
+
+def test_train_grpo_bad_settings_are_one_line_errors_before_writing(grpo_train):
+    """objective.method=grpo's settings are checked up front (no rollout, nothing written)."""
+    import jaxdist
+    from jaxdist.data import prompt_stream
+    from jaxdist.objectives.refusals import check_sizes
+
+    cfg, tmp = grpo_train
+    bad = [
+        (dict(objective=dict(reward=[])), "objective.method=grpo needs objective.reward"),
+        (dict(objective=dict(reward_weights=[1.0])), "objective.reward_weights has 1 weights for 2"),
+        (dict(train=dict(global_batch=6)), "train.global_batch=6 must be a multiple of objective.group_size=4"),
+        (dict(objective=dict(max_new_tokens=16)), "objective.max_new_tokens=16 leaves no room for a prompt"),
+        (dict(objective=dict(group_size=1)), "GRPO group_size=1: a group needs at least 2 completions"),
+    ]
+    for change, message in bad:
+        if "train" in change:
+            change = dict(train=change["train"], objective=dict(group_size=4))
+        with pytest.raises(JaxdistError, match=message):
+            check_sizes(cfg.replace(**change), {"dp": 2})
+    with pytest.raises(
+        JaxdistError, match="\\d+ prompts are longer than model.seq_len \\+ 1 - objective.max_new_tokens"
+    ):
+        prompt_stream.PromptStream(cfg.replace(objective=dict(max_new_tokens=13)))
+    with pytest.raises(
+        JaxdistError, match="set data.path to a folder made by python -m jaxdist.data prepare --prompts"
+    ):
+        prompt_stream.PromptStream(cfg.replace(data=dict(path=str(tmp / "none"))))
+    with pytest.raises(JaxdistError, match=f"reward {tmp}/nothere.py:f: {tmp}/nothere.py is not a file"):
+        jaxdist.run(
+            cfg.replace(objective=dict(reward=[f"{tmp}/nothere.py:f"], reward_weights=[])),
+            tmp / "c",
+            log=lambda *a, **k: None,
+        )
+    assert not (tmp / "c").exists()

@@ -326,10 +326,10 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    method: Literal["lm", "dpo", "simpo", "orpo"] = (
-        "lm"  # lm: next-token cross-entropy; dpo, simpo, orpo: preference pairs from prepare --preference (docs/post-training.md)
+    method: Literal["lm", "dpo", "simpo", "orpo", "grpo"] = (
+        "lm"  # lm: next-token cross-entropy; dpo, simpo, orpo: preference pairs from prepare --preference; grpo: rollouts on prompts from prepare --prompts (docs/post-training.md)
     )
-    beta: PositiveFloat = 0.1  # dpo: strength of the implicit KL to the reference; simpo: reward scale (TRL's beta; the SimPO paper uses 2-2.5)
+    beta: PositiveFloat = 0.1  # dpo: strength of the implicit KL to the reference; simpo: reward scale (TRL's beta; the SimPO paper uses 2-2.5); grpo: weight of the k3 KL to the reference
     dpo_loss: Literal["sigmoid", "ipo", "robust"] = (
         "sigmoid"  # dpo: TRL's loss_type: sigmoid (DPO), ipo (length-normalised squared loss), robust (label_smoothing = flip probability)
     )
@@ -339,6 +339,25 @@ class ObjectiveConfig:
     gamma: NonNegativeFloat = 0.5  # simpo: target reward margin (TRL's simpo_gamma)
     orpo_lambda: PositiveFloat = (
         0.1  # orpo: weight of the odds-ratio term beside the chosen NLL (TRL ORPOConfig's beta)
+    )
+    reward: list[str] = dataclasses.field(
+        default_factory=list
+    )  # grpo: reward functions, each a built-in (answer_match, digits) or FILE.py:NAME called as TRL calls one
+    reward_weights: list[float] = dataclasses.field(
+        default_factory=list
+    )  # grpo: one weight per objective.reward entry, summed as TRL's reward_weights; empty: 1.0 each
+    group_size: Positive = 4  # grpo: completions sampled per prompt, at least 2 (TRL's num_generations)
+    max_new_tokens: Positive = 16  # grpo: completion tokens sampled (TRL's max_completion_length)
+    temperature: PositiveFloat = 1.0  # grpo: sampling temperature; log-probs are of the logits / temperature
+    top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0  # grpo: nucleus sampling, in (0, 1]
+    epsilon: PositiveFloat = 0.2  # grpo: the ratio is clipped below at 1 - epsilon (TRL's epsilon)
+    epsilon_high: NonNegativeFloat = 0.0  # grpo: clipped above at 1 + epsilon_high; 0: epsilon (TRL's epsilon_high)
+    iterations: Positive = 1  # grpo: optimizer steps on each batch of rollouts (TRL's num_iterations)
+    grpo_loss: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = (
+        "dapo"  # grpo: token aggregation, TRL's loss_type: grpo (row means), bnpo, dr_grpo (/ rows x max_new_tokens), dapo
+    )
+    scale_rewards: Literal["group", "batch", "none"] = (
+        "group"  # grpo: advantages divided by the group's (or batch's) reward std, or not (TRL's scale_rewards)
     )
 
 
@@ -382,6 +401,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _weights(key, value) if typing.get_args(tp)[1] is float else _axis_rules(key, value)
     if origin is list:
         (item,) = typing.get_args(tp)
+        if item is float:
+            return _numbers(key, value)
         return (
             _records(key, value, item)
             if isinstance(item, type) and dataclasses.is_dataclass(item)
@@ -443,6 +464,11 @@ def _names(key: str, value: Any) -> list:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise JaxdistError(f"{key} must be a list of names, got {value!r}; write it as [a, b]")
     return list(value)
+
+
+def _numbers(key: str, value: Any) -> list:
+    value = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+    return [_scalar(f"{key}[{i}]", v, float) for i, v in enumerate(value)]
 
 
 def _scalar(key: str, value: Any, tp: type) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -63,7 +64,9 @@ class Rollout:
 class GRPORun:
     """The program and the decoder for `cfg` on `mesh` with GRPO settings `g`; `step(state, records)`."""
 
-    def __init__(self, cfg, mesh, g: grpo.GRPO, reward_fns: dict[str, Callable], weights: list[float], text, eos):
+    def __init__(
+        self, cfg, mesh, g: grpo.GRPO, reward_fns: dict[str, Callable], weights: list[float], text, eos, prog=None
+    ):
         if cfg.train.global_batch % g.group_size:
             raise JaxdistError(
                 f"train.global_batch={cfg.train.global_batch} must be a multiple of group_size={g.group_size} "
@@ -72,9 +75,9 @@ class GRPORun:
         objectives.unsupported(cfg, mesh, "GRPO")  # pp, cp, reduce methods, offload, document mask: as DPO
         self.cfg, self.mesh, self.g, self.text, self.eos = cfg, mesh, g, text, set(eos)
         self.reward_fns, self.weights = reward_fns, weights
-        self.prog = step_mod.build_program(
+        self.prog = prog or step_mod.build_program(
             cfg, mesh, gradient_stage=lambda apply_fn, c, m, model: grpo_stage.grpo_stage(apply_fn, c, g)
-        )
+        )  # the trainer's (objective.method=grpo builds this stage) or one of its own
         self.prompts_per_step = cfg.train.global_batch // g.group_size
         self.width = cfg.model.seq_len + 1
         self.pad = min(self.eos) if self.eos else 0
@@ -83,6 +86,15 @@ class GRPORun:
         self._train = None
         self._old = jax.jit(grpo_stage.old_logps_fn(self.prog.apply_fn, g.temperature))
         self.compile_s = 0.0
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """The train step's batch: `grpo_stage.pack`'s (global_batch, 2 x (seq_len + 1)) int32."""
+        return (self.cfg.train.global_batch, 2 * self.width)
+
+    def use(self, compiled) -> None:
+        """Train with this compiled step (the trainer compiles it before the first rollout)."""
+        self._train = compiled
 
     def sample(self, params, prompts: list[list[int]], seed: int) -> Rollout:
         """`group_size` completions of each prompt (group after group) from `params`, on the mesh."""
@@ -114,11 +126,10 @@ class GRPORun:
         encoded, kept = rows_of(rows, new, self.eos, self.width, self.pad)
         return Rollout(encoded, kept, logp, new.size, seconds)
 
-    def step(self, state, records: list[dict], seed: int):
-        """One GRPO step on `records` (prompt records: `ids`, `prompt`, other columns) -> (state, metrics)."""
-        t0, compiling = time.perf_counter(), self.compile_s
+    def scored(self, params, records: list[dict], seed: int):
+        """Sample `records`' groups from `params` and score them -> (rollout, total rewards (N,), {name: (N,)})."""
         g = self.g
-        out = self.sample(state.params, [r["ids"] for r in records], seed)
+        out = self.sample(params, [r["ids"] for r in records], seed)
         texts = [self.text(c) for c in out.completions]
         prompts = [r["prompt"] for r in records for _ in range(g.group_size)]
         conversational = isinstance(prompts[0], list)
@@ -126,6 +137,33 @@ class GRPORun:
         keys = sorted({k for r in records for k in r} - {"ids", "prompt"})
         columns = {k: [r.get(k) for r in records for _ in range(g.group_size)] for k in keys}
         total, per = rewards.score(self.reward_fns, self.weights, prompts, completions, columns, out.completions)
+        return out, total, per
+
+    def evaluate(self, params, batches: list[list[dict]], seed: int) -> dict[str, float]:
+        """The reward of completions sampled (as in training: same temperature, top-p, group size) for the
+        held-out prompt batches: {reward, reward_std, rewards/NAME/mean, completion_length}."""
+        totals, pers, lengths = [], [], []
+        for i, records in enumerate(batches):
+            out, total, per = self.scored(params, records, seed + i)
+            totals.append(total)
+            pers.append(per)
+            lengths += [len(c) for c in out.completions]
+        total = np.concatenate(totals)
+        scored = total[~np.isnan(total)]
+        got = {
+            "reward": float(scored.mean()) if scored.size else float("nan"),
+            "reward_std": float(scored.std(ddof=1)) if scored.size > 1 else 0.0,
+            "completion_length": float(np.mean(lengths)),
+        }
+        for name in pers[0]:
+            got[f"rewards/{name}/mean"] = float(np.nanmean(np.concatenate([p[name] for p in pers])))
+        return got
+
+    def step(self, state, records: list[dict], seed: int):
+        """One GRPO step on `records` (prompt records: `ids`, `prompt`, other columns) -> (state, metrics)."""
+        t0, compiling = time.perf_counter(), self.compile_s
+        g = self.g
+        out, total, per = self.scored(state.params, records, seed)
         adv = grpo.advantages(total, g.group_size, g.scale_rewards)
         placed = lambda a: jax.device_put(a, self.prog.batch_sharding)
         old = None
@@ -150,3 +188,25 @@ class GRPORun:
         }
         metrics |= {f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in per.items()}
         return state, metrics
+
+
+def for_run(run) -> GRPORun:
+    """objective.method=grpo's driver for a training run (`jaxdist.run`'s `rollouts`): its program, the
+    objective's settings, the reward functions of objective.reward (loaded now: a missing file or name is one
+    line before anything is written), the run's tokenizer and EOS."""
+    cfg, o = run.cfg, run.cfg.objective
+    fns = {name.rpartition(":")[2]: rewards.load(name) for name in o.reward}  # TRL's metric name: the function's
+    if len(fns) != len(o.reward):
+        raise JaxdistError(
+            f"objective.reward names two functions alike ({', '.join(o.reward)}); give each its own name"
+        )
+    weights = list(o.reward_weights) or [1.0] * len(fns)
+    text = decode.Text(cfg, Path(cfg.data.path), recorded=run.run_tok)
+    if not text.usable:
+        raise JaxdistError(
+            "objective.method=grpo decodes completions for the reward functions but the run has no tokenizer; "
+            "prepare the prompts with --tokenizer"
+        )
+    eos = [] if run.run_tok.eos_id is None else [int(run.run_tok.eos_id)]
+    g = objectives.grpo_settings(cfg)
+    return GRPORun(cfg, run.mesh, g, fns, weights, text.decode, eos, prog=run.prog)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.objectives import losses, pairs
+from jaxdist.objectives import grpo, grpo_stage, losses, pairs
 from jaxdist.reduce import registry as reduce_registry
 from jaxdist.reduce.gradients import GradientStage
 
@@ -27,6 +27,7 @@ class Objective:
     loss: Callable | None = None  # (logps_B2, counts_B2, ref_B2 | None, objective cfg) -> losses.Terms
     needs_reference: bool = False  # the frozen reference's log-probs enter the loss
     paired: bool = False  # reads preference pair records (prepare --preference)
+    rollouts: bool = False  # samples completions of prompt records (prepare --prompts) each step: GRPO
 
 
 OBJECTIVES = {
@@ -34,6 +35,7 @@ OBJECTIVES = {
     "dpo": Objective("dpo", losses.dpo, needs_reference=True, paired=True),
     "simpo": Objective("simpo", losses.simpo, paired=True),
     "orpo": Objective("orpo", losses.orpo, paired=True),
+    "grpo": Objective("grpo", rollouts=True),  # needs the reference when objective.beta > 0
 }
 
 
@@ -43,22 +45,52 @@ def objective(cfg: Config) -> Objective:
 
 def is_default(cfg: Config) -> bool:
     """`lm`: the program is built exactly as before the objective section existed."""
-    return objective(cfg).loss is None
+    return cfg.objective.method == "lm"
+
+
+def rollouts(cfg: Config) -> bool:
+    """GRPO: each step samples, scores and trains on rollouts of prompt records."""
+    return objective(cfg).rollouts
+
+
+def grpo_settings(cfg: Config) -> grpo.GRPO:
+    """The GRPO knobs of the `objective` section (validated by `grpo.GRPO`)."""
+    o = cfg.objective
+    return grpo.GRPO(
+        group_size=o.group_size,
+        beta=o.beta,
+        epsilon=o.epsilon,
+        epsilon_high=o.epsilon_high or None,
+        loss_type=o.grpo_loss,
+        scale_rewards=o.scale_rewards,
+        max_new_tokens=o.max_new_tokens,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        iterations=o.iterations,
+    )
 
 
 def stage(apply_fn, cfg: Config) -> GradientStage:
     o = objective(cfg)
+    if o.rollouts:
+        return grpo_stage.grpo_stage(apply_fn, cfg, grpo_settings(cfg))
     return pairs.pair_stage(apply_fn, cfg, o.loss, o.needs_reference)
 
 
-def eval_step(apply_fn, cfg: Config) -> Callable:
+def eval_step(apply_fn, cfg: Config) -> Callable | None:
+    """The held-out pairs' sums; None for GRPO (its evaluation samples held-out prompts: the reward)."""
     o = objective(cfg)
-    return pairs.pair_eval(apply_fn, cfg, o.loss, o.needs_reference)
+    return None if o.rollouts else pairs.pair_eval(apply_fn, cfg, o.loss, o.needs_reference)
+
+
+def needs_reference(cfg: Config) -> bool:
+    """The frozen reference's log-probs enter the loss (GRPO: when its KL weight objective.beta > 0)."""
+    return objective(cfg).needs_reference or (objective(cfg).rollouts and cfg.objective.beta > 0)
 
 
 def keeps_reference_copy(cfg: Config) -> bool:
     """The stage's state holds a frozen copy of the parameters (a reference without LoRA)."""
-    return objective(cfg).needs_reference and not cfg.lora.rank
+    return needs_reference(cfg) and not cfg.lora.rank
 
 
 def check(cfg: Config, mesh: Mesh) -> None:
@@ -66,6 +98,27 @@ def check(cfg: Config, mesh: Mesh) -> None:
     if is_default(cfg):
         return
     unsupported(cfg, mesh, f"objective.method={cfg.objective.method}")
+    if rollouts(cfg):
+        g, o = grpo_settings(cfg), cfg.objective
+        if cfg.train.global_batch % g.group_size:
+            raise JaxdistError(
+                f"train.global_batch={cfg.train.global_batch} must be a multiple of objective.group_size="
+                f"{g.group_size} (each prompt's completions make one group)"
+            )
+        if not o.reward:
+            raise JaxdistError(
+                "objective.method=grpo needs objective.reward: a built-in (answer_match, digits) or FILE.py:NAME"
+            )
+        if o.reward_weights and len(o.reward_weights) != len(o.reward):
+            raise JaxdistError(
+                f"objective.reward_weights has {len(o.reward_weights)} weights for {len(o.reward)} objective.reward "
+                "functions; give one per function (or none: 1.0 each)"
+            )
+        if g.max_new_tokens >= cfg.model.seq_len:
+            raise JaxdistError(
+                f"objective.max_new_tokens={g.max_new_tokens} leaves no room for a prompt in model.seq_len="
+                f"{cfg.model.seq_len}; lower it or raise model.seq_len"
+            )
 
 
 def unsupported(cfg: Config, mesh: Mesh, m: str) -> None:

@@ -208,10 +208,14 @@ class Progress:
             result = evaluate()  # the eval loss, or a dict of it ("loss"), an objective's statistics and
             got = result if isinstance(result, dict) else {}  # train.eval_tasks' "eval/TASK/METRIC" numbers
             record.update({k if k.startswith("eval/") else f"eval_{k}": v for k, v in got.items() if k != "loss"})
-            self.eval_loss = record["eval_loss"] = got["loss"] if got else result
             self.restart_clock()
-            if not self.plain:
-                self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}{task_text(got)}")
+            if got and "loss" not in got:  # GRPO: held-out rewards, no loss
+                if not self.plain:
+                    self.say(f"eval at step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in got.items()))
+            else:
+                self.eval_loss = record["eval_loss"] = got["loss"] if got else result
+                if not self.plain:
+                    self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}{task_text(got)}")
         if record:
             self.writer.write({"step": done, **record})
             if self.plain:

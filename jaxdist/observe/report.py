@@ -77,6 +77,8 @@ def data_line(cfg, loader) -> str:
     and how many passes over the training windows the run will make (with data.sources, per source)."""
     if loader.mixture is not None:
         return loader.mixture.line(cfg)
+    if hasattr(loader, "line"):  # GRPO's prompt stream
+        return loader.line(cfg)
     tokens = sum(len(a) for a in loader.train.source.arrays)
     train, held = len(loader.train), len(loader.held_out)
     read = cfg.train.steps * cfg.train.global_batch

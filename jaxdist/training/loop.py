@@ -29,6 +29,7 @@ def run(
     allowed: frozenset[str] = frozenset(),
     origin: str = "",
     tasks: TaskEvaluator | None = None,
+    rollouts: Callable | None = None,
 ) -> RunResult:
     """Train `cfg` and write the run folder. Everything that can fail on input fails before writing.
 
@@ -39,6 +40,8 @@ def run(
     chosen, for the start-up line that says whether it resumed. `tasks`: what `train.eval_tasks` needs,
     `jaxdist.evaluation.in_training.task_evaluator` (`(run, run_dir) -> (params -> eval/TASK/METRIC
     numbers)`, built before anything is written; passed in because the harness sits above training).
+    `rollouts`: objective.method=grpo's driver, `jaxdist.inference.rollout.for_run` (`run -> driver`;
+    `jaxdist.run` passes it for GRPO configs; passed in because the decoder sits above training).
     """
     own = stopper is None
     stopper = stopper or StopSignal()
@@ -47,7 +50,9 @@ def run(
     # leave its one error line on a line of its own, and no flush traceback at exit).
     with stopper if own else contextlib.nullcontext(), contextlib.ExitStack() as closers:
         try:
-            return Run(cfg, Path(run_dir), log, stopper, lock, closers, restore, allowed, origin, tasks).train()
+            return Run(
+                cfg, Path(run_dir), log, stopper, lock, closers, restore, allowed, origin, tasks, rollouts
+            ).train()
         except OSError as e:
             if e.errno not in rundir.WRITE_ERRORS:
                 raise

@@ -9,10 +9,11 @@ import jax
 
 from jaxdist.config import Config, relative
 from jaxdist.data import loader as loader_mod
-from jaxdist.data import run_tokenizer
+from jaxdist.data import prompt_stream, run_tokenizer
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models import flops
+from jaxdist.objectives import registry as objectives
 from jaxdist.observe import metrics, plots, trackers
 from jaxdist.training import rundir, step
 
@@ -51,12 +52,28 @@ def set_up(run: RunState) -> None:
     cfg = loader_mod.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
     cfg = relative.resolve(cfg)  # ... and the steps that warm-up, eval and checkpoint fractions come to
     run.prog = step.build_program(cfg, mesh, eos_id=loader_mod.mask_eos(cfg))  # the step reads no files
-    run.loader = loader_mod.Loader(cfg, run.prog.batch_sharding)
     run.run_tok = run_tok
+    run.driver = None
+    if objectives.rollouts(cfg):  # GRPO: prompt records, and the driver that samples, scores and trains
+        run.loader = prompt_stream.PromptStream(cfg)
+        if run.rollouts is None:
+            raise JaxdistError(
+                "objective.method=grpo needs its rollout driver: python -m jaxdist.train and jaxdist.run pass it; "
+                "from jaxdist.training.loop.run, pass rollouts=jaxdist.inference.rollout.for_run"
+            )
+        run.cfg = cfg
+        run.driver = run.rollouts(run)  # reward functions loaded and checked here, before writing
+    else:
+        run.loader = loader_mod.Loader(cfg, run.prog.batch_sharding)
     run.is_main = jax.process_index() == 0
     if not run.is_main:  # multi-process: only process 0 speaks
         run.log = lambda *a, **k: None
-    run.no_eval = loader_mod.no_eval_reason(cfg, run.loader)
+    if run.driver is not None:
+        run.no_eval = None
+        if cfg.train.eval_every and not run.loader.has_eval():
+            run.no_eval = f"{cfg.data.path} holds no held-out prompts (val/); prepare with --val-fraction > 0"
+    else:
+        run.no_eval = loader_mod.no_eval_reason(cfg, run.loader)
     if run.no_eval:  # decided now, not at the first evaluation (said below the data line)
         cfg = cfg.replace(train=dict(eval_every=0))
     run.cfg = cfg

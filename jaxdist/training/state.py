@@ -57,6 +57,9 @@ class RunState:
     allowed: frozenset[str] = frozenset()  # config keys that may differ from the resumed checkpoint's
     origin: str = ""  # how the run dir was chosen (for the start-up line)
     tasks: TaskEvaluator | None = None  # train.eval_tasks' evaluator factory (the harness sits above training)
+    rollouts: Callable[[RunState], Any] | None = (
+        None  # objective.method=grpo: its driver's factory (inference sits above training)
+    )
 
     # set_up: before anything is written
     mesh: Mesh = dataclasses.field(init=False)
@@ -69,6 +72,7 @@ class RunState:
     peak: float | None = dataclasses.field(init=False)
     peak_source: str = dataclasses.field(init=False)
     task_eval: Callable[[Any], dict[str, float]] | None = dataclasses.field(init=False)
+    driver: Any = dataclasses.field(init=False)  # GRPO: samples, scores and trains each step (None otherwise)
     # restore
     resuming: bool = dataclasses.field(init=False)  # from this run dir's own latest checkpoint
     from_hf: bool = dataclasses.field(init=False)  # from a Hugging Face model's weights (restore=hf:DIR)

@@ -142,7 +142,7 @@ def build_program(
     jit_train = jax.jit(
         train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
     )
-    if objectives.is_default(cfg):
+    if objectives.is_default(cfg) or objectives.rollouts(cfg):  # GRPO evaluates by sampling (the driver's)
         jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
     else:
         jit_eval = jax.jit(

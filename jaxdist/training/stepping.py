@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 
 from jaxdist.checkpoint.saving import Saver
-from jaxdist.data import mixture
+from jaxdist.data import mixture, prompt_stream
 from jaxdist.data.loader import Loader
 from jaxdist.errors import JaxdistError
 from jaxdist.objectives import registry as objectives
@@ -28,7 +29,12 @@ def compile_step(run: RunState) -> None:
     t0 = time.perf_counter()
     run.state = run.restored.state if run.restored else run.prog.init_state(run.cfg.train.seed)
     run.first = next(run.loader)
-    run.compiled = run.prog.train_step.lower(run.state, run.first).compile()
+    if run.driver is not None:  # GRPO: the first batch is prompts; the step's batch is the scored rollouts
+        batch = jax.ShapeDtypeStruct(run.driver.batch_shape, jnp.int32, sharding=run.prog.batch_sharding)
+        run.compiled = run.prog.train_step.lower(run.state, batch).compile()
+        run.driver.use(run.compiled)
+    else:
+        run.compiled = run.prog.train_step.lower(run.state, run.first).compile()
     run.compile_s = time.perf_counter() - t0
     run.predicted = predicted = report.predicted_bytes(run.cfg, run.mesh)
     if run.is_main:
@@ -47,7 +53,10 @@ def train(run: RunState) -> None:
     eval_arrays, task_eval, state, start = run.eval_arrays, run.task_eval, run.state, run.start
 
     def held_out(state) -> float | dict:
-        """The held-out loss; a preference objective's also its statistics ({"loss": ..., "rewards/...": ...})."""
+        """The held-out loss; a preference objective's also its statistics ({"loss": ..., "rewards/...": ...});
+        GRPO's: the reward of completions sampled for the held-out prompts ({"reward": ..., ...}, no loss)."""
+        if run.driver is not None:
+            return run.driver.evaluate(state.params, eval_arrays, prompt_stream.seed(run.cfg, -1))
         if not objectives.is_default(run.cfg):
             sums = jax.device_get([run.prog.eval_step(state.params, state.reducer_state, b) for b in eval_arrays])
             pairs = sum(float(c) for _, c, _ in sums)
@@ -81,7 +90,7 @@ def train(run: RunState) -> None:
         with contextlib.closing(saver):
             try:
                 state, steps_done = hooks.run_steps(
-                    lambda st: run.compiled(st, batches.current),
+                    step_function(run, batches),
                     state,
                     start,
                     run.cfg.train.steps,
@@ -99,6 +108,15 @@ def train(run: RunState) -> None:
         if run.is_main:
             plotted = _plot(run_dir)
         run.steps_done, run.plotted = steps_done, plotted
+
+
+def step_function(run: RunState, batches: hooks.Batches):
+    """`state -> (state, metrics)` on the current batch: the compiled step, or GRPO's driver (sample the
+    batch's prompts with the step's seed, score, train)."""
+    if run.driver is None:
+        return lambda st: run.compiled(st, batches.current)
+    cfg = run.cfg
+    return lambda st: run.driver.step(st, batches.current.records, prompt_stream.seed(cfg, batches.current.step))
 
 
 def _plot(run_dir: Path):
