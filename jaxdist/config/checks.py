@@ -170,6 +170,18 @@ def validate_mixture(d, steps: int) -> None:
                 f"data.sources[{i}] ({src.name}) has weight {src.weight}; weights must be > 0 (drop the source, "
                 "or give it weight 0 from a step on with data.stages)"
             )
+        if src.stream and not d.tokenizer:
+            raise JaxdistError(
+                f"data.sources[{i}] ({src.name}) is streamed (stream: true) but data.tokenizer is empty; set "
+                "data.tokenizer to the tokenizer.json or model folder its documents are encoded with"
+            )
+        if src.stream and d.on_exhausted == "stop":
+            raise JaxdistError(
+                f"data.sources[{i}] ({src.name}) is streamed, so its size is unknown until it is read and "
+                "data.on_exhausted=stop cannot be checked at start-up; set data.on_exhausted=repeat or prepare it"
+            )
+        if src.workers < 1:
+            raise JaxdistError(f"data.sources[{i}].workers={src.workers} must be >= 1")
         names.append(src.name)
     validate_stages(d.stages, names, steps)
 

@@ -151,6 +151,11 @@ class SourceConfig:
     name: str = ""  # logged as eval_loss/NAME; unique within data.sources
     path: str = ""  # what data.path accepts: a prepared folder, token files, a text glob or folder
     weight: float = 1.0  # relative share of the batch rows (> 0); normalised over the sources
+    stream: bool = (
+        False  # path holds raw documents (JSONL, Parquet, Arrow, text) tokenized while training (data/stream.py)
+    )
+    field: str = "text"  # stream: the JSONL / Parquet / Arrow field holding each document's text
+    workers: Positive = 1  # stream: tokenizing processes (1: in the loader's reader thread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +182,7 @@ class DataConfig:
     document_mask: bool = False  # attention stays inside each EOS-ended document; positions restart
     sources: list[SourceConfig] = dataclasses.field(
         default_factory=list
-    )  # a mixture: [{name, path, weight}, ...] instead of data.path; rows drawn by weight (docs/data.md)
+    )  # a mixture: [{name, path, weight}, ...] instead of data.path; rows drawn by weight; stream: true reads raw documents (docs/data.md)
     stages: list[StageConfig] = dataclasses.field(
         default_factory=list
     )  # [{step: S, weights: {name: w}}, ...]: from step S on, these weights (an annealing phase)

@@ -1,5 +1,5 @@
-"""The documents `prepare` reads: a plain-text file is one document, a JSONL line or a Parquet row one
-(its text field). Bad input is a one-line error naming the file and line."""
+"""The documents `prepare` and a streamed source read: a plain-text file is one document, a JSONL line or
+a Parquet / Arrow row one (its text field). Bad input is a one-line error naming the file and line."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def file_format(path: str, forced: str) -> str:
         return forced
     if path.endswith((".jsonl", ".ndjson")):
         return "jsonl"
+    if path.endswith(".arrow"):  # the Hugging Face datasets cache: Arrow IPC streams
+        return "arrow"
     return "parquet" if path.endswith(".parquet") else "text"
 
 
@@ -45,6 +47,8 @@ def documents(files: list[str], fmt: str, field: str, skipped: list[str] | None 
                     for lineno, line in enumerate(fh, 1):
                         if line.strip() and (text := utf8(line, f"{f}:{lineno}", skipped)) is not None:
                             yield _field(json_line(text, f, lineno), field, f"{f}:{lineno}"), len(line)
+            elif kind == "arrow":
+                yield from arrow_documents(f, field)
             else:
                 yield from parquet_documents(f, field)
         except OSError as e:
@@ -94,3 +98,31 @@ def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
         for value in batch.column(0).to_pylist():
             if isinstance(value, str):
                 yield value, per_row
+
+
+def arrow_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
+    """Rows of an Arrow IPC stream or file, as the Hugging Face datasets cache stores a split
+    (`~/.cache/huggingface/datasets/.../*.arrow`), read offline."""
+    try:
+        import pyarrow as pa  # deferred: an optional extra
+    except ImportError:
+        raise JaxdistError("reading Arrow files needs pyarrow: pip install 'jaxdist[parquet]'") from None
+    try:
+        try:
+            reader = pa.ipc.open_stream(f)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(f)
+        schema = reader.schema
+        batches = (
+            iter(reader)
+            if isinstance(reader, pa.ipc.RecordBatchStreamReader)
+            else (reader.get_batch(i) for i in range(reader.num_record_batches))
+        )
+        if field not in schema.names:
+            raise JaxdistError(f"{f} has no column {field!r} (columns: {', '.join(schema.names)}); pass --field")
+        for batch in batches:
+            for value in batch.column(schema.get_field_index(field)).to_pylist():
+                if isinstance(value, str):
+                    yield value, len(value)  # input bytes, approximately (for progress only)
+    except pa.ArrowException as e:
+        raise JaxdistError(f"{f} is not a readable Arrow file ({str(e).splitlines()[0][:120]})") from None

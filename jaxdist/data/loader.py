@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.data import mixture, prefprep, tokenizer
+from jaxdist.data import mixture, prefprep, stream, tokenizer
 from jaxdist.data.corpus import check_prepared
 from jaxdist.data.files import expand_path, stdlib_files
 from jaxdist.data.loss_mask import Masked
@@ -381,9 +381,24 @@ def read_source(cfg: Config, src) -> tuple[Subset, Subset]:
             "give one prepared folder as data.path"
         )
     try:
+        if src.stream:
+            return streamed_source(cfg, src)
         return load_windows(source_config(cfg, src))
     except JaxdistError as e:
         raise JaxdistError(f"data.sources {src.name}: {e}") from None
+
+
+def streamed_source(cfg: Config, src) -> tuple[stream.Streamed, Subset]:
+    """A `stream: true` source: its documents tokenized while training (jaxdist/data/stream.py); no held-out split."""
+    tok = tokenizer.load(cfg.data.tokenizer)
+    tokenizer.check_vocab(tok, cfg.model.vocab_size, f"data.tokenizer={cfg.data.tokenizer}")
+    files = expand_path(src.path)
+    train = stream.Streamed(files, "auto", src.field, cfg.data.tokenizer, cfg.model.seq_len + 1, src.workers)
+    train.label = (
+        f"{len(files):,} file{'s' if len(files) != 1 else ''} streamed ({src.path}, field {src.field!r}), "
+        f"tokenizer {cfg.data.tokenizer}, in file order"
+    )
+    return train, Subset(Windows([], cfg.model.seq_len + 1), 0, 0, "none (a streamed source)")
 
 
 def row_width(cfg: Config) -> int:
@@ -493,13 +508,21 @@ class Loader:
         """grain's iterator state (the next step); with data.sources also each source's windows read."""
         state = self.iterator.get_state()
         if self.mixture is not None:
-            state = {**state, "sources": self.mixture.read(int(state["next_index"]))}
+            mix, read = self.mixture, self.mixture.read(int(state["next_index"]))
+            state = {**state, "sources": read}
+            streamed = {n: t.state(read[n]) for n, t, on in zip(mix.names, mix.train, mix.streamed) if on}
+            if streamed:  # where each streamed source's next window is read from (data/stream.py)
+                state["streamed"] = streamed
         return state
 
     def set_state(self, state: dict) -> None:
         if self.mixture is not None and "sources" in state:
             state = dict(state)
             read = state.pop("sources")
+            for name, saved in state.pop("streamed", {}).items():
+                j = self.mixture.names.index(name) if name in self.mixture.names else -1
+                if j >= 0 and self.mixture.streamed[j]:
+                    self.mixture.train[j].restore(saved)
             self.mixture.resume(int(state["next_index"]), read)
             self.iterator = self._mixed_iterator()
         self.iterator.set_state(state)

@@ -139,9 +139,10 @@ class Mixture:
             self.train.append(train)
             self.held_out.append(held)
         self.global_batch = cfg.train.global_batch
+        self.streamed = [src.stream for src in d.sources]  # read in order, repeated (data/stream.py)
         self.streams = [
-            grain.MapDataset.source(t).shuffle(seed=source_seed(cfg.train.seed, n)).repeat(None)
-            for t, n in zip(self.train, self.names)
+            t if streamed else grain.MapDataset.source(t).shuffle(seed=source_seed(cfg.train.seed, n)).repeat(None)
+            for t, n, streamed in zip(self.train, self.names, self.streamed)
         ]
         self.stream = Stream(self.weights, self.global_batch, len(self.names))
         if d.on_exhausted == "stop":
@@ -172,6 +173,8 @@ class Mixture:
         """data.on_exhausted=stop: every source holds the windows `steps` steps read from it."""
         total = self.stream.read(steps)
         for j, name in enumerate(self.names):
+            if self.streamed[j]:  # refused with on_exhausted=stop by the config check
+                continue
             have = len(self.train[j])
             if total[j] > have:
                 lo, hi = 0, steps  # the first step whose batch needs window `have` of this source
@@ -190,8 +193,11 @@ class Mixture:
         parts = []
         for j, name in enumerate(self.names):
             train, held = self.train[j], self.held_out[j]
-            tokens = sum(len(a) for a in train.source.arrays)
             ws = " -> ".join(f"{w[j]:g}" if step == 0 else f"{w[j]:g} from step {step}" for step, w in self.weights)
+            if self.streamed[j]:
+                parts.append(f"{name}: {train.label}, weight {ws}, {total[j]:,} windows to read, none held out")
+                continue
+            tokens = sum(len(a) for a in train.source.arrays)
             parts.append(
                 f"{name}: {train.label}, {tokens:,} tokens, weight {ws}, {len(train):,} windows "
                 f"+ {len(held):,} held out, {total[j] / max(len(train), 1):.3g} epochs"

@@ -75,8 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "text", "jsonl", "parquet"),
-        help="input format (auto: .jsonl/.ndjson, .parquet, else plain text)",
+        choices=("auto", "text", "jsonl", "parquet", "arrow"),
+        help="input format (auto: .jsonl/.ndjson, .parquet, .arrow (the HF datasets cache), else plain text)",
     )
     q.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="encoding processes")
     q.add_argument("--val-fraction", type=float, default=0.01, help="documents held out (default 0.01)")

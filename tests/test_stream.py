@@ -1,0 +1,140 @@
+"""Streamed sources (`data.sources` with `stream: true`, jaxdist/data/stream.py): the windows `prepare`
+makes, the same global batches on any mesh or process split inside a mixture, exact resume, bad input.
+The loader alone: no model is compiled."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from test_mixture import batch_sharding, take
+from test_tokenize import word_tokenizer
+
+from jaxdist import config
+from jaxdist.data import loader as loader_mod
+from jaxdist.data import prepare, stream
+from jaxdist.errors import JaxdistError
+from jaxdist.observe import report
+
+SEQ = 16  # windows of 17 tokens
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """Three JSONL files of word documents (~17 windows each), the word tokenizer, and the same corpus
+    through `prepare --val-fraction 0`."""
+    root = tmp_path_factory.mktemp("stream")
+    tok = word_tokenizer(root / "tok", post_bos=True, extra=200)  # <s> words </s>; ids < 205
+    rng = np.random.default_rng(0)
+    (root / "jsonl").mkdir()
+    for f in range(3):
+        with open(root / "jsonl" / f"part{f}.jsonl", "w") as fh:
+            for _ in range(12):
+                words = " ".join(f"w{i}" for i in rng.integers(0, 200, rng.integers(3, 40)))
+                fh.write(json.dumps({"text": words, "id": f}) + "\n")
+    args = ["prepare", "--tokenizer", str(tok), "--out", str(root / "prep"), "--workers", "1", "--val-fraction", "0"]
+    assert prepare.main([*args, str(root / "jsonl")]) == 0
+    (np.arange(3000) % 50 + 250).astype(np.uint16).tofile(root / "web.bin")  # ids 250..299: told apart
+    return root
+
+
+def stream_cfg(root, *extra):
+    sources = (
+        f"data.sources=[{{name: web, path: {root}/web.bin, weight: 0.5}}, "
+        f"{{name: docs, path: {root}/jsonl, weight: 0.5, stream: true}}]"
+    )
+    base = ["model.vocab_size=300", f"model.seq_len={SEQ}", "data.source=tokens", f"data.tokenizer={root}/tok"]
+    return config.load(None, [*base, "train.steps=20", "train.eval_batches=2", sources, *extra])
+
+
+def test_streamed_windows_are_prepares_windows(docs, tmp_path):
+    """The first N windows of a streamed JSONL source are those of the same corpus through `prepare`
+    (same tokenizer, same packing rule), and so are those of the same rows as Arrow files; the stream then
+    repeats in the same order."""
+    cfg = config.load(None, ["model.vocab_size=300", f"model.seq_len={SEQ}", f"data.path={docs}/prep"])
+    prepared, _ = loader_mod.load_windows(loader_mod.source_of_prepared(cfg, log=lambda *a: None))
+    streamed = stream.Streamed(sorted(map(str, (docs / "jsonl").iterdir())), "auto", "text", f"{docs}/tok", SEQ + 1)
+    n = len(prepared)
+    assert 40 <= n <= 70  # ~17 windows per file: the stream crosses files
+    got = np.stack([streamed[i] for i in range(n)])
+    np.testing.assert_array_equal(got, np.stack([prepared[i] for i in range(n)]))
+    assert got[0, 0] == 0 and (got == 1).any()  # BOS and EOS inside windows: documents packed as prepare packs
+    np.testing.assert_array_equal(streamed[n + 3], got[3])  # the next pass, same order
+    assert streamed.epoch == n
+    np.testing.assert_array_equal(streamed[5], got[5])  # an earlier window is read again from its file's start
+    # the same documents as Arrow IPC streams, as the Hugging Face datasets cache stores them
+    import pyarrow as pa
+
+    arrow = []
+    for f in sorted((docs / "jsonl").iterdir()):
+        table = pa.Table.from_pylist([json.loads(x) for x in f.read_text().splitlines()])
+        arrow.append(str(tmp_path / f"{f.stem}.arrow"))
+        with pa.OSFile(arrow[-1], "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=5)
+    from_arrow = stream.Streamed(arrow, "auto", "text", f"{docs}/tok", SEQ + 1)
+    np.testing.assert_array_equal(np.stack([from_arrow[i] for i in range(n)]), got)
+
+
+def test_same_batches_on_dp8_fsdp8_two_process_split_and_exact_resume(docs, tmp_path):
+    """A mixture with a streamed source: 20 global batches identical on dp=8, fsdp=8 and two processes x
+    4 devices (the loader's row split); a resume at step 7 gives batches 8..20 unchanged, reading again
+    only from the start of the file that holds the next window."""
+    cfg = stream_cfg(docs, "data.stages=[{step: 10, weights: {web: 1, docs: 3}}]")
+    dp = take(loader_mod.Loader(cfg, batch_sharding("dp=8")), 20)
+    fsdp = take(loader_mod.Loader(cfg, batch_sharding("fsdp=8")), 20)
+    for a, b in zip(dp, fsdp):
+        np.testing.assert_array_equal(a, b)
+    mix = loader_mod.Loader(cfg, batch_sharding("dp=8")).mixture
+    halves = [loader_mod.mixed_batches(mix, 8, rows) for rows in ((0, 4), (4, 8))]
+    for s in (0, 9, 10, 19):
+        np.testing.assert_array_equal(dp[s], np.concatenate([h[s] for h in halves]))
+    streamed_rows = np.concatenate(dp)[:, 0] < 250
+    assert 0.45 < streamed_rows[:80].mean() < 0.55 and 0.7 < streamed_rows[80:].mean() < 0.8  # weights, stage
+
+    first = loader_mod.Loader(cfg, batch_sharding("dp=8"))
+    take(first, 7)
+    state = json.loads(json.dumps(first.get_state()))  # what a checkpoint stores
+    assert state["sources"] == {"web": 28, "docs": 28}
+    saved = state["streamed"]["docs"]
+    assert saved["file"] == 1 and 0 < saved["window"] <= 28 and len(saved["carry"]) < SEQ + 1
+    again = loader_mod.Loader(cfg, batch_sharding("fsdp=8"))
+    again.set_state(state)
+    for a, b in zip(dp[7:], take(again, 13)):
+        np.testing.assert_array_equal(a, b)
+    # the saved position reads from its own file on: with the first file gone, its windows are the same
+    copies = []
+    for f in sorted((docs / "jsonl").iterdir()):
+        copies.append(str(tmp_path / f.name))
+        shutil.copy(f, copies[-1])
+    resumed = stream.Streamed(copies, "auto", "text", f"{docs}/tok", SEQ + 1)
+    resumed.restore(saved)
+    os.remove(copies[0])
+    whole = stream.Streamed(sorted(map(str, (docs / "jsonl").iterdir())), "auto", "text", f"{docs}/tok", SEQ + 1)
+    for i in range(saved["window"], 40):
+        np.testing.assert_array_equal(resumed[i], whole[i])
+    line = report.data_line(cfg, first)
+    assert "docs: 3 files streamed" in line and "none held out" in line
+
+
+def test_bad_streamed_input(docs, tmp_path):
+    """A line that is not UTF-8 is skipped and counted; a line that is not JSON stops with one line naming
+    file and line, and the next read tries again (nothing is taken from elsewhere); config errors."""
+    lines = [json.dumps({"text": " ".join(["w1"] * 30)})] * 4
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join([lines[0].encode(), b'{"text": "w1 \xff"}', *map(str.encode, lines)]))
+    (tmp_path / "b.jsonl").write_text(lines[0] + "\n{not json\n")
+    s = stream.Streamed([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], "auto", "text", f"{docs}/tok", SEQ + 1)
+    for i in range(8):
+        s[i]  # a.jsonl's windows
+    assert len(s.skipped) == 1 and "a.jsonl:2: byte 0xff" in s.skipped[0] and s.state(8)["skipped"] == 1
+    for _ in range(2):
+        with pytest.raises(
+            JaxdistError, match=r"^\S+b.jsonl:2 is not valid JSON; JSONL needs one JSON object per line$"
+        ):
+            s[12]
+    for extra, message in [
+        (["data.tokenizer="], r"data.sources\[1\] \(docs\) is streamed \(stream: true\) but data.tokenizer is empty"),
+        (["data.on_exhausted=stop"], "is streamed, so its size is unknown until it is read"),
+    ]:
+        with pytest.raises(JaxdistError, match=message):
+            stream_cfg(docs, *extra)
