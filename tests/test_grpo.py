@@ -323,6 +323,11 @@ def test_train_grpo_logs_trl_names_and_held_out_reward(grpo_train):
     assert got[3]["eval_reward"] > 0 and 0 < got[3]["eval_completion_length"] <= 4
     assert abs(got[3]["reward"] - got[3]["rewards/digits/mean"] - 0.5 * got[3]["rewards/chars/mean"]) < 1e-6
     assert "eval_reward" not in got[2] and "eval_loss" not in got[3]
+    from test_objectives import planner_arguments  # the planner's bytes: LoRA keeps no reference, rows 2W wide
+
+    summary = json.loads((tmp / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    predicted, reference = planner_arguments(cfg, {"dp": 4, "fsdp": 2})
+    assert predicted == pytest.approx(summary["memory_compiled_arguments"], rel=0.01) and reference == 0
 
 
 def test_train_grpo_resume_draws_the_same_prompts_and_losses(grpo_train):

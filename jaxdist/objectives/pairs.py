@@ -13,6 +13,8 @@ The reference (objectives with one, e.g. DPO) is computed on the fly, in the sam
   kept as the stage's state (`TrainState.reducer_state`), sharded like the parameters and saved in each
   checkpoint, so a resumed run keeps its reference. Costs one float32 copy of the parameters.
 Either way it costs one more forward per step (no backward), about a third of the step's FLOPs.
+A MoE policy's auxiliary objective (balance and z losses) is added to the training loss as the LM
+objective adds it (`pair_sums`); the held-out evaluation leaves it out, as the LM's does.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ def as_rows(tokens_BR):
     return tokens_BR.reshape(2 * B, R // 2)
 
 
-def sequence_logps(apply_fn: Callable, params, rows_NW):
-    """(summed log-probs of the completion tokens, their count), per row (N,): the targets the loss mask keeps."""
+def sequence_logps(apply_fn: Callable, params, rows_NW, aux: dict | None = None):
+    """(summed log-probs of the completion tokens, their count), per row (N,): the targets the loss mask keeps.
+    `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs_NT = loss_mask.split(rows_NW[:, :-1])[0]
     targets_NT, weights_NT = loss_mask.split(rows_NW[:, 1:])
-    head = model_outputs(apply_fn(params, inputs_NT, features=True))[0]
+    head, got = model_outputs(apply_fn(params, inputs_NT, features=True))
+    if aux is not None:
+        aux.update(got)
     logps_NT = -cross_entropy(head, targets_NT)
     return (logps_NT * weights_NT).sum(-1), weights_NT.sum(-1)
 
@@ -49,16 +54,25 @@ def chosen_tokens(tokens_BR):
     return loss_mask.split(as_rows(tokens_BR)[0::2, 1:])[1].sum()
 
 
-def pair_sums(apply_fn: Callable, loss: Callable, obj, params, reference, tokens_BR, per_token):
+def pair_sums(apply_fn: Callable, loss: Callable, obj, params, reference, tokens_BR, per_token, with_aux=False):
     """(summed loss over the pairs, {statistic: sum over the pairs}). `reference`: the reference's
     parameters, or None for a reference-free objective. `per_token`: pairs / chosen completion tokens of
-    the whole batch, the weight of a term TRL averages over tokens (so the sum / pairs is its token mean)."""
+    the whole batch, the weight of a term TRL averages over tokens (so the sum / pairs is its token mean).
+    `with_aux` (training): a MoE policy's auxiliary objective is added as the LM objective adds it, a mean
+    over every routed position of the batch: its sum over these rows / (2 x (W - 1)) per pair, so that the
+    stage's division by the pairs makes it the sum / (rows x positions); logged as `aux_loss`."""
     rows = as_rows(tokens_BR)
-    logps, counts = (x.reshape(-1, 2) for x in sequence_logps(apply_fn, params, rows))
+    aux = {}
+    logps, counts = (x.reshape(-1, 2) for x in sequence_logps(apply_fn, params, rows, aux))
     ref = None
     if reference is not None:
         ref = jax.lax.stop_gradient(sequence_logps(apply_fn, jax.lax.stop_gradient(reference), rows)[0].reshape(-1, 2))
-    return summed(loss(logps, counts, ref, obj), per_token)
+    total, stats = summed(loss(logps, counts, ref, obj), per_token)
+    if with_aux and "objective" in aux:
+        term = aux["objective"] / (2 * (rows.shape[1] - 1))
+        total = total + term
+        stats["aux_loss"] = jax.lax.stop_gradient(term)
+    return total, stats
 
 
 def summed(terms, per_token):
@@ -83,7 +97,7 @@ def pair_stage(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -
         reference = None
         if needs_reference:  # LoRA: adapters off (zeros) = the base; else the stored copy
             reference = adapters.combine(jax.tree.map(jnp.zeros_like, trained), fixed) if lora else copy
-        return pair_sums(apply_fn, loss, obj, params, reference, tokens, per_token)
+        return pair_sums(apply_fn, loss, obj, params, reference, tokens, per_token, with_aux=True)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 

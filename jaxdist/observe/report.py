@@ -135,6 +135,7 @@ def memory_summary(compiled, predicted: float | None, device_memory: dict | None
     c = metrics.compiled_memory(compiled)
     if c:
         out["memory_compiled"] = c["total"]
+        out["memory_compiled_arguments"] = c["arguments"]  # the state and batch the step receives
     if predicted:
         out["memory_predicted"] = predicted
     if device_memory:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.adapters import quant
+from jaxdist.objectives import registry as objectives
 from jaxdist.optim import registry as optimizers
 from jaxdist.parallel.loss import block_rows, plan_for
 from jaxdist.parallel.moe import dropless_tiers
@@ -67,12 +68,13 @@ class Memory:
     host: float = 0.0  # of params + optimizer, what lives in host memory between steps (offload.*=host)
     fetched: float = 0.0  # offload.params=host without remat: the fetched layer weights the backward keeps
     loss_activations: float = 0.0  # what is live beside the loss's working set at its peak (loss_side_bytes)
+    reference: float = 0.0  # a frozen reference copy of the parameters in the gradient stage's state (reference_bytes)
 
     @property
     def arguments(self) -> float:
         """What the compiled step receives in device memory: params + optimizer state + tokens, less what
         offload keeps in host memory (metrics.compiled_memory's device arguments)."""
-        return self.params + self.optimizer + self.batch + STATE_SCALARS - self.host
+        return self.params + self.optimizer + self.reference + self.batch + STATE_SCALARS - self.host
 
     @property
     def compiled_temp(self) -> float:
@@ -424,10 +426,24 @@ def compiled_temp_bytes(mem: Memory) -> float:
     return max(mem.activations + mem.grads + mem.temporary, mem.loss_activations + mem.loss + mem.moment_copies)
 
 
+def reference_bytes(lay: Layout) -> float:
+    """DPO's (and GRPO's, with objective.beta > 0) frozen reference without LoRA: a float32 copy of the
+    parameters in the gradient stage's state, sharded as they are (`objectives.registry.keeps_reference_copy`).
+    With LoRA the reference is the base with the adapters off: nothing stored."""
+    return stored_bytes(lay) if objectives.keeps_reference_copy(lay.cfg) else 0.0
+
+
+def batch_bytes(lay: Layout) -> float:
+    """The step's int32 input on one device: rows of seq_len + 1 tokens; a preference pair (chosen then
+    rejected) and a GRPO row (tokens, then its advantage and old log-probs) are two rows wide."""
+    width = 1 if objectives.is_default(lay.cfg) else 2
+    return lay.cfg.train.global_batch // lay.batch_shards * width * (lay.cfg.model.seq_len + 1) * 4
+
+
 def estimate(lay: Layout) -> Memory:
     params = param_bytes(lay)
     grads = grad_bytes(lay) + (accumulator_bytes(lay) if lay.accum > 1 else 0) + schedule_gradient_bytes(lay)
-    batch = lay.cfg.train.global_batch // lay.batch_shards * (lay.cfg.model.seq_len + 1) * 4
+    batch = batch_bytes(lay)
     return Memory(
         params=params,
         grads=grads,
@@ -441,6 +457,7 @@ def estimate(lay: Layout) -> Memory:
         host=host_bytes(lay),
         fetched=fetched_bytes(lay),
         loss_activations=loss_side_bytes(lay),
+        reference=reference_bytes(lay),
     )
 
 
