@@ -53,6 +53,19 @@ SHAPES = {  # family -> a small model of it (the MoE ones with experts)
         "rope_factor": 4.0,
         "rope_original_max_len": 16,
     },  # fmt: skip
+    "qwen3_next": {
+        "full_attention_interval": 2,
+        "linear_key_heads": 2,
+        "linear_value_heads": 4,
+        "linear_key_dim": 16,
+        "linear_value_dim": 8,
+        "linear_conv_kernel": 4,
+        "rope_fraction": 0.5,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_mlp_dim": 32,
+        "moe_shared_dim": 24,
+    },  # fmt: skip
 }
 
 

@@ -45,7 +45,7 @@ class ModelConfig:
     rope_original_max_len: Positive = 8192  # llama3: original_max_position_embeddings
     norm_eps: PositiveFloat = 1e-5  # RMSNorm epsilon
     family: Literal[
-        "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"
+        "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss", "qwen3_next"
     ] = "llama"  # architecture and Hugging Face family (models/registry.py); the decoder's switches set its math
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2/2.5)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
@@ -83,6 +83,22 @@ class ModelConfig:
         0.0  # deepseek_v3, rope_scaling=yarn: mscale_all_dim (scores x its mscale^2)
     )
     moe_bias_rate: NonNegativeFloat = 0.0  # deepseek_v3: aux-loss-free balancing, the selection bias moves this much per step against each expert's load (0 = frozen)
+    linear_key_heads: NonNegative = 0  # qwen3_next: gated DeltaNet query/key heads (linear_num_key_heads)
+    linear_value_heads: NonNegative = 0  # qwen3_next: gated DeltaNet value heads, a multiple of the key heads
+    linear_key_dim: NonNegative = 0  # qwen3_next: gated DeltaNet query/key width per head (linear_key_head_dim)
+    linear_value_dim: NonNegative = 0  # qwen3_next: gated DeltaNet value width per head (linear_value_head_dim)
+    linear_conv_kernel: NonNegative = (
+        0  # qwen3_next: width of the causal depthwise convolution (linear_conv_kernel_dim)
+    )
+    full_attention_interval: NonNegative = (
+        0  # qwen3_next: every n-th layer is gated full attention, the others gated DeltaNet
+    )
+    rope_fraction: PositiveFloat = (
+        1.0  # qwen3_next: rotary on this fraction of each head's dims (partial_rotary_factor)
+    )
+    moe_shared_dim: NonNegative = (
+        0  # qwen3_next: inner width of the sigmoid-gated shared expert (shared_expert_intermediate_size)
+    )
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = (

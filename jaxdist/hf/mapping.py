@@ -146,7 +146,7 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
     where = Path(hf_dir) / "config.json"
     hf = read_json(where, "config.json")
     family = families.of(hf, where)
-    required = {**REQUIRED, **family.required}
+    required = {k: v for k, v in {**REQUIRED, **family.required}.items() if k not in family.mapped}
     for key, value in hf.items():
         if key in required:
             if value != required[key] and value is not None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
-from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf, gpt_oss_hf
+from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf, gpt_oss_hf, qwen3next_hf
 
 # Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
 COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
@@ -159,7 +159,28 @@ GPT_OSS = Architecture(
     hf_tensors=gpt_oss_hf.tensors,
 )
 
-ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3, GPT_OSS)}
+QWEN3_NEXT = Architecture(
+    name="qwen3_next",
+    hf=(qwen3next_hf.FAMILY,),
+    fields=(
+        "linear_key_heads",
+        "linear_value_heads",
+        "linear_key_dim",
+        "linear_value_dim",
+        "linear_conv_kernel",
+        "full_attention_interval",
+        "rope_fraction",
+        "moe_shared_dim",
+    ),  # fmt: skip
+    module="jaxdist.models.qwen3next",
+    axes=COMMON_AXES | {"expert"},
+    hf_layer=qwen3next_hf.layer_tensors,
+    attention_flops=qwen3next_hf.attention_flops,
+    check=qwen3next_hf.check,
+    hf_tensors=qwen3next_hf.tensors,
+)
+
+ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3, GPT_OSS, QWEN3_NEXT)}
 BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
 FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
 OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}

@@ -1,0 +1,182 @@
+"""Qwen3-Next (models/qwen3next.py) against transformers' Qwen3NextForCausalLM: `tests/fixtures/hf_qwen3_next/`
+was made by transformers (scripts/fixtures/make_hf_fixture.py --only qwen3_next): 2 layers, gated DeltaNet (2 key heads,
+4 value heads, a width-4 convolution, random A_log / dt_bias / gated norm) then gated full attention (rotary on
+half of each head, zero-centred q/k norms), 4 experts top-2 and a gated shared expert in both, every norm
+random. torch is not needed here.
+
+- logits equal transformers' to 1e-4 (fp32) on one device and on fsdp=2,ep=2,tp=2;
+- greedy generation through the cache (k/v for the full layer, convolution tail and recurrent state for the
+  DeltaNet layer; two prompts of different lengths, so the shorter is left-padded) gives transformers' tokens,
+  every one up to a near-tie (conftest.assert_same_greedy);
+- export -> the fixture's files bit for bit, and import of the export bit for bit;
+- what is not supported is one line each; configs/qwen3-next-80b-a3b.yaml has the model card's size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_export_round_trip, assert_same_greedy
+from flax import nnx
+
+from jaxdist import config
+from jaxdist.distributed import sharding
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.errors import JaxdistError
+from jaxdist.hf import mapping, tensors
+from jaxdist.inference import decode
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_qwen3_next"
+SHARDED = "fsdp=2,ep=2,tp=2"
+REF = np.load(FIXTURE / "reference.npz")
+
+
+def imported(mesh_text: str, devices=None):
+    cfg = mapping.hf_config(None, [], FIXTURE, mesh_text)
+    mesh = mesh_from_string(mesh_text, devices)
+    params, model = tensors.import_params(FIXTURE, cfg, mesh)
+    return cfg, mesh, params, model
+
+
+def forward(model, params, mesh, tokens) -> np.ndarray:
+    with sharding.activate(mesh, model.rules):
+        logits, _ = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t))(params, tokens)
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return imported("fsdp=1", devices=jax.devices()[:1])
+
+
+PROMPTS = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
+GREEDY = np.stack([REF["greedy0"], REF["greedy1"]])
+
+
+@pytest.fixture(scope="module")
+def one_device_logits(one_device):
+    """One compiled one-device forward serving two tests: the fixture's sequences and the two prompts
+    followed by transformers' greedy tokens (teacher-forced, as conftest.greedy_gaps), right-padded to one
+    length (the model is causal: padding after a position never reaches it)."""
+    rows = [list(s) for s in REF["sequences"]] + [p + g[:-1].tolist() for p, g in zip(PROMPTS, GREEDY, strict=True)]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    cfg, mesh, params, model = one_device
+    return forward(model, params, mesh, tokens)
+
+
+def gaps_along(logits_BTV, prompts, ref, tol: float) -> np.ndarray:
+    """conftest.greedy_gaps on logits already computed: the top-1 minus top-2 logit along the reference's
+    greedy paths, and our argmax is the reference's token wherever that gap is at least 2 * tol."""
+    gaps = np.zeros(ref.shape, np.float32)
+    for i, (p, r) in enumerate(zip(prompts, ref, strict=True)):
+        step = logits_BTV[i, len(p) - 1 : len(p) - 1 + len(r)]
+        top2 = np.sort(step, -1)[:, -2:]
+        gaps[i] = top2[:, 1] - top2[:, 0]
+        wide = gaps[i] >= 2 * tol
+        assert (step.argmax(-1) == r)[wide].all(), f"row {i}: our argmax {step.argmax(-1).tolist()} vs {r.tolist()}"
+    return gaps
+
+
+def test_logits_match_transformers_one_device_and_sharded(one_device_logits):
+    cfg, mesh, params, model = imported(SHARDED)
+    m = cfg.model
+    assert (m.family, m.full_attention_interval, m.linear_key_heads, m.linear_value_heads, m.rope_fraction) == (
+        "qwen3_next", 2, 2, 4, 0.5)  # fmt: skip
+    n, T = REF["sequences"].shape
+    one = np.abs(one_device_logits[:n, :T] - REF["logits"]).max()
+    diff = np.abs(forward(model, params, mesh, REF["sequences"]) - REF["logits"]).max()
+    print(f"qwen3_next: max |logit diff| one device {one:.3g}, {SHARDED} {diff:.3g}")
+    assert one <= 1e-4 and diff <= 1e-4
+    leaves = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    experts = [a for k, a in leaves.items() if "w_gate_EDF" in k]
+    assert experts and all(a.sharding.spec[-3] == "ep" for a in experts)  # each device holds its experts only
+    qkvz = [a for k, a in leaves.items() if "wqkvz_DKX" in k]
+    assert qkvz and all("tp" in str(a.sharding.spec[-2]) for a in qkvz)  # DeltaNet key heads over tp
+
+
+def test_greedy_generation_through_the_recurrent_cache_matches_transformers(one_device, one_device_logits):
+    cfg, mesh, params, model = one_device
+    assert len(PROMPTS[0]) != len(PROMPTS[1])  # the shorter prompt is left-padded: padding must not enter the state
+    new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, PROMPTS, GREEDY.shape[1])
+    # tol 2e-4: our forward (the gaps) and the decode are each held to 1e-4 of transformers
+    gaps = gaps_along(one_device_logits[len(REF["sequences"]) :], PROMPTS, GREEDY, tol=2e-4)
+    assert_same_greedy(new, GREEDY, gaps, tol=2e-4, what="qwen3_next greedy tokens")  # every token unless a near-tie
+    for k in (0, 1):
+        assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4
+    (k, v), (tails, states) = nnx.eval_shape(lambda: nnx.merge(model.graphdef, params)).empty_cache(2, 7, np.float32)
+    assert k.shape == (1, 2, 7, 2, 8) and tails.shape == (1, 1, 2, 3, 2 * 2 * 8 + 4 * 6)
+    assert states.shape == (1, 1, 2, 4, 8, 6)  # per value head a dk x dv state, whatever the length
+
+
+def test_export_is_the_fixture_bit_for_bit(one_device, tmp_path):
+    cfg, mesh, params, _ = one_device
+    assert_export_round_trip(params, cfg, mesh, FIXTURE, tmp_path, "Qwen3NextForCausalLM", "qwen3_next")
+
+
+def write_config(tmp_path, **edit):
+    raw = {**json.loads((FIXTURE / "config.json").read_text()), **edit}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"mtp_num_hidden_layers": 1}, "multi-token-prediction"),
+        ({"layer_types": ["full_attention", "linear_attention"]}, "layer_types"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"linear_num_value_heads": 3}, "multiple"),
+    ],
+)
+def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
+    with pytest.raises(JaxdistError, match=named) as e:
+        mapping.model_fields(write_config(tmp_path, **edit))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=qwen3_next"),
+        (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=qwen3_next"),
+        (["lora.rank=4"], "lora.rank"),
+        (["model.full_attention_interval=3"], "full_attention_interval=3"),
+        (["model.qk_norm=true"], "qk_norm"),
+    ],
+)
+def test_refusals_are_one_line(overrides, named):
+    from jaxdist.models import registry
+
+    model = mapping.model_overrides(overrides)
+    cfg = mapping.apply(config.load(None, [o for o in overrides if not o.startswith("model.")]), FIXTURE)
+    cfg = cfg.replace(model=model)
+    mesh = mesh_from_string(cfg.mesh.shape)
+    with pytest.raises(JaxdistError, match=named) as e:
+        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
+    assert "\n" not in str(e.value)
+
+
+def test_packed_documents_are_refused(one_device):
+    cfg, mesh, params, model = one_device
+    with pytest.raises(JaxdistError, match="packed documents") as e:
+        jax.eval_shape(lambda p: nnx.merge(model.graphdef, p)(REF["sequences"], REF["sequences"] * 0), params)
+    assert "\n" not in str(e.value)
+
+
+def test_shipped_config_has_the_published_parameter_count():
+    """configs/qwen3-next-80b-a3b.yaml: the model card's 80B total and ~3B activated (without the embedding
+    and head, which a token only looks up / projects once); the count is the registry's (exact: it equals the
+    model's tensors in test_model_registry for every architecture)."""
+    from jaxdist.models.qwen3next import count_params
+
+    c = count_params(config.load("configs/qwen3-next-80b-a3b.yaml").model)
+    assert c["total"] == 79_674_391_296 and round(c["total"] / 1e9) == 80
+    body = c["active"] - c["embed"] - c["head"]
+    assert body == 3_252_599_552 and round(body / 1e9) == 3
