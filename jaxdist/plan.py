@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     if out["command"]:
         print(f"run it with:\n  {out['command']}")
     print(f"({STEP_TIME_NOTE})")
+    if out["objective_note"]:
+        print(f"({out['objective_note']})")
     if out["scaling"]:
         print()
         print(scaling_table(out["scaling"]))

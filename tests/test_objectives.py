@@ -378,3 +378,18 @@ def test_dpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(dpo_c
     assert abs(float(loss) - (math.log(2) + expected)) < 1e-6
     router = [g for path, g in jax.tree_util.tree_leaves_with_path(grads) if "router" in jax.tree_util.keystr(path)]
     assert router and max(float(np.abs(g).max()) for g in router) > 0
+
+
+def test_plan_says_what_it_leaves_out_for_each_objective(capsys):
+    """`python -m jaxdist.plan` sizes a DPO / GRPO run's train step (the reference copy and the two-row batch
+    counted, test_dpo_train_resumes_...) and says in a line what it does not model; lm has no such line."""
+    from jaxdist import plan
+
+    notes = {}
+    for method in ("lm", "dpo", "grpo"):
+        argv = ["--devices", "8", "--hardware", "h100-80gb", "--mesh", "fsdp=8", "--json", "--no-scaling"]
+        assert plan.main([*argv, f"objective.method={method}", "objective.reward=[digits]"]) == 0
+        notes[method] = json.loads(capsys.readouterr().out)["objective_note"]
+    assert notes["lm"] is None
+    assert "reference copy counted" in notes["dpo"] and "rejected row" in notes["dpo"]
+    assert "rollout decoding" in notes["grpo"] and "not modeled" in notes["grpo"]

@@ -88,6 +88,23 @@ def needs_reference(cfg: Config) -> bool:
     return objective(cfg).needs_reference or (objective(cfg).rollouts and cfg.objective.beta > 0)
 
 
+def plan_note(cfg: Config) -> str | None:
+    """What the planner's figures leave out for this objective (None for lm): `python -m jaxdist.plan` says it."""
+    m = cfg.objective.method
+    if is_default(cfg):
+        return None
+    copy = "the reference copy counted" if keeps_reference_copy(cfg) else "no reference copy"
+    if rollouts(cfg):
+        return (
+            f"objective.method={m}: sized is the train step on the rollouts ({copy}, rows two wide); the rollout "
+            "decoding (its KV cache and its time, often most of a GRPO step) and the reference forward are not modeled"
+        )
+    return (
+        f"objective.method={m}: memory with {copy} and the pair batch; step time and activations are an LM step's "
+        "on one row per pair, without the rejected row's forward and backward nor the reference forward"
+    )
+
+
 def keeps_reference_copy(cfg: Config) -> bool:
     """The stage's state holds a frozen copy of the parameters (a reference without LoRA)."""
     return needs_reference(cfg) and not cfg.lora.rank

@@ -17,6 +17,7 @@ from jaxdist.distributed.mesh import format_mesh, parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import hub, mapping
 from jaxdist.objectives import refusals
+from jaxdist.objectives import registry as objectives
 from jaxdist.planner import hardware
 from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
 from jaxdist.planner.layout import Layout
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> dict:
         "reason": reason,
         "command": command_line,
         "step_time_note": STEP_TIME_NOTE,
+        "objective_note": objectives.plan_note(cfg),  # what the figures leave out for a non-lm objective
         "scaling": curves,
         "offload": offload,
     }
