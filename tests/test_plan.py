@@ -258,6 +258,17 @@ def test_1f1b_bubble_hand_checked():
     assert e.bubble_s / (layer_time + e.bubble_s) == pytest.approx(6 / 14)
 
 
+def test_zb_h1_bubble_hand_checked():
+    """zb_h1, P=2, M=2 (s0: F0 F1 B0 B1 W0 W1; s1: . B0 B1 W0 W1 .), F = 1 and B = W = 2 (each recomputes
+    the chunk): slots cost 1, 2, 2, 2, 2, 2 = 11 forwards' time for the 8 of the layer compute (F + 3 F per
+    micro-batch): 3/11 (2 of it zb's extra recompute), against 1F1B's 6/14."""
+    cfg = config.load(None, ["pipeline.schedule=zb_h1", "pipeline.microbatches=2", "train.global_batch=8"])
+    e = estimate(Layout(cfg, parse_mesh("pp=2,fsdp=4", 8), hardware.get("h100-80gb")))
+    _, layers, head = compute_flops(e.layout)
+    layer_time = e.compute_s * layers / (layers + head)
+    assert e.bubble_s / (layer_time + e.bubble_s) == pytest.approx(3 / 11)
+
+
 def test_plan_proposes_the_table_schedules():
     """Issue 47: on a pp mesh the candidates are every schedule of the registry, each sized by its own
     model. llama2-70b (80 layers) on pp=4,fsdp=8 of 32 H100s, 1024 sequences: at accumulation 1 and M=128
@@ -274,7 +285,7 @@ def test_plan_proposes_the_table_schedules():
     at_128 = {v.pipeline.schedule: estimate(Layout(with_batch(v, accum=1, pipe_micro=128), mesh, hw)) for v in variants}
     gpipe = at_128["gpipe"]
     assert not gpipe.memory.fits
-    for name in ("1f1b", "1f1b_paired", "interleaved_1f1b"):
+    for name in ("1f1b", "1f1b_paired", "interleaved_1f1b", "zb_h1"):
         assert at_128[name].memory.activations < gpipe.memory.activations / 5  # 1.6-1.9 GB against 27.3
     assert at_128["1f1b_paired"].memory.fits
 

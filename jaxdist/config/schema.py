@@ -264,7 +264,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal["gpipe", "circular", "1f1b", "1f1b_paired", "interleaved_1f1b"] = (
+    schedule: Literal["gpipe", "circular", "1f1b", "1f1b_paired", "interleaved_1f1b", "zb_h1"] = (
         "gpipe"  # pipeline schedule (with pp > 1)
     )
     microbatches: NonNegative = 0  # pipeline micro-batches per step; 0 = pp (the minimum)

@@ -1,4 +1,4 @@
-"""Table-driven pipeline schedules (1F1B, interleaved 1F1B) in one SPMD program, with per-micro-batch VJPs.
+"""Table-driven pipeline schedules (1F1B, interleaved 1F1B, zero bubble) in one SPMD program, with per-micro-batch VJPs.
 
 GPipe / circular (`jaxdist.parallel.pipeline`) differentiate through the whole schedule, so every stage
 keeps one input per iteration: memory grows with the micro-batch count M. Here gradients are computed
@@ -12,7 +12,9 @@ inside `shard_map` manual over pp. In each slot each stage runs, by `lax.switch`
 - B(v, i): `jax.vjp` of the chunk at its saved input (the forward is recomputed, as remat does), with
   the gradient received from the next stage (the last virtual stage: head + cross-entropy, cotangent
   1); the weight gradient is added in place to this stage's accumulator, the input gradient goes back
-  by `ppermute` (stage 0, chunk 0: into the embedding table's gradient).
+  by `ppermute` (stage 0, chunk 0: into the embedding table's gradient);
+- with the backward split (zb_h1): B(v, i) the input gradient only, W(v, i) the weight gradient
+  only, later, from the same kept input and arrived gradient.
 
 Activations and gradients that arrive wait in small buffers whose slots the table assigns
 (`schedules.buffers`): at most P stage inputs per stage for 1F1B, whatever M is. Every slot sends one
@@ -42,9 +44,10 @@ from jaxdist.parallel.microbatch import split_microbatches
 
 AXIS, STACK = "pp", "blocks"
 # lax.switch branches
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
-BRANCHES = ("idle", "F first", "F", "F last", "B first", "B", "B last")
-SWITCH = np.array([0, 1, 1, 0, 2, 2, 2], np.int32)  # action kind -> lax.switch branch (idle, forward, backward)
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST, W_FIRST, W_MID, W_LAST = range(10)
+BRANCHES = ("idle", "F first", "F", "F last", "B first", "B", "B last", "W first", "W", "W last")
+# action kind -> lax.switch branch (idle, forward, backward, weight gradient)
+SWITCH = np.array([0, 1, 1, 0, 2, 2, 2, 3, 3, 3], np.int32)
 
 
 def branch_table(table: schedules.Table) -> np.ndarray:
@@ -53,9 +56,12 @@ def branch_table(table: schedules.Table) -> np.ndarray:
     s = np.arange(P)[None, :, None]
     first = (s == 0) & (table.chunk == 0)
     last = (s == P - 1) & (table.chunk == V - 1)
-    fwd = np.where(first, F_FIRST, np.where(last, F_LAST, F_MID))
-    bwd = np.where(first, B_FIRST, np.where(last, B_LAST, B_MID))
-    out = np.where(table.kind == schedules.FWD, fwd, np.where(table.kind == schedules.BWD, bwd, IDLE))
+    refine = lambda f, m, lst: np.where(first, f, np.where(last, lst, m))
+    out = np.select(
+        [table.kind == schedules.FWD, table.kind == schedules.BWD, table.kind == schedules.WGT],
+        [refine(F_FIRST, F_MID, F_LAST), refine(B_FIRST, B_MID, B_LAST), refine(W_FIRST, W_MID, W_LAST)],
+        IDLE,
+    )
     return out.astype(np.int32)
 
 
@@ -119,7 +125,8 @@ def schedule_objective(graphdef, pl, positions_T=None) -> Callable:
         count = loss_mask.split(tokens_BT1[:, 1:])[1].sum()  # the targets the loss mask keeps
         return loss, (loss, count, {})
 
-    # (P, 3): per stage, the slots its lax.switch ran idle / forward / backward (the program's own count)
+    # (P, 4): per stage, the slots its lax.switch ran idle / forward / backward / weight gradient (the
+    # program's own count)
     objective_sums.executed = lambda params, tokens_BT1: run(params, tokens_BT1)[2]
     objective_sums.table = table
     return objective_sums
@@ -153,7 +160,7 @@ class _Schedule:
 
 
 def _ran(b):  # which branch ran, counted, to read the bubble off the program
-    return jnp.arange(3) == b
+    return jnp.arange(4) == b
 
 
 class _Rank:
@@ -161,7 +168,11 @@ class _Rank:
     runs one slot of the table.
 
     Three branches, so the chunk is compiled twice (forward; forward + backward) whatever the stage:
-    first / last are per-device flags, handled by small conds inside. Each returns (sent forward, sent
+    first / last are per-device flags, handled by small conds inside. A table with the backward split
+    (zb_h1) has a fourth: its B branch is the VJP with respect to the stage input only (sent back at
+    once, with the loss on the last stage) and its W branch the VJP with respect to the weights (the
+    chunk's and, first / last, the embedding's, final norm's and head's) from the kept input and the
+    kept arrived gradient; each recomputes the chunk's forward. Each returns (sent forward, sent
     backward, chunk grads, other grads, loss, which branch ran)."""
 
     def __init__(self, sched: _Schedule, stack, rest, local, tokens_MbT1):
@@ -176,7 +187,8 @@ class _Rank:
         S = sched.pl.stages
         self.fwd_perm = [(k, (k + 1) % S) for k in range(S)]
         self.bwd_perm = [(k, (k - 1) % S) for k in range(S)]
-        self.every = [self.idle, self.forward, self.backward]
+        split = sched.table.split_backward
+        self.every = [self.idle, self.forward, self.backward_input if split else self.backward, self.weight]
 
     def whole(self, r):  # the model with `r` as its non-stack parameters (embedding, final norm, head)
         return nnx.merge(self.sched.graphdef, {**r, STACK: self.stack})
@@ -202,15 +214,26 @@ class _Rank:
         y = self.chunk(group, self.stage_input(self.rest, x, tok, first))
         return y, self.zx, self.zg, self.zr, jnp.zeros((), jnp.float32), _ran(1)
 
-    def backward(self, group, x, dy, tok, tgt, first, last):
-        def scalar(g, r, x):  # the loss (last virtual stage), else <y, dy>: its VJP is the chunk's
-            y = self.chunk(g, self.stage_input(r, x, tok, first))
-            dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-            return jax.lax.cond(last, lambda: self.head_loss(r, y, tgt).astype(jnp.float32), dot)
+    def scalar(self, g, r, x, dy, tok, tgt, first, last):
+        """The loss (last virtual stage), else <y, dy>: its VJP is the chunk's."""
+        y = self.chunk(g, self.stage_input(r, x, tok, first))
+        dot = lambda: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+        return jax.lax.cond(last, lambda: self.head_loss(r, y, tgt).astype(jnp.float32), dot)
 
-        out, vjp = jax.vjp(scalar, group, self.rest, x)
+    def backward(self, group, x, dy, tok, tgt, first, last):
+        out, vjp = jax.vjp(lambda g, r, x: self.scalar(g, r, x, dy, tok, tgt, first, last), group, self.rest, x)
         dg, dr, dx = vjp(jnp.ones((), jnp.float32))
         return self.zx, dx, dg, dr, jnp.where(last, out, 0.0), _ran(2)
+
+    def backward_input(self, group, x, dy, tok, tgt, first, last):  # B of a split backward: dx only
+        out, vjp = jax.vjp(lambda x: self.scalar(group, self.rest, x, dy, tok, tgt, first, last), x)
+        (dx,) = vjp(jnp.ones((), jnp.float32))
+        return self.zx, dx, self.zg, self.zr, jnp.where(last, out, 0.0), _ran(2)
+
+    def weight(self, group, x, dy, tok, tgt, first, last):  # W of a split backward: the weights' gradients
+        _, vjp = jax.vjp(lambda g, r: self.scalar(g, r, x, dy, tok, tgt, first, last), group, self.rest)
+        dg, dr = vjp(jnp.ones((), jnp.float32))
+        return self.zx, self.zx, dg, dr, jnp.zeros((), jnp.float32), _ran(3)
 
     def init(self):
         """(received forward, received backward, input buffers, gradient buffers, chunk gradients,
@@ -218,7 +241,7 @@ class _Rank:
         buf = lambda n: jnp.zeros((n, *self.zx.shape), self.zx.dtype)
         bufs = self.sched.bufs
         zero = jnp.zeros((), jnp.float32)
-        return (self.zx, self.zx, buf(bufs.x_size), buf(bufs.g_size), self.zacc, self.zr, zero, jnp.zeros(3, jnp.int32))
+        return (self.zx, self.zx, buf(bufs.x_size), buf(bufs.g_size), self.zacc, self.zr, zero, jnp.zeros(4, jnp.int32))
 
     def lane(self, t, lane, xbuf, gbuf):
         """Run lane `lane`'s table entry of slot t -> (chunk v, and what the branch returns)."""
@@ -227,7 +250,8 @@ class _Rank:
         group = jax.tree.map(lambda a: a[v], self.local)
         tok_bT1 = self.tokens[i]
         x, dy = xbuf[c["x_read"][t, s, lane]], gbuf[c["g_read"][t, s, lane]]
-        first, last = (kind == F_FIRST) | (kind == B_FIRST), (kind == F_LAST) | (kind == B_LAST)
+        first = (kind == F_FIRST) | (kind == B_FIRST) | (kind == W_FIRST)
+        last = (kind == F_LAST) | (kind == B_LAST) | (kind == W_LAST)
         operands = (group, x, dy, tok_bT1[:, :-1], tok_bT1[:, 1:], first, last)
         branches = [self.every[b] for b in self.sched.used[lane]]
         return v, jax.lax.switch(c["switch"][t, s, lane], branches, *operands)

@@ -89,6 +89,7 @@ SCHEDULES: dict[str, Schedule] = {
             virtual=True,
             refuses=_refuses_interleaved,
         ),
+        Schedule("zb_h1", schedules.zb_h1_orders, pipeline_1f1b.schedule_objective, refuses=_refuses_moe),
     )
 }
 

@@ -18,6 +18,12 @@ virtual stage, B(v, i) needs its own F and B of the next virtual stage (the last
   one backward (lane 1), so the steady state runs F and B of different micro-batches in the same slot.
   A backward may use its own stage's forward of the same slot (it recomputes from the saved input).
 - gpipe: all forwards, then all backwards (the reference the 1F1B family is compared with).
+- zb_h1 (zero bubble H1, Qi et al. 2024): the backward split in two actions, B (the input gradient, sent
+  on at once) and W (the weight gradient, from the kept input and the kept arrived gradient), so W's
+  can wait and fill the slots where 1F1B waits for a gradient. The last stage runs no F (its B
+  recomputes the stage and the loss from the input anyway). Orders from a lock-step list schedule
+  (`zb_h1_orders`): B first, else F while at most P + 1 micro-batches are between their F and their W
+  on the stage, else the oldest W.
 
 A slot is the unit of the table. In one SPMD program all stages advance slot by slot together, so a
 slot costs the slowest thing any stage runs in it (`lockstep_time`): one lane, max(F, B) once forwards
@@ -32,7 +38,8 @@ import numpy as np
 
 from jaxdist.errors import JaxdistError
 
-IDLE, FWD, BWD = 0, 1, 2
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+LETTER = {FWD: "F", BWD: "B", WGT: "W"}
 Orders = list[list[tuple[int, int, int]]]  # per stage, its actions (kind, chunk, micro-batch) in execution order
 
 
@@ -74,10 +81,47 @@ def interleaved_orders(stages: int, microbatches: int, repeats: int = 1) -> Orde
     return [_interleave(fwd, bwd, min((V - 1) * P + 2 * (P - 1 - s), M * V)) for s in range(P)]
 
 
+def zb_h1_orders(stages: int, microbatches: int, repeats: int = 1) -> Orders:
+    """Zero bubble H1: B (input gradient) and W (weight gradient) apart. Lock-step list scheduling: in
+    each slot a stage runs its next B if its gradient has arrived, else its next F if its input has and
+    fewer than P + 1 micro-batches are between their F and their W on it, else its oldest pending W.
+    The last stage runs no F. At P=4, M=8: 26 slots (1F1B: 22 of F and B, 16 per stage; this 24 per
+    stage), stage 0 idle 2 of 26 against 1F1B's 6 of 22 (tests/test_pipeline_schedules.py)."""
+    P, M = stages, microbatches
+    if repeats != 1:
+        raise JaxdistError(f"zb_h1 runs one chunk per stage (got pipeline.repeats={repeats}); set pipeline.repeats=1")
+    limit = P + 1
+    done: dict[tuple, int] = {}  # (kind, stage, micro-batch) -> slot
+    nf, nb, nw = [0] * P, [0] * P, [0] * P
+    orders: Orders = [[] for _ in range(P)]
+    t = 0
+    while any(n < M for n in nw):
+        ready = lambda key: done.get(key, t) < t  # noqa: B023 (t is the current slot)
+        ran = []
+        for s in range(P):
+            i, j, k = nb[s], nf[s], nw[s]
+            b_deps = [(FWD, s - 1, i)] if s == P - 1 else [(FWD, s, i), (BWD, s + 1, i)]
+            if i < M and all(ready(d) for d in b_deps):
+                ran.append((BWD, s, i))
+            elif s < P - 1 and j < M and j - k < limit and (s == 0 or ready((FWD, s - 1, j))):
+                ran.append((FWD, s, j))
+            elif k < i and ready((BWD, s, k)):
+                ran.append((WGT, s, k))
+        for kind, s, i in ran:
+            done[(kind, s, i)] = t
+            orders[s].append((kind, 0, i))
+            counter = {FWD: nf, BWD: nb, WGT: nw}[kind]
+            counter[s] += 1
+        if not ran:
+            raise JaxdistError(f"zb_h1 list schedule stalls at slot {t} (P={P}, M={M})")
+        t += 1
+    return orders
+
+
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """A placed schedule: arrays (slots, P, lanes). kind: IDLE/FWD/BWD; chunk, mb: of the action (0 when
-    idle). One lane, or two (lane 0 forwards, lane 1 backwards) for the paired schedules."""
+    """A placed schedule: arrays (slots, P, lanes). kind: IDLE/FWD/BWD/WGT; chunk, mb: of the action (0
+    when idle). One lane, or two (lane 0 forwards, lane 1 backwards) for the paired schedules."""
 
     stages: int
     microbatches: int
@@ -95,10 +139,21 @@ class Table:
         return self.kind.shape[2]
 
     @property
+    def split_backward(self) -> bool:
+        """B computes only the input gradient and W the weight gradient (zero bubble); else B does both."""
+        return bool((self.kind == WGT).any())
+
+    @property
+    def loss_without_forward(self) -> bool:
+        """The last virtual stage runs no F: its B recomputes the stage from the input (zb_h1)."""
+        return not bool((self.kind[:, -1] == FWD)[self.chunk[:, -1] == self.repeats - 1].any())
+
+    @property
     def bubble_fraction(self) -> float:
-        """Idle share of a stage's time in lock-step with F and B of equal cost: 1 - 2 V M / time (one
-        lane: idle slots / slots)."""
-        return 1.0 - 2 * self.repeats * self.microbatches / lockstep_time(self, 1.0, 1.0)
+        """Idle share of the busiest stage's time in lock-step with every action of equal cost: 1 - its
+        actions / time (one lane: idle slots / slots; 1F1B: 1 - 2 V M / time)."""
+        busiest = int((self.kind != IDLE).sum(axis=(0, 2)).max())
+        return 1.0 - busiest / lockstep_time(self, 1.0, 1.0, 1.0)
 
     def render(self) -> str:
         """One row per stage: F3 = forward of micro-batch 3, B = backward, '.' idle; chunk as a suffix;
@@ -111,22 +166,22 @@ class Table:
                 for lane in range(self.lanes):
                     k, v, i = self.kind[t, s, lane], self.chunk[t, s, lane], self.mb[t, s, lane]
                     if k != IDLE:
-                        parts.append(("F" if k == FWD else "B") + str(i) + (f"/{v}" if self.repeats > 1 else ""))
+                        parts.append(LETTER[int(k)] + str(i) + (f"/{v}" if self.repeats > 1 else ""))
                 cell = "+".join(parts) or "."
                 cells.append(f"{cell:>{(4 + 2 * (self.repeats > 1)) * self.lanes}}")
             rows.append(f"s{s}" + "".join(cells))
         return "\n".join(rows)
 
 
-def lockstep_time(table: Table, f: float, b: float) -> float:
+def lockstep_time(table: Table, f: float, b: float, w: float | None = None) -> float:
     """Step time when every stage waits for the slowest at each slot's exchange: a slot costs f if any
-    stage runs a forward there, b if any runs a backward (both on one lane: the larger; on two lanes,
-    one after the other: the sum)."""
-    anyf = (table.kind == FWD).any(axis=1)  # (slots, lanes)
-    anyb = (table.kind == BWD).any(axis=1)
+    stage runs a forward there, b if any runs a backward, w (default b) a weight gradient (all on one
+    lane: the largest; on two lanes, one after the other: the sum)."""
+    cost = {FWD: f, BWD: b, WGT: b if w is None else w}
+    anyk = {k: (table.kind == k).any(axis=1) for k in cost}  # (slots, lanes)
     if table.lanes == 1:
-        return float(np.maximum(anyf[:, 0] * f, anyb[:, 0] * b).sum())
-    return float((anyf.any(axis=1) * f).sum() + (anyb.any(axis=1) * b).sum())
+        return float(np.max([anyk[k][:, 0] * c for k, c in cost.items()], axis=0).sum())
+    return float(sum((anyk[k].any(axis=1) * c).sum() for k, c in cost.items()))
 
 
 def prev_virtual(s: int, v: int, P: int):
@@ -143,13 +198,18 @@ def next_virtual(s: int, v: int, P: int, V: int):
     return (0, v + 1) if v < V - 1 else None
 
 
-def _deps(k: int, s: int, v: int, i: int, P: int, V: int) -> list[tuple]:
+def _deps(k: int, s: int, v: int, i: int, P: int, V: int, loss_without_forward: bool = False) -> list[tuple]:
     """(kind, stage, chunk, micro-batch) of what an action needs. F: the previous virtual stage's F.
-    B: its own F (listed first) and the next virtual stage's B (none after the last: the loss)."""
+    B: its own F (listed first) and the next virtual stage's B (none after the last: the loss); at a
+    last virtual stage without F (`Table.loss_without_forward`), the previous virtual stage's F.
+    W: its own B."""
+    if k == WGT:
+        return [(BWD, s, v, i)]
+    src, dst = prev_virtual(s, v, P), next_virtual(s, v, P, V)
     if k == FWD:
-        src = prev_virtual(s, v, P)
         return [] if src is None else [(FWD, src[0], src[1], i)]
-    dst = next_virtual(s, v, P, V)
+    if dst is None and loss_without_forward:
+        return [] if src is None else [(FWD, src[0], src[1], i)]
     return [(FWD, s, v, i)] + ([] if dst is None else [(BWD, dst[0], dst[1], i)])
 
 
@@ -161,6 +221,7 @@ def simulate(
     (each in order), at most one of each per slot, and a backward may follow its own stage's forward of
     the same slot (lane 0 runs first)."""
     P, V = stages, repeats
+    no_last_f = not any(a[0] == FWD and a[1] == V - 1 for a in order[P - 1])
     streams = [[order[s]] if lanes == 1 else [[a for a in order[s] if a[0] == k] for k in (FWD, BWD)] for s in range(P)]
     done: dict[tuple, int] = {}  # (kind, s, v, i) -> slot
     ptr = [[0] * lanes for _ in range(P)]
@@ -174,7 +235,7 @@ def simulate(
                 if ptr[s][lane] == len(streams[s][lane]):
                     continue
                 k, v, i = streams[s][lane][ptr[s][lane]]
-                deps = _deps(k, s, v, i, P, V)
+                deps = _deps(k, s, v, i, P, V, no_last_f)
                 same_slot_ok = lanes == 2 and k == BWD  # its own forward, run on lane 0 of this slot
                 if all(
                     done.get(d, t + 1) < t or (same_slot_ok and j == 0 and done.get(d) == t) for j, d in enumerate(deps)
@@ -221,18 +282,20 @@ def _where(table: Table) -> dict[tuple, tuple[int, int]]:
 
 def buffers(table: Table) -> Buffers:
     """Assign buffer slots. An activation sent by F at slot t arrives at t + 1 and is kept until the
-    receiver's B of it (the backward recomputes the stage from it); a gradient sent by B at t arrives
-    at t + 1 and is kept until the receiver's B. A buffer slot read in slot t is free from t + 1."""
+    receiver's last action on it (B; W where the backward is split: the weight gradient needs the input);
+    a gradient sent by B at t arrives at t + 1 and is kept until the receiver's B (and W). A buffer
+    slot read in slot t is free from t + 1."""
     P, V = table.stages, table.repeats
     at = _where(table)
     x_in, g_in = (np.full(table.kind.shape[:2], -1, np.int32) for _ in range(2))
     x_read, g_read = (np.full(table.kind.shape, -1, np.int32) for _ in range(2))
     intervals = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}  # (arrive, last use, key)
+    last_use = lambda s, v, i: max(at[(k, s, v, i)][0] for k in (FWD, BWD, WGT) if (k, s, v, i) in at)
     for (k, s, v, i), (t, _) in at.items():
         if k == FWD and (dst := next_virtual(s, v, P, V)) is not None:
-            intervals["x"][dst[0]].append((t + 1, at[(BWD, dst[0], dst[1], i)][0], (dst[1], i)))
+            intervals["x"][dst[0]].append((t + 1, last_use(dst[0], dst[1], i), (dst[1], i)))
         if k == BWD and (src := prev_virtual(s, v, P)) is not None:
-            intervals["g"][src[0]].append((t + 1, at[(BWD, src[0], src[1], i)][0], (src[1], i)))
+            intervals["g"][src[0]].append((t + 1, last_use(src[0], src[1], i), (src[1], i)))
     sizes = {}
     for name, arrive, read in (("x", x_in, x_read), ("g", g_in, g_read)):
         size = 0
@@ -245,44 +308,63 @@ def buffers(table: Table) -> Buffers:
                 free_from[slot] = end + 1
                 assert arrive[start, s] == -1, "two arrivals in one slot"
                 arrive[start, s] = slot
-                for k in (FWD, BWD) if name == "x" else (BWD,):  # F reads x; B reads x and g
-                    t2, lane = at[(k, s, v, i)]
-                    read[t2, s, lane] = slot
+                for k in (FWD, BWD, WGT) if name == "x" else (BWD, WGT):  # F reads x; B and W x and g
+                    if (k, s, v, i) in at:
+                        t2, lane = at[(k, s, v, i)]
+                        read[t2, s, lane] = slot
             size = max(size, len(free_from))
         sizes[name] = max(size, 1)
     return Buffers(x_in, g_in, x_read, g_read, sizes["x"], sizes["g"])
 
 
 def in_flight(table: Table) -> np.ndarray:
-    """Per stage, the most micro-batches (of any chunk) forwarded but not yet backwarded at once."""
+    """Per stage, the most micro-batches (of any chunk) at once between their first action there (F; B
+    at a last stage without F) and their last (B; W where the backward is split)."""
     out = np.zeros(table.stages, np.int32)
-    for s in range(table.stages):
-        live = 0
-        for t in range(table.slots):
-            live += int((table.kind[t, s] == FWD).sum())
-            out[s] = max(out[s], live)
-            live -= int((table.kind[t, s] == BWD).sum())
+    span: dict[tuple, list[int]] = {}  # (stage, chunk, micro-batch) -> [first slot, last slot]
+    for (_, s, v, i), (t, _) in _where(table).items():
+        first_last = span.setdefault((s, v, i), [t, t])
+        first_last[0], first_last[1] = min(first_last[0], t), max(first_last[1], t)
+    live = np.zeros((table.slots + 1, table.stages), np.int32)
+    for (s, _, _), (a, b) in span.items():
+        live[a, s] += 1
+        live[b + 1, s] -= 1
+    out[:] = np.cumsum(live, axis=0).max(axis=0)
     return out
 
 
 def check(table: Table) -> None:
-    """The invariants every executed table must hold (raises AssertionError): each F and B of every
-    (stage, chunk, micro-batch) exactly once; F after the previous virtual stage's F, B after the next
-    virtual stage's B, each in a strictly earlier slot (the data crosses devices between slots); B after
-    its own F (in the same slot only on two lanes, where the forward lane runs first)."""
+    """The invariants every executed table must hold (raises AssertionError): each F, B (and W, where
+    the backward is split) of every (stage, chunk, micro-batch) exactly once (no F at a last virtual
+    stage whose B computes the loss from the input); F after the previous virtual stage's F, B after
+    the next virtual stage's B, each in a strictly earlier slot (the data crosses devices between
+    slots); B after its own F (in the same slot only on two lanes, where the forward lane runs first;
+    without that F, after the previous virtual stage's F); W after its own B."""
     P, M, V = table.stages, table.microbatches, table.repeats
     seen: dict[tuple, tuple[int, int]] = {}
     for t, s, lane in zip(*np.nonzero(table.kind != IDLE)):
         key = (int(table.kind[t, s, lane]), int(s), int(table.chunk[t, s, lane]), int(table.mb[t, s, lane]))
         assert key not in seen, f"{key} runs twice"
         seen[key] = (int(t), int(lane))
-    want = {(k, s, v, i) for k in (FWD, BWD) for s in range(P) for v in range(V) for i in range(M)}
+    split, no_last_f = table.split_backward, table.loss_without_forward
+    kinds = (FWD, BWD, WGT) if split else (FWD, BWD)
+    want = {(k, s, v, i) for k in kinds for s in range(P) for v in range(V) for i in range(M)}
+    if no_last_f:
+        want -= {(FWD, P - 1, V - 1, i) for i in range(M)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:4]}, extra {sorted(set(seen) - want)[:4]}"
     for (k, s, v, i), (t, lane) in seen.items():
-        if k == FWD and (src := prev_virtual(s, v, P)) is not None:
+        src = prev_virtual(s, v, P)
+        if k == FWD and src is not None:
             assert seen[(FWD, *src, i)][0] < t, f"F{i} at stage {s} chunk {v} before its input"
+        if k == WGT:
+            tb, lb = seen[(BWD, s, v, i)]
+            assert tb < t or (tb == t and lb < lane), f"W{i} at stage {s} chunk {v} before its B"
         if k == BWD:
-            tf, lf = seen[(FWD, s, v, i)]
-            assert tf < t or (tf == t and lf < lane), f"B{i} at stage {s} chunk {v} before its forward"
-            if (dst := next_virtual(s, v, P, V)) is not None:
+            dst = next_virtual(s, v, P, V)
+            if dst is None and no_last_f:
+                assert src is None or seen[(FWD, *src, i)][0] < t, f"B{i} at stage {s} chunk {v} before its input"
+            else:
+                tf, lf = seen[(FWD, s, v, i)]
+                assert tf < t or (tf == t and lf < lane), f"B{i} at stage {s} chunk {v} before its forward"
+            if dst is not None:
                 assert seen[(BWD, *dst, i)][0] < t, f"B{i} at stage {s} chunk {v} before its gradient"

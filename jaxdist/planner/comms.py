@@ -336,8 +336,9 @@ def _schedule_table_traffic(t: _Tally) -> None:
     layer = gathered_layer_bytes(lay)
     gather = lay.act_bytes / PARAM_BYTES
     kinds = [table.kind[..., lane] for lane in range(table.lanes)]
-    backward = sum(int((k == 2).any()) for k in kinds) * table.slots * t.passes  # lane-slots costed as B
-    forward = sum(int((k == 1).any() and not (k == 2).any()) for k in kinds) * table.slots * t.passes
+    # lane-slots costed as B (zb_h1's B and W slots alike: each gathers the chunk twice; an upper bound for B)
+    backward = sum(int((k >= 2).any()) for k in kinds) * table.slots * t.passes
+    forward = sum(int((k == 1).any() and not (k >= 2).any()) for k in kinds) * table.slots * t.passes
     D, rows = m.d_model, lay.micro_batch * t.T  # one micro-batch's rows on a device
     t.add(
         "fsdp",

@@ -8,7 +8,8 @@ Step time (per optimizer step, every device in lock-step):
               pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
               1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest
               action any stage runs in it (schedules.lockstep_time, a backward = 3 forwards: the
-              recompute, then input and weight gradients), minus the layer compute.
+              recompute, then input and weight gradients; zb_h1's split backward: B = W = 2 forwards, each
+              recomputing the chunk, so its extra recompute counts here), minus the layer compute.
   comm      = sum over collectives of bytes / link bandwidth + latency (jaxdist.planner.comms).
   host      = offload's host<->device transfers at the hardware's host bandwidth (jaxdist.planner.transfers):
               the layer scan's fetches overlappable, the rest (update streaming, gradient round trip) exposed.
@@ -115,6 +116,8 @@ def pipeline_bubble(lay: Layout, layer_s: float) -> float:
     # one chunk's forward f and backward 3 f (recompute 2, gradients 4 FLOPs per parameter and token,
     # forward 2): V M of each per stage make up layer_s
     f = layer_s / (4 * table.repeats * table.microbatches)
+    if table.split_backward:  # B (input gradient) and W (weight gradient) each recompute the forward
+        return schedules.lockstep_time(table, f, 2 * f, 2 * f) - layer_s
     return schedules.lockstep_time(table, f, 3 * f) - layer_s
 
 

@@ -13,16 +13,18 @@ pipeline keeps for backward: (V M + P - 1) micro-batches of (b, T, D) float32 pe
 On CPU the "devices" share the host's cores, so a bubble iteration — which in this SPMD pipeline
 still computes (on padding) — costs real time, and the slowdown shows the bubble's compute directly.
 
-    python scripts/bench/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, 1f1b_paired, interleaved_1f1b
+    python scripts/bench/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, 1f1b_paired, interleaved_1f1b, zb_h1
+    python scripts/bench/pipeline_bench.py --schedules --names gpipe,1f1b,zb_h1 --micro 8   # a subset
 
 --schedules: each schedule on pp=4,fsdp=2 at M in {4, 8, 16, 32} micro-batches of one sequence per
 batch shard (the global batch grows with M, so activation memory that grows with M is the schedule's),
 8 layers (V=2 for circular and interleaved_1f1b). Per configuration: compiled temp bytes per device
 of the train step, the bubble the schedule predicts (GPipe/circular: (P-1)/(V M+P-1) of their loop
 iterations; the table schedules: 1 - 2 V M / the table's lock-step time with F = B = 1, i.e. idle
-slots / slots on one lane) and, for the table schedules, the same with stage 0's forwards and backwards
-read off the compiled program (the lax.switch branches it ran, counted inside them), and
-tokens/s as a ratio to GPipe at the same M (timed in interleaved rounds in one process).
+slots / slots on one lane; zb_h1: 1 - the busiest stage's F + B + W / its slots) and, for the table
+schedules, the same with stage 0's actions read off the compiled program (the lax.switch branches it
+ran, counted inside them), tokens/s as a ratio to GPipe at the same M (timed in interleaved rounds in
+one process; GPipe is always run), and the seconds to lower and compile the train step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration per round")
     p.add_argument("--json", default="", help="also write the records here, one JSON object a line")
     p.add_argument("--schedules", action="store_true", help="compare the pipeline schedules (see above)")
+    p.add_argument("--names", default="", help="--schedules: only these (comma-separated; gpipe always runs)")
+    p.add_argument("--micro", default="4,8,16,32", help="--schedules: the micro-batch counts M")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = p.parse_args(argv)
     if args.schedules:
@@ -151,7 +155,14 @@ def main(argv=None) -> int:
     return 0
 
 
-SCHEDULE_RUNS = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2)]
+SCHEDULE_RUNS = [
+    ("gpipe", 1),
+    ("circular", 2),
+    ("1f1b", 1),
+    ("1f1b_paired", 1),
+    ("interleaved_1f1b", 2),
+    ("zb_h1", 1),
+]
 SMALL = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
 
 
@@ -184,8 +195,9 @@ def schedules_study(args) -> int:
     mesh_text, shards = "pp=4,fsdp=2", 2
     T, D = base.model.seq_len, base.model.d_model
     configs = []
-    for M in (4, 8, 16, 32):
-        for name, V in SCHEDULE_RUNS:
+    names = set(args.names.split(",")) | {"gpipe"} if args.names else {n for n, _ in SCHEDULE_RUNS}
+    for M in [int(m) for m in args.micro.split(",")]:
+        for name, V in [(n, V) for n, V in SCHEDULE_RUNS if n in names]:
             cfg = base.replace(
                 train=dict(global_batch=M * shards), pipeline=dict(schedule=name, microbatches=M, repeats=V)
             )
@@ -201,9 +213,10 @@ def schedules_study(args) -> int:
             if schedule_registry.get(name).tabled:  # the branches each stage's lax.switch ran, from the program
                 with prog.activate():
                     counts = np.asarray(jax.jit(prog.apply_fn.objective.executed)(state.params, tokens))
-                # stage 0's executed forwards + backwards over the table's lock-step time (F = B = 1; one
-                # lane: its slots); the last stage's F slots compute nothing, so stage 0 is the one to read
-                busy = counts[0, 1] + counts[0, 2]
+                # stage 0's executed forwards + backwards (+ weight gradients) over the table's lock-step
+                # time (every action 1; one lane: its slots); the last stage's F slots compute nothing (zb_h1
+                # has none there), so stage 0 is the one to read
+                busy = counts[0, 1:].sum()
                 measured = float(1 - busy / schedules.lockstep_time(pl.table(), 1.0, 1.0))
             state, _ = compiled(state, tokens)  # warm-up
             jax.block_until_ready(state)
@@ -233,7 +246,8 @@ def schedules_study(args) -> int:
         f"batch shard; best of {args.rounds * args.steps} steps; activation of one micro-batch {micro_bytes / 1e3:.1f} kB"
     )
     print(
-        f"{'schedule':20s} {'M':>3s} {'temp MB':>8s} {'slots':>5s} {'bubble':>7s} {'measured':>8s} {'tok/s':>8s} {'vs gpipe':>8s}"
+        f"{'schedule':20s} {'M':>3s} {'temp MB':>8s} {'slots':>5s} {'bubble':>7s} {'measured':>8s} {'tok/s':>8s} "
+        f"{'vs gpipe':>8s} {'compile s':>9s}"
     )
     gpipe = {c["M"]: min(c["times"]) for c in configs if c["schedule"] == "gpipe"}
     records = []
@@ -246,7 +260,8 @@ def schedules_study(args) -> int:
         label = c["schedule"] + (f" V={c['V']}" if c["V"] > 1 else "")
         print(
             f"{label:20s} {c['M']:3d} {c['temp_bytes'] / 1e6:8.2f} "
-            f"{c['slots']:5d} {c['bubble']:7.3f} {meas:>8s} {rec['tokens_per_sec']:8.0f} {rec['speed_vs_gpipe']:8.2f}"
+            f"{c['slots']:5d} {c['bubble']:7.3f} {meas:>8s} {rec['tokens_per_sec']:8.0f} {rec['speed_vs_gpipe']:8.2f} "
+            f"{c['compile_s']:9.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:
