@@ -35,8 +35,16 @@ SHARDED = "fsdp=2,ep=2,tp=2"
 REF = np.load(FIXTURE / "reference.npz")
 
 
+# The experts dispatched with C = N slots each (capacity factor E/K = 2): no assignment can drop, the
+# computation of dropless's own worst-case tier, without dropless's switch over three tiers (a third of
+# the compile time; dropless against capacity is tests/test_moe.py's).
+DISPATCH = ["model.moe_dispatch=capacity", "model.moe_capacity_factor=2.0"]
+
+
 def imported(mesh_text: str, devices=None):
-    cfg = mapping.hf_config(None, [], FIXTURE, mesh_text)
+    cfg = mapping.hf_config(None, DISPATCH, FIXTURE, mesh_text)
+    m = cfg.model
+    assert m.moe_capacity_factor * m.moe_topk / m.moe_experts >= 1  # C = N: nothing can drop
     mesh = mesh_from_string(mesh_text, devices)
     params, model = tensors.import_params(FIXTURE, cfg, mesh)
     return cfg, mesh, params, model
