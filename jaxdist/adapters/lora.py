@@ -76,7 +76,7 @@ def _param(value, names) -> nnx.Param:
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def project(module, weight: str, x, names: tuple[str, ...], in_dims: int = 1):
+def project(module, weight: str, x, names: tuple[str | None, ...], in_dims: int = 1):
     """x @ module.<weight> (its first `in_dims` dims contracted). Without LoRA: `weight_matmul`
     (trained, float32 master). With LoRA: the frozen base (de-quantised here when stored as int8 / NF4,
     one layer at a time inside the scan) with no weight gradient, plus the adapter if it has one."""

@@ -55,10 +55,12 @@ def from_hf(hf_dir: Path, out: Path, cfg, log: Callable = print) -> Path:
         export.keep_source(hf_dir, out)
 
     directory = out / checkpoint.SUBDIR
+
     # Checksummed like a training checkpoint: before orbax publishes step 0 (process 0).
-    manager = checkpoint.open_manager(
-        directory, keep=1, before_commit=lambda: integrity.write(directory.resolve() / f"0{TMP_SUFFIX}")
-    )
+    def checksum() -> None:
+        integrity.write(directory.resolve() / f"0{TMP_SUFFIX}")
+
+    manager = checkpoint.open_manager(directory, keep=1, before_commit=checksum)
     meta = {
         "step": 0,
         "seed": cfg.train.seed,

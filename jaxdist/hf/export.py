@@ -95,7 +95,7 @@ def export(
     source = _source_config(source_dir)
     source.update({k: v for k, v in (token_ids or {}).items() if source.get(k) is None})
     (out_dir / "config.json").write_text(json.dumps(mapping.to_hf_config(m, dtype, source), indent=2))
-    if generation_config(source_dir) is not None:  # checked, then copied as it is
+    if source_dir is not None and generation_config(source_dir) is not None:  # checked, then copied as it is
         shutil.copyfile(source_dir / "generation_config.json", out_dir / "generation_config.json")
     else:
         gen = {k: source.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if source.get(k) is not None}

@@ -160,9 +160,12 @@ def model_fields(hf_dir: Path) -> dict[str, Any]:
                 "that needs it would compute differently — remove it only if it has no effect"
             )
     defaults = {**HF_DEFAULTS, **family.defaults}
+
     # Absent: transformers' default. Null: the default for the shape fields, else null (Mistral's
     # sliding_window: null is no window, absent is 4096).
-    get = lambda k: hf[k] if k in hf and (hf[k] is not None or k not in HF_DEFAULTS) else defaults.get(k)
+    def get(k: str) -> Any:
+        return hf[k] if k in hf and (hf[k] is not None or k not in HF_DEFAULTS) else defaults.get(k)
+
     heads, d_model = int(get("num_attention_heads")), int(get("hidden_size"))
     head_dim = hf.get("head_dim") or d_model // heads
     fields = {
@@ -324,7 +327,7 @@ def to_hf(a, n_in: int):
     return a if n_in == 0 else a.reshape(_prod(a.shape[:n_in]), -1).T
 
 
-def get_path(tree: dict, path: tuple[str, ...]):
+def get_path(tree: dict, path: tuple[str, ...]) -> Any:
     for k in path:
         tree = tree[k]
     return tree

@@ -6,6 +6,8 @@ block-quantised weights (`quantization_config`), rotary scaling other than none 
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.models.hf_spec import Family
@@ -228,7 +230,7 @@ def tensors(m: ModelConfig) -> list[dict]:
     k = min(m.dense_layers, m.num_layers)  # deepseek3.dense_count (that module loads JAX)
     stacks = [("dense_blocks", False, 0, k), ("blocks", True, k, m.num_layers - k)] if m.moe_experts and k else []
     stacks = stacks or [("blocks", bool(m.moe_experts), 0, m.num_layers)]
-    out = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
+    out: list[dict[str, Any]] = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
     for where, sparse, offset, depth in stacks:
         for p, name, n_in, shape in _attention(m) + _mlp(m, sparse):
             out.append(dict(path=(where, *p), hf=P + name, n_in=n_in, stacked=True, experts="{e}" in name,

@@ -12,6 +12,7 @@ an explicit attention_factor / mscale, pp and cp meshes, LoRA.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
@@ -185,7 +186,7 @@ def layer_tensors(m: ModelConfig, sparse: bool) -> list[tuple]:
 
 def tensors(m: ModelConfig) -> list[dict]:
     """Every parameter in HF's order, as `jaxdist.hf.mapping.Tensor` fields."""
-    out = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
+    out: list[dict[str, Any]] = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
     for p, name, n_in, shape in _layer(m):
         out.append(dict(path=("blocks", *p), hf=P + name, n_in=n_in, stacked=True, shape=shape))
     out.append(dict(path=("final_norm", "scale"), hf="model.norm.weight", n_in=0, stacked=False))

@@ -6,6 +6,9 @@ N query heads, K kv heads, H head_dim, F mlp, V vocab, L layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,13 +29,13 @@ REMAT_POLICIES = {
 }
 
 
-def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
     """A float32 parameter carrying logical axis names (placement is decided by the logical rules)."""
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ("embed",)):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str | None, ...] = ("embed",)):
         self.scale = param(rngs, nnx.initializers.ones, (dim,), names)
         self.eps = eps
         self.names = names
@@ -277,7 +280,8 @@ class Llama(nnx.Module):
                 layer_state,
                 is_leaf=lambda n: isinstance(n, tuple),
             )
-            unit = nnx.merge(graphdef, layer_state)
+            # The family's block: pyright reads this module's Block, but some families' blocks take consts `c`
+            unit = cast(Callable[..., Any], nnx.merge(graphdef, layer_state))
             out = unit(x, positions_T, segment_ids_BT) if c is None else unit(x, positions_T, segment_ids_BT, c)
             return out if isinstance(out, tuple) else (out, None)
 
