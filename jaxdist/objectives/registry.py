@@ -70,17 +70,23 @@ def grpo_settings(cfg: Config) -> grpo.GRPO:
     )
 
 
+def _pair_loss(o: Objective) -> Callable:
+    if o.loss is None:
+        raise RuntimeError(f"objective {o.name!r} has no pair loss: the plain language-model program trains it")
+    return o.loss
+
+
 def stage(apply_fn, cfg: Config) -> GradientStage:
     o = objective(cfg)
     if o.rollouts:
         return grpo_stage.grpo_stage(apply_fn, cfg, grpo_settings(cfg))
-    return pairs.pair_stage(apply_fn, cfg, o.loss, o.needs_reference)
+    return pairs.pair_stage(apply_fn, cfg, _pair_loss(o), o.needs_reference)
 
 
 def eval_step(apply_fn, cfg: Config) -> Callable | None:
     """The held-out pairs' sums; None for GRPO (its evaluation samples held-out prompts: the reward)."""
     o = objective(cfg)
-    return None if o.rollouts else pairs.pair_eval(apply_fn, cfg, o.loss, o.needs_reference)
+    return None if o.rollouts else pairs.pair_eval(apply_fn, cfg, _pair_loss(o), o.needs_reference)
 
 
 def needs_reference(cfg: Config) -> bool:

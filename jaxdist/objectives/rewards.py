@@ -61,6 +61,8 @@ def load(name: str) -> Callable:
     if not Path(path).is_file():
         raise JaxdistError(f"reward {name}: {path} is not a file; give the path of the Python file that defines {attr}")
     spec = importlib.util.spec_from_file_location(f"jaxdist_reward_{Path(path).stem}", path)
+    if spec is None or spec.loader is None:
+        raise JaxdistError(f"reward {name}: {path} cannot be imported as Python; give a .py file that defines {attr}")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

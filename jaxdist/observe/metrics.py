@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import TextIO
 
 import jax
 
@@ -147,9 +148,9 @@ class MetricWriter:
         `trackers`: a jaxdist.observe.trackers.Trackers (or None)."""
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
-        self.file = None
+        self.file: TextIO | None = None
         self.trackers = trackers if self.enabled else None
-        if self.enabled:
+        if self.enabled and run_dir is not None:
             path = Path(run_dir) / "metrics.jsonl"
             if resume_step is not None and path.exists():
                 kept = [line for line, record in _records(path) if _kept_on_resume(record, resume_step)]
@@ -161,7 +162,7 @@ class MetricWriter:
     def write(self, record: dict) -> None:
         """A failure to write (a full disk, a tracker that fails) raises OutputFailed, after which the
         writer is off: the loop stops the run in one line."""
-        if not self.enabled:
+        if not self.enabled or self.file is None:  # enabled: the file is open
             return
         what = "metrics.jsonl"
         try:
@@ -176,7 +177,8 @@ class MetricWriter:
         except Exception as e:  # any tracker library's failure is reported as one line
             self.enabled, file, self.file, self.trackers = False, self.file, None, None
             with contextlib.suppress(OSError):
-                file.close()
+                if file is not None:
+                    file.close()
             raise OutputFailed(f"{what} could not be written in {self.run_dir} ({reason(e)})") from None
 
     def close(self) -> None:  # idempotent: also called when a run fails

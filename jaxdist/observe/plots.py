@@ -14,6 +14,7 @@ import os
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from jaxdist.errors import JaxdistError
@@ -120,7 +121,11 @@ def loss_png(run_dir: Path, out: Path | None = None) -> Path:
     tokens_per_step = cfg.get("train.global_batch", 0) * cfg.get("model.seq_len", 0)
     if tokens_per_step:
         top = ax.secondary_xaxis(
-            "top", functions=(lambda s: s * tokens_per_step / 1e6, lambda t: t * 1e6 / tokens_per_step)
+            "top",
+            functions=(
+                lambda s: np.multiply(s, tokens_per_step) / 1e6,
+                lambda t: np.multiply(t, 1e6) / tokens_per_step,
+            ),
         )
         top.set_xlabel("tokens (millions)")
     handles = ax.get_legend_handles_labels()

@@ -51,7 +51,7 @@ class StepTrace:
             self.marker = None
 
     def _stop(self, state) -> None:
-        if self.active:
+        if self.active and self.range is not None:  # active: a range was given
             jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
             jax.profiler.stop_trace()
             self.active = False

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, cast
 
 import jax
 from tqdm import tqdm
@@ -195,13 +196,14 @@ class Progress:
                 **{k: v for k, v in vals.items() if k not in STEP_KEYS},
             }
             self.skipped_at = []
-            self.bar.set_postfix(
-                loss=f"{vals['loss']:.3f}",
-                smooth=f"{self.smoothed:.3f}",
-                tok_s=f"{tps:,.0f}",
+            postfix: dict[str, Any] = {  # as keywords: tqdm shows them sorted by name
+                "loss": f"{vals['loss']:.3f}",
+                "smooth": f"{self.smoothed:.3f}",
+                "tok_s": f"{tps:,.0f}",
                 **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
                 **({} if "mfu" in record else {"gflop_s": f"{record['flops_per_sec'] / 1e9:.3g}"}),
-            )
+            }
+            self.bar.set_postfix(**postfix)
             if waited:  # else "now" is later than this step's end: keep timing from the last real wait
                 self.restart_clock()
         if evaluate is not None:
@@ -213,7 +215,8 @@ class Progress:
                 if not self.plain:
                     self.say(f"eval at step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in got.items()))
             else:
-                self.eval_loss = record["eval_loss"] = got["loss"] if got else result
+                # a dict's "loss", else the plain eval loss itself
+                self.eval_loss = record["eval_loss"] = got["loss"] if got else cast(float, result)
                 if not self.plain:
                     self.say(f"eval at step {done}: loss {loss_text(self.eval_loss, self.byte_tokens)}{task_text(got)}")
         if record:

@@ -33,9 +33,10 @@ def run_dir_line(run_dir: Path, origin: str, restored, resuming: bool, restore: 
     if resuming:
         return f"{where}: resuming from step {restored.step} ({restored.path})"
     if restored is not None:
-        params = restore.startswith("hf:") or cfg.checkpoint.params_only
+        hf = (restore or "").startswith("hf:")  # restored from somewhere: restore names it
+        params = hf or cfg.checkpoint.params_only
         what = "the parameters of" if params else f"step {restored.step} of"
-        return f"{where}: new run, starting from {what} {restored.path if not restore.startswith('hf:') else restore}"
+        return f"{where}: new run, starting from {what} {restored.path if not hf else restore}"
     return f"{where}: new run, starting at step 0"
 
 

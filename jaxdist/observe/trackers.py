@@ -29,7 +29,9 @@ def import_tracker(module: str):
     start-up) and visible again after it."""
     hide = module == "tensorboardX" and "torch" not in sys.modules
     if hide:
-        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+        # `import torch` raises ImportError, which tensorboardX expects (typeshed types sys.modules without
+        # the None that the import system documents for this)
+        sys.modules["torch"] = None  # pyright: ignore[reportArgumentType]
     try:
         return importlib.import_module(module)
     finally:
@@ -92,7 +94,8 @@ class TensorBoard:
 
         (run_dir / "tb").mkdir(parents=True, exist_ok=True)
         self.events = EventsWriter(str(run_dir / "tb" / "events"))
-        self._event, self._summary = event_pb2.Event, summary
+        # generated protobuf module: its message classes are made at import, so no stub names them
+        self._event, self._summary = event_pb2.Event, summary  # pyright: ignore[reportAttributeAccessIssue]
         self._write(0, [summary.text("config", "```\n" + config_text + "\n```")])
 
     def _write(self, step: int, summaries: list) -> None:

@@ -70,10 +70,10 @@ def scale_by_adam_frozen_variance(b1: float, b2: float, eps: float, freeze_step:
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
 
-    def update(grads, state, params=None):
+    def update(updates, state, params=None):
         frozen = state.count >= freeze_step
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-        nu = jax.tree.map(lambda v, g: jnp.where(frozen, v, b2 * v + (1 - b2) * g * g), state.nu, grads)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: jnp.where(frozen, v, b2 * v + (1 - b2) * g * g), state.nu, updates)
         count = state.count + 1
         nu_count = jnp.minimum(count, freeze_step).astype(jnp.float32)
         mu_c, nu_c = 1 - b1 ** count.astype(jnp.float32), 1 - b2**nu_count
@@ -145,7 +145,7 @@ def schedule_notes(cfg, start: int = 0, changes: dict | None = None) -> list[str
         steps = changes.get("train.steps", (cfg.train.steps,) * 2)[0]
         pinned = changes.get("optim.schedule_steps", (o.schedule_steps,) * 2)[0]
         before = pinned or steps
-        old, new = (float(schedule(o, n, cfg.train.global_batch)(start)) for n in (before, total))
+        old, new = (float(jnp.asarray(schedule(o, n, cfg.train.global_batch)(start))) for n in (before, total))
         if before != total and (old != new or o.schedule != "wsd"):  # WSD's stable phase continues unchanged
             notes.append(
                 f"note: the LR schedule now spans {total} steps instead of {before}: from step {start} on "

@@ -155,12 +155,12 @@ def scale_by_muon(
     def init(params):
         return MuonState(mu=jax.tree.map(jnp.zeros_like, params))
 
-    def update(grads, state, params=None):
+    def update(updates, state, params=None):
         # The momentum and the update stay sharded as their parameter (the partitioner would otherwise
         # carry Newton–Schulz's whole-matrix layout into the rest of the step).
         held = lambda tree: jax.tree_util.tree_map_with_path(lambda p, x: constrain(x, names_by_key[path_key(p)]), tree)
-        mu = held(jax.tree.map(lambda m, g: m + (1 - momentum) * (g - m), state.mu, grads))
-        u = jax.tree.map(lambda g, m: g + momentum * (m - g), grads, mu) if nesterov else mu
+        mu = held(jax.tree.map(lambda m, g: m + (1 - momentum) * (g - m), state.mu, updates))
+        u = jax.tree.map(lambda g, m: g + momentum * (m - g), updates, mu) if nesterov else mu
         ortho = lambda k, x: orthogonalize(x, axes_by_key[k], steps, scale, names_by_key[k])
         return held(jax.tree_util.tree_map_with_path(lambda p, x: ortho(path_key(p), x), u)), MuonState(mu=mu)
 

@@ -131,6 +131,8 @@ def attention(q_BTNH, k_BTKH, v_BTKH, impl: str):
     Manual over every axis that shards them (batch, cp, heads): left automatic, XLA replicates the
     batch and head dims inside the shard_map (seen with fsdp and tp > 1)."""
     mesh, rules = jax.sharding.get_abstract_mesh(), sharding.current_rules()
+    if rules is None:
+        raise RuntimeError("context-parallel attention is traced under sharding rules (sharding.activate)")
     manual = set(mesh.manual_axes)  # e.g. dp, inside the explicit data-parallel reduction
     q_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "heads", None), rules), manual)
     kv_spec = sharding.drop_axes(sharding.logical_to_spec(("batch", "seq", "kv_heads", None), rules), manual)
@@ -245,7 +247,7 @@ def _ring_backward(q, k, v, o, lse, do, cp):
     pq = local_positions(c, cp)
     delta = jnp.sum(do * o, axis=-1)
     dq, dk, dv = _block_grads(q, k, v, do, lse, delta, pq[:, None] >= pq[None, :])
-    nxt = _send((k, v), cp) if cp > 1 else None
+    nxt = _send((k, v), cp) if cp > 1 else (k, v)  # cp 1: no other block arrives
     for s in range(1, cp):
         dk, dv = _send((dk, dv), cp)  # travels with its block, which arrives in `nxt`
         k, v = nxt

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -205,7 +206,8 @@ def _dropless(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, ep_axes, 
     rows = jax.lax.switch(tier, there, x_ND, idx_NK, recv_SE)
     dt = x_ND.dtype
     ws = (w.astype(dt) for w in (w_gate, w_up, w_down))
-    out = expert_chunks(rows.reshape(El, R, D), recv_SE.sum(0), *ws, chunk)
+    # a functools.partial(jax.custom_vjp) function: pyright cannot carry its return type through both
+    out = cast(jax.Array, expert_chunks(rows.reshape(El, R, D), recv_SE.sum(0), *ws, chunk))
     back = [functools.partial(_dropless_back, C=C, **kw) for C in tiers]
     picked = jax.lax.switch(tier, back, out.reshape(El * R, -1), idx_NK, recv_SE)
     gate = gate_NK.T.reshape(-1, 1).astype(x_ND.dtype)

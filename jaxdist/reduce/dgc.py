@@ -99,7 +99,7 @@ def bytes_sent(shape, density: float, n: int) -> float:
     return compress.bytes_or_dense(compress.topk(density), shape, 0, n)
 
 
-def exchange(accum, momentum, density: float, axis, n: int, bias=1.0):
+def exchange(accum, momentum, density: float, axis, n: int, bias: jax.Array | float = 1.0):
     """One tensor: (sum over replicas of what each sent, new accum, new momentum); `bias` scales the
     momentum as it is accumulated (Adam's 1 / (1 − b1^t) under reduce.dgc=update)."""
     if not compressible(accum.shape, density, n):  # dense: the momentum itself, nothing held back

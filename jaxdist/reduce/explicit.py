@@ -96,7 +96,9 @@ def compressed(
         totals, sents, codec_state = [], [], []
         for x_leaf, b, u, s in zip(leaves, bdims, use, state.codec):
             total, sent, s = codec.reduce(x_leaf, s, b, axis) if u else (jax.lax.psum(x_leaf, axis), x_leaf, s)
-            totals.append(total), sents.append(sent), codec_state.append(s)
+            totals.append(total)
+            sents.append(sent)
+            codec_state.append(s)
         residual = jax.tree.map(jnp.subtract, x, treedef.unflatten(sents)) if error_feedback else ()
         return treedef.unflatten(totals), CompressedState(residual, tuple(codec_state))
 

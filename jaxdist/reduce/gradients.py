@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ def aux_scale(tokens_BT1):
     return kept / (tokens_BT1.shape[0] * (tokens_BT1.shape[1] - 1))
 
 
-def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale=1.0):
+def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale: float | Callable[[], Any] = 1.0):
     """The training objective: `token_loss_sums` plus the model's auxiliary objective times `scale`
     (`aux_scale` of the whole batch the sums are divided over; a callable is called only when the model
     has an aux objective, so a dense model's program holds none of it). Returns (objective_sum,
@@ -90,7 +91,9 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale=1
     return loss + aux["objective"] * (scale() if callable(scale) else scale), (loss, count, stats)
 
 
-def on_device_gradients(apply_fn: Callable, order_T=None, scale=1.0, divide_by=None) -> Callable:
+def on_device_gradients(
+    apply_fn: Callable, order_T=None, scale: float | Callable[[], Any] = 1.0, divide_by=None
+) -> Callable:
     """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
     device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
     arrays, as the gradient sums and the update want them. `divide_by`: as `accumulate_with_stats`'s."""
