@@ -331,7 +331,7 @@ def _schedule_table_traffic(t: _Tally) -> None:
       embedding's gradient reduced over dp (its lookup's gradient is local, as without a pipeline).
     Nothing is hoisted out of the slot loop: the gathers sit inside the switch."""
     lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
-    table, _ = lay.table
+    table, _ = lay.tabled
     group = m.num_layers // (pp * lay.repeats)  # G layers per chunk
     layer = gathered_layer_bytes(lay)
     gather = lay.act_bytes / PARAM_BYTES

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 # xla/service/hlo.proto
 HLO_PROTO_BUFFER_ASSIGNMENT = 3
@@ -45,8 +46,9 @@ class Peak:
     at: str = ""  # the instruction of the trace event that reached the peak
 
 
-def fields(data: bytes) -> list[tuple[int, int | bytes]]:
-    """One protobuf message's (field number, value) pairs: ints for varints, bytes for the rest."""
+def fields(data: bytes) -> list[tuple[int, Any]]:
+    """One protobuf message's (field number, value) pairs: ints for varints, bytes for the rest (the
+    caller knows which from the schema: Any, not int | bytes, so no field read needs a check)."""
     out, i = [], 0
     while i < len(data):
         key, i = _varint(data, i)
@@ -68,7 +70,7 @@ def fields(data: bytes) -> list[tuple[int, int | bytes]]:
 def simulator_peaks(hlo_proto: bytes) -> list[Peak]:
     """The peak of each heap-simulator trace in a dumped HloProto (one per simulated allocation)."""
     (assignment,) = [v for f, v in fields(hlo_proto) if f == HLO_PROTO_BUFFER_ASSIGNMENT]
-    size = {}
+    size: dict[int, int] = {}
     for f, v in fields(assignment):
         if f == BA_LOGICAL_BUFFERS:
             d = dict(fields(v))
@@ -77,7 +79,7 @@ def simulator_peaks(hlo_proto: bytes) -> list[Peak]:
     return [_replay([dict(fields(v)) for f, v in t if f == TRACE_EVENTS], size) for t in traces]
 
 
-def _replay(events: list[dict], size: dict) -> Peak:
+def _replay(events: list[dict[int, Any]], size: dict[int, int]) -> Peak:
     """Bytes live after each event. A chunk is named by its canonical buffer (SHARE_WITH's
     share_with_canonical_id, which need not be live or allocated itself) and counts from the first
     buffer using it to the last one's FREE, at the canonical buffer's size."""
@@ -90,7 +92,11 @@ def _replay(events: list[dict], size: dict) -> Peak:
     for e in events:
         kind, buf = e.get(EV_KIND, ALLOC), e.get(EV_BUFFER, 0)
         if kind in (ALLOC, SHARE_WITH):
-            chunk = buf if kind == ALLOC else chunk_of.get(e[EV_SHARE_WITH], e[EV_SHARE_WITH])
+            if kind == ALLOC:
+                chunk = buf
+            else:
+                share: int = e[EV_SHARE_WITH]
+                chunk = chunk_of.get(share, share)
             if chunk not in members:
                 members[chunk] = set()
                 live += size.get(chunk, 0)

@@ -136,6 +136,14 @@ class Layout:
         return schedule_table(self.cfg.pipeline.schedule, self.mesh["pp"], self.pipe_micro, self.repeats)
 
     @property
+    def tabled(self):
+        """`table` where the caller counts a table schedule's program (pp > 1 under 1f1b & co): never None."""
+        got = self.table
+        if got is None:
+            raise ValueError(f"{self.cfg.pipeline.schedule} on pp={self.mesh['pp']} is not a table schedule")
+        return got
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per device per forward pass (one pipeline micro-batch of one accumulation step)."""
         return self.cfg.train.global_batch // (self.batch_shards * self.accum * self.pipe_micro)

@@ -225,7 +225,7 @@ def table_buffers(lay: Layout) -> int:
     stage inputs kept until their backward and the gradients waiting for it (schedules.buffers: for
     1f1b at most P inputs, 2P-3 paired, whatever M is), plus the slot's received activation and
     gradient in the scan's carry."""
-    _, bufs = lay.table
+    _, bufs = lay.tabled
     return bufs.x_size + bufs.g_size + 2
 
 

@@ -30,7 +30,7 @@ def optimizer_traffic(lay: Layout) -> list[Traffic]:
     for g in lora.adapter_groups(lay) if lora.enabled(lay) else param_table(lay.cfg.model):
         axes = muon.matrix_axes(g.path, g.names)
         split = sorted(muon.split_axes(g.names, lay.rules, mesh)) if axes else []
-        if not split:
+        if axes is None or not split:  # no split without axes
             continue
         shard = g.size * PARAM_BYTES / lay.shards(g)
         axis = muon.whole_matrices_axis(math.prod(g.shape[i] for i in axes[0]), g.names, lay.rules, mesh)
