@@ -81,7 +81,7 @@ class Progress:
         writer,
         tokens_per_step: int,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         skipped_in_a_row: int = 0,
         start: int = 0,
         enabled: bool = True,

@@ -99,7 +99,7 @@ def units_line(cfg) -> str:
     return line
 
 
-def peak_line(peak: float, source: str) -> str:
+def peak_line(peak: float | None, source: str) -> str:
     if not peak:
         return (
             f"throughput: achieved model FLOP/s (flops_per_sec), no MFU ({source}; set train.peak_flops "

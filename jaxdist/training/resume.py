@@ -32,7 +32,7 @@ def start_from(run: RunState) -> None:
         checkpoint.check_run_dir_model(run_dir, cfg)
     restored = None
     from_hf = bool(restore and restore.startswith("hf:")) and not resuming
-    if from_hf:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
+    if from_hf and restore is not None:  # fine-tune a Hugging Face checkpoint: its weights, a fresh optimizer
         restored = tensors.restore_for_training(restore[3:], prog, cfg)
     elif resuming or restore:
         if restore and not resuming and not cfg.checkpoint.params_only and not objectives.is_default(cfg):
@@ -43,7 +43,7 @@ def start_from(run: RunState) -> None:
         if resuming and restore and run.is_main:
             log(f"{run_dir} has its own checkpoints: resuming them (--restore {restore} ignored)")
         restored = checkpoint.restore(
-            run_dir if resuming else Path(restore),
+            run_dir if resuming or restore is None else Path(restore),  # not resuming: restore is set
             prog,
             run.loader,
             cfg,

@@ -71,9 +71,7 @@ def default_run_dir(
     return root / f"{name}-{identity(cfg, restore)}"
 
 
-def prepare(
-    run_dir: str | None, cfg: Config | None = None, config_name: str | None = None, restore: str | None = None
-) -> Path:
+def prepare(run_dir: str | None, cfg: Config, config_name: str | None = None, restore: str | None = None) -> Path:
     """Check (do not yet create) the run folder, so bad input writes nothing. Without `run_dir`: the
     folder named by the config (`default_run_dir`), which the same command finds again."""
     path = Path(run_dir) if run_dir else default_run_dir(cfg, config_name, restore)
@@ -109,7 +107,7 @@ def _owner(path: Path) -> str:
 class RunLock:
     """`check()` before any write (reads only); `take()` (`acquire()`) when the run starts writing; `release()`."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path | str):
         self.path = Path(run_dir) / LOCK
         self.fd: int | None = None
 

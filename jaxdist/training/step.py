@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +219,8 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     in pinned host memory between steps."""
     trained = trained_part(cfg, model.specs)  # LoRA: optimizer and reducer state cover the adapters only
     opt_specs = optimizers.state_specs(cfg.optim, tx, abstract_state.opt_state, trained)
-    specs = TrainState(P(), model.specs, opt_specs, stage.state_specs(trained), P())
+    scalar: Any = P()  # a TrainState of specs: its scalar fields replicated
+    specs = TrainState(scalar, model.specs, opt_specs, stage.state_specs(trained), scalar)
     shardings = sharding.named(mesh, specs)
     on_device = {"opt_state": shardings.opt_state, "params": shardings.params}
     host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(offload.HOST_KIND), tree)
@@ -251,7 +252,7 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_devic
         if after is not None and load_LE is not None:  # a non-gradient update (DeepSeek-V3's balancing bias)
             params = after(cfg.model, params, load_LE)
         if cfg.lora.rank:
-            params = adapters.combine(params, adapters.frozen(state.params))
+            params = adapters.combine(cast(dict, params), adapters.frozen(state.params))  # the nested dict in
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new = TrainState(state.step + 1, params, opt_state, reducer_state, jnp.zeros((), jnp.int32))
         old = dataclasses.replace(state, step=state.step + 1, skipped=state.skipped + 1)
