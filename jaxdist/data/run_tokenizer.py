@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxdist.data import loader, tokenizer
+from jaxdist.data import arrays, loader, tokenizer
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -73,7 +73,7 @@ def of_config(cfg) -> RunTokenizer:
                 "same text: prepare every source with one tokenizer"
             )
         return next(iter(runs.values()))
-    manifest = loader.prepared(d.path) if d.source == "tokens" and d.path else None
+    manifest = arrays.prepared(d.path) if d.source == "tokens" and d.path else None
     if manifest is not None:
         folder = Path(d.path).expanduser()
         run = _load(folder, f"{folder}/manifest.json", manifest.get("tokenizer", {}).get("sha256"))

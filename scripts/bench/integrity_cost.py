@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed after)")
     args = p.parse_args()
     from jaxdist.checkpoint import integrity
-    from jaxdist.data import loader
+    from jaxdist.data import arrays as arrays_mod
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="integrity-cost-"))
     total = int(args.gb * 2**30)
@@ -56,8 +56,8 @@ def main() -> None:
     with open(tokens, "wb") as f:
         for i in range(0, total, chunk):
             f.write(rng.integers(0, 50000, min(chunk, total - i) // 2, dtype=np.uint16).tobytes())
-    arrays = loader.read_tokens([str(tokens)], "uint16")
-    _, vocab_s, vocab_cpu = timed(lambda: loader.check_vocab([str(tokens)], arrays, 50257))
+    arrays = arrays_mod.read_tokens([str(tokens)], "uint16")
+    _, vocab_s, vocab_cpu = timed(lambda: arrays_mod.check_vocab([str(tokens)], arrays, 50257))
     gb, token_gb = nbytes / 1e9, os.path.getsize(tokens) / 1e9
     print(
         json.dumps(
