@@ -1,8 +1,10 @@
-"""Data throughput: tokens/s the loader hands the trainer (one prepared folder, and a mixture of sources),
-with 1 and N grain threads, and `prepare`'s MB/s per worker process.
+"""Data throughput: tokens/s the loader hands the trainer (one prepared folder, a mixture of sources, a
+streamed JSONL source tokenized while it is read), with 1 and N grain threads or tokenizing workers, and
+`prepare`'s MB/s per worker process.
 
     python scripts/bench/data_throughput.py --prepared data/stdlib --mixture data/stdlib data/tests data/docs
-    python scripts/bench/data_throughput.py --prepared data/stdlib --prepare-mb 100 --workers 1 2
+    python scripts/bench/data_throughput.py --prepared data/stdlib --stream-mb 20 --workers 1 2
+    python scripts/bench/data_throughput.py --tokenizer tests/fixtures/chat/llama3 --prepare-mb 100 --workers 1 2
 
 The loader is timed on one device (the batch as a global array, as the trainer takes it) after a
 warm-up, over --steps steps of --global-batch windows of --seq-len + 1 tokens; `prepare` is timed on a
@@ -74,29 +76,34 @@ def prepare_rate(tokenizer: str, source: Path, workers: int, where: Path) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prepared", required=True, help="a folder made by python -m jaxdist.data prepare")
+    p.add_argument("--prepared", help="a folder made by python -m jaxdist.data prepare")
+    p.add_argument("--tokenizer", help="for --stream-mb and --prepare-mb (default: the --prepared folder's)")
+    p.add_argument("--stream-mb", type=float, default=0, help="> 0: time a streamed JSONL source this large")
     p.add_argument("--mixture", nargs="*", default=[], help="prepared folders to mix with equal weights")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--threads", type=int, nargs="*", default=[1, 4], help="grain threads (data.prefetch)")
     p.add_argument("--prepare-mb", type=float, default=0, help="> 0: time prepare on a corpus this large")
-    p.add_argument("--workers", type=int, nargs="*", default=[1, 2])
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="prepare's / the streamed source's")
     args = p.parse_args()
 
     from jaxdist.distributed.platform import setup_platform
 
     setup_platform(1)
-    from jaxdist.data.shards import read_manifest
+    from jaxdist.data import tokenizer as tokenizer_mod
 
-    vocab = read_manifest(Path(args.prepared))["vocab_size"]
+    tokenizer = args.tokenizer or args.prepared
+    if not tokenizer:
+        p.error("give --prepared or --tokenizer")
+    vocab = tokenizer_mod.load(tokenizer).vocab_size
     common = [
         "data.source=tokens",
         f"model.vocab_size={vocab}",
         f"model.seq_len={args.seq_len}",
         f"train.global_batch={args.global_batch}",
     ]
-    runs = {"prepared": [*common, f"data.path={args.prepared}"]}
+    runs = {"prepared": [*common, f"data.path={args.prepared}"]} if args.prepared else {}
     if args.mixture:
         listing = ", ".join(f"{{name: s{i}, path: {path}, weight: 1}}" for i, path in enumerate(args.mixture))
         runs["mixture"] = [*common, f"data.sources=[{listing}]"]
@@ -104,11 +111,18 @@ def main() -> None:
         for threads in args.threads:
             rate = loader_rate(overrides, args.steps, threads)
             print(json.dumps({"loader": name, "threads": threads, "tokens_per_s": round(rate)}), flush=True)
+    if args.stream_mb > 0:  # one streamed source, its documents tokenized as the loader reads them
+        with tempfile.TemporaryDirectory() as tmp:
+            source = corpus(Path(tmp), args.stream_mb)
+            for workers in args.workers:
+                streamed = f"data.sources=[{{name: web, path: {source}, stream: true, workers: {workers}}}]"
+                rate = loader_rate([*common, f"data.tokenizer={tokenizer}", streamed], args.steps, 1)
+                print(json.dumps({"loader": "streamed", "workers": workers, "tokens_per_s": round(rate)}), flush=True)
     if args.prepare_mb > 0:
         with tempfile.TemporaryDirectory() as tmp:
             source = corpus(Path(tmp), args.prepare_mb)
             for workers in args.workers:
-                got = prepare_rate(args.prepared, source, workers, Path(tmp))
+                got = prepare_rate(tokenizer, source, workers, Path(tmp))
                 got["MB/s per worker"] = got["MB/s"] / workers
                 print(json.dumps({"prepare": got}), flush=True)
 
