@@ -298,7 +298,9 @@ def grpo_train(tmp_path_factory, tiny_cfg):
     )
     import jaxdist
 
-    jaxdist.run(cfg, tmp / "a", log=lambda *a, **k: None)
+    logs = []
+    jaxdist.run(cfg, tmp / "a", log=lambda *a, **k: logs.append(" ".join(map(str, a))))
+    (tmp / "log.txt").write_text("\n".join(logs))
     return cfg, tmp
 
 
@@ -323,6 +325,7 @@ def test_train_grpo_logs_trl_names_and_held_out_reward(grpo_train):
     assert got[3]["eval_reward"] > 0 and 0 < got[3]["eval_completion_length"] <= 4
     assert abs(got[3]["reward"] - got[3]["rewards/digits/mean"] - 0.5 * got[3]["rewards/chars/mean"]) < 1e-6
     assert "eval_reward" not in got[2] and "eval_loss" not in got[3]
+    assert f"reward {got[3]['reward']:.4g} (eval {got[3]['eval_reward']:.4g})" in (tmp / "log.txt").read_text()
     from test_objectives import planner_arguments  # the planner's bytes: LoRA keeps no reference, rows 2W wide
 
     summary = json.loads((tmp / "a" / "metrics.jsonl").read_text().splitlines()[-1])

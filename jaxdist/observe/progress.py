@@ -234,6 +234,9 @@ class Progress:
         ]
         if "eval_loss" in record:
             parts.append(f"eval loss {loss_text(record['eval_loss'], self.byte_tokens)}{task_text(record)}")
+        if "reward" in record:  # GRPO: the batch's mean reward, and the held-out prompts' at an evaluation
+            held = f" (eval {record['eval_reward']:.4g})" if "eval_reward" in record else ""
+            parts.append(f"reward {record['reward']:.4g}{held}")
         parts += [
             f"lr {record['lr']:.3g}",
             f"{record['tokens_per_sec']:,.0f} tok/s",
