@@ -16,7 +16,8 @@ import argparse
 import json
 import sys
 
-from jaxdist.errors import ArgumentParser, command
+from jaxdist.distributed.platform import setup_platform
+from jaxdist.errors import ArgumentParser, JaxdistError, command
 from jaxdist.planner import hardware
 
 
@@ -31,13 +32,35 @@ def parse_args(argv=None) -> argparse.Namespace:
         "or a model folder (its shape from config.json)",
     )
     p.add_argument("--devices", type=int, default=8, help="number of accelerators")
-    p.add_argument("--hardware", default="h100-80gb", help=f"one of {', '.join(hardware.HARDWARE)}")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help=f"one of {', '.join(hardware.HARDWARE)} (default h100-80gb; with --search the devices present)",
+    )
     p.add_argument(
         "--mesh",
         default=None,
         help="plan this mesh only (e.g. dp=2,fsdp=-1); uses the config's "
         "train.grad_accum_steps and pipeline settings as given",
     )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search every layout of the devices present (mesh, pipeline schedule and micro-batches, remat, "
+        "accumulation): rank by the planner, compile the top --top-k, drop what the compiler says does not fit, "
+        "time --mesh-search-steps steps of the best few, print the table and the choice",
+    )
+    p.add_argument("--top-k", type=int, default=3, help="with --search: layouts compiled ahead of time")
+    p.add_argument(
+        "--mesh-search-steps", type=int, default=0, help="with --search: steps timed per surviving layout (0: none)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="usable memory per device, e.g. 300MB or 2GiB, instead of the hardware's (a limit to test with)",
+    )
+    p.add_argument("--cpu-devices", type=int, default=8, help="with --search: simulated devices on CPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
@@ -48,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.search:
+        return search(args)
+    args.hardware = args.hardware or "h100-80gb"
     # The library, once, here: --help and a bad flag answer before it loads.
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
     from jaxdist.planner.plans import run
@@ -81,6 +107,36 @@ def main(argv=None) -> int:
     if out["scaling"]:
         print()
         print(scaling_table(out["scaling"]))
+    return 0
+
+
+def search(args: argparse.Namespace) -> int:
+    """`--search`: the layouts of the devices present, compiled and (optionally) timed; the table and choice."""
+    if args.mesh:
+        raise JaxdistError("--search chooses the mesh; drop --mesh (or drop --search to plan that mesh)")
+    budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
+    setup_platform(args.cpu_devices)
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
+    import jax
+
+    from jaxdist.analysis import mesh_search
+    from jaxdist.observe import report
+    from jaxdist.planner import search as searching
+    from jaxdist.planner.plans import load_config, train_command
+
+    cfg = load_config(args.config, args.overrides)
+    hw = hardware.get(args.hardware) if args.hardware else report.hardware_for(jax.devices()[0])
+    if hw is None:
+        raise JaxdistError(f"no hardware entry for {jax.devices()[0].device_kind}; name one with --hardware")
+    hw = searching.with_budget(hw, budget)
+    out = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.mesh_search_steps)
+    if args.json:
+        print(json.dumps(dict(out.as_dict(), command=train_command(args, cfg, out.chosen.est))))
+        return 0
+    print(f"{args.config or 'tiny'} on {len(jax.devices())} x {hw.name}: {out.summary()}\n")
+    print(searching.table(out.rows, out.budget_bytes))
+    print(f"\n{out.reason}")
+    print(f"run it with:\n  {train_command(args, cfg, out.chosen.est)}")
     return 0
 
 

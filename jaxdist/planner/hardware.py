@@ -189,6 +189,25 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+def parse_bytes(text: str) -> float:
+    """'1.5GB', '300MB', '64kB', '123' (bytes) -> bytes (decimal units; GiB/MiB binary)."""
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 1e9, "mb": 1e6, "kb": 1e3, "b": 1}
+    low = text.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit):
+            number, factor = low[: -len(unit)], scale
+            break
+    else:
+        number, factor = low, 1
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise JaxdistError(f"--memory-budget {text!r}: give bytes with a unit, e.g. 300MB or 2GiB") from None
+    if value <= 0:
+        raise JaxdistError(f"--memory-budget {text!r} must be positive")
+    return value
+
+
 def get(name: str) -> Hardware:
     key = name.lower()
     if key not in HARDWARE:

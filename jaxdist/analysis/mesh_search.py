@@ -1,0 +1,174 @@
+"""The compiling and timing half of the layout search (`plan --search`): the planner's ranked layouts
+(jaxdist/planner/search.py) compiled ahead of time on the devices present, the top K, each one's memory
+read from `compiled.memory_analysis()` and dropped, with a line naming the planner's miss, where it does
+not fit the budget by the compiler's count; then `steps` measured steps of the first `timed` survivors
+(the same compiled executable: nothing is compiled twice);
+then planner/search.choose picks. Time-boxed by K and `steps`; the seconds it spent are reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.config import Config
+from jaxdist.data import loader
+from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.distributed.mesh import format_mesh
+from jaxdist.errors import JaxdistError
+from jaxdist.observe import metrics
+from jaxdist.planner import search
+from jaxdist.planner.hardware import Hardware
+from jaxdist.training import step
+
+
+@dataclasses.dataclass
+class Result:
+    rows: list[search.Row]  # the compiled top K, in the planner's rank order
+    chosen: search.Row
+    reason: str
+    enumeration: search.Enumeration
+    budget_bytes: float  # usable bytes per device the candidates were held to
+    plan_s: float  # seconds enumerating and sizing
+    compile_s: float  # seconds compiling the top K
+    time_s: float  # seconds timing steps
+
+    @property
+    def cfg(self) -> Config:
+        """The chosen layout's config (mesh.shape, accumulation, pipeline, remat set)."""
+        lay = self.chosen.est.layout
+        return lay.cfg.replace(mesh=dict(shape=format_mesh(lay.mesh)))
+
+    def as_dict(self) -> dict:
+        rows = [
+            dict(
+                layout=r.name,
+                mesh=format_mesh(r.est.layout.mesh),
+                planned_bytes=r.est.memory.total,
+                compiled_bytes=r.compiled_bytes,
+                planned_step_s=r.est.step_s,
+                measured_step_s=r.measured_s,
+                compile_s=r.compile_s,
+                dropped=r.dropped,
+            )
+            for r in self.rows
+        ]
+        return dict(
+            rows=rows,
+            chosen=self.chosen.name,
+            mesh=format_mesh(self.chosen.est.layout.mesh),
+            reason=self.reason,
+            summary=self.summary(),
+            budget_bytes=self.budget_bytes,
+            mesh_shapes=len(self.enumeration.meshes),
+            sized=len(self.enumeration.sized),
+            fitting=len(self.enumeration.fitting),
+            plan_s=self.plan_s,
+            compile_s=self.compile_s,
+            time_s=self.time_s,
+        )
+
+    def summary(self) -> str:
+        e = self.enumeration
+        return (
+            f"searched {len(e.meshes)} mesh shapes, {len(e.sized)} layouts sized, {len(e.fitting)} fit the planner's "
+            f"budget; compiled {sum(r.compiled_bytes is not None for r in self.rows)}, timed "
+            f"{sum(r.measured_s is not None for r in self.rows)}; {self.plan_s:.1f} s planning, "
+            f"{self.compile_s:.1f} s compiling, {self.time_s:.1f} s timing"
+        )
+
+
+def compile_row(row: search.Row, devices: list, capacity: float):
+    """Compile `row`'s layout with abstract inputs (nothing allocated) and judge it against `capacity`;
+    returns (program, compiled) for timing, or None where the layout is refused at compile."""
+    lay = row.est.layout
+    t0 = time.perf_counter()
+    try:
+        mesh = mesh_mod.mesh_from_string(format_mesh(lay.mesh), devices)
+        prog = step.build_program(lay.cfg, mesh, eos_id=loader.mask_eos(lay.cfg))
+        tokens = jax.ShapeDtypeStruct(
+            (lay.cfg.train.global_batch, lay.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
+        )
+        compiled = prog.train_step.lower(prog.abstract_state, tokens).compile()
+    except JaxdistError as e:
+        row.dropped = f"refused at compile: {e}"
+        return None
+    row.compile_s = time.perf_counter() - t0
+    judge(row, (metrics.compiled_memory(compiled) or {}).get("total"), capacity)
+    return prog, compiled
+
+
+def judge(row: search.Row, compiled_bytes: int | None, capacity: float) -> None:
+    """Record the compiler's per-device total; over `capacity` the row is dropped with the planner's miss."""
+    row.compiled_bytes = compiled_bytes
+    if compiled_bytes is not None and compiled_bytes > capacity:
+        miss = row.est.memory.total / compiled_bytes - 1
+        row.dropped = (
+            f"dropped: the compiler counts {compiled_bytes / 1e6:.2f} MB > {capacity / 1e6:.2f} MB budget; "
+            f"the planner's {row.est.memory.total / 1e6:.2f} MB missed by {miss:+.1%}"
+        )
+
+
+def time_steps(prog, compiled, cfg: Config, steps: int) -> float:
+    """Median seconds of `steps` synchronised steps (after one untimed) of the compiled program."""
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    tokens = jax.device_put(
+        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
+    )
+    state, m = compiled(prog.init_state(cfg.train.seed), tokens)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, tokens)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def shortlist(fitting: list, top_k: int) -> list:
+    """The first `top_k` of the ranking with one layout per (mesh, schedule): the remat and accumulation
+    settings of one mesh tie in the planner's seconds more often than meshes do, and K compiles of one
+    mesh would tell the search little."""
+    seen, out = set(), []
+    for e in fitting:
+        key = (tuple(e.layout.mesh.values()), e.layout.schedule)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+        if len(out) == top_k:
+            break
+    return out
+
+
+def run(cfg: Config, hw: Hardware, top_k: int = 3, steps: int = 0, timed: int = 3, devices=None) -> Result:
+    """Enumerate, rank, compile the top `top_k` (one per mesh and schedule), time `steps` steps of the first `timed` that fit, choose."""
+    devices = list(jax.devices() if devices is None else devices)
+    if top_k < 1 or steps < 0:
+        raise JaxdistError(f"--top-k {top_k} must be >= 1 and --mesh-search-steps {steps} >= 0")
+    t0 = time.perf_counter()
+    found = search.enumerate_layouts(cfg, len(devices), hw)
+    plan_s = time.perf_counter() - t0
+    if not found.fitting:
+        least = min((e.memory.total for e in found.sized), default=None)
+        need = f" (the smallest needs {least / 1e6:.1f} MB per device)" if least is not None else ""
+        raise JaxdistError(
+            f"no layout of {len(devices)} devices fits the planner's budget{need}; raise the memory budget, "
+            f"add devices or lower train.global_batch"
+        )
+    capacity = found.fitting[0].memory.capacity
+    rows = [search.Row(e) for e in shortlist(found.fitting, top_k)]
+    t0 = time.perf_counter()
+    programs = [compile_row(row, devices, capacity) for row in rows]
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if steps:
+        alive = [(r, p) for r, p in zip(rows, programs) if p is not None and not r.dropped]
+        for row, (prog, compiled) in alive[:timed]:
+            row.measured_s = time_steps(prog, compiled, row.est.layout.cfg, steps)
+    time_s = time.perf_counter() - t0
+    chosen, reason = search.choose(rows)
+    return Result(rows, chosen, reason, found, capacity, plan_s, compile_s, time_s)
