@@ -391,3 +391,33 @@ def test_train_grpo_bad_settings_are_one_line_errors_before_writing(grpo_train):
             log=lambda *a, **k: None,
         )
     assert not (tmp / "c").exists()
+
+
+def test_grpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(tiny_cfg):
+    """GRPO's stage on a MoE model (one device, on-policy, beta 0, dapo): the loss is the surrogate,
+    -sum_n A_n len_n / sum_n len_n (the ratio is 1), plus the router's auxiliary objective as the LM
+    objective adds it, its sum / the batch's routed positions (both 1e-6)."""
+    from jaxdist.reduce.gradients import model_outputs
+
+    cfg = tiny_cfg.replace(model=dict(MICRO_MODEL, moe_experts=4, moe_topk=2), train=dict(global_batch=4))
+    g = grpo.GRPO(group_size=2, beta=0.0, iterations=1, loss_type="dapo")
+    mesh = mesh_from_string("dp=1", jax.devices()[:1])
+    prog = step.build_program(cfg, mesh, lambda f, c, m, model: grpo_stage.grpo_stage(f, c, g))
+    state = prog.init_state(0)
+    rng = np.random.default_rng(0)
+    W = cfg.model.seq_len + 1
+    ids = rng.integers(1, cfg.model.vocab_size, (4, W))
+    starts, lengths = np.array([3, 4, 5, 3]), np.array([6, 9, 4, 11])
+    mask = ((np.arange(W) >= starts[:, None]) & (np.arange(W) < (starts + lengths)[:, None])).astype(np.int64)
+    rows = np.asarray(loss_mask.encode(ids, mask))
+    adv = np.array([0.7, -0.7, 1.2, -1.2], np.float32)
+    with prog.activate():
+        _, loss, _, metrics = jax.jit(lambda p, t: prog.gradients.apply(p, t, (), 0))(
+            state.params, grpo_stage.pack(rows, adv)
+        )
+        inputs = loss_mask.split(rows[:, :-1])[0]
+        aux = jax.jit(lambda p: model_outputs(prog.apply_fn(p, inputs, features=True))[1]["objective"])(state.params)
+    expected_aux = float(aux) / (4 * (W - 1))
+    surrogate = -float((adv * lengths).sum() / lengths.sum())
+    assert expected_aux > 1e-4 and abs(float(metrics["aux_loss"]) - expected_aux) < 1e-6
+    assert abs(float(loss) - (surrogate + expected_aux)) < 1e-6

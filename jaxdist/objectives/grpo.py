@@ -87,11 +87,14 @@ def advantages(rewards_N, group_size: int, scale: str = "group") -> np.ndarray:
     return np.nan_to_num(adv, nan=0.0).astype(np.float32)
 
 
-def token_logps(apply_fn: Callable, params, rows_NW, temperature: float = 1.0):
-    """(log-probs (N, W-1) of each row's next tokens under logits / temperature, completion weights (N, W-1))."""
+def token_logps(apply_fn: Callable, params, rows_NW, temperature: float = 1.0, aux: dict | None = None):
+    """(log-probs (N, W-1) of each row's next tokens under logits / temperature, completion weights (N, W-1)).
+    `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs = loss_mask.split(rows_NW[:, :-1])[0]
     targets, weights = loss_mask.split(rows_NW[:, 1:])
-    head = model_outputs(apply_fn(params, inputs, features=True))[0]
+    head, got = model_outputs(apply_fn(params, inputs, features=True))
+    if aux is not None:
+        aux.update(got)
     if temperature != 1.0:  # logits / T = x (W / T): scale the head, not the (B, T, V) logits
         head = dataclasses.replace(head, w_DV=head.w_DV / temperature)
     return -cross_entropy(head, targets), weights
@@ -134,10 +137,18 @@ def token_terms(logps_NT, old_NT, ref_NT, adv_N, mask_NT, g: GRPO):
     return loss, stats
 
 
-def loss_sums(apply_fn, params, rows_NW, adv_N, old_NT, ref_NT, w_NT, g: GRPO):
+def loss_sums(apply_fn, params, rows_NW, adv_N, old_NT, ref_NT, w_NT, g: GRPO, aux_weight: float = 0.0):
     """(this slice's share of the batch loss, {statistic: masked token sum}). `old_NT` None: on-policy
-    (the ratio is 1 with the gradient of logp, as TRL's detach); `w_NT`: `weights` of the whole batch."""
-    logps, mask = token_logps(apply_fn, params, rows_NW, g.temperature)
+    (the ratio is 1 with the gradient of logp, as TRL's detach); `w_NT`: `weights` of the whole batch.
+    `aux_weight`: a MoE policy's auxiliary objective enters times this (1 / the batch's routed positions:
+    its mean, as the LM objective adds it), its share logged as `aux_loss`."""
+    aux = {}
+    logps, mask = token_logps(apply_fn, params, rows_NW, g.temperature, aux)
     old = jax.lax.stop_gradient(logps) if old_NT is None else old_NT
     per_token, stats = token_terms(logps, old, ref_NT, adv_N, mask, g)
-    return (per_token * w_NT).sum(), stats | {"completion_tokens": mask.sum()}
+    total = (per_token * w_NT).sum()
+    if aux_weight and "objective" in aux:
+        term = aux["objective"] * aux_weight
+        total = total + term
+        stats["aux_loss"] = jax.lax.stop_gradient(term)
+    return total, stats | {"completion_tokens": mask.sum()}

@@ -10,7 +10,8 @@ iteration the ratio is 1, its gradient that of the log-prob).
 The reference (for beta > 0), as DPO's (`jaxdist.objectives.pairs`): with LoRA the same parameters with
 the adapters zeroed (the base, no second copy); without, a frozen float32 copy of the parameters the run
 started from, kept as the stage's state (sharded like the parameters). Its log-probs cost one forward
-without backward per step. Micro-batches (`train.grad_accum_steps`) add up to the whole batch's loss:
+without backward per step. A MoE policy's auxiliary objective is added as the LM objective adds it (a
+mean over the batch's routed positions; `aux_loss`). Micro-batches (`train.grad_accum_steps`) add up to the whole batch's loss:
 each token's weight uses the whole batch's row and token counts (`grpo.weights`).
 """
 
@@ -65,7 +66,8 @@ def grpo_stage(apply_fn: Callable, cfg, g: grpo.GRPO) -> GradientStage:
             ref = jax.lax.stop_gradient(grpo.token_logps(apply_fn, reference, rows, g.temperature)[0])
         mask = loss_mask.split(rows[:, 1:])[1]
         w = grpo.weights(mask, g.loss_type, g.max_new_tokens, rows_total, tokens_total)
-        return grpo.loss_sums(apply_fn, params, rows, adv, old if g.iterations > 1 else None, ref, w, g)
+        aux_weight = 1.0 / (rows_total * (rows.shape[1] - 1))  # MoE aux: a mean over the batch's routed positions
+        return grpo.loss_sums(apply_fn, params, rows, adv, old if g.iterations > 1 else None, ref, w, g, aux_weight)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -92,7 +94,8 @@ def grpo_stage(apply_fn: Callable, cfg, g: grpo.GRPO) -> GradientStage:
             )
             (grads, loss, stats), _ = jax.lax.scan(body, init, micro)
         tokens = jnp.maximum(stats.pop("completion_tokens"), 1.0)
-        metrics = {k: v / tokens for k, v in stats.items()} | {"completion_length": tokens / rows_total}
+        aux = {"aux_loss": stats.pop("aux_loss")} if "aux_loss" in stats else {}  # already the batch's mean
+        metrics = {k: v / tokens for k, v in stats.items()} | {"completion_length": tokens / rows_total} | aux
         if "clip_ratio/region_mean" in metrics:
             metrics["clip_ratio"] = metrics["clip_ratio/region_mean"]
         return grads, loss, state, metrics
