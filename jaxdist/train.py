@@ -18,6 +18,7 @@ from jaxdist.distributed.platform import enable_compilation_cache, setup_platfor
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
 from jaxdist.observe import quiet, trackers
+from jaxdist.planner import hardware
 from jaxdist.training.signals import StopSignal
 
 
@@ -36,7 +37,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--print-config", action="store_true", help="print the resolved config (mesh sizes resolved) as YAML and exit"
     )
-    p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=2,fsdp=4 (default: all devices on fsdp)")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh axes, e.g. dp=2,fsdp=4 (default: all devices on fsdp); auto: search the layouts (mesh, remat, "
+        "accumulation, pipeline) as plan --search does and record the choice, which a resume keeps",
+    )
+    p.add_argument(
+        "--mesh-search-steps", type=int, default=0, help="with --mesh auto: steps timed per candidate (0: planner)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="with --mesh auto: usable memory per device, e.g. 300MB, instead of the hardware's",
+    )
     p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument(
@@ -126,6 +141,15 @@ def _main(argv: list[str] | None, stopper) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
+        auto = cfg.mesh.shape.strip() == "auto"
+        budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
+        if (args.mesh_search_steps or budget) and not auto:
+            raise JaxdistError("--mesh-search-steps and --memory-budget belong to --mesh auto; add it or drop them")
+        if auto and args.print_config:
+            raise JaxdistError(
+                "--mesh auto is decided when training starts; drop --print-config, or see the choice with "
+                "python -m jaxdist.plan --search"
+            )
         typed_restore = args.restore  # names the default run dir: a new Hub revision does not move it
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
             args.restore = f"hf:{hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
@@ -156,6 +180,13 @@ def _main(argv: list[str] | None, stopper) -> int:
         stopper.install()  # back from XLA's preemption notifier, which initialize installs
         enable_compilation_cache()
         print(launch_mod.topology_line(), flush=True)
+        if auto:
+            # deferred: the search compiles candidate layouts (jax, the library), after the platform set-up
+            from jaxdist.analysis import mesh_search
+
+            hw = mesh_search.hardware_here(budget)
+            cfg, changed = mesh_search.auto_layout(cfg, run_dir, hw, steps=args.mesh_search_steps)
+            allowed |= changed
         origin = (
             "--run-dir"
             if args.run_dir

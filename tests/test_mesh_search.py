@@ -105,3 +105,51 @@ def test_search_flags_refused_in_one_line(argv, words, capsys):
 def test_parse_bytes():
     assert hardware.parse_bytes("300MB") == 300e6 and hardware.parse_bytes("2GiB") == 2 * 2**30
     assert hardware.parse_bytes("123") == 123
+
+
+def test_mesh_auto_resume_keeps_the_recorded_layout(tmp_path, monkeypatch):
+    """A run dir whose config.yaml (or latest config.<n>.yaml) records a layout for the devices present
+    resumes with it and searches nothing; recorded for another device count, it searches again, saying so."""
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["mesh.shape=auto"])
+    recorded = cfg.replace(
+        mesh=dict(shape="pp=1,fsdp=4,tp=2"), model=dict(remat="full"), train=dict(grad_accum_steps=2)
+    )
+    (tmp_path / "config.yaml").write_text(config.dump(cfg.replace(mesh=dict(shape="fsdp=8"))))
+    (tmp_path / "config.1.yaml").write_text("# resumed at step 5\n# changed: none\n" + config.dump(recorded))
+
+    def no_search(*a, **k):
+        raise AssertionError("searched although a layout was recorded")
+
+    monkeypatch.setattr(mesh_search, "run", no_search)
+    lines = []
+    got, changed = mesh_search.auto_layout(cfg, tmp_path, CPU, log=lines.append)
+    assert (got.mesh.shape, got.model.remat, got.train.grad_accum_steps) == ("pp=1,fsdp=4,tp=2", "full", 2)
+    assert changed == frozenset() and "kept on resume" in lines[0]
+    (tmp_path / "config.2.yaml").write_text(config.dump(recorded.replace(mesh=dict(shape="fsdp=4"))))
+
+    class Searched(Exception):
+        pass
+
+    def search_again(*a, **k):
+        raise Searched
+
+    monkeypatch.setattr(mesh_search, "run", search_again)
+    with pytest.raises(Searched):
+        mesh_search.auto_layout(cfg, tmp_path, CPU, log=lines.append)
+    assert "recorded a layout for 4 devices, 8 are present: searching again" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--mesh-search-steps", "2"], "belong to --mesh auto"),
+        (["--mesh", "auto", "--print-config"], "--mesh auto is decided when training starts"),
+        (["--mesh", "auto", "--memory-budget", "x"], "--memory-budget 'x'"),
+    ],
+)
+def test_train_mesh_auto_flags_refused_in_one_line(argv, words, capsys):
+    from jaxdist import train
+
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1

@@ -8,11 +8,15 @@ then planner/search.choose picks. Time-boxed by K and `steps`; the seconds it sp
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import yaml
 
 from jaxdist.config import Config
 from jaxdist.data import loader
@@ -172,3 +176,91 @@ def run(cfg: Config, hw: Hardware, top_k: int = 3, steps: int = 0, timed: int = 
     time_s = time.perf_counter() - t0
     chosen, reason = search.choose(rows)
     return Result(rows, chosen, reason, found, capacity, plan_s, compile_s, time_s)
+
+
+# What `--mesh auto` decides, recorded in the run's config.yaml and read back on resume.
+LAYOUT_KEYS = (
+    ("mesh", "shape"),
+    ("mesh", "rules"),
+    ("model", "remat"),
+    ("train", "grad_accum_steps"),
+    ("pipeline", "schedule"),
+    ("pipeline", "microbatches"),
+    ("pipeline", "repeats"),
+)
+
+
+def recorded_layout(run_dir: Path) -> dict | None:
+    """The layout keys of the run's latest recorded config (config.<n>.yaml, else config.yaml), or None."""
+    files = sorted(
+        (p for p in Path(run_dir).glob("config.*.yaml") if p.name.split(".")[1].isdigit()),
+        key=lambda p: int(p.name.split(".")[1]),
+    )
+    path = files[-1] if files else Path(run_dir) / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("mesh"), dict):
+        return None
+    out = {f"{s}.{k}": raw.get(s, {}).get(k) for s, k in LAYOUT_KEYS if k in raw.get(s, {})}
+    return out if out.get("mesh.shape") not in (None, "auto") else None
+
+
+def _mesh_devices(shape: str) -> int:
+    return math.prod(int(part.split("=")[1]) for part in shape.split(",") if "=" in part)
+
+
+def auto_layout(
+    cfg: Config, run_dir: Path, hw: Hardware, steps: int = 0, top_k: int = 3, log=print
+) -> tuple[Config, frozenset[str]]:
+    """`--mesh auto`: the layout recorded in `run_dir` when its device count is the present one (a resume
+    keeps its layout), else a search. Returns the config with the layout set and the layout keys a resume
+    may now see changed (when it re-decided over a recorded layout). Several processes: every process
+    compiles and times the same candidates in lock-step; process 0's choice is broadcast to all."""
+    present = jax.device_count()
+    rec = recorded_layout(run_dir)
+    if rec is not None:
+        was = _mesh_devices(rec["mesh.shape"])
+        if was == present:
+            chosen = cfg.replace(**_sections(rec))
+            log(
+                f"--mesh auto: the layout recorded in {run_dir} ({rec['mesh.shape']}, remat "
+                f"{chosen.model.remat}, accumulation {chosen.train.grad_accum_steps}), kept on resume"
+            )
+            return chosen, frozenset()
+        log(f"--mesh auto: {run_dir} recorded a layout for {was} devices, {present} are present: searching again")
+    result = run(cfg, hw, top_k=top_k, steps=steps)
+    index = result.rows.index(result.chosen)
+    if jax.process_count() > 1:  # timings differ per process: process 0's choice is everyone's
+        from jax.experimental import multihost_utils  # deferred: only multi-process runs broadcast
+
+        index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
+        result.chosen = result.rows[index]
+    log(f"--mesh auto: {result.summary()}")
+    log(search.table(result.rows, result.budget_bytes))
+    log(f"--mesh auto: {result.reason}")
+    chosen = result.cfg
+    changed = frozenset(f"{s}.{k}" for s, k in LAYOUT_KEYS) if rec is not None else frozenset()
+    return chosen, changed
+
+
+def _sections(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def hardware_here(budget_bytes: float | None = None) -> Hardware:
+    """The planner's entry for the devices present (on CPU the `cpu` entry), with `budget_bytes` usable."""
+    from jaxdist.observe import report  # deferred: report reads the devices, present only after set-up
+
+    hw = report.hardware_for(jax.devices()[0])
+    if hw is None:
+        raise JaxdistError(
+            f"--mesh auto: the planner has no entry for {jax.devices()[0].device_kind}; give --mesh explicitly "
+            "(python -m jaxdist.plan --help lists the entries)"
+        )
+    return search.with_budget(hw, budget_bytes)
