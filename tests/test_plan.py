@@ -360,7 +360,8 @@ def test_bf16_reduction_halves_the_matrices_gradient_bytes():
 
 
 def test_70b_hand_checked():
-    """70B fp32 parameters are 280 GB, AdamW adds 560 GB; FSDP over 128 divides both by 128."""
+    """70B fp32 parameters are 280 GB, AdamW adds 560 GB; FSDP over 128 divides both by 128, but for the
+    norm scales (161 x 8,192 floats), which the default `norm` rule replicates."""
     cfg = config.load("configs/llama2-70b.yaml", [])
     n = count_params(cfg.model)["total"]
     assert 68.9e9 < n < 69.0e9  # Llama 2 70B: 68.98B
@@ -369,8 +370,9 @@ def test_70b_hand_checked():
     assert params == 4 * n and optim == pytest.approx(8 * n, abs=16)
     assert params / n * 70e9 == 280e9 and optim / n * 70e9 == pytest.approx(560e9)
     sharded = Layout(cfg, parse_mesh("fsdp=128", 128), hardware.get("h100-80gb"))
-    assert memory.param_bytes(sharded) == params / 128
-    assert memory.optimizer_bytes(sharded) == pytest.approx(optim / 128, abs=16)
+    norms = 4 * (2 * cfg.model.num_layers + 1) * cfg.model.d_model
+    assert memory.param_bytes(sharded) == (params - norms) / 128 + norms
+    assert memory.optimizer_bytes(sharded) == pytest.approx((optim - 2 * norms) / 128 + 2 * norms, abs=16)
     assert not memory.estimate(one).fits  # 1.1 TB of state on one 80 GB GPU
 
 
@@ -390,11 +392,15 @@ def test_pipeline_memory_and_permutes():
     h100 = hardware.get("h100-80gb")
     flat = Layout(cfg, parse_mesh("fsdp=8", 8), h100)
     piped = Layout(cfg, parse_mesh("pp=4,fsdp=2", 8), h100)
-    layers = sum(g.size * 4 for g in memory.param_table(cfg.model) if g.role == "layer")
-    rest = 4 * count_params(cfg.model)["total"] - layers
-    # the layer stack is split over pp x fsdp = 8 devices; embedding, head and norm over fsdp = 2 only
-    assert memory.param_bytes(flat) == pytest.approx(layers / 8 + rest / 8)
-    assert memory.param_bytes(piped) == pytest.approx(layers / 8 + rest / 2)
+    norm = lambda g: g.path.endswith("norm/scale")  # replicated by the `norm` rule
+    layers = sum(g.size * 4 for g in memory.param_table(cfg.model) if g.role == "layer" and not norm(g))
+    layer_norms = sum(g.size * 4 for g in memory.param_table(cfg.model) if g.role == "layer" and norm(g))
+    final_norm = 4 * cfg.model.d_model
+    rest = 4 * count_params(cfg.model)["total"] - layers - layer_norms - final_norm
+    # the layer stack is split over pp x fsdp = 8 devices; embedding and head over fsdp = 2 only; the
+    # layers' norm scales over pp only, the final norm nowhere
+    assert memory.param_bytes(flat) == pytest.approx(layers / 8 + rest / 8 + layer_norms + final_norm)
+    assert memory.param_bytes(piped) == pytest.approx(layers / 8 + rest / 2 + layer_norms / 4 + final_norm)
     b = 64 // (2 * 8)  # per-device micro-batch rows: batch over fsdp=2, 8 micro-batches
     expected_inputs = (8 + 4 - 1) * b * cfg.model.seq_len * cfg.model.d_model * 2
     assert memory.activation_bytes(piped) >= expected_inputs

@@ -82,13 +82,25 @@ def gathers(text: str) -> dict[str, int]:
 
 
 def test_one_gather_per_weight_per_pass(small_cfg, programs):
-    """Under full remat each layer gathers its 7 matrices and its 2 norm scales once in the forward and
-    once in the backward, whose recompute's copies serve the input gradients too (before: 11 matrix
-    and 4 norm gathers per layer in the backward); the head (one chunk here) once per pass."""
+    """Under full remat each layer gathers its 7 matrices once in the forward and once in the backward,
+    whose recompute's copies serve the input gradients too (before: 11 matrix and 4 norm gathers per
+    layer in the backward); the head (one chunk here) once per pass; the norm scales are replicated
+    (mesh rule `norm`), so nothing gathers them."""
     L = small_cfg.model.num_layers
     got = gathers(programs["keep"])
     assert got.pop(f"{loss.HEAD_GATHER} forward") == got.pop(f"{loss.HEAD_GATHER} backward") == 1
     assert got.pop(f"{matmul.WEIGHT_GATHER} forward") == got.pop(f"{matmul.WEIGHT_GATHER} backward") == 7 * L
-    # XLA names the norms' gathers after their slice of the stacked scales, not the explicit gather:
-    # 2 per layer and pass, + the final norm's (kept for its backward) and the token ids' (embedding)
-    assert got == {"other forward": 2 * L + 2, "other backward": 2 * L}
+    # what is left: the token ids' gather (the embedding lookup), once
+    assert got == {"other forward": 1}
+
+
+def test_sharded_norm_scales_are_gathered_once_per_pass(small_cfg):
+    """`mesh.rules.norm=[fsdp]` shards the scales again: 2 per layer and pass, + the final norm's (kept
+    for its backward); the rule is what removes them, not a lost gather."""
+    cfg = small_cfg.replace(model=STEP, mesh={"rules": {"norm": ["fsdp"]}})
+    compiled = measure.compile_train_step(cfg, mesh_mod.mesh_from_string("fsdp=8"), FAST_COMPILE)
+    got, L = gathers(compiled.as_text()), small_cfg.model.num_layers
+    assert {k: v for k, v in got.items() if k.startswith("other")} == {
+        "other forward": 2 * L + 2,
+        "other backward": 2 * L,
+    }

@@ -19,6 +19,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("dp", "fsdp", "ep"),  # ep ranks hold different tokens (dense parts: data parallel)
     "seq": ("cp",),  # context parallelism (jaxdist.parallel.context); a no-op while cp=1
     "embed": ("fsdp",),
+    # RMSNorm scales (D floats a layer): replicated, as MaxText keeps them, so no pass gathers them; a
+    # gather each would be two more launches per layer per pass for a few kilobytes (issue 42).
+    "norm": (),
     "mlp": ("tp",),
     "heads": ("tp",),
     "kv_heads": ("tp",),

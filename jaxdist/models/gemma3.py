@@ -30,7 +30,7 @@ param = llama.param
 class Norm(nnx.Module):
     """RMSNorm with scale 1 + w (w initialised to 0), in float32 whatever the compute dtype."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str | None, ...] = ("embed",)):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str | None, ...] = ("norm",)):
         self.scale = param(rngs, nnx.initializers.zeros, (dim,), names)
         self.eps = eps
 

@@ -35,7 +35,7 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None,
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str | None, ...] = ("embed",)):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str | None, ...] = ("norm",)):
         self.scale = param(rngs, nnx.initializers.ones, (dim,), names)
         self.eps = eps
         self.names = names

@@ -12,7 +12,8 @@ every backend):
   jaxdist.parallel.matmul.weight_matmul) in the forward scan and again in the backward scan
   (one gather per layer per pass; with remat the recompute and the gradient share the backward's:
   jaxdist.parallel.matmul.gathered, an explicit gather whose copy is the recompute's residual; XLA
-  never merges two all-gathers of one array, each having its own channel).
+  never merges two all-gathers of one array, each having its own channel). The norm scales are
+  replicated under the default `norm` rule and gathered by nobody; `mesh.rules.norm=[fsdp]` shards them.
 - gradients: float32 (bf16 compute included; reduce.dtype=bfloat16 halves the layers' matrices and the
   head on GPU/TPU, not on XLA:CPU, which promotes a bf16 all-reduce to float32), per layer, inside the backward scan (so once per
   accumulation micro-batch unless reduce.method makes the dp reduction explicit). GPU/TPU:
@@ -31,7 +32,7 @@ every backend):
   forward and again in the backward (in the compute dtype; model.loss_gather_mib of blocks per
   collective), the float32 input gradient and
   three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
-  The final norm is gathered twice. Gathers of loop-invariant weights (the final norm, the naive head, a
+  The final norm, when its rule shards it, is gathered twice. Gathers of loop-invariant weights (the final norm, the naive head, a
   head of one vocab block) are hoisted out of the accumulation loop: once per step, not per pass.
 - embedding lookup (jaxdist.parallel.embedding): the int32 tokens all-gathered over fsdp, the looked-up
   rows all-reduced over tp (B·T·D float32), an all-to-all over fsdp forward and one backward; the
@@ -143,7 +144,9 @@ def _layer_traffic(t: _Tally) -> None:
     """Layers: fsdp weight gathers, gradient reduction, tp activation all-reduces. Expert weights apart."""
     lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
     experts = expert_layer_bytes(lay)
-    layer = gathered_layer_bytes(lay) - experts
+    layer = gathered_layer_bytes(lay) - experts  # every dense array's gradient is reduced
+    # only what the fsdp all-gather splits moves (the default `norm` rule replicates the norm scales)
+    moved = layer - gathered_per_layer(lay, lambda g: "expert" not in g.names and not lay.gathered(g))
     # Matrices are cast to the compute dtype on their shard, so they are gathered in it (bf16 on GPUs;
     # XLA:CPU computes bf16 in float32, act_bytes 4); their gradients are reduced in float32.
     gather = lay.act_bytes / PARAM_BYTES
@@ -154,20 +157,21 @@ def _layer_traffic(t: _Tally) -> None:
         passes_ = 1 if t.frozen and lay.cfg.lora.base_dtype in KINDS and m.remat == "none" else 2
         # Without remat the norms' explicitly gathered scales (parallel/matmul.gathered) are the backward's
         # residuals: gathered once, in the forward
-        norms = gathered_per_layer(lay, lambda g: "norm" in g.path) if m.remat == "none" and not t.frozen else 0
+        gathered_norm = lambda g: "norm" in g.path and lay.gathered(g)
+        norms = gathered_per_layer(lay, gathered_norm) if m.remat == "none" and not t.frozen else 0
         # one all-gather per array (parallel/matmul.gathered: XLA combines none of them)
         arrays = _gathered_arrays(lay, lambda g: not norms or "norm" not in g.path)
         t.add(
             "fsdp",
             "all-gather",
             "layer weights (fwd + bwd)",
-            (layer - norms) * gather,
+            (moved - norms) * gather,
             passes_ * t.layer_steps,
             n=lay.weight_shards,
             tensors=arrays,
         )
         if norms:
-            arrays = _gathered_arrays(lay, lambda g: "norm" in g.path)
+            arrays = _gathered_arrays(lay, gathered_norm)
             t.add(
                 "fsdp",
                 "all-gather",
@@ -178,7 +182,7 @@ def _layer_traffic(t: _Tally) -> None:
                 tensors=arrays,
             )
     else:
-        _staged_layer_gathers(t, layer, gather)
+        _staged_layer_gathers(t, moved, gather)
     if t.frozen:
         _adapter_traffic(t)
     else:  # gradients are reduced where they are produced, inside the scans
@@ -278,7 +282,8 @@ def _table_traffic(t: _Tally) -> None:
         t.reduce_grads("head gradient", head_full * scale, passes, t.dp_syncs, tensors=per_block)
     norm = tables["norm"]
     norm_gathers = 1 if m.remat == "none" and not t.frozen else 2  # without remat, kept for the backward
-    t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, norm_gathers, n=lay.weight_shards)
+    if lay.gathered(norm):  # the default `norm` rule replicates it: not gathered
+        t.add("fsdp", "all-gather", "final norm weights", norm.size * PARAM_BYTES, norm_gathers, n=lay.weight_shards)
     if not t.frozen:
         t.reduce_grads("final norm gradient", norm.size * PARAM_BYTES, passes, t.dp_syncs)
     _embedding_traffic(t, tables["embed"])
@@ -357,7 +362,7 @@ def _schedule_table_traffic(t: _Tally) -> None:
         "fsdp",
         "all-gather",
         "head + final norm weights (slot B)",
-        head_full * gather + norm,
+        head_full * gather + norm * lay.gathered(tables["norm"]),
         2 * backward,
         n=lay.weight_shards,
     )

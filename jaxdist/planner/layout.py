@@ -185,6 +185,11 @@ class Layout:
         n = _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), None)
         return n * (self.mesh["pp"] if group.role == "layer" else 1)
 
+    def gathered(self, group: ParamGroup) -> bool:
+        """Whether the fsdp all-gather splits `group` (a replicated one, as the norm scales under the
+        default `norm` rule, is used where it lies)."""
+        return _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), None) > self.tp_shards(group)
+
     def tp_shards(self, group: ParamGroup) -> int:
         """How many ways tp (and, for expert weights, ep) splits `group`: its size after the fsdp
         all-gather is size / this (experts stay split over ep: jaxdist.parallel.moe)."""
