@@ -217,6 +217,21 @@ def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens, tol: float) ->
     return gaps
 
 
+def assert_generation_matches_fixture(cfg, params, graphdef, mesh, ref, what: str) -> None:
+    """A family's generation through its cache against a transformers fixture (`ref` holds prompt0/1,
+    greedy0/1, logprobs0/1): greedy tokens tie-aware (tol 2e-4: our forward, whence the gaps, and the
+    decode are each held to 1e-4 of transformers), the chosen tokens' log-probs within 1e-4."""
+    from jaxdist.inference import decode
+
+    prompts = [ref["prompt0"].tolist(), ref["prompt1"].tolist()]
+    new, logp, _, _ = decode.generate(cfg, params, graphdef, mesh, prompts, len(ref["greedy0"]))
+    want = np.stack([ref["greedy0"], ref["greedy1"]])
+    gaps = greedy_gaps(cfg, params, graphdef, mesh, prompts, want, tol=2e-4)
+    assert_same_greedy(new, want, gaps, tol=2e-4, what=f"{what} greedy tokens")  # every token unless a near-tie
+    for k in (0, 1):
+        assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
+
+
 def assert_same_greedy(tokens, ref_tokens, gaps, tol: float, what: str = "greedy tokens") -> int:
     """Greedy tokens of two differently compiled programs compared without flaking on a near-tie: per row,
     the tokens must equal the reference's at every position before the first whose top-1/top-2 gap (`gaps`,

@@ -295,14 +295,14 @@ def test_shipped_configs_have_the_published_parameter_counts():
 
 def test_plan_sizes_qwen3_30b_a3b(capsys):
     """`python -m jaxdist.plan` on the shipped config: parameter bytes per device on fsdp=8,ep=8 are
-    the experts split 64 ways, the rest 8 ways (fsdp) and the q/k norms replicated, exactly."""
+    the experts split 64 ways, the rest 8 ways (fsdp) and the norms (q/k, layer, final) replicated, exactly."""
     from jaxdist import plan
 
     argv = ["--config", "configs/qwen3-30b-a3b.yaml", "--devices", "64", "--mesh", "fsdp=8,ep=8", "--no-scaling"]
     assert plan.main([*argv, "--json"]) == 0
     given = json.loads(capsys.readouterr().out)["candidates"][0]
     L, E, D, F, H = 48, 128, 2048, 768, 128
-    experts, norms = L * E * 3 * D * F, L * 2 * H
+    experts, norms = L * E * 3 * D * F, L * 2 * H + (2 * L + 1) * D
     rest = 30_532_122_624 - experts - norms
     assert given["memory"]["params"] == 4 * (experts / 64 + rest / 8 + norms)
     assert given["memory"]["fits"]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, assert_same_greedy, flat_params, greedy_gaps
+from conftest import assert_export_round_trip, assert_generation_matches_fixture, flat_params
 from flax import nnx
 
 from jaxdist import config
@@ -30,7 +30,6 @@ from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping, tensors
-from jaxdist.inference import decode
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_gpt_oss"
 SHARDED = "fsdp=2,ep=2,tp=2"
@@ -83,14 +82,7 @@ def test_logits_match_transformers_one_device_and_sharded(sharded, one_device):
 
 def test_greedy_generation_matches_transformers(sharded):
     cfg, mesh, params, model = sharded
-    prompts = [REF["prompt0"].tolist(), REF["prompt1"].tolist()]
-    new, logp, _, _ = decode.generate(cfg, params, model.graphdef, mesh, prompts, len(REF["greedy0"]))
-    want = np.stack([REF["greedy0"], REF["greedy1"]])
-    # tol 2e-4: our forward (the gaps) and the decode are each held to 1e-4 of transformers
-    gaps = greedy_gaps(cfg, params, model.graphdef, mesh, prompts, want, tol=2e-4)
-    assert_same_greedy(new, want, gaps, tol=2e-4, what="gpt_oss greedy tokens")  # every token unless a near-tie
-    for k in (0, 1):
-        assert np.abs(logp[k] - REF[f"logprobs{k}"]).max() <= 1e-4
+    assert_generation_matches_fixture(cfg, params, model.graphdef, mesh, REF, "gpt_oss")
 
 
 def test_export_is_the_fixture_bit_for_bit(sharded, tmp_path):
