@@ -27,7 +27,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf, gpt_oss_hf, qwen3next_hf
 
 # Logical axes a parameter may carry (docs/architecture.md's conventions; `lora_rank` is the adapters').
-COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"})
+COMMON_AXES = frozenset({"layers", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "norm"})
 
 
 def _no_check(cfg, sizes: dict) -> None:
