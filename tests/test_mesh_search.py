@@ -1,6 +1,7 @@
 """The layout search (`plan --search`): enumeration, the compiler's veto, the choice given timings."""
 
 import itertools
+import json
 import math
 import types
 
@@ -85,6 +86,12 @@ def test_the_compiler_vetoes_a_layout_the_planner_passed(capsys):
     assert search.choose([vetoed, row])[0] is row
     assert search.with_budget(CPU, 5e6).hbm_bytes * memory.USABLE_FRACTION == pytest.approx(5e6)
     text = search.table([vetoed, row], 5e6)
+    found = search.Enumeration([lay.mesh], [est], [est], 0)
+    result = mesh_search.Result([vetoed, row], row, "r", found, 5e6, 1.0, 2.0, 0.0)
+    doc = json.loads(json.dumps(result.as_dict()))  # plan --search --json
+    assert doc["mesh"] == "dp=8" and doc["rows"][0]["dropped"] == vetoed.dropped
+    assert doc["rows"][1]["compiled_bytes"] == total and result.cfg.mesh.shape == "dp=8"
+    assert "compiled 2, timed 0" in result.summary()
     assert "dropped: the compiler counts" in text and f"{total / 1e6:.2f}" in text
 
 
