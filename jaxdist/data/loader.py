@@ -10,9 +10,10 @@ Sources:
   separator byte, or with `data.tokenizer` real tokens with the tokenizer's BOS/EOS rule
   (jaxdist/data/tokenizer.py). With no path, the running interpreter's standard library source.
 - `tokens`: flat binary token files (uint16/uint32), memory-mapped (nanoGPT / Megatron style), from a
-  glob or folder (read and checked by jaxdist/data/arrays.py); a folder made by `python -m jaxdist.data prepare` (jaxdist/data/prepare.py) trains on its
-  train/ shards and evaluates on its val/ shards, with the dtype its manifest records (the manifest
-  decides: `data.token_dtype` may be left at auto, and another value is an error).
+  glob or folder (read and checked by jaxdist/data/arrays.py); a folder made by
+  `python -m jaxdist.data prepare` (jaxdist/data/prepare.py) trains on its train/ shards and evaluates on
+  its val/ shards, with the dtype its manifest records (the manifest decides: `data.token_dtype` may be
+  left at auto, and another value is an error).
 
 Evaluation reads one source, by one rule: a prepared folder's val/ split; otherwise the last
 `data.eval_fraction` of the token stream. When that source holds no whole window of model.seq_len+1

@@ -19,15 +19,11 @@ to a temporary folder that replaces `--out` only when complete (the folder on di
 from __future__ import annotations
 
 import argparse
-import collections
-import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +32,13 @@ from tqdm import tqdm
 from jaxdist.data import chatprep, prefprep, promptprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
+from jaxdist.data.encode import chunks, encoded, is_held_out
 from jaxdist.data.shards import FORMAT, MANIFEST, ShardWriter, check_out, remove_stale, replace_folder
 from jaxdist.errors import ArgumentParser, JaxdistError, command, disk_full
 
 # Held-out tokens below which `prepare` warns: 32 windows of 2,048 tokens (the default eval reads
 # train.eval_batches=4 x global_batch=8 windows); below it the eval loss is noisy, or absent at long seq_len.
 SMALL_VAL_TOKENS = 65_536
-CHUNK_CHARS = 1 << 20  # text per task sent to a worker
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -115,69 +111,6 @@ def max_workers() -> int:
     """The --workers cap: twice the cores this process may run on (at least 4). Each worker is a process
     holding the tokenizer, with two 1 MiB chunks in flight; 100,000 of them were accepted and forked."""
     return max(4, 2 * len(os.sched_getaffinity(0)))
-
-
-def is_held_out(text: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2.0**64
-
-
-def chunks(docs: Iterator[tuple[str, int]], fraction: float) -> Iterator[tuple[list[str], list[bool], int]]:
-    texts, held, size, nbytes = [], [], 0, 0
-    for text, n in docs:
-        if not text:
-            continue
-        texts.append(text)
-        held.append(is_held_out(text, fraction))
-        size, nbytes = size + len(text), nbytes + n
-        if size >= CHUNK_CHARS:
-            yield texts, held, nbytes
-            texts, held, size, nbytes = [], [], 0, 0
-    if texts:
-        yield texts, held, nbytes
-
-
-# ---------------------------------------------------------------------------------------- encoding
-
-_WORKER_TOK = None
-
-
-def _init_worker(tokenizer_dir: str) -> None:
-    global _WORKER_TOK
-    _WORKER_TOK = tokenizer_mod.load(tokenizer_dir)
-
-
-def _encode(task, tok=None):
-    """One chunk -> (train ids, held-out ids, train docs, held-out docs, input bytes)."""
-    texts, held, nbytes = task
-    ids = (tok or _WORKER_TOK).encode_documents(texts)
-    train = [a for a, h in zip(ids, held) if not h]
-    val = [a for a, h in zip(ids, held) if h]
-    return _cat(train), _cat(val), len(train), len(val), nbytes
-
-
-def _cat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-
-
-def encoded(tasks: Iterator, tok, tokenizer_dir: Path, workers: int) -> Iterator[tuple]:
-    """Encoded chunks in input order; at most 2 x workers chunks in flight (bounded memory)."""
-    if workers <= 1:
-        for task in tasks:
-            yield _encode(task, tok)
-        return
-    # Workers fork from a fresh server process that has imported only this module: safe even when the
-    # caller is multithreaded (JAX, a trained tokenizer's thread pool) and fast to start.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["jaxdist.data.prepare"])
-    with context.Pool(workers, _init_worker, (str(tokenizer_dir),)) as pool:
-        pending = collections.deque()
-        for task in tasks:
-            pending.append(pool.apply_async(_encode, (task,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
 
 
 # ------------------------------------------------------------------------------------------ command

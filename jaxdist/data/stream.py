@@ -34,9 +34,9 @@ import numpy as np
 
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents
+from jaxdist.data.encode import chunks, encoded
 from jaxdist.errors import JaxdistError
 
-CHUNK_CHARS = 1 << 20  # text per encoding task (as prepare's)
 CACHE_TOKENS = 1 << 22  # windows kept for out-of-order reads by grain's threads (~16 MB of int32)
 
 
@@ -107,13 +107,11 @@ class Streamed:
 
     def _windows(self, file: int, first: int, carry: list[int]) -> Iterator[tuple[int, np.ndarray]]:
         """(index, window) from the start of `file` on, to the end of the pass."""
-        from jaxdist.data.prepare import encoded  # deferred: prepare is the command module that reuses this one
-
         buf, k = np.asarray(carry, np.int64), first
         for f in range(file, len(self.files)):
             if f not in self.bookmarks:
                 self.bookmarks[f] = (k, [int(t) for t in buf])
-            tasks = _chunks(documents([self.files[f]], self.fmt, self.field, self.skipped))
+            tasks = chunks(documents([self.files[f]], self.fmt, self.field, self.skipped), 0.0)  # none held out
             for ids, *_ in encoded(tasks, self.tok, self.tokenizer_path, self.workers):
                 buf = np.concatenate([buf, ids])
                 n = max((len(buf) - 1) // (self.length - 1), 0)  # whole windows sharing one token
@@ -138,18 +136,3 @@ class Streamed:
             if state.get("epoch"):
                 self.epoch = int(state["epoch"])
             self.gen = None
-
-
-def _chunks(docs) -> Iterator[tuple[list[str], list[bool], int]]:
-    """prepare's encoding tasks (texts, held-out flags: none, input bytes), at most ~1 MiB of text each."""
-    texts, size, nbytes = [], 0, 0
-    for text, n in docs:
-        if not text:
-            continue
-        texts.append(text)
-        size, nbytes = size + len(text), nbytes + n
-        if size >= CHUNK_CHARS:
-            yield texts, [False] * len(texts), nbytes
-            texts, size, nbytes = [], 0, 0
-    if texts:
-        yield texts, [False] * len(texts), nbytes
