@@ -43,7 +43,7 @@ _TEXTS = {}  # compiled reductions shared across tests (compiles dominate this f
 
 
 def reduction_text(cfg, mesh, **knobs):
-    key = (repr(cfg.model), repr(mesh), tuple(sorted(knobs.items())))
+    key = (repr(cfg.model), repr(mesh), repr(sorted(knobs.items())))
     if key not in _TEXTS:
         _TEXTS[key] = measure.compile_reduction(cfg.replace(reduce=knobs), mesh).as_text()
     return _TEXTS[key]
@@ -61,9 +61,9 @@ def expected_bytes(codec, abstract, batch_dims, n):
 @pytest.mark.parametrize(
     "knobs,codec",
     [
-        (dict(method="topk", ratio=0.001, dgc="off"), compress.topk(0.001)),  # plain: a dense warm-up
+        (dict(method="topk", ratio=0.001, topk=dict(dgc="off")), compress.topk(0.001)),  # plain: a dense warm-up
         (dict(method="int8"), compress.int8(256)),
-        (dict(method="powersgd", rank=4), compress.powersgd(4)),
+        (dict(method="powersgd", powersgd=dict(rank=4)), compress.powersgd(4)),
     ],
     ids=["topk0.001", "int8", "powersgd4"],
 )
@@ -131,8 +131,8 @@ def test_run_average_mixes_the_dense_warm_up(small_cfg, dp8):
     """PowerSGD's run average over train.steps mixes its dense warm-up steps in: the default 10-step
     warm-up (10%) of 100 steps at the dense branch's bytes, 90 at the compressed branch's (the
     whole train step's extra psum is held exactly in the DGC and DeMo step tests)."""
-    cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=4))
-    text = reduction_text(small_cfg, dp8, method="powersgd", rank=4)  # shared with the byte test
+    cfg = small_cfg.replace(reduce=dict(method="powersgd", powersgd=dict(rank=4)))
+    text = reduction_text(small_cfg, dp8, method="powersgd", powersgd=dict(rank=4))  # shared with the byte test
     steady, run = measure.run_bytes_per_step(cfg, dp8, text)
     warm = measure.dp_bytes_per_step(text, dp8, phase="warmup")
     model = step.resolve(small_cfg, dp8, step.sharding.DEFAULT_RULES)
@@ -194,7 +194,7 @@ def test_dgc_exchange_is_exact_per_replica(tiny_cfg, dp8, mode):
     with the sent entries zeroed (masking); the sum every replica receives is the sum of what all
     sent; the 3-entry tensor goes dense: the sum of c u', a unchanged. At step 0 the density is the
     warm-up's first stage (6.25%: k = 768), at step 10 the target (1%: k = 123)."""
-    cfg = tiny_cfg.replace(reduce=dict(method="topk", ratio=0.01, dgc=mode), train=dict(steps=100))
+    cfg = tiny_cfg.replace(reduce=dict(method="topk", ratio=0.01, topk=dict(dgc=mode)), train=dict(steps=100))
     o = cfg.optim
     update = dgc.replica_update(cfg, 8)
     keys = iter(jax.random.split(jax.random.key(5), 12))
@@ -306,7 +306,10 @@ def test_variance_frozen_only_where_compressing(small_cfg, dp8):
     only where a method compresses."""
     on = dict(freeze_variance=True)
     assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk")), dp8) is None
-    assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", dgc="off", **on)), dp8) == 10
+    assert (
+        registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", topk=dict(dgc="off"), **on)), dp8)
+        == 10
+    )
     assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="topk", **on)), dp8) is None  # DGC
     assert registry.variance_freeze_step(small_cfg.replace(reduce=dict(method="int8", **on)), dp8) is None
     assert (
@@ -360,7 +363,7 @@ def test_diloco_h1_sgd_outer_equals_data_parallel(mini_cfg, dp8):
     rows = [jax.random.randint(jax.random.key(i), (2, 9), 0, 256) for i in range(3)]
     batches = [jnp.tile(r, (8, 1)) for r in rows]  # replica i gets rows 2i, 2i+1: the same two
     _, dense, dense_losses, _ = run_steps(mini_cfg.replace(reduce=dict(method="dense")), dp8, batches)
-    knobs = dict(method="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    knobs = dict(method="diloco", diloco=dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0))
     _, dl, dl_losses, _ = run_steps(mini_cfg.replace(reduce=knobs), dp8, batches)
     np.testing.assert_allclose(dl_losses, dense_losses, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(dl.params), jax.tree.leaves(dense.params)):
@@ -369,7 +372,7 @@ def test_diloco_h1_sgd_outer_equals_data_parallel(mini_cfg, dp8):
 
 @pytest.fixture(scope="module")
 def diloco_run(mini_cfg, dp8):
-    cfg = mini_cfg.replace(reduce=dict(method="diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9))
+    cfg = mini_cfg.replace(reduce=dict(method="diloco", diloco=dict(sync_every=2, outer_lr=0.7, outer_momentum=0.9)))
     batches = [jax.random.randint(jax.random.key(10 + i), (16, 9), 0, 256) for i in range(3)]
     prog, state, _, text = run_steps(cfg, dp8, batches)  # train.steps=3: the last step syncs too
     return cfg, prog, state, batches, text
@@ -429,14 +432,16 @@ def test_diloco_bytes_are_one_dense_exchange_per_period(diloco_run, dp8):
     # The run (train.steps=3) syncs twice, at steps 2 and 3: 2 exchanges over 3 steps, not 1.5.
     steady, run = measure.run_bytes_per_step(cfg, dp8, text)
     assert (steady, run) == pytest.approx((dense / 2 + 2 * 7 / 8 * 8, 2 * dense / 3 + 2 * 7 / 8 * 8), rel=1e-12)
-    assert diloco.syncs(cfg.replace(train=dict(steps=300), reduce=dict(sync_every=16))) == 19
+    assert diloco.syncs(cfg.replace(train=dict(steps=300), reduce=dict(diloco=dict(sync_every=16)))) == 19
 
 
 @pytest.fixture(scope="module", params=["int8", "topk"])
 def diloco_codec_run(request, mini_cfg, dp8):
     """DiLoCo with a lossy outer codec, H=2, outer SGD lr 1 without momentum (the outer step is the
     mean of what the codec delivers), 2 steps on distinct rows: one sync, at step 2."""
-    knobs = dict(method="diloco", sync_every=2, outer_lr=1.0, outer_momentum=0.0, outer_codec=request.param)
+    knobs = dict(
+        method="diloco", diloco=dict(sync_every=2, outer_lr=1.0, outer_momentum=0.0, outer_codec=request.param)
+    )
     cfg = mini_cfg.replace(train=dict(steps=2), reduce=knobs)
     batches = [jax.random.randint(jax.random.key(40 + i), (16, 9), 0, 256) for i in range(2)]
     prog, state, _, text = run_steps(cfg, dp8, batches)
@@ -469,7 +474,7 @@ def test_diloco_outer_codec_delivers_what_it_kept_back(diloco_codec_run):
     requantising the sum lost, kept by its owner replica). Tensors the codec would not shrink go dense."""
     cfg, prog, state, batches, _ = diloco_codec_run
     theta, deltas = replica_deltas(cfg, prog, batches)
-    codec = cfg.reduce.outer_codec
+    codec = cfg.reduce.diloco.outer_codec
     moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), theta, state.params)
     residual = jax.device_get(state.reducer_state.codec.residual)
     chunk_err = [c for c in state.reducer_state.codec.codec]
@@ -490,7 +495,7 @@ def test_diloco_outer_codec_delivers_what_it_kept_back(diloco_codec_run):
             assert (kept.reshape(8, chunks, chunk).sum(-1) == k).all()
             np.testing.assert_allclose(8 * mv, sent.sum(0), atol=1e-4 * scale, rtol=0)
         else:
-            block = cfg.reduce.block_size
+            block = cfg.reduce.int8.block_size
             pad = -d.shape[1] % (8 * block)
             blocks = np.pad(d, ((0, 0), (0, pad))).reshape(8, -1, block)
             half_step = np.repeat(np.abs(blocks).max(-1) / 127 / 2, block, axis=-1).reshape(8, -1)[:, : d.shape[1]]
@@ -508,12 +513,12 @@ def test_diloco_outer_codec_bytes(diloco_codec_run, dp8):
     cfg, prog, _, _, text = diloco_codec_run
     model = step.resolve(cfg, dp8, step.sharding.DEFAULT_RULES)
     r = cfg.reduce
-    codec = compress.int8(r.block_size, 8) if r.outer_codec == "int8" else compress.topk(r.ratio)
+    codec = compress.int8(r.int8.block_size, 8) if r.diloco.outer_codec == "int8" else compress.topk(r.ratio)
     sync = expected_bytes(codec, model.abstract, model.stacked_dims, 8)
     loss = 2 * 7 / 8 * 8
     assert measure.dp_bytes_per_step(text, dp8, sync_every=2) == pytest.approx(sync / 2 + loss, rel=1e-12)
     dense = sum(compress.dense_bytes(a.shape, 8) for a in jax.tree.leaves(model.abstract))
-    assert dense / sync > {"int8": 3.5, "topk": 8}[r.outer_codec], dense / sync
+    assert dense / sync > {"int8": 3.5, "topk": 8}[r.diloco.outer_codec], dense / sync
 
 
 @pytest.fixture(scope="module")
@@ -654,7 +659,7 @@ def test_demo_exchange_is_exact(tiny_cfg, dp8):
     the DCT basis, exactly the k largest coefficients of x in each chunk (bfloat16-rounded), nothing
     else; every replica's direction is the sign of the sum of what all sent."""
     cfg, grads, delta, direction, new = demo_exchange(tiny_cfg, dp8, 0.01)
-    beta = cfg.reduce.momentum_decay
+    beta = cfg.reduce.demo.momentum_decay
     sent_sum = {}
     for r in range(8):
         g = {k: np.asarray(v[r]) for k, v in grads.items()}

@@ -51,11 +51,11 @@ def test_bad_values_are_one_line_errors(override, message):
 
 
 def test_error_feedback_off_under_dgc_is_refused():
-    with pytest.raises(JaxdistError, match="no effect with reduce.dgc=update.*set reduce.dgc=off"):
+    with pytest.raises(JaxdistError, match="no effect with reduce.topk.dgc=update.*set reduce.topk.dgc=off"):
         config.load(None, ["reduce.method=topk", "reduce.error_feedback=false"])
     # a bare `off` is a bool to YAML 1.1; the choice field takes it back as the word
-    plain = config.load(None, ["reduce.method=topk", "reduce.error_feedback=false", "reduce.dgc=off"])
-    assert plain.reduce.dgc == "off" and not plain.reduce.error_feedback
+    plain = config.load(None, ["reduce.method=topk", "reduce.error_feedback=false", "reduce.topk.dgc=off"])
+    assert plain.reduce.topk.dgc == "off" and not plain.reduce.error_feedback
     assert config.load(None, [f"reduce.{k}={v}" for k, v in plain.to_dict()["reduce"].items()]) == plain
 
 
@@ -293,3 +293,79 @@ def test_a_key_given_twice_says_which_value_wins(capsys):
     assert err == "warning: train.steps is given twice (5, then 6); using 6\n"
     config.load(None, ["train.steps=6", "train.steps=6"])
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# reduce.* grouped by method (issue 43): each method's own options in its section
+
+
+@pytest.mark.parametrize("old", sorted(config.REGROUPED))
+def test_flat_reduce_key_is_a_one_line_rename(old, tmp_path):
+    """Every moved key, as an override and in a YAML file, is refused in one line naming its new key."""
+    new = config.REGROUPED[old]
+    with pytest.raises(JaxdistError, match=rf"^config key {re.escape(old)} was renamed {re.escape(new)}; use "):
+        config.load(None, [f"{old}=1"])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"reduce": {old.split(".", 1)[1]: 1}}))
+    with pytest.raises(JaxdistError, match=rf"{re.escape(old)} was renamed {re.escape(new)}"):
+        config.load(path)
+    assert len(config.REGROUPED) == 10 and set(config.REGROUPED.values()) <= {k for k, _ in config.iter_keys()}
+
+
+def test_method_sections_read_from_overrides_yaml_and_replace(tmp_path):
+    """reduce.topk.dgc=off, a YAML `reduce: {topk: {dgc: off}}` and replace(reduce=dict(topk=...)) set
+    the same key and keep the section's others; an unknown key inside a section names its neighbours."""
+    over = config.load(None, ["reduce.method=topk", "reduce.topk.dgc=off"])
+    path = tmp_path / "c.yaml"
+    path.write_text("reduce:\n  method: topk\n  topk:\n    dgc: off\n")
+    replaced = config.Config().replace(reduce=dict(method="topk", topk=dict(dgc="off")))
+    assert over == config.load(path) == replaced
+    assert over.reduce.topk.dgc == "off" and over.reduce.topk.warmup_density == 0.0625
+    assert config.load(None, ["reduce.diloco.sync_every=4"]).reduce.diloco.outer_codec == "dense"
+    with pytest.raises(JaxdistError, match=r"unknown config key 'reduce.topk.dgcc': did you mean 'reduce.topk.dgc'"):
+        config.load(None, ["reduce.topk.dgcc=off"])
+    with pytest.raises(JaxdistError, match=r"config section 'reduce.topk' must be a mapping"):
+        config.load(None, ["reduce.topk=off"])
+    with pytest.raises(JaxdistError, match=r"reduce.powersgd.rank=0 is out of range: it must be >= 1"):
+        config.load(None, ["reduce.powersgd.rank=0"])
+    path.write_text(config.dump(over))  # config.yaml as a run writes it: read back the same
+    assert config.load(path) == over
+
+
+def test_regrouping_keeps_run_names_and_reads_old_saved_configs():
+    """Run folders hash the moved keys under their old flat names: these hashes are what jaxdist
+    computed before the regrouping (main at 2351f4c, the same overrides in the flat spelling), so a
+    command finds its old folder. An old run's saved config.yaml (flat reduce.dgc) is read under the
+    new names: resuming it with the same settings reports no change, and a real change by its new name."""
+    from jaxdist.checkpoint.compat import changed_keys
+    from jaxdist.training import rundir
+
+    before = {
+        (): "bef0e0b4",
+        (
+            "reduce.method=topk",
+            "reduce.ratio=0.05",
+            "reduce.topk.dgc=off",
+            "reduce.topk.warmup_density=0.1",
+        ): "6b206ad7",
+        (
+            "reduce.method=diloco",
+            "reduce.diloco.sync_every=4",
+            "reduce.diloco.outer_codec=int8",
+            "reduce.int8.block_size=128",
+            "reduce.diloco.outer_lr=0.7",
+            "reduce.diloco.outer_momentum=0.9",
+        ): "38d4b507",
+        ("reduce.method=demo", "reduce.demo.chunk=32", "reduce.demo.momentum_decay=0.9"): "cde5a899",
+        ("reduce.method=powersgd", "reduce.powersgd.rank=2"): "64ae474d",
+    }
+    for over, name in before.items():
+        assert rundir.identity(config.load(None, list(over))) == name, over
+    cfg = config.load(None, ["reduce.method=topk", "reduce.topk.dgc=off"])
+    old = cfg.to_dict()
+    old["reduce"] = {k: v for k, v in old["reduce"].items() if not isinstance(v, dict)}
+    old["reduce"] |= {"dgc": "off", "warmup_density": 0.0625, "rank": 4, "sync_every": 16}  # as 2351f4c saved it
+    assert changed_keys(old, cfg) == {}
+    assert changed_keys(old, cfg.replace(reduce=dict(topk=dict(dgc="gradient")))) == {
+        "reduce.topk.dgc": ("off", "gradient")
+    }

@@ -220,7 +220,7 @@ def test_reducers_with_their_own_update_refuse_another_optimizer(method):
     with pytest.raises(JaxdistError, match=f"optim.name=muon with reduce.method={method}: that method applies") as e:
         reducers.check(cfg, mesh_mod.mesh_from_string("dp=8"))
     assert "\n" not in str(e.value)
-    reducers.check(cfg.replace(reduce=dict(method="topk", dgc="off")), mesh_mod.mesh_from_string("dp=8"))
+    reducers.check(cfg.replace(reduce=dict(method="topk", topk=dict(dgc="off"))), mesh_mod.mesh_from_string("dp=8"))
     reducers.check(cfg.replace(optim=dict(name="adamw")), mesh_mod.mesh_from_string("dp=8"))
 
 
@@ -236,7 +236,7 @@ MESHES = ["fsdp=8", "tp=2,fsdp=4", "dp=2,fsdp=4"]
 COMBINED = {
     "pp=2,fsdp=4": ("pp=2,fsdp=4", dict(pipeline=dict(microbatches=2))),
     "offload=host": ("fsdp=8", dict(offload=dict(optimizer="host", params="host"))),
-    "topk ratio=1": ("dp=8", dict(reduce=dict(method="topk", dgc="off", ratio=1.0, warmup_fraction=0.0))),
+    "topk ratio=1": ("dp=8", dict(reduce=dict(method="topk", topk=dict(dgc="off"), ratio=1.0, warmup_fraction=0.0))),
 }
 LORA = dict(lora=dict(rank=4))  # Muon on the adapters (every one a matrix per layer), against LoRA on one device
 COMBINED["lora"] = ("fsdp=8", LORA)

@@ -107,7 +107,7 @@ def test_dense_dp_bytes_follow_ring_model(small_cfg, dp8, dense_dp8_bytes):
 def test_train_step_dp_bytes_are_the_reduction_and_the_loss(small_cfg, dp8):
     """The whole compiled step sends across dp exactly the reduction plus one (loss, count) psum
     (plain top-k; DGC's step, which also sums the replicas' gradient norms, is in test_compress)."""
-    knobs = dict(method="topk", ratio=0.01, dgc="off")
+    knobs = dict(method="topk", ratio=0.01, topk=dict(dgc="off"))
     whole = measure.dp_bytes_per_step(measure.compile_train_step(small_cfg.replace(reduce=knobs), dp8).as_text(), dp8)
     assert whole == pytest.approx(reduction_bytes(small_cfg, dp8, **knobs) + 2 * 7 / 8 * 8)
 
@@ -250,7 +250,9 @@ def test_dp1_compressed_is_a_no_op_with_warning(small_cfg):
 
 
 def test_reducer_state_is_sharded_like_params(small_cfg, dp8):
-    prog = step.build_program(small_cfg.replace(reduce=dict(method="topk", dgc="off")), dp8)  # DGC: test_compress
+    prog = step.build_program(
+        small_cfg.replace(reduce=dict(method="topk", topk=dict(dgc="off"))), dp8
+    )  # DGC: test_compress
     residual = prog.abstract_state.reducer_state.residual
     residual_specs = prog.state_shardings.reducer_state.residual
     for r, p, s, ps in zip(
@@ -302,7 +304,7 @@ def test_bfloat16_dense_on_cpu_is_refused(small_cfg, dp8):
 def test_reducer_sees_the_staged_layout_under_pipeline(small_cfg):
     """With pp > 1 the train state stores the layer stack by stage; reducers (PowerSGD's per-layer
     matrices, residuals) must be built for those shapes, not the model's plain stack."""
-    cfg = small_cfg.replace(reduce=dict(method="powersgd", rank=2), train=dict(global_batch=16))
+    cfg = small_cfg.replace(reduce=dict(method="powersgd", powersgd=dict(rank=2)), train=dict(global_batch=16))
     mesh = mesh_from_string("dp=2,pp=2,fsdp=2")
     prog = step.build_program(cfg, mesh)
     abstract, batch_dims = prog.model.abstract, prog.model.stacked_dims

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxdist import config
-from jaxdist.config.schema import ReduceConfig
+from jaxdist.config.schema import DilocoReduce, ReduceConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.reduce import registry
 
@@ -19,7 +19,7 @@ def test_registry_covers_exactly_the_methods_config_accepts():
     assert accepted == set(registry.METHODS)  # both ways: none missing, none extra
     assert all(name == m.name for name, m in registry.METHODS.items())
     # DiLoCo's outer codec names an entry with a codec (or dense)
-    codecs = set(typing.get_args(typing.get_type_hints(ReduceConfig)["outer_codec"]))
+    codecs = set(typing.get_args(typing.get_type_hints(DilocoReduce)["outer_codec"]))
     assert all(registry.METHODS[c].codec or c == "dense" for c in codecs)
 
 
@@ -28,8 +28,8 @@ def test_each_accepted_method_resolves_to_its_entry():
         cfg = config.load(None, [f"reduce.method={name}"])
         assert registry.method(cfg).name == name
     topk = config.load(None, ["reduce.method=topk"])
-    assert registry.method(topk) is registry.DGC  # reduce.dgc=update: its default
-    plain = config.load(None, ["reduce.method=topk", "reduce.dgc=off"])
+    assert registry.method(topk) is registry.DGC  # reduce.topk.dgc=update: its default
+    plain = config.load(None, ["reduce.method=topk", "reduce.topk.dgc=off"])
     assert registry.method(plain) is registry.METHODS["topk"]
 
 
@@ -44,7 +44,7 @@ def test_an_unknown_method_is_a_one_line_error():
 def test_no_other_module_compares_method_names():
     """Every decision on reduce.method asks the registry. Not decisions: checkpoint/compat.py compares a
     saved config's value with this run's. Left: config/checks.py's one knob rule (reduce.error_feedback
-    under topk's reduce.dgc), which config.load checks before anything above the config layer loads."""
+    under topk's reduce.topk.dgc), which config.load checks before anything above the config layer loads."""
     allowed = {"registry.py", "checks.py"}
     offenders = []
     for path in PKG.rglob("*.py"):

@@ -24,6 +24,7 @@ import yaml
 from jaxdist.adapters.lora import SCALE, A, B
 from jaxdist.config import Config
 from jaxdist.config.schema import SHAPE_FIELDS
+from jaxdist.config.schema import flatten as flat
 from jaxdist.data.corpus import ALLOW
 from jaxdist.errors import JaxdistError
 
@@ -249,10 +250,6 @@ def check_resume(meta: dict, cfg: Config, where: Path) -> None:
             f"train.seed={cfg.train.seed} differs from the seed {meta['seed']} of checkpoint {where}, which "
             f"fixes the data order; drop the override (or start a new --run-dir)"
         )
-
-
-def flat(tree: dict) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, d in tree.items() if isinstance(d, dict) for k, v in d.items()}
 
 
 def changed_keys(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:

@@ -23,6 +23,7 @@ from jaxdist.config.files import (
 )
 from jaxdist.config.keys import field_docs, iter_keys, keys_help, keys_markdown
 from jaxdist.config.schema import (
+    REGROUPED,
     RENAMED,
     CheckpointConfig,
     Config,
@@ -43,6 +44,7 @@ from jaxdist.config.types import Range
 __all__ = [
     "CONFIGS_DIR",
     "DEFAULT_CONFIG",
+    "REGROUPED",
     "RENAMED",
     "CheckpointConfig",
     "Config",

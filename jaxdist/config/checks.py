@@ -39,13 +39,19 @@ def validate(cfg) -> None:
 def validate_fields(cfg) -> None:
     """Every float finite, every field inside its Range."""
     for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        for key, tp in _field_types(type(values)).items():
-            v, (base, rng) = getattr(values, key), _base(tp)
-            if base is float and not math.isfinite(v):
-                raise JaxdistError(f"{section.name}.{key}={v} must be a finite number")
-            if rng is not None and not rng.holds(v):
-                raise JaxdistError(f"{section.name}.{key}={v} is out of range: it must be {rng}")
+        _check_fields(section.name, getattr(cfg, section.name))
+
+
+def _check_fields(name: str, values) -> None:
+    """One section's fields, and those of the sections inside it (reduce.topk, ...)."""
+    for key, tp in _field_types(type(values)).items():
+        v, (base, rng) = getattr(values, key), _base(tp)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            _check_fields(f"{name}.{key}", v)
+        elif base is float and not math.isfinite(v):
+            raise JaxdistError(f"{name}.{key}={v} must be a finite number")
+        elif rng is not None and not rng.holds(v):
+            raise JaxdistError(f"{name}.{key}={v} is out of range: it must be {rng}")
 
 
 def validate_trackers(names) -> None:
@@ -89,10 +95,10 @@ def validate_model(m) -> None:
 def validate_reduce(r) -> None:
     """The one knob rule of reduce.* that needs no mesh (every other decision on reduce.method is
     jaxdist.reduce.registry's; the config layer sits below it, so this one stays here)."""
-    if r.method == "topk" and r.dgc != "off" and not r.error_feedback:
+    if r.method == "topk" and r.topk.dgc != "off" and not r.error_feedback:
         raise JaxdistError(
-            f"reduce.error_feedback=false has no effect with reduce.dgc={r.dgc} (DGC always accumulates "
-            "what it has not sent); set reduce.dgc=off for plain top-k without error feedback"
+            f"reduce.error_feedback=false has no effect with reduce.topk.dgc={r.topk.dgc} (DGC always accumulates "
+            "what it has not sent); set reduce.topk.dgc=off for plain top-k without error feedback"
         )
 
 

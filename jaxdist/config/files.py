@@ -118,6 +118,17 @@ def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 
 
+def _put(raw: dict, path: list[str], value: Any) -> None:
+    """raw[a][b][c] = value, making the sections on the way (reduce.topk.dgc=off: the key dgc of the
+    section reduce.topk); a section written as nothing (`reduce:`) is an empty one."""
+    *sections, last = path
+    for part in sections:
+        if not isinstance(raw.get(part), dict):
+            raw[part] = {}
+        raw = raw[part]
+    raw[last] = value
+
+
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """defaults <- YAML at `path` (a path or a shipped config name; default tiny) <- overrides like
     'train.steps=10'."""
@@ -140,10 +151,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         section, name, value = parse_override(text)
         if section not in _section_types():
             raise _unknown(f"{section}.{name}", [k for k, _ in iter_keys()])
-        raw.setdefault(section, {})
-        if raw[section] is None:
-            raw[section] = {}
-        raw[section][name] = value
+        _put(raw, [section, *name.split(".")], value)
         key = f"{section}.{name}"
         if key in given and given[key] != value:  # the last wins, as for a repeated flag; said, not silent
             print(f"warning: {key} is given twice ({given[key]!r}, then {value!r}); using {value!r}", file=sys.stderr)

@@ -10,7 +10,7 @@ import io
 import textwrap
 import tokenize
 
-from jaxdist.config.schema import Config, _section_types
+from jaxdist.config.schema import Config, _is_section, _section_types
 from jaxdist.config.types import _base, _field_types, _type_name
 from jaxdist.errors import JaxdistError
 
@@ -38,10 +38,19 @@ def field_docs(cls: type) -> dict[str, str]:
 def iter_keys():
     """(section.key, field type, default, doc) for every config key, in declaration order."""
     for section in dataclasses.fields(Config):
-        cls = _section_types()[section.name]
-        docs, defaults = field_docs(cls), cls()
-        for key, tp in _field_types(cls).items():
-            yield f"{section.name}.{key}", (tp, getattr(defaults, key), docs.get(key, ""))
+        yield from _section_keys(section.name, _section_types()[section.name])
+
+
+def _section_keys(name: str, cls):
+    """The keys of one section, a section inside it (reduce.topk) by its own keys after the section's."""
+    docs, defaults = field_docs(cls), cls()
+    types = _field_types(cls)
+    for key, tp in types.items():
+        if not _is_section(tp):
+            yield f"{name}.{key}", (tp, getattr(defaults, key), docs.get(key, ""))
+    for key, tp in types.items():
+        if _is_section(tp):
+            yield from _section_keys(f"{name}.{key}", tp)
 
 
 def _describe_type(tp) -> str:

@@ -272,19 +272,58 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TopkReduce:
+    dgc: Literal["update", "gradient", "off"] = (
+        "update"  # DGC momentum correction on each replica's Adam-scaled update (gradient: the sum fed to Adam with b1=0; off: plain error feedback)
+    )
+    warmup_density: Annotated[float, Range(0, 1, lo_open=True)] = (
+        0.0625  # with dgc: density at the start of the sparsity warm-up, at most 25x reduce.ratio (falls to reduce.ratio over reduce.warmup_fraction)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDReduce:
+    rank: Positive = 4  # rank of the low-rank factors
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Reduce:
+    block_size: Positive = 256  # entries per scale (also diloco's outer_codec=int8)
+
+
+@dataclasses.dataclass(frozen=True)
+class DilocoReduce:
+    sync_every: Positive = 16  # local steps between outer steps (H)
+    outer_lr: PositiveFloat = 1.0  # outer SGD learning rate on the pseudo-gradient (1, momentum 0: averaging)
+    outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.0  # outer Nesterov momentum (paper: 0.9, lr 0.7)
+    outer_codec: Literal["dense", "int8", "topk"] = (
+        "dense"  # how the pseudo-gradient crosses dp (int8: reduce.int8.block_size; topk: reduce.ratio, dgc off)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoReduce:
+    momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # decay of each replica's unsent momentum
+    chunk: Positive = 64  # side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
+
+
+@dataclasses.dataclass(frozen=True)
 class ReduceConfig:
+    """The data-parallel reduction: the method and the options several methods share; each method's
+    own options in its section (`reduce.topk.dgc`, `reduce.diloco.sync_every`, ...)."""
+
     method: Literal["implicit", "dense", "topk", "powersgd", "int8", "diloco", "demo"] = (
         "implicit"  # implicit: XLA inserts it
     )
     dtype: Literal["float32", "bfloat16"] = (
         "float32"  # the gradient reduction's dtype: dense's all-reduce; implicit's reduce-scatter / all-reduce of the bf16 weight gradients (layers, head) under model.compute_dtype=bfloat16. float32 by default: a bf16 sum over many replicas rounds each partial sum to 8 bits of mantissa (torchtitan's FSDP2 also reduces in float32); bfloat16 halves the bytes (MaxText's choice)
     )
-    ratio: Annotated[float, Range(0, 1, lo_open=True)] = 0.01  # topk: fraction of entries kept per chunk of <= 65536
-    rank: Positive = 4  # powersgd: rank of the low-rank factors
-    start_step: NonNegative = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)
-    error_feedback: bool = True  # keep what was not sent and add it next step (topk: dgc=off; DGC always accumulates)
-    block_size: Positive = 256  # int8: entries per scale
     axis: str = "dp"  # the mesh axis reduced explicitly
+    ratio: Annotated[float, Range(0, 1, lo_open=True)] = (
+        0.01  # topk, demo: fraction of entries kept per chunk (topk: of <= 65536 entries; demo: of DCT coefficients)
+    )
+    error_feedback: bool = True  # topk (dgc=off; DGC always accumulates), powersgd, int8, diloco's codec: keep what was not sent and add it next step
+    start_step: NonNegative = 0  # topk, powersgd: dense before this step (or warmup_fraction, the larger)
     warmup_fraction: Annotated[float, Range(0, 1, hi_open=True)] = (
         0.1  # topk, powersgd: warm-up for this fraction of train.steps (at least start_step): dense (torch's advice), or DGC's density warm-up
     )
@@ -292,20 +331,11 @@ class ReduceConfig:
         False  # topk, powersgd: freeze Adam's second moment after the warm-up (1-bit Adam; topk: dgc=off only)
     )
     variance_floor: NonNegativeFloat = 0.01  # frozen second moments floored at this times their tensor's mean
-    sync_every: Positive = 16  # diloco: local steps between outer steps (H)
-    outer_lr: PositiveFloat = 1.0  # diloco: outer SGD learning rate on the pseudo-gradient (1, momentum 0: averaging)
-    outer_momentum: Annotated[float, Range(0, 1, hi_open=True)] = (
-        0.0  # diloco: outer Nesterov momentum (paper: 0.9, lr 0.7)
-    )
-    outer_codec: Literal["dense", "int8", "topk"] = "dense"  # diloco: how the pseudo-gradient crosses dp
-    momentum_decay: Annotated[float, Range(0, 1)] = 0.999  # demo: decay of each replica's unsent momentum
-    chunk: Positive = 64  # demo: side of the DCT tiles (at most chunk x chunk entries; divisors of each dim)
-    dgc: Literal["update", "gradient", "off"] = (
-        "update"  # topk: DGC momentum correction on each replica's Adam-scaled update (gradient: the sum fed to Adam with b1=0; off: plain error feedback)
-    )
-    warmup_density: Annotated[float, Range(0, 1, lo_open=True)] = (
-        0.0625  # topk with dgc: density at the start of the sparsity warm-up, at most 25x ratio (falls to ratio over warmup_fraction)
-    )
+    topk: TopkReduce = dataclasses.field(default_factory=TopkReduce)  # method=topk's own options
+    powersgd: PowerSGDReduce = dataclasses.field(default_factory=PowerSGDReduce)  # method=powersgd's own options
+    int8: Int8Reduce = dataclasses.field(default_factory=Int8Reduce)  # method=int8's own options
+    diloco: DilocoReduce = dataclasses.field(default_factory=DilocoReduce)  # method=diloco's own options
+    demo: DemoReduce = dataclasses.field(default_factory=DemoReduce)  # method=demo's own options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,8 +433,18 @@ class Config:
         """`cfg.replace(train=dict(steps=5))` -> a new, validated config."""
         raw = self.to_dict()
         for section, values in sections.items():
-            raw[section].update(values)
+            _merge(raw[section], values)
         return from_dict(raw)
+
+
+def _merge(into: dict, values: dict) -> None:
+    """`values` written over `into`, nested sections key by key (`reduce=dict(topk=dict(dgc="off"))`
+    keeps reduce.topk's other keys)."""
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict) and k in into:
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 YAML_BOOL_WORDS = {False: "off", True: "on"}
@@ -531,6 +571,21 @@ def _not_a_section(name: str, values: Any, where: str = "") -> JaxdistError:
 
 # Keys renamed since an earlier release: old -> new. Using the old one is a one-line error naming the new.
 RENAMED = {"train.microbatches": "train.grad_accum_steps", "optim.offload": "offload.optimizer"}
+# reduce.* options that belong to one method, moved into that method's section (issue 43). Run names hash
+# them under the old flat names (training/rundir.identity), so a run's default folder did not move.
+REGROUPED = {
+    "reduce.dgc": "reduce.topk.dgc",
+    "reduce.warmup_density": "reduce.topk.warmup_density",
+    "reduce.rank": "reduce.powersgd.rank",
+    "reduce.block_size": "reduce.int8.block_size",
+    "reduce.sync_every": "reduce.diloco.sync_every",
+    "reduce.outer_lr": "reduce.diloco.outer_lr",
+    "reduce.outer_momentum": "reduce.diloco.outer_momentum",
+    "reduce.outer_codec": "reduce.diloco.outer_codec",
+    "reduce.momentum_decay": "reduce.demo.momentum_decay",
+    "reduce.chunk": "reduce.demo.chunk",
+}
+RENAMED.update(REGROUPED)
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -540,21 +595,58 @@ def from_dict(raw: dict[str, Any]) -> Config:
     for name, values in raw.items():
         if name not in section_types:
             raise _unknown(str(name), list(section_types))
-        if values is None:
-            values = {}
-        if not isinstance(values, dict):
-            raise _not_a_section(name, values)
-        cls = section_types[name]
-        hints = _field_types(cls)
-        kwargs = {}
-        for key, value in values.items():
-            if f"{name}.{key}" in RENAMED:
-                new = RENAMED[f"{name}.{key}"]
-                raise JaxdistError(f"config key {name}.{key} was renamed {new}; use {new}={value!r}")
-            if key not in hints:
-                raise _unknown(f"{name}.{key}", [f"{name}.{k}" for k in hints])
-            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
-        sections[name] = cls(**kwargs)
+        sections[name] = _section(str(name), section_types[name], values)
     cfg = Config(**sections)
     validate(cfg)
     return cfg
+
+
+def _section(name: str, cls: type, values: Any):
+    """One section (or a section inside one, like reduce.topk) from its dict, every key checked."""
+    if values is None:
+        values = {}
+    if isinstance(values, cls):
+        values = dataclasses.asdict(values)
+    if not isinstance(values, dict):
+        raise _not_a_section(name, values)
+    hints = _field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if f"{name}.{key}" in RENAMED:
+            new = RENAMED[f"{name}.{key}"]
+            raise JaxdistError(f"config key {name}.{key} was renamed {new}; use {new}={value!r}")
+        if key not in hints:
+            raise _unknown(f"{name}.{key}", [f"{name}.{k}" for k in hints])
+        if _is_section(hints[key]):
+            kwargs[key] = _section(f"{name}.{key}", hints[key], value)
+        else:
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def inner_sections() -> frozenset[str]:
+    """The sections inside sections ("reduce.topk", ...): their keys are three-part names."""
+    return frozenset(
+        f"{name}.{key}"
+        for name, cls in _section_types().items()
+        for key, tp in _field_types(cls).items()
+        if _is_section(tp)
+    )
+
+
+def flatten(tree: dict) -> dict[str, Any]:
+    """{"optim.lr": 0.003, "reduce.topk.dgc": "update", ...}: a config dict by its keys' full names. A
+    saved config of an older jaxdist has reduce.* options flat (reduce.dgc); they read as their new names."""
+    inner, out = inner_sections(), {}
+    for s, d in tree.items():
+        for k, v in d.items() if isinstance(d, dict) else ():
+            if f"{s}.{k}" in inner and isinstance(v, dict):
+                out.update({f"{s}.{k}.{kk}": vv for kk, vv in v.items()})
+            else:
+                out[REGROUPED.get(f"{s}.{k}", f"{s}.{k}")] = v
+    return out
+
+
+def _is_section(tp: Any) -> bool:
+    """A field that is itself a section of keys (a dataclass type, not a list of records)."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)

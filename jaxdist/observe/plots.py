@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from jaxdist.config.schema import flatten
 from jaxdist.errors import JaxdistError
 
 STEP_KEYS = ("loss", "lr")  # every step record of metrics.jsonl has them
@@ -51,7 +52,7 @@ def read_config(run_dir: Path) -> dict:
     """config.yaml flattened to {'optim.lr': 0.003, ...} ({} if absent)."""
     path = Path(run_dir) / "config.yaml"
     raw = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    return {f"{s}.{k}": v for s, d in (raw or {}).items() if isinstance(d, dict) for k, v in d.items()}
+    return flatten(raw or {})
 
 
 def differing_labels(configs: list[dict], names: list[str]) -> list[str]:

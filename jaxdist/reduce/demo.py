@@ -2,7 +2,7 @@
 
 Each data-parallel replica keeps its own momentum δ of its *local* gradient and never all-reduces
 gradients. Per step: clip the local gradient (`optim.clip_norm`, per replica: DGC's local clipping),
-δ ← β·δ + lr·g (β = `reduce.momentum_decay`); split δ into chunks of at most `reduce.chunk`² entries,
+δ ← β·δ + lr·g (β = `reduce.demo.momentum_decay`); split δ into chunks of at most `reduce.demo.chunk`² entries,
 take each chunk's 2-D DCT (an orthonormal basis in which the momentum's slow, shared part is sparse),
 keep the `reduce.ratio` largest coefficients per chunk (bfloat16 value + in-chunk position in one
 uint32: `compress.sparse_sum`), all-gather them, and remove what was sent from δ (error feedback:
@@ -108,9 +108,9 @@ def replica_update(cfg: Config, batch_dims_tree, lr_schedule):
     def update(grads, delta, step):
         if clip > 0:  # local clipping: one replica's outlier batch cannot dominate its momentum
             grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
-        x = jax.tree.map(lambda d, g: r.momentum_decay * d + lr_schedule(step) * g, delta, grads)
+        x = jax.tree.map(lambda d, g: r.demo.momentum_decay * d + lr_schedule(step) * g, delta, grads)
         leaves, treedef = jax.tree.flatten(x)
-        pairs = [sparse_dct_sum(v, b, r.ratio, r.chunk, r.axis) for v, b in zip(leaves, bdims)]
+        pairs = [sparse_dct_sum(v, b, r.ratio, r.demo.chunk, r.axis) for v, b in zip(leaves, bdims)]
         total = treedef.unflatten([jnp.sign(t) for t, _ in pairs])
         return total, jax.tree.map(jnp.subtract, x, treedef.unflatten([s for _, s in pairs]))
 

@@ -1,14 +1,14 @@
-"""Deep Gradient Compression (Lin et al., ICLR 2018): `reduce.method=topk`'s default (`reduce.dgc`).
+"""Deep Gradient Compression (Lin et al., ICLR 2018): `reduce.method=topk`'s default (`reduce.topk.dgc`).
 
 Plain top-k with error feedback hands Adam a bursty sum of stale residuals (+11.5% eval loss at 1% in
 the study). DGC accumulates *momentum* on each replica instead and sends the top-k of that. Per
 replica and step (inside the manual shard_map):
 
     g  = clip(this replica's share of the mean gradient, optim.clip_norm / √N)   local clipping
-    p  = g / ŝ                    reduce.dgc=update (default): Adam's scaling, per replica
+    p  = g / ŝ                    reduce.topk.dgc=update (default): Adam's scaling, per replica
          m ← b1·m + (1 − b1)·N·g,  v ← b2·v + (1 − b2)·(N·g)²   (this replica's own gradient N·g)
          ŝ = √((1 − 1/N)·m̂² + v̂/N) + eps   (the *mean* gradient's scale: `mean_gradient_scale`)
-    p  = g                        reduce.dgc=gradient
+    p  = g                        reduce.topk.dgc=gradient
     u ← b1·u + (1 − b1)·p        momentum correction (optim.b1: Adam's momentum moves onto the replica)
     a ← a + u·c                  accumulation (error feedback); update: c = 1/(1 − b1^t), Adam's m̂
     send the top-k of |a| per chunk (compress.topk's packed uint32s); a ← a − sent; u ← 0 where kept
@@ -26,7 +26,7 @@ of the bursty sparse sum: entries sent rarely get at most √(1/(1 − b2))·lr 
 small study shape, 9% off dense on `tiny`. Tensors top-k would not shrink get the same momentum,
 summed dense.
 
-Sparsity warm-up: the density falls exponentially from `reduce.warmup_density` to `reduce.ratio` in
+Sparsity warm-up: the density falls exponentially from `reduce.topk.warmup_density` to `reduce.ratio` in
 `WARMUP_STAGES` equal stages over the warm-up (`reduce.warmup_fraction` of the steps; DGC: 4 epochs,
 from 25%: at dp=8 top-k at 25% costs what dense does, so the default starts at 6.25%). Each stage is
 a `lax.switch` branch under its own name scope, so its bytes are read from the compiled program
@@ -60,8 +60,8 @@ WARMUP_STAGES = 4  # DGC's four warm-up epochs
 class DgcState(NamedTuple):
     momentum: Any  # u: this replica's momentum not yet sent (zeroed where kept)
     accum: Any  # a: this replica's accumulated momentum not yet sent (error feedback)
-    variance: Any  # v: Adam's second moment of this replica's own gradient (reduce.dgc=update); () else
-    mean: Any = ()  # m: the EMA of this replica's own gradient (reduce.dgc=update); () else
+    variance: Any  # v: Adam's second moment of this replica's own gradient (reduce.topk.dgc=update); () else
+    mean: Any = ()  # m: the EMA of this replica's own gradient (reduce.topk.dgc=update); () else
 
 
 def stage_scope(i: int) -> str:
@@ -73,9 +73,9 @@ MAX_WARMUP_SPAN = 25  # the warm-up starts at most 25x the target density (DGC: 
 
 
 def start_density(cfg: Config) -> float:
-    """`reduce.warmup_density`, or 25x `reduce.ratio` where that is lower: a 0.1% target starts at
+    """`reduce.topk.warmup_density`, or 25x `reduce.ratio` where that is lower: a 0.1% target starts at
     2.5%, so the warm-up's 30 steps cost ~1.3 dense steps, not 2.8 (run average 128x, not 78x)."""
-    return min(cfg.reduce.warmup_density, MAX_WARMUP_SPAN * cfg.reduce.ratio)
+    return min(cfg.reduce.topk.warmup_density, MAX_WARMUP_SPAN * cfg.reduce.ratio)
 
 
 def stages(cfg: Config) -> list[tuple[int, int, float]]:
@@ -101,7 +101,7 @@ def bytes_sent(shape, density: float, n: int) -> float:
 
 def exchange(accum, momentum, density: float, axis, n: int, bias: jax.Array | float = 1.0):
     """One tensor: (sum over replicas of what each sent, new accum, new momentum); `bias` scales the
-    momentum as it is accumulated (Adam's 1 / (1 − b1^t) under reduce.dgc=update)."""
+    momentum as it is accumulated (Adam's 1 / (1 − b1^t) under reduce.topk.dgc=update)."""
     if not compressible(accum.shape, density, n):  # dense: the momentum itself, nothing held back
         return jax.lax.psum(momentum * bias, axis), accum, momentum
     accum = accum + momentum * bias
@@ -129,7 +129,7 @@ def replica_update(cfg: Config, replicas: int):
         if o.clip_norm > 0:  # local clipping, scaled for a sum of N shares (DGC)
             share = optax.clip_by_global_norm(o.clip_norm / math.sqrt(replicas)).update(share, optax.EmptyState())[0]
         variance, mean, bias = state.variance, state.mean, 1.0
-        if r.dgc == "update":  # Adam's scaling of this replica's own mean gradient (N x its share)
+        if r.topk.dgc == "update":  # Adam's scaling of this replica's own mean gradient (N x its share)
             variance = jax.tree.map(lambda v, g: o.b2 * v + (1 - o.b2) * (replicas * g) ** 2, variance, share)
             mean = jax.tree.map(lambda m, g: o.b1 * m + (1 - o.b1) * replicas * g, mean, share)
             scale = lambda m, v: mean_gradient_scale(m, v, step, o, replicas)
@@ -166,7 +166,7 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
     """What the step applies to the summed update: no global clip (clipped locally). `gradient`: AdamW
     with b1 = 0; `update`: the LR and decoupled decay (Adam's scaling ran on the replicas)."""
     o = cfg.optim
-    scale = optax.identity() if cfg.reduce.dgc == "update" else optax.scale_by_adam(b1=0.0, b2=o.b2, eps=o.eps)
+    scale = optax.identity() if cfg.reduce.topk.dgc == "update" else optax.scale_by_adam(b1=0.0, b2=o.b2, eps=o.eps)
     return optax.chain(
         scale, optax.add_decayed_weights(o.weight_decay, decay_mask_tree), optax.scale_by_learning_rate(lr_schedule)
     )
@@ -175,7 +175,7 @@ def optimizer(cfg: Config, lr_schedule, decay_mask_tree) -> optax.GradientTransf
 def reducer(cfg: Config, replicas: int) -> explicit.Reducer:
     """DGC as a reducer of the explicit reduction (one replica's state; `measure.compile_reduction`)."""
     update = replica_update(cfg, replicas)
-    moments = cfg.reduce.dgc == "update"
+    moments = cfg.reduce.topk.dgc == "update"
 
     def init(params):
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

@@ -2,9 +2,9 @@
 
 `reduce.method=diloco`. Each data-parallel replica keeps its own parameters and inner optimizer
 (`optim.name`'s optimizer, AdamW by default, with its schedule and clipping) and trains on its own rows only; every
-`reduce.sync_every` (H) steps, and at the run's last step (`syncs`), the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
-or through a codec (`reduce.outer_codec=int8|topk`, with error feedback) — and the outer optimizer,
-Nesterov SGD (`reduce.outer_lr`, `reduce.outer_momentum`), moves θ_outer; every replica restarts from it.
+`reduce.diloco.sync_every` (H) steps, and at the run's last step (`syncs`), the replicas average the pseudo-gradient Δ = θ_outer − θ_replica — dense,
+or through a codec (`reduce.diloco.outer_codec=int8|topk`, with error feedback) — and the outer optimizer,
+Nesterov SGD (`reduce.diloco.outer_lr`, `reduce.diloco.outer_momentum`), moves θ_outer; every replica restarts from it.
 
 It is a gradient stage with state, so the train step keeps its shape: `TrainState.params` is θ_outer,
 the stage state holds, per replica under a leading `dp` axis (sharded like the parameters,
@@ -41,7 +41,7 @@ class DilocoState(NamedTuple):
 def syncs(cfg: Config) -> int:
     """Outer steps in a run of train.steps: every H steps, and at the last step when H does not divide
     the run (its local steps would otherwise be lost): ceil(steps / H)."""
-    return -(-cfg.train.steps // cfg.reduce.sync_every)
+    return -(-cfg.train.steps // cfg.reduce.diloco.sync_every)
 
 
 def outer_optimizer() -> optax.GradientTransformation:
@@ -50,11 +50,11 @@ def outer_optimizer() -> optax.GradientTransformation:
 
 
 def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: explicit.Reducer):
-    """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.outer_codec`)."""
+    """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.diloco.outer_codec`)."""
     r, axis = cfg.reduce, cfg.reduce.axis
-    replicas, H = mesh.shape[axis], r.sync_every
+    replicas, H = mesh.shape[axis], r.diloco.sync_every
     inner_tx, _ = optimizers.make(cfg.optim, cfg.train.steps, cfg.train.global_batch // replicas, model.names)
-    outer_lr, mu = r.outer_lr, r.outer_momentum
+    outer_lr, mu = r.diloco.outer_lr, r.diloco.outer_momentum
 
     def per_replica(outer, tokens, state: DilocoState, step):
         grads, loss, count = accumulate_gradients(apply_fn, state.params, tokens, cfg.train.grad_accum_steps)

@@ -84,7 +84,7 @@ def _explicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> 
 def _diloco_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     # The pseudo-gradient crosses the axis dense or through a codec, with error feedback and no warm-up
     # (Δ is not Adam's input).
-    outer = cfg.replace(reduce=dict(method=cfg.reduce.outer_codec, start_step=0, warmup_fraction=0.0))
+    outer = cfg.replace(reduce=dict(method=cfg.reduce.diloco.outer_codec, start_step=0, warmup_fraction=0.0))
     exchange = reducer(outer, mesh, model.abstract, model.stacked_dims)
     return diloco.diloco_gradients(apply_fn, cfg, mesh, model, exchange)
 
@@ -104,11 +104,11 @@ def _dgc_phases(cfg: Config) -> list:  # each density stage of the sparsity warm
 
 
 def _topk_variant(cfg: Config) -> Method:
-    return METHODS["topk"] if cfg.reduce.dgc == "off" else DGC
+    return METHODS["topk"] if cfg.reduce.topk.dgc == "off" else DGC
 
 
 IMPLICIT = Method("implicit", _implicit_stage, per_replica=False, compresses=False)
-DGC = Method(  # reduce.method=topk with reduce.dgc on (its default): momentum correction, its own optimizer
+DGC = Method(  # reduce.method=topk with reduce.topk.dgc on (its default): momentum correction, its own optimizer
     "topk",
     lambda apply_fn, cfg, mesh, model: dgc.dgc_gradients(apply_fn, cfg, mesh, model),
     optimizer=dgc.optimizer,  # the stage returns DGC's summed sparse update, clipped per replica
@@ -136,7 +136,7 @@ METHODS: dict[str, Method] = {
         Method(
             "powersgd",
             _explicit_stage,
-            codec=lambda cfg, n: compress.powersgd(cfg.reduce.rank, cfg.train.seed),
+            codec=lambda cfg, n: compress.powersgd(cfg.reduce.powersgd.rank, cfg.train.seed),
             warms_up=True,
             freezes_variance=True,
             phases=_dense_warmup,
@@ -144,13 +144,13 @@ METHODS: dict[str, Method] = {
         Method(
             "int8",
             _explicit_stage,
-            codec=lambda cfg, n: compress.int8(cfg.reduce.block_size, n if cfg.reduce.error_feedback else None),
+            codec=lambda cfg, n: compress.int8(cfg.reduce.int8.block_size, n if cfg.reduce.error_feedback else None),
         ),
         Method(
             "diloco",
             _diloco_stage,
             optimizer=lambda cfg, lr_schedule, mask: diloco.outer_optimizer(),  # the stage returns the outer move
-            sync_every=lambda cfg: cfg.reduce.sync_every,
+            sync_every=lambda cfg: cfg.reduce.diloco.sync_every,
             checks=_diloco_checks,
         ),
         Method(
@@ -171,7 +171,7 @@ BASELINE = {"method": "dense", "dtype": "float32"}
 
 
 def method(cfg: Config) -> Method:
-    """The entry `cfg.reduce.method` names (topk: DGC unless reduce.dgc=off)."""
+    """The entry `cfg.reduce.method` names (topk: DGC unless reduce.topk.dgc=off)."""
     name = cfg.reduce.method
     if name not in METHODS:
         raise JaxdistError(f"reduce.method={name!r} is not one of {', '.join(METHODS)}; pick one of them")
@@ -217,7 +217,7 @@ def check(cfg: Config, mesh: Mesh) -> None:
         raise JaxdistError(
             f"optim.name={cfg.optim.name} with reduce.method={cfg.reduce.method}: that method applies its own "
             f"update rule ({'DGC' if m is DGC else 'DeMo'}), not the optimizer; use optim.name=adamw, or "
-            "reduce.method=dense, int8, powersgd, diloco or topk with reduce.dgc=off"
+            "reduce.method=dense, int8, powersgd, diloco or topk with reduce.topk.dgc=off"
         )
     m.checks(cfg, mesh)
 

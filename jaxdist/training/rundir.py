@@ -28,7 +28,7 @@ from pathlib import Path
 
 from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, check_allowed_keys, flat
 from jaxdist.checkpoint.storage import SUBDIR
-from jaxdist.config import Config
+from jaxdist.config import REGROUPED, Config
 from jaxdist.errors import JaxdistError
 from jaxdist.models import registry
 
@@ -58,7 +58,8 @@ def identity(cfg: Config, restore: str | None = None) -> str:
     # Another architecture's model fields (at their defaults) are not part of what this run computes.
     inert = {f"model.{f}" for f in registry.inert_fields(cfg.model)}
     unnamed = lambda k, v: k in FREE_KEYS | inert or (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])
-    kept = {k: v for k, v in sorted(flat(cfg.to_dict()).items()) if not unnamed(k, v)}
+    old_name = {new: old for old, new in REGROUPED.items()}  # reduce.topk.dgc hashes as reduce.dgc did
+    kept = {old_name.get(k, k): v for k, v in sorted(flat(cfg.to_dict()).items()) if not unnamed(k, v)}
     text = json.dumps({"config": kept, "restore": restore or ""}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 

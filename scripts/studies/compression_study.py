@@ -26,28 +26,28 @@ METHODS = {  # label -> reduce.* overrides (every other knob at its default)
     "dense": dict(method="dense"),
     "implicit": dict(method="implicit"),  # XLA's own all-reduce: dense summed in another order, the noise floor
     "int8": dict(method="int8"),
-    "int8 block 64": dict(method="int8", block_size=64),
-    "powersgd r=4": dict(method="powersgd", rank=4),
-    "powersgd r=4 warm-up 5%": dict(method="powersgd", rank=4, warmup_fraction=0.05),
-    "powersgd r=4 no warm-up": dict(method="powersgd", rank=4, warmup_fraction=0.0),
-    "topk 1%": dict(method="topk", ratio=0.01),  # DGC on each replica's Adam-scaled update (reduce.dgc=update)
+    "int8 block 64": dict(method="int8", int8=dict(block_size=64)),
+    "powersgd r=4": dict(method="powersgd", powersgd=dict(rank=4)),
+    "powersgd r=4 warm-up 5%": dict(method="powersgd", powersgd=dict(rank=4), warmup_fraction=0.05),
+    "powersgd r=4 no warm-up": dict(method="powersgd", powersgd=dict(rank=4), warmup_fraction=0.0),
+    "topk 1%": dict(method="topk", ratio=0.01),  # DGC on each replica's Adam-scaled update (reduce.topk.dgc=update)
     "topk 0.1%": dict(method="topk", ratio=0.001),
-    "topk 1% dgc=gradient": dict(method="topk", ratio=0.01, dgc="gradient"),  # DGC's sum fed to Adam, b1=0
-    "topk 0.1% dgc=gradient": dict(method="topk", ratio=0.001, dgc="gradient"),
-    "topk 1% dgc=off": dict(method="topk", ratio=0.01, dgc="off"),  # plain error feedback, dense warm-up
+    "topk 1% dgc=gradient": dict(method="topk", ratio=0.01, topk=dict(dgc="gradient")),  # DGC's sum fed to Adam, b1=0
+    "topk 0.1% dgc=gradient": dict(method="topk", ratio=0.001, topk=dict(dgc="gradient")),
+    "topk 1% dgc=off": dict(method="topk", ratio=0.01, topk=dict(dgc="off")),  # plain error feedback, dense warm-up
     "topk 1% b2=0.999": dict(method="topk", ratio=0.01, optim=dict(b2=0.999)),  # Adam's memory >> 1/density
-    "topk 1% warm-up from 25%": dict(method="topk", ratio=0.01, warmup_density=0.25),
-    "topk 0.1% dgc=off": dict(method="topk", ratio=0.001, dgc="off"),
+    "topk 1% warm-up from 25%": dict(method="topk", ratio=0.01, topk=dict(warmup_density=0.25)),
+    "topk 0.1% dgc=off": dict(method="topk", ratio=0.001, topk=dict(dgc="off")),
     "demo 1%": dict(method="demo", ratio=0.01),
     "demo 0.1%": dict(method="demo", ratio=0.001),
     "demo 0.24%": dict(method="demo", ratio=0.0024),  # 10 of 4,096 per tile: the densest at >= 100x
-    "diloco H=16": dict(method="diloco", sync_every=16),
-    "diloco H=16 Nesterov 0.7/0.9": dict(method="diloco", sync_every=16, outer_lr=0.7, outer_momentum=0.9),
-    "diloco H=16 b2=0.99": dict(method="diloco", sync_every=16, optim=dict(b2=0.99)),
-    "diloco H=16 clip 0": dict(method="diloco", sync_every=16, optim=dict(clip_norm=0.0)),
-    "diloco H=16 int8": dict(method="diloco", sync_every=16, outer_codec="int8"),
+    "diloco H=16": dict(method="diloco", diloco=dict(sync_every=16)),
+    "diloco H=16 Nesterov 0.7/0.9": dict(method="diloco", diloco=dict(sync_every=16, outer_lr=0.7, outer_momentum=0.9)),
+    "diloco H=16 b2=0.99": dict(method="diloco", diloco=dict(sync_every=16), optim=dict(b2=0.99)),
+    "diloco H=16 clip 0": dict(method="diloco", diloco=dict(sync_every=16), optim=dict(clip_norm=0.0)),
+    "diloco H=16 int8": dict(method="diloco", diloco=dict(sync_every=16, outer_codec="int8")),
     # Adam's second moment frozen after the warm-up (1-bit Adam); measured worse here, so off by default
-    "powersgd r=4 frozen variance": dict(method="powersgd", rank=4, freeze_variance=True),
+    "powersgd r=4 frozen variance": dict(method="powersgd", powersgd=dict(rank=4), freeze_variance=True),
     "topk 1% frozen variance": dict(method="topk", ratio=0.01, freeze_variance=True),
     "topk 1% frozen variance floor=mean": dict(method="topk", ratio=0.01, freeze_variance=True, variance_floor=1.0),
     "topk 0.1% frozen variance floor=mean": dict(method="topk", ratio=0.001, freeze_variance=True, variance_floor=1.0),
