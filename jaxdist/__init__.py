@@ -31,9 +31,10 @@ def run(cfg: Config, run_dir: Path | str, **options: Any) -> RunResult:
     """Train `cfg` and write `run_dir`: `jaxdist.training.loop.run` (options: log, restore, stopper, allowed,
     origin, tasks, rollouts; its docstring says what each does)."""
     # deferred: flax, jax, optax, orbax load on first use, not when python -m jaxdist.train, python -m jaxdist.plan starts
+    from jaxdist.objectives import registry as objectives
     from jaxdist.training.loop import run as train
 
-    if cfg.objective.method == "grpo" and options.get("rollouts") is None:
+    if objectives.rollouts(cfg) and options.get("rollouts") is None:
         # deferred: GRPO's driver (the decoder, above training) loads only for GRPO configs
         from jaxdist.inference import rollout
 

@@ -163,6 +163,7 @@ def _main(argv: list[str] | None, stopper) -> int:
         # The library, once, here: --help, a bad flag or a missing extra answers before it loads.
         # deferred: flax, grain, jax, optax, orbax load on first use, not when python -m jaxdist.train starts
         from jaxdist.data import loader
+        from jaxdist.objectives import registry as objectives
         from jaxdist.training import loop, rundir, startup
 
         cfg = loader.resolve_token_dtype(cfg)  # the token dtype read: a prepared folder's manifest decides
@@ -193,7 +194,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             else "named by this config, train.steps aside: the same command resumes it, a larger --steps extends it"
         )
         rollouts = None
-        if cfg.objective.method == "grpo":
+        if objectives.rollouts(cfg):
             # deferred: GRPO's driver (the decoder, above training) loads only for GRPO configs
             from jaxdist.inference import rollout
 
