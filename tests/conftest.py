@@ -41,6 +41,8 @@ SMALL_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_d
 SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
 # Smaller still, for tests of the loop and its outputs rather than of the model (plots, trackers).
 MICRO_MODEL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
+# As overrides, for subprocess runs that test process plumbing (signals, resume, peers), not the model.
+MICRO_ARGS = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_ARGS, gone
+from conftest import MICRO_ARGS, gone
 
 from jaxdist.cluster import launch as launch_mod
 from jaxdist.errors import JaxdistError
@@ -23,7 +23,7 @@ from jaxdist.errors import JaxdistError
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "cluster" / "launch_local.sh"
 SMALL = [
-    *SMALL_ARGS,
+    *MICRO_ARGS,
     "train.log_every=1",
     "train.eval_every=0",
     "optim.schedule=constant",
