@@ -188,3 +188,22 @@ def test_shipped_config_has_the_published_parameter_count():
     assert c["total"] == 79_674_391_296 and round(c["total"] / 1e9) == 80
     body = c["active"] - c["embed"] - c["head"]
     assert body == 3_252_599_552 and round(body / 1e9) == 3
+
+
+def test_chunked_delta_rule_is_the_recurrence():
+    """The chunked form (the one a forward over a sequence runs: T / chunk states kept for the backward)
+    equals the token-by-token recurrence (the decoding step's), over several chunks, a padded last chunk and
+    a non-zero initial state."""
+    from jaxdist.models.qwen3next import chunked_delta_rule, gated_delta_rule
+
+    r = np.random.default_rng(0)
+    B, T, V, K, D = 2, 21, 3, 8, 6
+    q, k, v = r.normal(size=(B, T, V, K)), r.normal(size=(B, T, V, K)), r.normal(size=(B, T, V, D))
+    g, beta = -np.abs(r.normal(size=(B, T, V))), 1 / (1 + np.exp(-r.normal(size=(B, T, V))))
+    s0 = r.normal(size=(B, V, K, D))
+    o, s = jax.jit(gated_delta_rule)(q, k, v, g, beta, s0)
+    chunked = jax.jit(chunked_delta_rule, static_argnames="chunk")
+    oc, sc = chunked(q, k, v, g, beta, s0, chunk=8)
+    assert np.abs(o).max() > 0.1 and np.abs(o - oc).max() <= 1e-5 and np.abs(s - sc).max() <= 1e-5
+    wrong, _ = chunked(q, k, v, g, 0 * beta, s0, chunk=8)  # no writes: the deltas matter
+    assert np.abs(o - wrong).max() > 1e-2

@@ -125,6 +125,49 @@ def gated_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD):
     return jnp.moveaxis(o_TBVD, 0, 1), state
 
 
+CHUNK = 64  # transformers' chunk_size
+
+
+def chunked_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD, chunk: int = CHUNK):
+    """`gated_delta_rule` by chunks (transformers' `torch_chunk_gated_delta_rule`, the same sum in another
+    order): within a chunk the delta rule's updates are one unit-lower-triangular solve (the UT transform),
+    across chunks a `lax.scan` carries the state, so the backward keeps T / chunk states, not T."""
+    B, T, V, K = q_BTVK.shape
+    C = chunk  # padded to whole chunks, as transformers
+    pad = (-T) % C
+    f32 = lambda x: x.astype(jnp.float32)
+    q = l2norm(f32(q_BTVK)) * K**-0.5
+    k = l2norm(f32(k_BTVK))
+    v, g, beta = f32(v_BTVD), f32(g_BTV), f32(beta_BTV)
+    padT = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    # -> (n chunks, B, V, C, ...): the scan runs over the leading axis
+    chunks = lambda x: jnp.moveaxis(padT(x).reshape(B, -1, C, V, *x.shape[3:]), 3, 2).swapaxes(0, 1)
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    G = jnp.cumsum(g, axis=-1)  # (n, B, V, C) log decay from the chunk's start
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))
+    ut = jnp.where(lower & ~jnp.eye(C, dtype=bool), (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
+    solve = lambda b: jax.lax.linalg.triangular_solve(
+        ut + jnp.eye(C), b, left_side=True, lower=True, unit_diagonal=True
+    )
+    new_v, k_cum = solve(v_beta), solve(k_beta * jnp.exp(G)[..., None])
+    intra = (q @ k.swapaxes(-1, -2)) * decay
+    q_dec = q * jnp.exp(G)[..., None]
+    k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
+    chunk_decay = jnp.exp(G[..., -1])[..., None, None]
+
+    def step(s_BVKD, x):
+        new_v, k_cum, q_dec, k_dec, intra, cd = x
+        v_new = new_v - k_cum @ s_BVKD
+        o = q_dec @ s_BVKD + intra @ v_new
+        return s_BVKD * cd + k_dec.swapaxes(-1, -2) @ v_new, o
+
+    state, o = jax.lax.scan(step, f32(state_BVKD), (new_v, k_cum, q_dec, k_dec, intra, chunk_decay))
+    o_BTVD = jnp.moveaxis(o.swapaxes(0, 1), 3, 2).reshape(B, -1, V, v_BTVD.shape[-1])[:, :T]
+    return o_BTVD, state
+
+
 def causal_conv(x_BTC, tail_BWC, w_C1W):
     """Depthwise causal convolution of `x_BTC` continuing `tail_BWC` (the previous W-1 inputs, zeros at
     the start), then SiLU: -> (y_BTC, the new tail). As transformers' conv1d with padding W-1, cut to T."""
@@ -177,7 +220,8 @@ class GatedDeltaNet(nnx.Module):
         g_BTV = -jnp.exp(self.a_log_V[...]) * jax.nn.softplus(a_BTV.astype(jnp.float32) + self.dt_bias_V[...])
         if state_BVKD is None:
             state_BVKD = jnp.zeros((B, Vh, dk, dv), jnp.float32)
-        o_BTVD, state_BVKD = gated_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD)
+        rule = gated_delta_rule if T == 1 else chunked_delta_rule  # decoding steps: one token
+        o_BTVD, state_BVKD = rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD)
         z_BTVD = z.reshape(B, T, Vh, dv).astype(jnp.float32)
         o_BTVD = (self.norm(o_BTVD) * jax.nn.silu(z_BTVD)).astype(x_BTD.dtype)
         o_BTVD = constrain(o_BTVD, ("batch", "seq", "heads", None))
