@@ -31,7 +31,7 @@ class RunTokenizer:
     bos_ids: tuple[int, ...] = ()
     sha256: str | None = None
     source: str = ""  # where it came from (a prepared folder, data.tokenizer, a Hugging Face model)
-    tok: object = None  # tokenizer.Tok when kind == "tokenizer"
+    tok: tokenizer.Tok | None = None  # when kind == "tokenizer"
 
     def info(self) -> dict:
         return {

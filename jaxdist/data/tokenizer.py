@@ -34,7 +34,7 @@ TRAINED_EOS = "<|endoftext|>"
 
 @dataclasses.dataclass(frozen=True)
 class Tok:
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     file: Path  # the tokenizer.json
     config: dict  # tokenizer_config.json merged over special_tokens_map.json ({} when absent)
     prefix: tuple[int, ...]  # ids put before every document (BOS or nothing)
@@ -134,10 +134,11 @@ def load(path: str) -> Tok:
     lead, trail = tuple(full[:start]), tuple(full[start + len(plain) :])
 
     bos_id = _id_of(tokenizer, _token_text(config.get("bos_token")), "bos_token", file)
+    prefix: tuple[int, ...]
     if "add_bos_token" in config:
         if config["add_bos_token"] and bos_id is None:
             raise JaxdistError(f"tokenizer config in {folder} sets add_bos_token but no bos_token; add one")
-        prefix = (bos_id,) if config["add_bos_token"] else ()
+        prefix = (bos_id,) if config["add_bos_token"] and bos_id is not None else ()
     else:
         prefix = lead
 

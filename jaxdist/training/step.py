@@ -145,8 +145,11 @@ def build_program(
     if objectives.is_default(cfg) or objectives.rollouts(cfg):  # GRPO evaluates by sampling (the driver's)
         jit_eval = jax.jit(eval_step, in_shardings=(shardings.params, batch_sharding), out_shardings=(scalar, scalar))
     else:
+        pair_eval = objectives.eval_step(apply_fn, cfg)
+        if pair_eval is None:  # only GRPO has none, handled above
+            raise RuntimeError(f"objective.method={cfg.objective.method} has no held-out pair step")
         jit_eval = jax.jit(
-            objectives.eval_step(apply_fn, cfg),
+            pair_eval,
             in_shardings=(shardings.params, shardings.reducer_state, batch_sharding),
             out_shardings=scalar,
         )

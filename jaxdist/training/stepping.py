@@ -113,10 +113,18 @@ def train(run: RunState) -> None:
 def step_function(run: RunState, batches: hooks.Batches):
     """`state -> (state, metrics)` on the current batch: the compiled step, or GRPO's driver (sample the
     batch's prompts with the step's seed, score, train)."""
-    if run.driver is None:
+    driver = run.driver
+    if driver is None:
         return lambda st: run.compiled(st, batches.current)
     cfg = run.cfg
-    return lambda st: run.driver.step(st, batches.current.records, prompt_stream.seed(cfg, batches.current.step))
+
+    def grpo_step(st):
+        batch = batches.current
+        if batch is None:
+            raise RuntimeError("a step was dispatched after the last one (no batch drawn)")
+        return driver.step(st, batch.records, prompt_stream.seed(cfg, batch.step))
+
+    return grpo_step
 
 
 def _plot(run_dir: Path):
