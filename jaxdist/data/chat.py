@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -64,8 +65,9 @@ class BadConversation(Exception):
 @dataclasses.dataclass(frozen=True)
 class ChatTokenizer:
     tok: tokenizer_mod.Tok  # ids, vocabulary, EOS rule, sha256
-    parser: object  # tokenizers.Tokenizer that parses special-token text, as transformers encodes a chat
-    template: object  # compiled jinja2.Template
+    parser: Tokenizer  # parses special-token text, as transformers encodes a chat
+    # compiled jinja2.Template of a BoundedEnvironment (Any: its Generation extension adds track_generation)
+    template: Any
     source: str  # where the template came from
     text: str  # the template's text
     variables: dict  # bos_token, eos_token, ... as strings

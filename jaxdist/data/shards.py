@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -26,24 +27,26 @@ class ShardWriter:
         self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
         self.files: list[str] = []
         self.tokens = self.documents = self._in_shard = 0
-        self._fh = None
+        self._fh: BinaryIO | None = None
 
     def write(self, ids: np.ndarray, documents: int) -> None:
         self.documents += documents
         ids = ids.astype(self.dtype)
         while len(ids):
-            if self._fh is None or self._in_shard == self.shard_tokens:
-                self._open()
+            fh = self._fh
+            if fh is None or self._in_shard == self.shard_tokens:
+                fh = self._open()
             take = min(len(ids), self.shard_tokens - self._in_shard)
-            self._fh.write(ids[:take].tobytes())
+            fh.write(ids[:take].tobytes())
             self._in_shard, self.tokens, ids = self._in_shard + take, self.tokens + take, ids[take:]
 
-    def _open(self) -> None:
+    def _open(self) -> BinaryIO:
         self.close()
         self.folder.mkdir(parents=True, exist_ok=True)
         name = f"{len(self.files):06d}.bin"
         self.files.append(f"{self.folder.name}/{name}")
         self._fh, self._in_shard = open(self.folder / name, "wb"), 0  # noqa: SIM115 (closed by close())
+        return self._fh
 
     def close(self) -> None:
         if self._fh is not None:

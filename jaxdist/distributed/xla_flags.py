@@ -67,7 +67,7 @@ def _gpu_plugin_installed() -> bool:
     names = {ep.value for ep in importlib.metadata.entry_points(group="jax_plugins")}
     try:
         # deferred: jax_plugins exists only once a PJRT plugin is installed
-        import jax_plugins  # namespace package of PJRT plugins
+        import jax_plugins  # pyright: ignore[reportMissingImports]  # namespace package of PJRT plugins
 
         names |= {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
     except ImportError:

@@ -70,7 +70,7 @@ def evaluate(
     try:
         results = evaluator.simple_evaluate(
             model=lm,
-            tasks=tasks,
+            tasks=[*tasks],
             num_fewshot=num_fewshot,
             limit=limit,
             task_manager=manager,
@@ -86,7 +86,9 @@ def evaluate(
         raise
     except Exception as e:
         raise offline_error(e, tasks, manager) or e
-    return results
+    if results is None:  # lm-eval returns None on processes other than its rank 0
+        raise RuntimeError("lm-eval returned no results; jaxdist evaluates in one process")
+    return dict(results)
 
 
 def offline_error(e: Exception, tasks: list[str], manager: TaskManager) -> JaxdistError | None:
@@ -99,7 +101,7 @@ def offline_error(e: Exception, tasks: list[str], manager: TaskManager) -> Jaxdi
     paths = [str(c["dataset_path"]) for c in configs if c.get("dataset_path")]
     quoted = re.search(r"'([\w.-]+(?:/[\w.-]+)?)'", text)  # datasets names the repo it could not reach
     dataset = next((d for d in paths if d in text), quoted.group(1) if quoted else ", ".join(paths) or "?")
-    names = {c.get("dataset_name") for c in configs if c.get("dataset_path") == dataset} - {None}
+    names = {n for c in configs if c.get("dataset_path") == dataset and (n := c.get("dataset_name")) is not None}
     call = f"'{dataset}'" + (f", '{sorted(names)[0]}'" if len(names) == 1 else "")
     offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in OFFLINE_VARIABLES)
     where = "while offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)" if offline else "from the Hub"

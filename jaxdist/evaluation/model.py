@@ -243,8 +243,8 @@ class JaxdistLM(TemplateLM):
         if not chat_template:
             return None
         if self._chat is None:
-            self.apply_chat_template([{"role": "user", "content": ""}])
-        return self._chat.text
+            self.apply_chat_template([{"role": "user", "content": ""}])  # loads self._chat
+        return self._chat.text if self._chat is not None else None
 
 
 def from_source(run_dir: str | None, hf: str | None, mesh_text: str, batch_size: int, seed: int = 0) -> JaxdistLM:
