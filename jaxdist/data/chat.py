@@ -125,7 +125,7 @@ class Generation(Extension):
 
     def __init__(self, environment):
         super().__init__(environment)
-        self.tracking = ContextVar("jaxdist_generation", default=None)
+        self.tracking: ContextVar[tuple[list, list] | None] = ContextVar("jaxdist_generation", default=None)
         environment.extend(track_generation=self.track)
 
     def parse(self, parser):

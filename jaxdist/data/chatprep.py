@@ -144,13 +144,15 @@ class Packer:
         self._open_windows = 0
 
     def _write(self, ids: list[int], mask: list[int]) -> None:
+        if self._fh is None:
+            raise RuntimeError("a window is written after _open")
         self._fh[0].write(np.asarray(ids, self.dtype).tobytes())
         self._fh[1].write(np.asarray(mask, np.uint8).tobytes())
         self.tokens += len(ids)
         self.trained += int(sum(mask))
 
     def _close(self) -> None:
-        for fh in self._fh:
+        for fh in self._fh or ():
             fh.close()
         self._fh = None
 

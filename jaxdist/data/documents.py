@@ -31,7 +31,7 @@ def file_format(path: str, forced: str) -> str:
     return "parquet" if path.endswith(".parquet") else "text"
 
 
-def documents(files: list[str], fmt: str, field: str, skipped: list[str] | None = None) -> Iterator[tuple[str, int]]:
+def documents(files: list[str], fmt: str, field: str, skipped: list[str] | None = None) -> Iterator[tuple[str, float]]:
     """(text, input bytes it stands for) per document, in input order; empty documents are skipped.
     A document that is not UTF-8 is never read with U+FFFD in place of its bytes: it stops the command
     (`skipped` None: --on-error stop) or is left out and named in `skipped`."""
@@ -80,7 +80,7 @@ def _field(record, field: str, where: str) -> str:
     return value
 
 
-def parquet_documents(f: str, field: str) -> Iterator[tuple[str, int]]:
+def parquet_documents(f: str, field: str) -> Iterator[tuple[str, float]]:
     try:
         # deferred: an optional extra, imported only where its feature is used
         import pyarrow as pa

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import jinja2
+import jinja2.nodes
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -138,7 +139,7 @@ def bounded_filter(name: str, fn):
         elif name == "format" and plain:
             _check_format(plain[0], [*plain[1:], *kwargs.values()], what)
         elif name == "replace" and len(plain) >= 3:
-            _check_replace(*plain[:3], what)
+            _check_replace(plain[0], plain[1], plain[2], what)
         elif name == "join" and plain:
             _check_join(
                 plain[1] if len(plain) > 1 else kwargs.get("d", ""),
@@ -176,7 +177,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if op == "%":
             _check_format(left, right if isinstance(right, tuple) else (right,), "'%' formatting")
         big = op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
-        if big and right * abs(left).bit_length() > MAX_POWER_BITS:
+        if big and isinstance(right, int) and right * abs(left).bit_length() > MAX_POWER_BITS:
             raise TemplateBound(f"{left} ** {right} would be over {MAX_POWER_BITS:,} bits")
         return check_size(super().call_binop(context, op, left, right), f"the result of '{op}'")
 
