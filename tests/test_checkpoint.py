@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL_ARGS
+from conftest import MICRO_ARGS
 
 from jaxdist import checkpoint, config
 from jaxdist.data import loader as loader_mod
@@ -37,7 +37,7 @@ from jaxdist.training.signals import StopSignal
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
-    *SMALL_ARGS,
+    *MICRO_ARGS,
     "optim.warmup_steps=2",
     "train.eval_every=0",
     "train.log_every=1",
@@ -150,7 +150,10 @@ def test_sigkill_mid_save_resumes_bit_exact(runs):
 def test_sigterm_saves_current_step_and_resumes_on_4_devices(runs):
     root = runs["root"]
     assert runs["t_rc"] == 0, runs["t_text"]
-    assert runs["t_exit_s"] < 30, runs["t_exit_s"]  # generous: the CI machine is shared and slow
+    # From the signal to the exit: the step in flight, one save, the shut-down. Bounded far above that
+    # (it took 56 s at load 25 on 2 cores, against 30 s allowed before) and far below the 40 steps the
+    # run would need if the signal were ignored; `stopped < 40` below is the sharp check.
+    assert runs["t_exit_s"] < 120, runs["t_exit_s"]
     m = re.search(r"stopped by SIGTERM at step (\d+); latest checkpoint: step (\d+)", runs["t_text"])
     assert m and m.group(1) == m.group(2), runs["t_text"]
     stopped = int(m.group(1))
@@ -216,8 +219,8 @@ def test_different_model_names_the_tensor(runs):
     prog = step.build_program(cfg, mesh_from_string("fsdp=8"))
     with pytest.raises(
         JaxdistError,
-        match=r"tensor params/blocks/mlp/w_down_FD has shape \(2, 128, 64\) "
-        r"there but \(2, 256, 64\)",
+        match=r"tensor params/blocks/mlp/w_down_FD has shape \(1, 64, 32\) "
+        r"there but \(1, 256, 32\)",
     ):
         checkpoint.restore(runs["root"] / "a", prog, None, cfg)
 
