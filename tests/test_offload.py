@@ -401,7 +401,7 @@ def test_planner_keeps_the_fetched_layers_on_the_device_without_remat(cfg):
     """Without remat the backward keeps every fetched layer (no second fetch, as counted): the planner
     adds the layer stack to the device total; with a remat policy one layer at a time (nothing added)."""
     from jaxdist.distributed.mesh import parse_mesh
-    from jaxdist.planner import memory
+    from jaxdist.planner import memory, state_memory
     from jaxdist.planner.hardware import HARDWARE
     from jaxdist.planner.layout import Layout
 
@@ -410,7 +410,7 @@ def test_planner_keeps_the_fetched_layers_on_the_device_without_remat(cfg):
         return memory.estimate(Layout(c, parse_mesh("fsdp=2", 2), HARDWARE["h100-80gb"]))
 
     lay = Layout(cfg, parse_mesh("fsdp=2", 2), HARDWARE["h100-80gb"])
-    layers = memory.stored_bytes(lay, lambda g: g.role == "layer")
+    layers = state_memory.stored_bytes(lay, lambda g: g.role == "layer")
     none, full = planned("none"), planned("full")
     assert none.fetched == layers > 0 and full.fetched == 0
     assert none.total - none.compiled_temp - none.arguments == layers

@@ -24,9 +24,9 @@ from jaxdist import config, plan
 from jaxdist.analysis import plan_check
 from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.models.llama import count_params
-from jaxdist.planner import comms, hardware, memory, plans, tables
+from jaxdist.planner import activations, comms, hardware, memory, plans, state_memory, tables
 from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
-from jaxdist.planner.layout import Layout
+from jaxdist.planner.layout import Layout, param_table
 from jaxdist.planner.traffic import by_axis, by_kind
 
 SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=float32"]
@@ -86,7 +86,7 @@ TABLE_SCHEDULES = [
 # GPipe / circular at many micro-batches (pp=4, 8 layers, d_model 128, seq 64: pipeline_bench.py
 # --schedules' shape): the loss then runs over M micro-batches after the pipeline, and its peak (3
 # logits blocks, the output buffer and its pp all-reduce) outgrows the backward's. Before
-# memory.loss_side_bytes and carried_cotangents: -13.7% and -31.6%.
+# activations.loss_side_bytes and carried_cotangents: -13.7% and -31.6%.
 SMALL_PP4 = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
 MANY_MICRO = [
     (None, "pp=4,fsdp=2", [*SMALL_PP4, "pipeline.microbatches=16", "train.global_batch=32"]),
@@ -221,7 +221,7 @@ def test_table_schedules_activations_flat_in_microbatches():
             f"train.global_batch={4 * micro}",
         ]
         cfg = config.load("configs/llama2-7b.yaml", overrides)
-        return memory.activation_bytes(Layout(cfg, parse_mesh("pp=4,fsdp=4", 16), h100))
+        return activations.activation_bytes(Layout(cfg, parse_mesh("pp=4,fsdp=4", 16), h100))
 
     one_input = 1 * 4096 * 4096 * 2  # a micro-batch row of 4096 tokens, d_model 4096, bf16
     for schedule, kept in (("1f1b", 4), ("1f1b_paired", 5)):
@@ -314,8 +314,8 @@ def test_lora_state_terms():
     one = Layout(cfg, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
     assert sum(g.size for g in lora.adapter_groups(one)) == count_adapter_params(cfg.model, cfg.lora)
     adapters = 4 * count_adapter_params(cfg.model, cfg.lora)
-    assert memory.optimizer_bytes(one) == 2 * adapters + 8 and memory.grad_bytes(one) == adapters
-    matrices = sum(g.size for g in memory.param_table(cfg.model) if lora.is_matrix(g))
+    assert state_memory.optimizer_bytes(one) == 2 * adapters + 8 and state_memory.grad_bytes(one) == adapters
+    matrices = sum(g.size for g in param_table(cfg.model) if lora.is_matrix(g))
     rest = count_params(cfg.model)["total"] - matrices
     for dtype, per_entry, per_rest in (
         ("float32", 4, 4),
@@ -325,7 +325,7 @@ def test_lora_state_terms():
     ):
         c = cfg.replace(lora=dict(base_dtype=dtype))
         lay = Layout(c, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
-        assert memory.param_bytes(lay) == pytest.approx(matrices * per_entry + rest * per_rest + adapters)
+        assert state_memory.param_bytes(lay) == pytest.approx(matrices * per_entry + rest * per_rest + adapters)
 
 
 def test_cpu_emits_all_reduce_where_gpus_reduce_scatter():
@@ -366,13 +366,13 @@ def test_70b_hand_checked():
     n = count_params(cfg.model)["total"]
     assert 68.9e9 < n < 69.0e9  # Llama 2 70B: 68.98B
     one = Layout(cfg, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
-    params, optim = memory.param_bytes(one), memory.optimizer_bytes(one)
+    params, optim = state_memory.param_bytes(one), state_memory.optimizer_bytes(one)
     assert params == 4 * n and optim == pytest.approx(8 * n, abs=16)
     assert params / n * 70e9 == 280e9 and optim / n * 70e9 == pytest.approx(560e9)
     sharded = Layout(cfg, parse_mesh("fsdp=128", 128), hardware.get("h100-80gb"))
     norms = 4 * (2 * cfg.model.num_layers + 1) * cfg.model.d_model
-    assert memory.param_bytes(sharded) == (params - norms) / 128 + norms
-    assert memory.optimizer_bytes(sharded) == pytest.approx((optim - 2 * norms) / 128 + 2 * norms, abs=16)
+    assert state_memory.param_bytes(sharded) == (params - norms) / 128 + norms
+    assert state_memory.optimizer_bytes(sharded) == pytest.approx((optim - 2 * norms) / 128 + 2 * norms, abs=16)
     assert not memory.estimate(one).fits  # 1.1 TB of state on one 80 GB GPU
 
 
@@ -393,17 +393,17 @@ def test_pipeline_memory_and_permutes():
     flat = Layout(cfg, parse_mesh("fsdp=8", 8), h100)
     piped = Layout(cfg, parse_mesh("pp=4,fsdp=2", 8), h100)
     norm = lambda g: g.path.endswith("norm/scale")  # replicated by the `norm` rule
-    layers = sum(g.size * 4 for g in memory.param_table(cfg.model) if g.role == "layer" and not norm(g))
-    layer_norms = sum(g.size * 4 for g in memory.param_table(cfg.model) if g.role == "layer" and norm(g))
+    layers = sum(g.size * 4 for g in param_table(cfg.model) if g.role == "layer" and not norm(g))
+    layer_norms = sum(g.size * 4 for g in param_table(cfg.model) if g.role == "layer" and norm(g))
     final_norm = 4 * cfg.model.d_model
     rest = 4 * count_params(cfg.model)["total"] - layers - layer_norms - final_norm
     # the layer stack is split over pp x fsdp = 8 devices; embedding and head over fsdp = 2 only; the
     # layers' norm scales over pp only, the final norm nowhere
-    assert memory.param_bytes(flat) == pytest.approx(layers / 8 + rest / 8 + layer_norms + final_norm)
-    assert memory.param_bytes(piped) == pytest.approx(layers / 8 + rest / 2 + layer_norms / 4 + final_norm)
+    assert state_memory.param_bytes(flat) == pytest.approx(layers / 8 + rest / 8 + layer_norms + final_norm)
+    assert state_memory.param_bytes(piped) == pytest.approx(layers / 8 + rest / 2 + layer_norms / 4 + final_norm)
     b = 64 // (2 * 8)  # per-device micro-batch rows: batch over fsdp=2, 8 micro-batches
     expected_inputs = (8 + 4 - 1) * b * cfg.model.seq_len * cfg.model.d_model * 2
-    assert memory.activation_bytes(piped) >= expected_inputs
+    assert activations.activation_bytes(piped) >= expected_inputs
     stage_permutes = [t for t in comms.step_traffic(piped) if t.what.startswith("stage activations")]
     assert [t.count for t in stage_permutes] == [2 * (8 + 4 - 1)]  # one per iteration, forward and backward
 

@@ -71,8 +71,9 @@ from jaxdist.planner import lora
 from jaxdist.planner.context_traffic import context_traffic
 from jaxdist.planner.expert_traffic import expert_layer_bytes, expert_traffic
 from jaxdist.planner.layout import PARAM_BYTES, Layout, param_table
-from jaxdist.planner.memory import gathered_layer_bytes, gathered_per_layer, loss_plan
 from jaxdist.planner.optimizer_traffic import optimizer_traffic
+from jaxdist.planner.state_memory import gathered_per_layer
+from jaxdist.planner.temporaries import gathered_layer_bytes, loss_plan
 from jaxdist.planner.traffic import Traffic
 from jaxdist.reduce import registry
 

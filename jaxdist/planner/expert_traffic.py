@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jaxdist.parallel.moe import a2a_bytes_per_direction
 from jaxdist.planner.layout import PARAM_BYTES, Layout
-from jaxdist.planner.memory import gathered_per_layer
+from jaxdist.planner.state_memory import gathered_per_layer
 
 
 def expert_layer_bytes(lay: Layout) -> float:

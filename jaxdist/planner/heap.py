@@ -16,7 +16,7 @@ live-range union peaks at 21.6 MB has 26.9 MB live in the simulator, its whole a
 
 Not every temporary value is in temp: XLA's buffer assignment also places values in donated
 parameter buffers while these hold nothing live (the old AdamW moments, once copied at the step's
-start, until the update writes the new ones: jaxdist.planner.memory.moment_copy_bytes).
+start, until the update writes the new ones: jaxdist.planner.temporaries.moment_copy_bytes).
 `donated_live` reads the text dumps (`--xla_dump_hlo_as_text`: the buffer assignment and the live
 ranges) for the bytes of such values live at the simulator's peak.
 

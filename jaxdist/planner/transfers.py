@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdist.planner import memory
+from jaxdist.planner import state_memory
 from jaxdist.planner.layout import Layout
 
 
@@ -50,9 +50,9 @@ def _remat(lay: Layout) -> str:
 
 def host_traffic(lay: Layout) -> HostTraffic:
     o, a = lay.cfg.offload, lay.accum
-    p = memory.param_bytes(lay) if o.params == "host" else 0.0
-    p_layer = memory.stored_bytes(lay, lambda g: g.role == "layer") if o.params == "host" else 0.0
-    opt = memory.optimizer_bytes(lay) if o.optimizer == "host" else 0.0
+    p = state_memory.param_bytes(lay) if o.params == "host" else 0.0
+    p_layer = state_memory.stored_bytes(lay, lambda g: g.role == "layer") if o.params == "host" else 0.0
+    opt = state_memory.optimizer_bytes(lay) if o.optimizer == "host" else 0.0
     refetch = p_layer if _remat(lay) != "none" else 0.0
     scan_in = a * (p_layer + refetch)  # inside the layer scan (overlappable): forward fetches, backward refetches
     h2d = opt + (a + 1) * p + a * refetch
