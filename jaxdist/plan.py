@@ -65,7 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the scaling curves to this file")
     p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
-    return p.parse_intermixed_args(argv)  # overrides may come before or after flags
+    args = p.parse_intermixed_args(argv)  # overrides may come before or after flags
+    if not args.search:  # --search defaults to the devices present; a plan to the documented h100-80gb
+        args.hardware = args.hardware or "h100-80gb"
+    return args
 
 
 @command
@@ -73,7 +76,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.search:
         return search(args)
-    args.hardware = args.hardware or "h100-80gb"
     # The library, once, here: --help and a bad flag answer before it loads.
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
     from jaxdist.planner.plans import run
