@@ -91,13 +91,16 @@ def test_microbatches_match_full_batch(cfg, batches, reference):
 
 
 def test_fsdp_shards_parameters_and_optimizer(cfg):
-    """Compiled argument bytes under fsdp=8 are 1/8 of the state (plus the batch shard and scalars)."""
+    """Compiled argument bytes under fsdp=8 are 1/8 of the state (plus the batch shard and scalars), but for
+    the norm scales and their moments, which the default `norm` rule replicates."""
     prog, compiled = fsdp8(cfg)
     args = compiled.memory_analysis().argument_size_in_bytes
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(prog.abstract_state))
-    scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(prog.abstract_state) if x.ndim == 0)
+    leaves = jax.tree_util.tree_leaves_with_path(prog.abstract_state)
+    state_bytes = sum(x.size * x.dtype.itemsize for _, x in leaves)
+    scalars = sum(x.dtype.itemsize for _, x in leaves if x.ndim == 0)
+    norms = sum(x.size * x.dtype.itemsize for p, x in leaves if x.ndim and "norm" in jax.tree_util.keystr(p))
     batch_shard = cfg.train.global_batch * (cfg.model.seq_len + 1) * 4 // 8
-    assert args == (state_bytes - scalars) // 8 + scalars + batch_shard
+    assert norms and args == (state_bytes - scalars - norms) // 8 + norms + scalars + batch_shard
 
 
 def test_non_finite_step_is_skipped(cfg, batches):
