@@ -48,7 +48,7 @@ def _check_fields(name: str, values) -> None:
         v, (base, rng) = getattr(values, key), _base(tp)
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             _check_fields(f"{name}.{key}", v)
-        elif base is float and not math.isfinite(v):
+        elif base is float and isinstance(v, int | float) and not math.isfinite(v):
             raise JaxdistError(f"{name}.{key}={v} must be a finite number")
         elif rng is not None and not rng.holds(v):
             raise JaxdistError(f"{name}.{key}={v} is out of range: it must be {rng}")

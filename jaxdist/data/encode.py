@@ -22,7 +22,7 @@ def is_held_out(text: str, fraction: float) -> bool:
     return int.from_bytes(digest, "little") < fraction * 2.0**64
 
 
-def chunks(docs: Iterator[tuple[str, int]], fraction: float) -> Iterator[tuple[list[str], list[bool], int]]:
+def chunks(docs: Iterator[tuple[str, float]], fraction: float) -> Iterator[tuple[list[str], list[bool], float]]:
     texts, held, size, nbytes = [], [], 0, 0
     for text, n in docs:
         if not text:
@@ -48,7 +48,9 @@ def _init_worker(tokenizer_dir: str) -> None:
 def _encode(task, tok=None):
     """One chunk -> (train ids, held-out ids, train docs, held-out docs, input bytes)."""
     texts, held, nbytes = task
-    ids = (tok or _WORKER_TOK).encode_documents(texts)
+    tok = tok or _WORKER_TOK
+    assert tok is not None, "a worker encodes with the tokenizer _init_worker loaded"
+    ids = tok.encode_documents(texts)
     train = [a for a, h in zip(ids, held) if not h]
     val = [a for a, h in zip(ids, held) if h]
     return _cat(train), _cat(val), len(train), len(val), nbytes
@@ -58,7 +60,7 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
 
 
-def encoded(tasks: Iterator, tok, tokenizer_dir: Path, workers: int) -> Iterator[tuple]:
+def encoded(tasks: Iterator, tok, tokenizer_dir: Path | str, workers: int) -> Iterator[tuple]:
     """Encoded chunks in input order; at most 2 x workers chunks in flight (bounded memory)."""
     if workers <= 1:
         for task in tasks:

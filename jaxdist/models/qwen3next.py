@@ -274,7 +274,8 @@ class Block(nnx.Module):
     def mixed(self, x_BTD, positions_T):
         """The residual stream after the token mixer."""
         h = self.attn_norm(x_BTD)
-        return x_BTD + (self.attn(h)[0] if self.linear else self.attn(h, positions_T))
+        attn = self.attn
+        return x_BTD + (attn(h)[0] if isinstance(attn, GatedDeltaNet) else attn(h, positions_T))
 
     def __call__(self, x_BTD, positions_T):
         x_BTD, aux = self._mlp(self.mixed(x_BTD, positions_T))
@@ -309,12 +310,13 @@ class Group(nnx.Module):
         new_tails, new_states = [], []
         for i, block in enumerate(self.layers):
             h = block.attn_norm(x_BTD)
-            if block.linear:
-                a_BTD, tail, state = block.attn(jnp.where(real_BT1, h, 0), tails[i], states[i])
+            attn = block.attn
+            if isinstance(attn, GatedDeltaNet):
+                a_BTD, tail, state = attn(jnp.where(real_BT1, h, 0), tails[i], states[i])
                 new_tails.append(tail)
                 new_states.append(state)
             else:
-                a_BTD, k_BSKH, v_BSKH = block.attn.cached(h, positions_BT, k_BSKH, v_BSKH, index, mask_BTS)
+                a_BTD, k_BSKH, v_BSKH = attn.cached(h, positions_BT, k_BSKH, v_BSKH, index, mask_BTS)
             x_BTD = block._mlp(x_BTD + a_BTD)[0]
         return x_BTD, ((k_BSKH, v_BSKH), (jnp.stack(new_tails), jnp.stack(new_states)))
 
@@ -348,7 +350,8 @@ class Qwen3Next(llama.Llama):
 
         def body(x, layer):
             state, kv, lin = layer
-            x, (kv, lin) = nnx.merge(graphdef, state).cached(x, positions_BT, (kv, lin), index, mask_BTS)
+            group = nnx.merge(graphdef, state)  # a Group: the scanned unit's own cached()
+            x, (kv, lin) = group.cached(x, positions_BT, (kv, lin), index, mask_BTS)  # pyright: ignore[reportCallIssue]
             return x, (kv, lin)
 
         x_BTD, (kv, lin) = jax.lax.scan(body, self.embed(tokens_BT), (stacked, attn_cache, linear_cache))

@@ -219,7 +219,7 @@ def layer_tensors(m: ModelConfig, sparse: bool) -> list[tuple]:
 def tensors(m: ModelConfig) -> list[dict]:
     """Every parameter, as `jaxdist.hf.mapping.Tensor` fields: group g's layer j is HF layer g * n + j."""
     n = m.full_attention_interval
-    out = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
+    out: list[dict] = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]
     for j in range(n):
         for p, name, n_in, shape in _mixer(m, j < n - 1) + _mlp(m):
             out.append(dict(path=("blocks", "layers", j, *p), hf=P + name, n_in=n_in, stacked=True,

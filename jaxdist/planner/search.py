@@ -166,20 +166,20 @@ def choose(rows: list[Row]) -> tuple[Row, str]:
             "no candidate layout fits by the compiler's count; raise --memory-budget, add devices or lower "
             "train.global_batch"
         )
-    timed = [r for r in alive if r.measured_s is not None]
+    timed = [(r, r.measured_s) for r in alive if r.measured_s is not None]
     if timed:
-        fastest = min(r.measured_s for r in timed)
-        best = next(r for r in timed if r.measured_s <= fastest * (1 + MEASURED_TIE))
-        ties = sum(r.measured_s <= fastest * (1 + MEASURED_TIE) for r in timed)
+        fastest = min(s for _, s in timed)
+        best, best_s = next((r, s) for r, s in timed if s <= fastest * (1 + MEASURED_TIE))
+        ties = sum(s <= fastest * (1 + MEASURED_TIE) for _, s in timed)
         why = (
-            f"the fastest measured of {len(timed)} timed ({best.measured_s * 1e3:.1f} ms/step"
+            f"the fastest measured of {len(timed)} timed ({best_s * 1e3:.1f} ms/step"
             + (f"; {ties} within {MEASURED_TIE:.0%}, the planner's higher rank breaks the tie" if ties > 1 else "")
             + f"; planner ranked it #{rows.index(best) + 1})"
         )
     else:
         best = alive[0]
         why = f"the planner's fastest that the compiler says fits (ranked #{rows.index(best) + 1}, not timed)"
-    mem = best.compiled_bytes / 1e6
+    mem = (best.compiled_bytes or 0) / 1e6  # alive rows were compiled
     return best, f"chose {best.name}: {why}, {mem:.1f} MB per device compiled"
 
 
