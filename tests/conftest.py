@@ -234,6 +234,21 @@ def assert_generation_matches_fixture(cfg, params, graphdef, mesh, ref, what: st
         assert np.abs(logp[k] - ref[f"logprobs{k}"]).max() <= 1e-4
 
 
+def assert_refused_in_one_line(fixture: Path, overrides: list[str], named: str) -> None:
+    """The fixture's architecture, with `overrides` (model.* ones applied after the import), is refused by its
+    registry entry's start-up check in one line matching `named`."""
+    from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.errors import JaxdistError
+    from jaxdist.models import registry
+
+    cfg = mapping.apply(config.load(None, [o for o in overrides if not o.startswith("model.")]), fixture)
+    cfg = cfg.replace(model=mapping.model_overrides(overrides))
+    mesh = mesh_from_string(cfg.mesh.shape)
+    with pytest.raises(JaxdistError, match=named) as e:
+        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
+    assert "\n" not in str(e.value)
+
+
 def assert_same_greedy(tokens, ref_tokens, gaps, tol: float, what: str = "greedy tokens") -> int:
     """Greedy tokens of two differently compiled programs compared without flaking on a near-tie: per row,
     the tokens must equal the reference's at every position before the first whose top-1/top-2 gap (`gaps`,

@@ -22,7 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, assert_generation_matches_fixture, flat_params
+from conftest import (
+    assert_export_round_trip,
+    assert_generation_matches_fixture,
+    assert_refused_in_one_line,
+    flat_params,
+)
 from flax import nnx
 
 from jaxdist import config
@@ -170,13 +175,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
     ],
 )
 def test_refusals_are_one_line(overrides, named):
-    from jaxdist.models import registry
-
-    cfg = mapping.apply(config.load(None, overrides), FIXTURE)
-    mesh = mesh_from_string(cfg.mesh.shape)
-    with pytest.raises(JaxdistError, match=named) as e:
-        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
-    assert "\n" not in str(e.value)
+    assert_refused_in_one_line(FIXTURE, overrides, named)
 
 
 PUBLISHED_20B = {  # https://huggingface.co/openai/gpt-oss-20b/raw/main/config.json

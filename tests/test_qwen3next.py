@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, assert_same_greedy
+from conftest import assert_export_round_trip, assert_refused_in_one_line, assert_same_greedy
 from flax import nnx
 
 from jaxdist import config
@@ -160,15 +160,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
     ],
 )
 def test_refusals_are_one_line(overrides, named):
-    from jaxdist.models import registry
-
-    model = mapping.model_overrides(overrides)
-    cfg = mapping.apply(config.load(None, [o for o in overrides if not o.startswith("model.")]), FIXTURE)
-    cfg = cfg.replace(model=model)
-    mesh = mesh_from_string(cfg.mesh.shape)
-    with pytest.raises(JaxdistError, match=named) as e:
-        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
-    assert "\n" not in str(e.value)
+    assert_refused_in_one_line(FIXTURE, overrides, named)
 
 
 def test_packed_documents_are_refused(one_device):
