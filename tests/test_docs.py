@@ -263,3 +263,11 @@ def test_configuration_reference_is_current():
     assert with_reference(text) == text, (
         "docs/configuration.md is stale: python -m jaxdist.config --write docs/configuration.md"
     )
+
+
+def test_the_readme_test_line_is_what_ci_runs():
+    """README's second command (install, lint, type check, tests) is the chain `.ci/run` runs in its fresh venv."""
+    readme = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
+    assert len(readme) == 2 and len(ci) == 1
+    assert readme[1].split("#", 1)[0].strip() == ci[0].strip()
