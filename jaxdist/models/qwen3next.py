@@ -263,7 +263,7 @@ class Block(nnx.Module):
         self.attn_norm = Norm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = GatedDeltaNet(cfg, rngs) if linear else Attention(cfg, rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm_eps, rngs)
-        self.sparse, self.linear = bool(cfg.moe_experts), linear
+        self.sparse = bool(cfg.moe_experts)
         self.mlp = MoE(cfg, rngs) if self.sparse else llama.MLP(cfg, rngs)
 
     def _mlp(self, x_BTD):

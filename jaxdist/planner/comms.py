@@ -213,7 +213,7 @@ def _gathered_arrays(lay: Layout, keep) -> int:
     return sum(
         1
         for g in param_table(lay.cfg.model)
-        if g.role == "layer" and "expert" not in g.names and lay.shards(g) > lay.tp_shards(g) and keep(g)
+        if g.role == "layer" and "expert" not in g.names and lay.gathered(g) and keep(g)
     )
 
 
