@@ -134,6 +134,25 @@ def verdict_line(record: dict) -> str | None:
     return line + (f"\n  {record['not_representative']}" if "not_representative" in record else "")
 
 
+def random_batch(prog, cfg):
+    """One fixed random batch of token ids, placed as the train step reads it."""
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    return jax.device_put(
+        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
+    )
+
+
+def step_times(compiled, state, tokens, steps: int):
+    """(the state after, the last step's metrics, each step's seconds) of `steps` steps of `compiled`, each waited for."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, tokens)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return state, m, times
+
+
 def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     """Compile and time `cfg`'s train step on one fixed random batch. `probe(prog, tokens, state) -> dict`,
     if given, looks at the state before the first step and after the last (record["probe"])."""
@@ -141,10 +160,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
     prog = step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg))
-    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
-    tokens = jax.device_put(
-        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
-    )
+    tokens = random_batch(prog, cfg)
 
     t0 = time.perf_counter()
     state = prog.init_state(cfg.train.seed)
@@ -155,12 +171,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
     for _ in range(warmup):
         state, m = compiled(state, tokens)
     jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = compiled(state, tokens)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
+    state, m, times = step_times(compiled, state, tokens, steps)
 
     step_time = statistics.median(times)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len

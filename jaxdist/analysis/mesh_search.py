@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from jaxdist.analysis import bench
 from jaxdist.config import Config
 from jaxdist.data import loader
 from jaxdist.distributed import mesh as mesh_mod
@@ -118,19 +119,10 @@ def judge(row: search.Row, compiled_bytes: int | None, capacity: float) -> None:
 
 def time_steps(prog, compiled, cfg: Config, steps: int) -> float:
     """Median seconds of `steps` synchronised steps (after one untimed) of the compiled program."""
-    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
-    tokens = jax.device_put(
-        jax.random.randint(jax.random.key(0), shape, 0, cfg.model.vocab_size, jnp.int32), prog.batch_sharding
-    )
+    tokens = bench.random_batch(prog, cfg)
     state, m = compiled(prog.init_state(cfg.train.seed), tokens)
     jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = compiled(state, tokens)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(bench.step_times(compiled, state, tokens, steps)[2])
 
 
 def shortlist(fitting: list, top_k: int) -> list:
