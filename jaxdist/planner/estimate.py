@@ -252,7 +252,7 @@ def with_cp_weights(cfg: Config) -> Config:
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=rules))
 
 
-def _architecture_takes(cfg: Config, mesh: dict) -> bool:
+def architecture_takes(cfg: Config, mesh: dict) -> bool:
     """False for a mesh the model's architecture refuses (its registry entry's `check`: Gemma 3 on pp)."""
     try:
         registry.of(cfg.model).check(cfg, mesh)
@@ -282,7 +282,7 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
     out = [
         e
         for name, mesh in candidate_meshes(cfg, devices, hw)
-        if _architecture_takes(cfg, mesh)
+        if architecture_takes(cfg, mesh)
         for variant in schedule_variants(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh)
         if (e := best_for_mesh(variant, mesh, hw, name))
     ]

@@ -20,7 +20,7 @@ from jaxdist.config import Config
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import memory
-from jaxdist.planner.estimate import Estimate, _architecture_takes, estimate, schedule_variants, with_batch
+from jaxdist.planner.estimate import Estimate, architecture_takes, estimate, schedule_variants, with_batch
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout
 
@@ -118,7 +118,7 @@ def enumerate_layouts(cfg: Config, devices: int, hw: Hardware) -> Enumeration:
     (mesh, remat, schedule) accumulation stops at the smallest that fits (more only repeats collectives)."""
     meshes, sized, refused = [], [], 0
     for mesh in mesh_shapes(devices):
-        if not _architecture_takes(cfg, mesh):
+        if not architecture_takes(cfg, mesh):
             continue
         took, fit_at = False, {}  # (remat, schedule) -> the accumulation at which it first fits
         for variant in settings(cfg, mesh):
