@@ -24,7 +24,7 @@ from conftest import MICRO_MODEL
 
 from jaxdist import config
 from jaxdist.config import Config
-from jaxdist.config.schema import ObjectiveConfig
+from jaxdist.config.tuning_sections import ObjectiveConfig
 from jaxdist.data import loss_mask, prefprep
 from jaxdist.data import prepare as prepare_mod
 from jaxdist.distributed import sharding

@@ -193,7 +193,7 @@ def test_registry_covers_exactly_the_schedules_config_accepts():
     planner models by their table; an unknown name is a one-line error."""
     import typing
 
-    from jaxdist.config.schema import PipelineConfig
+    from jaxdist.config.run_sections import PipelineConfig
 
     accepted = set(typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"]))
     assert accepted == set(schedule_registry.SCHEDULES)
@@ -211,13 +211,13 @@ def test_registry_covers_exactly_the_schedules_config_accepts():
 
 def test_no_module_compares_schedule_names():
     """Every decision on pipeline.schedule asks parallel/schedule_registry.py: no other module of jaxdist/
-    spells a schedule's name in quotes (config/schema.py declares the accepted values), nor keeps a
+    spells a schedule's name in quotes (config/run_sections.py declares the accepted values), nor keeps a
     tuple of names to test membership in."""
     from pathlib import Path
 
     pkg = Path(pipeline.__file__).resolve().parent.parent
     names = [f'"{n}"' for n in schedule_registry.SCHEDULES] + [f"'{n}'" for n in schedule_registry.SCHEDULES]
-    allowed = {pkg / "parallel" / "schedule_registry.py", pkg / "config" / "schema.py"}
+    allowed = {pkg / "parallel" / "schedule_registry.py", pkg / "config" / "run_sections.py"}
     offenders = []
     for path in sorted(pkg.rglob("*.py")):
         if path in allowed:

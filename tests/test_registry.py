@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxdist import config
-from jaxdist.config.schema import DilocoReduce, ReduceConfig
+from jaxdist.config.reduce_section import DilocoReduce, ReduceConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.reduce import registry
 

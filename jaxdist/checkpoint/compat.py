@@ -23,7 +23,7 @@ import yaml
 
 from jaxdist.adapters.lora import SCALE, A, B
 from jaxdist.config import Config
-from jaxdist.config.schema import SHAPE_FIELDS
+from jaxdist.config.model_section import SHAPE_FIELDS
 from jaxdist.config.schema import flatten as flat
 from jaxdist.data.corpus import ALLOW
 from jaxdist.errors import JaxdistError

@@ -4,13 +4,17 @@ Everything is validated here, up front, so a typo or a bad value fails before an
 one-line `JaxdistError`. The resolved `Config` is passed down explicitly; nothing reads it globally.
 
   types.py    field types with their checks (Range, Literal)
-  schema.py   the sections as dataclasses; nested dicts -> a validated Config
+  schema.py   the root Config and its sections; nested dicts -> a validated Config
+  model_section.py, data_section.py, run_sections.py, reduce_section.py, tuning_sections.py
+              the sections as dataclasses, one family of sections each
+  coerce.py   one value checked against its field's type
   checks.py   value checks that relate fields
   files.py    YAML files, overrides, shipped configs by name
   keys.py     --help and docs/configuration.md's key reference, from the fields' comments
 """
 
 from jaxdist.config.checks import parse_step_range, validate, validate_moe
+from jaxdist.config.data_section import DataConfig
 from jaxdist.config.files import (
     CONFIGS_DIR,
     DEFAULT_CONFIG,
@@ -22,23 +26,18 @@ from jaxdist.config.files import (
     yaml_load,
 )
 from jaxdist.config.keys import field_docs, iter_keys, keys_help, keys_markdown
-from jaxdist.config.schema import (
-    REGROUPED,
-    RENAMED,
+from jaxdist.config.model_section import ModelConfig
+from jaxdist.config.reduce_section import ReduceConfig
+from jaxdist.config.run_sections import (
     CheckpointConfig,
-    Config,
-    DataConfig,
-    LoraConfig,
     MeshConfig,
-    ModelConfig,
-    ObjectiveConfig,
     OffloadConfig,
     OptimConfig,
     PipelineConfig,
-    ReduceConfig,
     TrainConfig,
-    from_dict,
 )
+from jaxdist.config.schema import REGROUPED, RENAMED, Config, from_dict
+from jaxdist.config.tuning_sections import LoraConfig, ObjectiveConfig
 from jaxdist.config.types import Range
 
 __all__ = [

@@ -10,8 +10,9 @@ from typing import Any
 
 import yaml
 
+from jaxdist.config.coerce import unknown_key
 from jaxdist.config.keys import iter_keys
-from jaxdist.config.schema import Config, _not_a_section, _section_types, _unknown, from_dict
+from jaxdist.config.schema import Config, _not_a_section, _section_types, from_dict
 from jaxdist.config.types import YamlWord
 from jaxdist.errors import JaxdistError
 
@@ -150,7 +151,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
     for text in overrides:
         section, name, value = parse_override(text)
         if section not in _section_types():
-            raise _unknown(f"{section}.{name}", [k for k, _ in iter_keys()])
+            raise unknown_key(f"{section}.{name}", [k for k, _ in iter_keys()])
         _put(raw, [section, *name.split(".")], value)
         key = f"{section}.{name}"
         if key in given and given[key] != value:  # the last wins, as for a repeated flag; said, not silent

@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxdist import config
 from jaxdist.config import Config, ModelConfig, parse_override
-from jaxdist.config.schema import SHAPE_FIELDS
+from jaxdist.config.model_section import SHAPE_FIELDS
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import families
 from jaxdist.models import registry

@@ -56,7 +56,7 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wv_DKH = param(rngs, init, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wo_NHD = param(rngs, out_init, (N, H, D), ("heads", "head_dim", "embed"))
-        # Family switches (config/schema.py); their defaults create nothing, so Llama is unchanged.
+        # Family switches (config/model_section.py); their defaults create nothing, so Llama is unchanged.
         self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
         if cfg.qkv_bias:  # Qwen2
             zeros = nnx.initializers.zeros

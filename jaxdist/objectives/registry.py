@@ -3,7 +3,7 @@ it needs the frozen reference, and what it refuses. `lm` (next-token cross-entro
 step is the one it always was, bit for bit. Nothing else compares objective names: consumers ask here.
 
 Adding an objective: its loss in losses.py (checked against TRL by a committed fixture), one `Objective`
-entry in `OBJECTIVES`, and its name in config/schema.py's `objective.method` values (and, when it reads
+entry in `OBJECTIVES`, and its name in config/tuning_sections.py's `objective.method` values (and, when it reads
 pairs, in `jaxdist.data.prefprep.PAIRED`); `tests/test_objectives.py` checks the three agree.
 """
 

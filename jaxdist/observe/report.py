@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from jaxdist.adapters.lora import count_adapter_params
-from jaxdist.config.schema import PipelineConfig
+from jaxdist.config.run_sections import PipelineConfig
 from jaxdist.data.run_tokenizer import byte_tokens
 from jaxdist.distributed import offload
 from jaxdist.distributed.mesh import format_mesh

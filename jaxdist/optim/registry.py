@@ -8,7 +8,7 @@ clip + AdamW (DGC, DeMo) refuse another `optim.name` (jaxdist/reduce/registry.py
 inner optimizer and the dense and compressed reductions take any entry.
 
 Adding an optimizer: its transformation (a module here if optax lacks it), one `Optimizer` entry in
-`OPTIMIZERS` and its name in config/schema.py's `optim.name` values (CONTRIBUTING.md, "Add an
+`OPTIMIZERS` and its name in config/run_sections.py's `optim.name` values (CONTRIBUTING.md, "Add an
 optimizer"; tests/test_optimizers.py checks both agree).
 """
 

@@ -8,7 +8,7 @@ model and the executor both read, and the one-line refusals of a (config, mesh).
 entry; nothing else compares schedule names (`tests/test_pipeline_schedules.py::test_no_module_compares_schedule_names`).
 
 Adding a schedule: its orders function in `schedules.py` (or its engine module), one `Schedule` entry
-in `SCHEDULES`, and its name among config/schema.py's `pipeline.schedule` values (CONTRIBUTING.md).
+in `SCHEDULES`, and its name among config/run_sections.py's `pipeline.schedule` values (CONTRIBUTING.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ names; `resolve(cfg, mesh, model)` picks the one a run on `mesh` uses (a per-rep
 replica trains as `implicit`, warned). Nothing else compares method names: consumers ask here.
 
 Adding a reducer: its module (the stage, its optimizer if any) and one `Method` entry in `METHODS` and
-config/schema.py's `reduce.method` values (CONTRIBUTING.md, "How to add a reducer").
+config/reduce_section.py's `reduce.method` values (CONTRIBUTING.md, "How to add a reducer").
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ DGC = Method(  # reduce.method=topk with reduce.topk.dgc on (its default): momen
     phases=_dgc_phases,
 )
 
-# reduce.method -> Method: exactly the values config/schema.py accepts (tests/test_registry.py).
+# reduce.method -> Method: exactly the values config/reduce_section.py accepts (tests/test_registry.py).
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
