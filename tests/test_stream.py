@@ -4,6 +4,7 @@ The loader alone: no model is compiled."""
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -138,3 +139,42 @@ def test_bad_streamed_input(docs, tmp_path):
     ]:
         with pytest.raises(JaxdistError, match=message):
             stream_cfg(docs, *extra)
+
+
+def test_a_run_whose_stream_turns_bad_saves_the_steps_done_and_counts_skips(docs, tmp_path):
+    """End to end (MICRO_MODEL): a run of 2 steps over a streamed file with a document that is not UTF-8
+    says so in its closing line and metrics.jsonl's summary; resumed for 4 steps, the next file's line
+    that is not JSON, met while drawing step 3's batch, ends the run in one line naming file and line,
+    after saving step 2 (its checkpoint and metrics)."""
+    from conftest import MICRO_MODEL
+
+    from jaxdist import checkpoint, run
+
+    good = json.dumps({"text": " ".join(["w1"] * 30)})  # 32 tokens: 13 of them are 25 windows of 17 tokens
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_bytes(
+        b"\n".join([good.encode(), b'{"text": "w2 \xff"}', *[good.encode()] * 12])
+    )
+    (tmp_path / "data" / "b.jsonl").write_text("{not json\n")
+    model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"]
+    cfg = stream_cfg(
+        docs, *model, "train.steps=2", "train.eval_every=0", "train.log_every=1", "checkpoint.every=100"
+    ).replace(data=dict(sources=[{"name": "docs", "path": str(tmp_path / "data"), "stream": True}]))
+    said = []
+    run(cfg, tmp_path / "run", log=said.append)
+    skip_note = r"streamed data skipped 1 document\(s\) that are not UTF-8: docs 1 \(first \S+a.jsonl:2: byte 0xff"
+    assert re.search(r"^done: 2 steps, .*; " + skip_note, str(said[-1])), said[-1]
+    records = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["summary"] and records[-1]["data_skipped"] == {"docs": 1}
+
+    with pytest.raises(JaxdistError) as got:
+        run(cfg.replace(train=dict(steps=4)), tmp_path / "run", log=lambda *a: None, allowed=frozenset({"train"}))
+    line = str(got.value)
+    assert "\n" not in line
+    assert re.match(r"^\S+b.jsonl:1 is not valid JSON; JSONL needs one JSON object per line; " + skip_note, line), line
+    assert re.search(
+        r"stopping: checkpoint step 3 saved in \S+; fix the data, then run the same command to resume$", line
+    )
+    assert checkpoint.open_manager(tmp_path / "run" / "checkpoints", read_only=True).all_steps() == [2, 3]
+    records = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r and "step" in r] == [1, 2, 3]

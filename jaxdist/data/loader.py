@@ -326,6 +326,10 @@ class Loader:
                 state["streamed"] = streamed
         return state
 
+    def skip_note(self) -> str:
+        """What a run's closing line says of documents a streamed source skipped ('' if none)."""
+        return self.mixture.skip_note() if self.mixture is not None else ""
+
     def set_state(self, state: dict) -> None:
         if self.mixture is not None and "sources" in state:
             state = dict(state)

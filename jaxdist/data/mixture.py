@@ -187,6 +187,22 @@ class Mixture:
                     "data.on_exhausted=repeat (its next epoch, reshuffled)"
                 )
 
+    def skipped(self) -> dict[str, list[str]]:
+        """{streamed source: the documents it skipped (not UTF-8)}, for the sources that skipped any."""
+        return {
+            n: docs
+            for n, t, on in zip(self.names, self.train, self.streamed)
+            if on and (docs := t.skipped_docs())  # type: ignore[attr-defined]  # a streamed source is stream.Streamed
+        }
+
+    def skip_note(self) -> str:
+        """'' or '; streamed data skipped N document(s) ...': what a run's closing line adds."""
+        got = self.skipped()
+        if not got:
+            return ""
+        each = ", ".join(f"{name} {len(docs)} (first {docs[0]})" for name, docs in got.items())
+        return f"; streamed data skipped {sum(map(len, got.values()))} document(s) that are not UTF-8: {each}"
+
     def line(self, cfg: Config) -> str:
         """The start-up data line: per source what was read, its tokens, weight(s) and expected epochs."""
         total = self.stream.read(cfg.train.steps)

@@ -20,8 +20,9 @@ Resume: the loader's state records, per streamed source, where the file holding 
 re-reads at most that one file; the windows after a resume are those of the uninterrupted run.
 
 Bad input while streaming: a document that is not UTF-8 is skipped and counted (`skipped`, in the
-state and the log); an unreadable file or a line that is not JSON stops with one line naming the file
-and line (`jaxdist.errors.JaxdistError`); the run keeps its checkpoints.
+state, the run's closing line and metrics.jsonl's summary); an unreadable file or a line that is not JSON
+stops with one line naming the file and line (`jaxdist.errors.JaxdistError`); in a run, the steps done
+before it are saved first (training/stepping.py).
 """
 
 from __future__ import annotations
@@ -128,7 +129,17 @@ class Streamed:
             i = window if self.epoch is None else window % self.epoch
             file = max(f for f, (w, _) in self.bookmarks.items() if w <= i)
             first, carry = self.bookmarks[file]
-            return {"file": file, "window": first, "carry": carry, "epoch": self.epoch, "skipped": len(self.skipped)}
+            return {
+                "file": file,
+                "window": first,
+                "carry": carry,
+                "epoch": self.epoch,
+                "skipped": len(self.skipped_docs()),
+            }
+
+    def skipped_docs(self) -> list[str]:
+        """The documents skipped so far (not UTF-8), each once: a file read again names its skips again."""
+        return list(dict.fromkeys(self.skipped))
 
     def restore(self, state: dict) -> None:
         with self.lock:

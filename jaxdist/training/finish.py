@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxdist.checkpoint.saving import Saver
+from jaxdist.data.loader import Loader
 from jaxdist.observe import metrics, report
 from jaxdist.training.opening import local_devices
 from jaxdist.training.signals import StopSignal
@@ -51,6 +52,10 @@ def finish(run: RunState) -> RunResult:
     summary = progress.summary(steps_done, run.compile_s)
     devices = local_devices(run.mesh)
     summary.update(report.memory_summary(run.compiled, run.predicted, metrics.device_memory(devices)))
+    mix = run.loader.mixture if isinstance(run.loader, Loader) else None
+    skipped = mix.skipped() if mix is not None else {}
+    if skipped:  # documents a streamed source left out (not UTF-8), each counted once
+        summary["data_skipped"] = {name: len(docs) for name, docs in skipped.items()}
     try:
         run.writer.write(summary)
         run.writer.close()
@@ -68,7 +73,9 @@ def finish(run: RunState) -> RunResult:
     log(
         f"{head}: {steps_done} steps, loss {summary['final_loss']:.4f} (smoothed {summary['final_loss_smooth']:.4f})"
         f"{ev} nats/token, {summary['tokens_per_sec']:,.0f} tokens/s, {progress.throughput_text(summary)}, "
-        f"run dir {run_dir}, " + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
+        f"run dir {run_dir}, "
+        + (f"loss plot {plotted}" if isinstance(plotted, Path) else f"no loss plot ({plotted})")
+        + (mix.skip_note() if mix is not None else "")
     )
     if stopper.received:
         log(_stopped_line(stopper, saver, steps_done))

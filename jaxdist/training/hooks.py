@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxdist.errors import JaxdistError
+
 
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
@@ -74,6 +76,15 @@ class Checkpoint(Hook):
         self.saver.poll()
 
 
+class DataFailed(JaxdistError):
+    """The next batch could not be read (a streamed file became unreadable or malformed) after step
+    `end.index` was dispatched: the steps before are done and can still be saved."""
+
+    def __init__(self, message: str, end: StepEnd):
+        super().__init__(message)
+        self.end = end
+
+
 class Batches(Hook):
     """Holds the batch of the next step; draws it once this step is dispatched (and saved)."""
 
@@ -83,7 +94,10 @@ class Batches(Hook):
 
     def after_step(self, end):
         self.before = (end.done, self.loader.get_state())
-        self.current = None if end.last else next(self.loader)
+        try:
+            self.current = None if end.last else next(self.loader)
+        except JaxdistError as e:
+            raise DataFailed(str(e), end) from None
 
 
 class Metrics(Hook):

@@ -101,6 +101,11 @@ def train(run: RunState) -> None:
                 raise metrics.OutputFailed(
                     f"{e}; stopping: {_save_after_failure(saver, per_step, run.loader)}"
                 ) from None
+            except hooks.DataFailed as e:  # the next batch cannot be read: the steps done are kept
+                metrics_hook.flush(e.end)  # their log lines and metrics.jsonl records first
+                kept = _save_after_failure(saver, per_step, run.loader, then="fix the data, then run the same command")
+                skips = run.loader.skip_note() if isinstance(run.loader, Loader) else ""
+                raise JaxdistError(f"{e}{skips}; stopping: {kept}") from None
         for h in per_step:
             h.close(state)
     finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
@@ -135,11 +140,16 @@ def _plot(run_dir: Path):
         return str(e) if isinstance(e, JaxdistError) else reason(e)
 
 
-def _save_after_failure(saver: Saver, per_step: list[hooks.Hook], loader: Loader) -> str:
-    """After metrics or a tracker failed: a checkpoint of the last step if there is room, else why not."""
+def _save_after_failure(
+    saver: Saver,
+    per_step: list[hooks.Hook],
+    loader: Loader,
+    then: str = "free space or fix the folder, then run the same command",
+) -> str:
+    """After metrics, a tracker or the data failed: a checkpoint of the last step if there is room, else why not."""
     ckpt = next(h for h in per_step if isinstance(h, hooks.Checkpoint))
     batches = next(h for h in per_step if isinstance(h, hooks.Batches))
-    then = "free space or fix the folder, then run the same command to resume"
+    then += " to resume"
     if ckpt.latest is None:
         return f"no step was completed; {then}"
     state, done = ckpt.latest
