@@ -162,11 +162,11 @@ def _main(argv: list[str] | None, stopper) -> int:
                 raise JaxdistError('train.eval_tasks needs lm-eval: pip install "jaxdist[eval]"')
         # The library, once, here: --help, a bad flag or a missing extra answers before it loads.
         # deferred: flax, grain, jax, optax, orbax load on first use, not when python -m jaxdist.train starts
-        from jaxdist.data import loader
+        from jaxdist.data import data_rules
         from jaxdist.objectives import registry as objectives
         from jaxdist.training import loop, rundir, startup
 
-        cfg = loader.resolve_token_dtype(cfg)  # the token dtype read: a prepared folder's manifest decides
+        cfg = data_rules.resolve_token_dtype(cfg)  # the token dtype read: a prepared folder's manifest decides
         if args.print_config:
             setup_platform(args.cpu_devices)
             print(config.dump(startup.on_all_devices(cfg)), end="")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.data import chat, loader, loss_mask, prepare
+from jaxdist.data import chat, data_rules, loader, loss_mask, prepare
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.reduce.gradients import implicit_gradients
@@ -168,7 +168,7 @@ def test_loader_carries_the_mask_to_the_step(prepared_chat, tiny_cfg):
     np.testing.assert_array_equal(np.asarray(decoded), ids[128:257])
     np.testing.assert_array_equal(np.asarray(weights), mask[128:257])
     assert len(held_out) >= 1 and (held_out[0] < 0).any()  # eval reads the held-out masks too
-    assert loader.document_eos(cfg) == manifest["eos_id"]
+    assert data_rules.document_eos(cfg) == manifest["eos_id"]
     with pytest.raises(JaxdistError, match="model.seq_len=128"):
         loader.load_windows(cfg.replace(model=dict(seq_len=64)))
 

@@ -307,7 +307,7 @@ def test_plan_sizes_qwen3_30b_a3b(capsys):
     assert given["memory"]["params"] == 4 * (experts / 64 + rest / 8 + norms)
     assert given["memory"]["fits"]
     # Mistral's window: the planner offers no context-parallel mesh (parallel/context.py refuses it).
-    from jaxdist.planner.estimate import candidates
+    from jaxdist.planner.candidates import candidates
     from jaxdist.planner.hardware import HARDWARE
 
     long = config.load("configs/mistral-7b.yaml", ["model.seq_len=131072", "train.global_batch=8"])

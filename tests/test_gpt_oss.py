@@ -220,7 +220,7 @@ def test_gpt_oss_20b_config_has_the_published_count():
 
 def test_the_planner_offers_gpt_oss_20b_no_pp_or_cp_mesh():
     """The registry entry's refusals are the planner's candidate filter too."""
-    from jaxdist.planner.estimate import architecture_takes
+    from jaxdist.planner.candidates import architecture_takes
 
     cfg = config.load("configs/gpt-oss-20b.yaml")
     base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}

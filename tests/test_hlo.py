@@ -139,9 +139,9 @@ def test_empty_replica_groups_need_the_device_count():
 
 
 def test_ring_model_is_one_function():
-    from jaxdist.planner import comms
+    from jaxdist.planner import tally
 
-    assert comms.ring_bytes is hlo.ring_bytes
+    assert tally.ring_bytes is hlo.ring_bytes
     assert hlo.ring_bytes("all-reduce", 8, 800) == 1400 and hlo.ring_bytes("all-gather", 4, 400) == 300
     assert hlo.ring_bytes("collective-permute", 2, 64) == 64 and hlo.ring_bytes("all-reduce", 1, 64) == 0
     assert hlo.dtype_bytes("bf16") == hlo.dtype_bytes("bfloat16") == 2 and hlo.dtype_bytes("float32") == 4

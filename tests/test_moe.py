@@ -541,7 +541,8 @@ def test_planner_proposes_ep_for_moe_only():
     gathers of 46.7B parameters, while ep keeps the experts (96% of them) in place: an ep mesh is the
     fastest that fits. A dense model is never offered ep."""
     from jaxdist.planner import hardware
-    from jaxdist.planner.estimate import candidate_meshes, candidates, recommend
+    from jaxdist.planner.candidates import candidate_meshes, candidates
+    from jaxdist.planner.recommend import recommend
 
     h100 = hardware.get("h100-80gb")
     mixtral = config.load("configs/mixtral-8x7b.yaml", ["train.global_batch=64"])

@@ -281,6 +281,7 @@ def test_prepare_preference_stop_and_flag_errors(tmp_path):
 
 
 def test_training_reads_pairs_only_under_a_pair_objective(tmp_path, small_cfg):
+    from jaxdist.data import data_rules
     from jaxdist.data import loader as loader_mod
 
     out, _, _ = prepare(tmp_path, [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}])
@@ -292,7 +293,7 @@ def test_training_reads_pairs_only_under_a_pair_objective(tmp_path, small_cfg):
     assert (
         len(train) == 1
         and train[0].shape == (194,)
-        and loader_mod.row_width(cfg.replace(objective=dict(method="dpo"))) == 194
+        and data_rules.row_width(cfg.replace(objective=dict(method="dpo"))) == 194
     )
     with pytest.raises(JaxdistError, match="model.seq_len=32; set model.seq_len=96"):
         loader_mod.load_windows(cfg.replace(objective=dict(method="dpo"), model=dict(seq_len=32)))

@@ -25,8 +25,10 @@ from jaxdist.analysis import plan_check
 from jaxdist.distributed.mesh import parse_mesh
 from jaxdist.models.llama import count_params
 from jaxdist.planner import activations, comms, hardware, memory, plans, state_memory, tables
-from jaxdist.planner.estimate import TIE, break_ties, candidates, compute_flops, estimate, recommend
+from jaxdist.planner.candidates import candidates
+from jaxdist.planner.estimate import compute_flops, estimate
 from jaxdist.planner.layout import Layout, param_table
+from jaxdist.planner.recommend import TIE, break_ties, recommend
 from jaxdist.planner.traffic import by_axis, by_kind
 
 SMALL_125M = ["model.seq_len=32", "train.global_batch=8", "model.compute_dtype=float32"]
@@ -68,7 +70,7 @@ MOE = [("configs/tiny-moe.yaml", "ep=8", [])]
 # Table schedules (issue 32: jaxdist.parallel.pipeline_1f1b) and LoRA / QLoRA (issue 30), compiled once
 # each after their terms were written (the LoRA terms after reading the two LoRA pairs' heap traces):
 # arguments within 1%, temp and total within 10%, both ways; collectives within 5% (the table
-# schedules' per slot of their table, comms._schedule_table_traffic, written after reading these two
+# schedules' per slot of their table, schedule_traffic.schedule_table_traffic, written after reading these two
 # pairs' HLO: exact on both; 60 / 89 MB of all-reduce / all-gather on the 1f1b pair before, of 122).
 TABLE_SCHEDULES = [
     (None, "pp=2,fsdp=4", ["pipeline.schedule=1f1b", "pipeline.microbatches=4", "train.global_batch=16"]),
@@ -276,7 +278,7 @@ def test_plan_proposes_the_table_schedules():
     (1f1b) or 2P - 3 (paired) whatever M is and do; GPipe fits only at accumulation 2, and paired 1F1B,
     whose two lanes give it GPipe's bubble, is recommended, its reason naming it and what it beats."""
     from jaxdist.parallel import schedule_registry
-    from jaxdist.planner.estimate import best_for_mesh, schedule_variants, with_batch
+    from jaxdist.planner.candidates import best_for_mesh, schedule_variants, with_batch
 
     cfg, hw = config.load("llama2-70b", []), hardware.get("h100-80gb")
     mesh = parse_mesh("pp=4,fsdp=8", 32)

@@ -158,12 +158,12 @@ def test_overlay_labels_runs_by_their_differing_config_keys(five_steps, tmp_path
 
 
 def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
-    """config.yaml records the dtype read (data.loader.resolve_token_dtype), so runs that read the same tokens
+    """config.yaml records the dtype read (data.data_rules.resolve_token_dtype), so runs that read the same tokens
     have the same data.token_dtype whatever was passed, and the overlay does not label them by it."""
     import numpy as np
     import yaml
 
-    from jaxdist.data import loader
+    from jaxdist.data import data_rules
 
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
     tokens = ["data.source=tokens", f"data.path={tmp_path / 't.bin'}"]
@@ -173,7 +173,7 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     ]
     for a, b in cases:
         flat = [
-            plots.read_config(_write(tmp_path / name, loader.resolve_token_dtype(config.load(None, over))))
+            plots.read_config(_write(tmp_path / name, data_rules.resolve_token_dtype(config.load(None, over))))
             for name, over in (("a", a), ("b", b))
         ]
         assert plots.differing_labels(flat, ["a", "b"]) == ["a", "b"], flat
@@ -182,7 +182,7 @@ def test_runs_are_never_labelled_by_a_token_dtype_that_had_no_effect(tmp_path):
     from jaxdist.checkpoint import compat
 
     old = config.load(None, ["data.token_dtype=uint16"]).to_dict()
-    assert compat.changed_keys(old, loader.resolve_token_dtype(config.load(None, []))) == {}
+    assert compat.changed_keys(old, data_rules.resolve_token_dtype(config.load(None, []))) == {}
 
 
 def _write(run_dir, cfg):

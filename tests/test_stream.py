@@ -13,8 +13,8 @@ from test_mixture import batch_sharding, take
 from test_tokenize import word_tokenizer
 
 from jaxdist import config
+from jaxdist.data import data_rules, prepare, stream
 from jaxdist.data import loader as loader_mod
-from jaxdist.data import prepare, stream
 from jaxdist.errors import JaxdistError
 from jaxdist.observe import report
 
@@ -54,7 +54,7 @@ def test_streamed_windows_are_prepares_windows(docs, tmp_path):
     (same tokenizer, same packing rule), and so are those of the same rows as Arrow files; the stream then
     repeats in the same order."""
     cfg = config.load(None, ["model.vocab_size=300", f"model.seq_len={SEQ}", f"data.path={docs}/prep"])
-    prepared, _ = loader_mod.load_windows(loader_mod.source_of_prepared(cfg, log=lambda *a: None))
+    prepared, _ = loader_mod.load_windows(data_rules.source_of_prepared(cfg, log=lambda *a: None))
     streamed = stream.Streamed(sorted(map(str, (docs / "jsonl").iterdir())), "auto", "text", f"{docs}/tok", SEQ + 1)
     n = len(prepared)
     assert 40 <= n <= 70  # ~17 windows per file: the stream crosses files

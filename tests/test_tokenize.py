@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdist.data import data_rules, prepare, tokenizer
 from jaxdist.data import loader as loader_mod
-from jaxdist.data import prepare, tokenizer
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models.attention import document_segments
@@ -245,8 +245,8 @@ def test_document_mask_needs_an_eos_and_no_pipeline(tiny_cfg, tmp_path):
     np.zeros(100, np.uint16).tofile(tmp_path / "t.bin")
     cfg = mask_cfg(tiny_cfg, source="tokens", path=str(tmp_path / "t.bin"))
     with pytest.raises(JaxdistError, match="end-of-document id of these token files"):
-        loader_mod.mask_eos(cfg)
-    assert loader_mod.mask_eos(cfg.replace(data=dict(document_mask=False))) is None
+        data_rules.mask_eos(cfg)
+    assert data_rules.mask_eos(cfg.replace(data=dict(document_mask=False))) is None
     with pytest.raises(JaxdistError, match="needs the end-of-document id: build the program with eos_id"):
         step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=8"))  # the step reads no files
     with pytest.raises(JaxdistError, match="pipeline parallelism"):
@@ -345,7 +345,7 @@ def test_data_path_folders(prepared, tiny_cfg, tmp_path):
     train, held_out = loader_mod.load_windows(cfg)
     np.testing.assert_array_equal(train[0], np.fromfile(a / "train" / "000000.bin", np.uint16)[:17])
     np.testing.assert_array_equal(held_out[0], np.fromfile(a / "val" / "000000.bin", np.uint16)[:17])
-    assert loader_mod.document_eos(cfg) == 0
+    assert data_rules.document_eos(cfg) == 0
     with pytest.raises(JaxdistError, match="prepared with 4096 token ids.*re-run prepare with its tokenizer"):
         loader_mod.load_windows(cfg.replace(model=dict(vocab_size=4000)))
     other = word_tokenizer(tmp_path / "other", post_bos=False)
@@ -367,7 +367,7 @@ def test_data_line_counts_token_shards_and_says_the_dtype_read(prepared, tiny_cf
     shards = {split: sorted((out / split).glob("*.bin")) for split in ("train", "val")}
     assert len(shards["train"]) >= 2 and len(shards["val"]) >= 1 and len(list(out.iterdir())) > 4
     cfg = tiny_cfg.replace(data=dict(source="tokens", path=str(out)), model=dict(vocab_size=4096, seq_len=16))
-    resolved = loader_mod.resolve_token_dtype(cfg)
+    resolved = data_rules.resolve_token_dtype(cfg)
     assert (cfg.data.token_dtype, resolved.data.token_dtype) == ("auto", "uint32")  # what config.yaml records
     train, held = loader_mod.load_windows(cfg)
     line = report.data_line(resolved, SimpleNamespace(train=train, held_out=held, mixture=None))

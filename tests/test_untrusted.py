@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import full_disk
 
-from jaxdist.data import chat, chatprep, prepare, template_sandbox
+from jaxdist.data import chat, chat_template, jsonl_lines, prepare, template_sandbox
 from jaxdist.errors import JaxdistError
 
 FIX = Path(__file__).parent / "fixtures" / "chat"
@@ -23,7 +23,9 @@ def qwen():
 
 
 def with_template(ct, text: str):
-    return dataclasses.replace(ct, template=chat.compile_template(text, "t.jinja"), text=text, source="t.jinja")
+    return dataclasses.replace(
+        ct, template=chat_template.compile_template(text, "t.jinja"), text=text, source="t.jinja"
+    )
 
 
 # Each ran for minutes or filled memory before (range nested twice: > 200 s; 'a' * 300000000: 21 GB).
@@ -82,7 +84,7 @@ def test_generate_chat_and_prepare_chat_stop_a_bad_template_in_one_line(qwen, tm
 def test_bad_chat_lines_are_skipped_by_kind_or_stop(tmp_path, monkeypatch, capsys):
     """Non-UTF-8 bytes were replaced by U+FFFD even with --on-error stop; a lone surrogate or 100k-deep JSON
     raised; a 10 MB message took 3.5 GB and 23 s to be refused; a line of any length was read whole."""
-    monkeypatch.setattr(chatprep, "MAX_LINE_BYTES", 50_000)
+    monkeypatch.setattr(jsonl_lines, "MAX_LINE_BYTES", 50_000)
     good = json.dumps(GOOD).encode()
     lines = [
         good,

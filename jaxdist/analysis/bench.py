@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.analysis import measure as measuring
-from jaxdist.data import loader
+from jaxdist.data import data_rules
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.distributed import offload, sharding
 from jaxdist.distributed.mesh import AXES
@@ -63,7 +63,7 @@ def compile_only(cfg, mesh_text: str, hardware_name: str | None = None) -> dict:
     }
     record["dp_bytes_per_step"] = measuring.dp_bytes_per_step(compiled.as_text(), mesh, cfg.reduce.axis)
     # offload's host<->device bytes per device per step, counted from the step's memory-space moves
-    record["host_transfers"] = offload.host_transfers(step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg)))
+    record["host_transfers"] = offload.host_transfers(step.build_program(cfg, mesh, eos_id=data_rules.mask_eos(cfg)))
     record["compression_ratio"] = measuring.compression_ratio(cfg, mesh, record["dp_bytes_per_step"])
     record.update(fit(cfg, mesh, record["bytes_per_device"].get("total"), record["platform"], hardware_name))
     return record
@@ -159,7 +159,7 @@ def measure(cfg, mesh_text: str, warmup: int, steps: int, probe=None) -> dict:
 
     devices = mesh_devices(mesh_text, jax.devices())
     mesh = mesh_mod.mesh_from_string(mesh_text, devices)
-    prog = step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg))
+    prog = step.build_program(cfg, mesh, eos_id=data_rules.mask_eos(cfg))
     tokens = random_batch(prog, cfg)
 
     t0 = time.perf_counter()

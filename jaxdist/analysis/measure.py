@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
-from jaxdist.data import loader
+from jaxdist.data import data_rules
 from jaxdist.distributed import hlo, sharding
 from jaxdist.errors import JaxdistError
 from jaxdist.models.resolve import resolve
@@ -52,7 +52,7 @@ def dp_bytes_per_step(
 
 def compile_train_step(cfg: Config, mesh: Mesh, compiler_options: dict | None = None):
     """The compiled train step of `cfg` on `mesh` (abstract inputs: nothing is allocated)."""
-    prog = step.build_program(cfg, mesh, eos_id=loader.mask_eos(cfg))
+    prog = step.build_program(cfg, mesh, eos_id=data_rules.mask_eos(cfg))
     tokens = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
     )

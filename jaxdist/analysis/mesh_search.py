@@ -20,7 +20,7 @@ import yaml
 
 from jaxdist.analysis import bench
 from jaxdist.config import Config
-from jaxdist.data import loader
+from jaxdist.data import data_rules
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.distributed.mesh import format_mesh
 from jaxdist.errors import JaxdistError
@@ -93,7 +93,7 @@ def compile_row(row: search.Row, devices: list, capacity: float):
     t0 = time.perf_counter()
     try:
         mesh = mesh_mod.mesh_from_string(format_mesh(lay.mesh), devices)
-        prog = step.build_program(lay.cfg, mesh, eos_id=loader.mask_eos(lay.cfg))
+        prog = step.build_program(lay.cfg, mesh, eos_id=data_rules.mask_eos(lay.cfg))
         tokens = jax.ShapeDtypeStruct(
             (lay.cfg.train.global_batch, lay.cfg.model.seq_len + 1), jnp.int32, sharding=prog.batch_sharding
         )

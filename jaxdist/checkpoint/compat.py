@@ -257,7 +257,7 @@ def changed_keys(saved: dict, cfg: Config) -> dict[str, tuple[Any, Any]]:
     saved config lacks (added to jaxdist since) counts as its default; one `cfg` lacks cannot be compared."""
     now, defaults, before = flat(cfg.to_dict()), flat(dataclasses.asdict(Config())), flat(saved)
     if before.get("data.source", defaults["data.source"]) != "tokens":  # no token files read: no dtype
-        before["data.token_dtype"] = "auto"  # (recorded as uint16 before data.loader.resolve_token_dtype)
+        before["data.token_dtype"] = "auto"  # (recorded as uint16 before data.data_rules.resolve_token_dtype)
     return {k: (before.get(k, defaults[k]), v) for k, v in now.items() if before.get(k, defaults[k]) != v}
 
 

@@ -1,12 +1,9 @@
 """Chat conversations -> token ids + loss mask, rendered with the model's own chat template as transformers does.
 
-The template is the tokenizer folder's `chat_template.jinja` (what transformers 4.43+ saves), else
-`tokenizer_config.json`'s `chat_template` (a string, or a list of named templates: "default"), or a file
-given explicitly. It is rendered like `apply_chat_template`: a sandboxed Jinja2 environment with
-`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception`, a `tojson` that does not
-escape HTML, `strftime_now`, the tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as
-variables, messages with None-valued keys dropped, and the `{% generation %}` tag recording where the
-assistant's text lies. The text is then encoded as transformers encodes it: special-token text is parsed
+The template (found, read and compiled in jaxdist/data/chat_template.py: transformers' sandboxed Jinja2
+environment with the `{% generation %}` tag) is rendered like `apply_chat_template`: the tokenizer's named
+special tokens (`bos_token`, `eos_token`, ...) as variables, messages with None-valued keys dropped, the
+generation blocks recording where the assistant's text lies. The text is then encoded as transformers encodes it: special-token text is parsed
 (the template's `<|im_start|>` becomes its id) and the tokenizer adds nothing (`add_special_tokens=False`).
 
 Loss mask (`encode(..., loss_on="assistant")`): a token is trained on when its characters overlap
@@ -23,30 +20,22 @@ Loss mask (`encode(..., loss_on="assistant")`): a token is trained on when its c
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from contextlib import contextmanager
-from contextvars import ContextVar
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import numpy as np
-from jinja2 import nodes
-from jinja2.ext import Extension
 from tokenizers import Tokenizer
 
 from jaxdist.data import template_sandbox
 from jaxdist.data import tokenizer as tokenizer_mod
+from jaxdist.data.chat_template import compile_template, read_template, token_bytes
 from jaxdist.errors import JaxdistError
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file (real ones are a few KB)
 PROBE = [  # rendered once to choose a document boundary id the template never writes
     {"role": "system", "content": "s"},
     {"role": "user", "content": "u"},
@@ -78,102 +67,6 @@ class ChatTokenizer:
         return bool(GENERATION_TAG.search(self.text))
 
 
-# -------------------------------------------------------------------------------------------- template
-
-
-def read_template(folder: Path, override: str | None = None) -> tuple[str, str]:
-    """(template text, where it came from)."""
-    if override:
-        path = Path(override).expanduser()
-        if not path.is_file():
-            raise JaxdistError(f"--chat-template {path} not found; give a Jinja file")
-        return _template_text(path), str(path)
-    if (folder / "chat_template.jinja").is_file():
-        return _template_text(folder / "chat_template.jinja"), str(folder / "chat_template.jinja")
-    config_file = folder / "tokenizer_config.json"
-    value = json.loads(_template_text(config_file)).get("chat_template") if config_file.is_file() else None
-    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]: the default one
-        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(value, str) or not value:
-        raise JaxdistError(
-            f"{folder} has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json); "
-            "pass --chat-template FILE.jinja"
-        )
-    return value, f"{config_file}:chat_template"
-
-
-def _template_text(path: Path) -> str:
-    """A template (or the tokenizer_config.json holding one): at most MAX_TEMPLATE_BYTES of UTF-8."""
-    size = path.stat().st_size
-    if size > MAX_TEMPLATE_BYTES:
-        raise JaxdistError(
-            f"{path} is {size:,} bytes, more than a chat template's limit of {MAX_TEMPLATE_BYTES:,}; give the model's own"
-        )
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise JaxdistError(
-            f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); save it as UTF-8"
-        ) from None
-
-
-class Generation(Extension):
-    """The `{% generation %}` tag: records the character span of its output in the text rendered so far."""
-
-    tags = {"generation"}
-
-    def __init__(self, environment):
-        super().__init__(environment)
-        self.tracking: ContextVar[tuple[list, list] | None] = ContextVar("jaxdist_generation", default=None)
-        environment.extend(track_generation=self.track)
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
-
-    def _span(self, caller):
-        text = caller()
-        state = self.tracking.get()
-        if state is not None:  # the blocks yielded so far are the text before this one
-            blocks, spans = state
-            start = sum(len(b) for b in blocks)
-            spans.append((start, start + len(text)))
-        return text
-
-    @contextmanager
-    def track(self, blocks: list, spans: list):
-        token = self.tracking.set((blocks, spans))
-        try:
-            yield
-        finally:
-            self.tracking.reset(token)
-
-
-def compile_template(text: str, where: str):
-    """The Jinja environment transformers renders chat templates in (see the module docstring)."""
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = template_sandbox.BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = template_sandbox.bounded_filter("tojson", tojson)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise JaxdistError(f"chat template {where} line {e.lineno}: {e.message}; fix the template") from None
-    except RecursionError:  # nesting deeper than the parser's recursion
-        raise JaxdistError(f"chat template {where} nests too deeply to parse; fix the template") from None
-
-
 def load(path: str, template_file: str | None = None) -> ChatTokenizer:
     """The tokenizer at `path` (file or HF folder) with its chat template (or `template_file`)."""
     tok = tokenizer_mod.load(path)
@@ -183,33 +76,6 @@ def load(path: str, template_file: str | None = None) -> ChatTokenizer:
     return ChatTokenizer(
         tok, parser, compile_template(text, source), source, text, variables, token_bytes(tok.file, parser)
     )
-
-
-SAFE_NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD", "Prepend", "Replace")
-
-
-def token_bytes(file: Path, parser) -> int | None:
-    """An upper bound on the bytes of text one token stands for, so that a rendering too long to fit a window is
-    refused before it is encoded: 4 x the longest token's own UTF-8 text (Unicode normalization composes at
-    most 3 code points into one). None where a token can stand for any amount of text: a model without a
-    byte-level or byte-fallback path (an unknown-word token), or a normalizer that may delete text."""
-    try:
-        spec = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    model = spec.get("model") or {}
-    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")) or model.get("byte_fallback") is True
-
-    def safe(n) -> bool:
-        if n is None:
-            return True
-        if n.get("type") == "Sequence":
-            return all(safe(x) for x in n.get("normalizers") or [])
-        return n.get("type") in SAFE_NORMALIZERS and (n.get("type") != "Replace" or bool(n.get("content")))
-
-    if not byte_level or not safe(spec.get("normalizer")):
-        return None
-    return 4 * max(len(t.encode("utf-8", errors="surrogatepass")) for t in parser.get_vocab(with_added_tokens=True))
 
 
 # ------------------------------------------------------------------------------------------- rendering

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 
 from jaxdist.data import chat
 from jaxdist.data import tokenizer as tokenizer_mod
-from jaxdist.data.chatprep import encode_lines, parse_line
+from jaxdist.data.jsonl_lines import encode_lines, parse_line
 from jaxdist.errors import JaxdistError
 
 FIELDS = ("prompt", "chosen", "rejected")

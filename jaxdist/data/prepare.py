@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxdist.data import chatprep, prefprep, promptprep
+from jaxdist.data import chatprep, jsonl_lines, prefprep, promptprep
 from jaxdist.data import tokenizer as tokenizer_mod
 from jaxdist.data.documents import documents, input_files
 from jaxdist.data.encode import chunks, encoded, is_held_out
@@ -250,8 +250,10 @@ def encode_all(args, files, total_bytes, tok, dtype, tmp: Path, log) -> dict:
     seconds = time.perf_counter() - t0
     if skipped:
         (tmp / "skipped.txt").write_text("".join(s + "\n" for s in skipped), encoding="utf-8")
-        shown = "\n".join(f"  {s}" for s in skipped[: chatprep.REPORT_LINES])
-        more = f"\n  ... {len(skipped) - chatprep.REPORT_LINES} more" if len(skipped) > chatprep.REPORT_LINES else ""
+        shown = "\n".join(f"  {s}" for s in skipped[: jsonl_lines.REPORT_LINES])
+        more = (
+            f"\n  ... {len(skipped) - jsonl_lines.REPORT_LINES} more" if len(skipped) > jsonl_lines.REPORT_LINES else ""
+        )
         log(
             f"skipped {len(skipped)} document(s) that are not UTF-8 (--on-error stop refuses them); every one is "
             f"listed in {args.out}/skipped.txt:\n{shown}{more}"

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from jaxdist.data import chat
-from jaxdist.data.chatprep import encode_lines, parse_line
+from jaxdist.data.jsonl_lines import encode_lines, parse_line
 from jaxdist.data.prefprep import _messages, load_tokenizer
 from jaxdist.errors import JaxdistError
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxdist.data import arrays, loader, tokenizer
+from jaxdist.data import arrays, data_rules, tokenizer
 from jaxdist.errors import JaxdistError
 
 FOLDER = "tokenizer"  # <run_dir>/tokenizer/
@@ -64,7 +64,7 @@ def of_config(cfg) -> RunTokenizer:
 
     d = cfg.data
     if d.sources:  # a mixture: one vocabulary, so one tokenizer for every source
-        runs = {src.name: of_config(loader.source_config(cfg, src)) for src in d.sources}
+        runs = {src.name: of_config(data_rules.source_config(cfg, src)) for src in d.sources}
         kinds = {(r.kind, r.sha256) for r in runs.values()}
         if len(kinds) > 1:
             listing = ", ".join(f"{n}: {r.kind}{f' {r.sha256[:12]}' if r.sha256 else ''}" for n, r in runs.items())

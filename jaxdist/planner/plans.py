@@ -19,8 +19,10 @@ from jaxdist.hf import hub, mapping
 from jaxdist.objectives import refusals
 from jaxdist.objectives import registry as objectives
 from jaxdist.planner import hardware
-from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend, scaling
+from jaxdist.planner.candidates import candidates
+from jaxdist.planner.estimate import Estimate, estimate
 from jaxdist.planner.layout import Layout
+from jaxdist.planner.recommend import recommend, scaling
 from jaxdist.planner.tables import STEP_TIME_NOTE, offload_options
 
 SCALING_DEVICES = [2**i for i in range(11)]  # 1 .. 1024

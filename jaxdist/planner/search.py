@@ -20,7 +20,8 @@ from jaxdist.config import Config
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import memory
-from jaxdist.planner.estimate import Estimate, architecture_takes, estimate, schedule_variants, with_batch
+from jaxdist.planner.candidates import architecture_takes, schedule_variants, with_batch
+from jaxdist.planner.estimate import Estimate, estimate
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout
 

@@ -8,9 +8,11 @@ import dataclasses
 
 from jaxdist import config
 from jaxdist.planner import comms, hardware
-from jaxdist.planner.estimate import Estimate, candidates, estimate, recommend
+from jaxdist.planner.candidates import candidates
+from jaxdist.planner.estimate import Estimate, estimate
 from jaxdist.planner.layout import Layout
 from jaxdist.planner.picture import scaling_png
+from jaxdist.planner.recommend import recommend
 from jaxdist.planner.traffic import by_axis, link_bandwidth
 
 STEP_TIME_NOTE = (

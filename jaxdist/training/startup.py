@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxdist.config import Config, relative
+from jaxdist.data import data_rules, prompt_stream, run_tokenizer
 from jaxdist.data import loader as loader_mod
-from jaxdist.data import prompt_stream, run_tokenizer
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.models import flops
@@ -38,7 +38,7 @@ def set_up(run: RunState) -> None:
 
     cfg, run_dir, log = run.cfg, run.run_dir, run.log
     rundir.check_storable(run_dir)
-    cfg = loader_mod.source_of_prepared(cfg, log)
+    cfg = data_rules.source_of_prepared(cfg, log)
     run.lock.check()  # another trainer on this run dir: refused before anything is read or written
     trackers.check_installed(cfg.train.trackers)  # a missing extra fails before any work
     run_tok = run_tokenizer.of_config(cfg)  # what the token ids mean, its files checked (recorded below)
@@ -49,9 +49,9 @@ def set_up(run: RunState) -> None:
     plots.pyplot()
     run.mesh = mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
-    cfg = loader_mod.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
+    cfg = data_rules.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)
     cfg = relative.resolve(cfg)  # ... and the steps that warm-up, eval and checkpoint fractions come to
-    run.prog = step.build_program(cfg, mesh, eos_id=loader_mod.mask_eos(cfg))  # the step reads no files
+    run.prog = step.build_program(cfg, mesh, eos_id=data_rules.mask_eos(cfg))  # the step reads no files
     run.run_tok = run_tok
     run.driver = None
     if objectives.rollouts(cfg):  # GRPO: prompt records, and the driver that samples, scores and trains

@@ -92,7 +92,7 @@ def build_program(
 ) -> Program:
     """Resolve the model on `mesh`, pick the gradient stage, build the optimizer and jit the steps.
 
-    `eos_id`: where `data.document_mask` cuts attention (the caller reads it: `data.loader.mask_eos(cfg)`);
+    `eos_id`: where `data.document_mask` cuts attention (the caller reads it: `data.data_rules.mask_eos(cfg)`);
     needed when the mask is on.
 
     `gradient_stage(apply_fn, cfg, mesh, model: ResolvedModel) -> GradientStage` overrides the stage
@@ -278,7 +278,7 @@ def check_document_mask(cfg: Config, plan: pipeline.Plan | None, eos_id: int | N
     if eos_id is None:
         raise JaxdistError(
             "data.document_mask=true needs the end-of-document id: build the program with "
-            "eos_id=loader.mask_eos(cfg), as the trainer does"
+            "eos_id=data_rules.mask_eos(cfg), as the trainer does"
         )
     return eos_id
 

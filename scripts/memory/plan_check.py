@@ -68,14 +68,14 @@ def packing(folder: str) -> dict:
 
 def host_transfers(lay, mesh: str) -> dict:
     """Offload's host<->device bytes per device per step: [planner, counted from the traced step]."""
-    from jaxdist.data import loader
+    from jaxdist.data import data_rules
     from jaxdist.distributed import offload
     from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.planner import transfers
     from jaxdist.training import step
 
     counted = offload.host_transfers(
-        step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=loader.mask_eos(lay.cfg))
+        step.build_program(lay.cfg, mesh_from_string(mesh), eos_id=data_rules.mask_eos(lay.cfg))
     )
     planned = transfers.host_traffic(lay)
     return {
