@@ -35,20 +35,24 @@ from safetensors.numpy import load_file  # noqa: E402
 from jaxdist import config  # noqa: E402
 from jaxdist.hf import export, mapping, tensors  # noqa: E402
 
+# A test's run draws no loss.png unless the test reads it (test_train's CLI run, test_verify's and
+# test_plot's plot tests): drawing costs matplotlib's import and a first draw, ~2-3 CPU-s in every
+# training process, ~0.3 s per run in-process. In SMALL_ARGS, MICRO_ARGS and tiny_cfg.
+NO_PLOT = "train.plot=false"
 # The smallest Llama that exercises every path, one shape for the whole suite (a program one test file
 # compiled is a cache hit in the next): as overrides for subprocess runs, and as the small_cfg fixture.
 SMALL_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
-SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [NO_PLOT]
 # Smaller still, for tests of the loop and its outputs rather than of the model (plots, trackers).
 MICRO_MODEL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
 # As overrides, for subprocess runs that test process plumbing (signals, resume, peers), not the model.
-MICRO_ARGS = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()]
+MICRO_ARGS = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + [NO_PLOT]
 
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """The CPU default with a short schedule; tests shrink it further with cfg.replace(...)."""
-    return config.load(None, ["train.steps=10", "optim.warmup_steps=2", "train.eval_every=0"])
+    return config.load(None, ["train.steps=10", "optim.warmup_steps=2", "train.eval_every=0", NO_PLOT])
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import yaml
+from conftest import NO_PLOT
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -172,6 +173,7 @@ SCRATCH = [
     "train.eval_every=0",
     "checkpoint.every=1",
     "checkpoint.async_save=false",
+    NO_PLOT,
 ]
 
 
@@ -204,6 +206,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
         "checkpoint.async_save=false",
         "data.source=tokens",
         f"data.path={tokens}",
+        NO_PLOT,
     ]
     cfg = mapping.apply(config.load(None, overrides), FIXTURE)
     result = jaxdist.run(cfg, tmp_path / "run", log=lambda *a: None, restore=f"hf:{FIXTURE}")

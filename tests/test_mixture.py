@@ -238,11 +238,11 @@ def test_mixture_keys_at_their_defaults_leave_run_names_unchanged(corpus):
 def test_a_mixture_trains_evaluates_per_source_and_resumes_each_source(corpus, tmp_path):
     """End to end (MICRO_MODEL): the data line per source, eval_loss/NAME beside eval_loss, and a resume
     whose stage weights changed (--allow-config-change data) continues each source from its checkpoint."""
-    from conftest import MICRO_MODEL
+    from conftest import MICRO_MODEL, NO_PLOT
 
     from jaxdist import run
 
-    model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"]
+    model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"] + [NO_PLOT]
     cfg = mix_cfg(corpus, *model).replace(train=dict(steps=2, eval_every=2, eval_batches=1), checkpoint=dict(every=2))
     said = []
     run(cfg, tmp_path / "run", log=said.append)

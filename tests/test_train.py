@@ -1,4 +1,5 @@
-"""The CLI end to end, as a user runs it (a real subprocess)."""
+"""The CLI end to end, as a user runs it: a real subprocess where the process matters (the full run's
+output, SIGTERM), `main([...])` in this process where it does not (each child costs ~5 CPU-s of imports)."""
 
 import json
 import subprocess
@@ -59,16 +60,13 @@ def test_cli_trains_on_the_default_corpus(tmp_path):
     assert "\r" not in out.stdout + out.stderr and (run_dir / "loss.png").stat().st_size > 20_000
 
 
-def test_cli_bad_input_exits_2_without_traceback(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxdist.train", "--mesh", "dp=3", "--run-dir", str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2
+def test_cli_bad_input_exits_2_without_traceback(tmp_path, capsys):
+    """In this process (a real process's one-line stderr is test_safety's resume-error test)."""
+    from jaxdist import train
+
+    assert train.main(["--mesh", "dp=3", "--run-dir", str(tmp_path / "r")]) == 2
     assert (
-        out.stderr.strip() == "error: mesh dp=3 needs 3 devices but there are 8; "
+        capsys.readouterr().err.strip() == "error: mesh dp=3 needs 3 devices but there are 8; "
         "make the sizes multiply to 8 (or use -1 on one axis)"
     )
     assert not (tmp_path / "r").exists()
@@ -83,15 +81,18 @@ def test_overrides_may_come_before_and_after_flags():
     assert (cfg.model.num_layers, cfg.train.steps, cfg.optim.lr, cfg.mesh.shape) == (2, 3, 1e-3, "dp=2,fsdp=4")
 
 
-def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path):
+def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path, capsys, monkeypatch):
     """No --run-dir: the run dir is named by the config, so after SIGTERM the same command (same folder,
-    same arguments) resumes from the saved step instead of starting a new run at step 0."""
+    same arguments) resumes from the saved step instead of starting a new run at step 0. The first run is a
+    real process (SIGTERM); the same command again runs in this process, in the same working directory."""
     import os
     import re
     import signal
     import sysconfig
 
-    from conftest import MICRO_MODEL
+    from conftest import MICRO_MODEL, NO_PLOT
+
+    from jaxdist import train
 
     cmd = [
         sys.executable,
@@ -106,6 +107,7 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
         "train.log_every=1",
         "checkpoint.every=2",
         "train.trackers=[]",
+        NO_PLOT,
         f"data.path={sysconfig.get_paths()['stdlib']}/[a-c]*.py",  # 29 files: quicker to read than all 1,790
     ]
     env = {**os.environ, "TQDM_DISABLE": "1"}
@@ -132,15 +134,24 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
     stopped = int(m.group(1))
     assert 2 <= stopped < 6
 
-    second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert second.returncode == 0, second.stdout + second.stderr
+    assert "no loss plot (train.plot=false)" in text and not (run_dir / "loss.png").exists()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+
+    def again(argv):  # the same command, in this process: (exit code, stdout)
+        capsys.readouterr()
+        code = train.main(argv[4:])  # after `python -u -m jaxdist.train`
+        return code, capsys.readouterr().out
+
+    code, second = again(cmd)
+    assert code == 0, second
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]  # no second folder
     assert f": resuming from step {stopped} ({Path('runs') / run_dir.name / 'checkpoints' / str(stopped)})" in (
-        second.stdout
-    ), second.stdout
+        second
+    ), second
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "step" in r]
-    assert steps[-1] == 6 and second.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
+    assert steps[-1] == 6 and second.strip().splitlines()[-1].startswith("done: 6 steps")
     # The smoothed loss goes on through the resume: the bias-corrected EMA of every logged raw loss.
     by_step = {r["step"]: r for r in records if "step" in r}
     assert sorted(by_step) == list(range(1, 7))
@@ -150,18 +161,14 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path)
         assert by_step[s]["loss_smooth"] == pytest.approx(ema / (1 - 0.9**s), rel=1e-9), s
     # The rule's other half: a larger --steps is the same run, extended in the same folder.
     longer = [x if x != "6" else "7" for x in cmd]
-    third = subprocess.run(longer, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert third.returncode == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
-    assert ": resuming from step 6 (" in third.stdout and "done: 7 steps" in third.stdout, third.stdout
+    code, third = again(longer)
+    assert code == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    assert ": resuming from step 6 (" in third and "done: 7 steps" in third, third
     # Finished: the same command (another mesh too: the mesh is not part of the run's name) has nothing to do.
-    fourth = subprocess.run(
-        [*longer, "--mesh", "dp=8"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
-    )
-    assert fourth.returncode == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
-    assert (
-        "nothing to do: " in fourth.stdout and "is already at step 7 of train.steps=7 (raise --steps" in fourth.stdout
-    ), fourth.stdout + fourth.stderr
+    code, fourth = again([*longer, "--mesh", "dp=8"])
+    assert code == 0 and [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    assert "nothing to do: " in fourth and "is already at step 7 of train.steps=7 (raise --steps" in fourth, fourth
     # A step's log line comes before that step's checkpoint message.
-    for out in (text, second.stdout):
+    for out in (text, second):
         for m in re.finditer(r"^checkpoint step (\d+): writing", out, re.M):
             assert f"step {m.group(1)}/6 | " in out[: m.start()], out

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MICRO_MODEL, overriding
+from conftest import MICRO_MODEL, NO_PLOT, overriding
 
 from jaxdist import checkpoint, config, convert, generate
 from jaxdist.checkpoint import integrity, run_params
@@ -28,7 +28,7 @@ from jaxdist.train import main as train_main
 from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
-MICRO = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["train.steps=2", "train.eval_every=0"]
+MICRO = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["train.steps=2", "train.eval_every=0", NO_PLOT]
 
 
 def error_line(capsys) -> str:
@@ -413,7 +413,7 @@ def test_loss_png_is_never_left_empty(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     run_dir = tmp_path / "run"
-    assert train_main(["--run-dir", str(run_dir), *MICRO]) == 0
+    assert train_main(["--run-dir", str(run_dir), *MICRO, "train.plot=true"]) == 0
     done = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
     assert re.search(r"no loss plot \(cannot write .*loss.png \(no space left on device\)", done[0]), done
     assert not (run_dir / "loss.png").exists() and not list(run_dir.glob(".loss.png*"))

@@ -40,6 +40,7 @@ FREE_KEYS = frozenset(
         "train.peak_flops",
         "train.max_skipped_steps",
         "train.profile_steps",
+        "train.plot",
         "train.grad_accum_steps",
         "pipeline.microbatches",
         # The parameter layout depends on pp and pipeline.repeats only (parallel/pipeline.to_stages), so a

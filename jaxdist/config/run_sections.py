@@ -71,6 +71,7 @@ class TrainConfig:
     trackers: list[str] = dataclasses.field(
         default_factory=lambda: ["tensorboard"]
     )  # several at once: tensorboard, wandb, mlflow (extras)
+    plot: bool = True  # draw RUN_DIR/loss.png when the run ends (matplotlib); false: none (python -m jaxdist.plot draws it later)
 
 
 @dataclasses.dataclass(frozen=True)

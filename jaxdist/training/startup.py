@@ -46,7 +46,8 @@ def set_up(run: RunState) -> None:
     # matplotlib loads now, so a SIGTERM only waits for drawing loss.png, not for imports. Not in a thread
     # beside the main thread's imports: concurrent compiles of modules hit CPython 3.11.7's AST recursion
     # counter race (gh-106905) and fail at random with "maximum recursion depth exceeded".
-    plots.pyplot()
+    if cfg.train.plot:
+        plots.pyplot()
     run.mesh = mesh = mesh_mod.mesh_from_string(cfg.mesh.shape, dcn_text=cfg.mesh.dcn)
     cfg = with_resolved_mesh(cfg, mesh.size)  # config.yaml records the sizes used, not -1
     cfg = data_rules.resolve_token_dtype(cfg)  # ... and the token dtype read (a prepared folder's manifest decides)

@@ -111,7 +111,7 @@ def train(run: RunState) -> None:
     finally:  # also on a stop, a crash or a second Ctrl-C: the picture of what was done
         progress.close()
         if run.is_main:
-            plotted = _plot(run_dir)
+            plotted = _plot(run_dir) if run.cfg.train.plot else "train.plot=false"
         run.steps_done, run.plotted = steps_done, plotted
 
 
