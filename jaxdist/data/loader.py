@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, cast
 
 import grain
 import jax
@@ -115,7 +116,7 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     return Subset(windows, 0, n - n_eval, what), Subset(windows, n - n_eval, n, tail)
 
 
-def read_source(cfg: Config, src) -> tuple[Subset, Subset]:
+def read_source(cfg: Config, src) -> tuple[Subset | stream.Streamed, Subset]:
     """One mixture source's (train, eval) windows, read as data.path would be."""
     if prefprep.paired(cfg):
         raise JaxdistError(
@@ -145,7 +146,8 @@ def streamed_source(cfg: Config, src) -> tuple[stream.Streamed, Subset]:
 
 def local_rows(sharding: jax.sharding.Sharding, global_batch: int, width: int) -> tuple[int, int]:
     """The contiguous block of global-batch rows that this process's devices hold."""
-    index_map = sharding.addressable_devices_indices_map((global_batch, width))
+    # an addressable device always has its index (the map's values are typed optional)
+    index_map = cast(dict[Any, tuple[slice, ...]], sharding.addressable_devices_indices_map((global_batch, width)))
     starts = [idx[0].start or 0 for idx in index_map.values()]
     stops = [global_batch if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
     lo, hi = min(starts), max(stops)
@@ -166,7 +168,9 @@ def batches(
     lo, hi = rows
 
     def rows_of_step(s: int) -> np.ndarray:
-        batch = np.stack([shuffled[s * global_batch + r] for r in range(lo, hi)])
+        batch = np.stack(
+            [cast(np.ndarray, shuffled[s * global_batch + r]) for r in range(lo, hi)]
+        )  # never None: no filter
         if s == poison_step:  # testing aid: out-of-vocabulary ids make the loss NaN
             batch = np.full_like(batch, poison_value)
         return batch
@@ -275,21 +279,22 @@ def no_eval_reason(cfg: Config, loader: Loader) -> str | None:
         return None
     if cfg.train.eval_batches == 0:
         return f"train.eval_every={cfg.train.eval_every} but train.eval_batches=0"
-    if loader.mixture is not None:
+    train, held = loader.train, loader.held_out
+    if train is None or held is None:  # data.sources: the mixture's sources hold the windows
         return (
             f"no source of data.sources holds a held-out window of model.seq_len+1={cfg.model.seq_len + 1} tokens "
             "(a prepared folder's val/, else the last data.eval_fraction of its stream); add held-out data or lower "
             "model.seq_len"
         )
-    if loader.held_out.label.startswith("the val/ split"):
+    if held.label.startswith("the val/ split"):
         return (
-            f"the val/ split of {cfg.data.path} ({loader.held_out.label.split(', ')[-1]}) holds no window of "
+            f"the val/ split of {cfg.data.path} ({held.label.split(', ')[-1]}) holds no window of "
             f"model.seq_len+1={cfg.model.seq_len + 1} tokens; re-run prepare with a larger --val-fraction (or more "
             "documents), or lower model.seq_len"
         )
     return (
         f"no held-out data: data.eval_fraction={cfg.data.eval_fraction} of the corpus's "
-        f"{len(loader.train) + len(loader.held_out)} windows is no whole window; raise data.eval_fraction or add data"
+        f"{len(train) + len(held)} windows is no whole window; raise data.eval_fraction or add data"
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import zlib
+from typing import cast
 
 import grain
 import numpy as np
@@ -150,7 +151,7 @@ class Mixture:
 
     def window(self, g: int) -> np.ndarray:
         j, i = self.stream[g]
-        return self.streams[j][i]
+        return cast(np.ndarray, self.streams[j][i])  # a grain dataset's item is typed optional; no filter: never None
 
     def read(self, step: int) -> dict[str, int]:
         """{source: windows read by steps 0 .. step-1}: the per-source iterator state."""

@@ -73,7 +73,7 @@ def set_up(run: RunState) -> None:
         run.no_eval = None
         if cfg.train.eval_every and not run.loader.has_eval():
             run.no_eval = f"{cfg.data.path} holds no held-out prompts (val/); prepare with --val-fraction > 0"
-    else:
+    elif isinstance(run.loader, loader_mod.Loader):  # no driver: the data loader
         run.no_eval = loader_mod.no_eval_reason(cfg, run.loader)
     if run.no_eval:  # decided now, not at the first evaluation (said below the data line)
         cfg = cfg.replace(train=dict(eval_every=0))

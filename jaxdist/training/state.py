@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxdist.config import Config
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # the types of what the phases build (each phase imports its 
 
     from jaxdist.checkpoint.restoring import Restored
     from jaxdist.checkpoint.saving import Saver
-    from jaxdist.data.loader import Loader
     from jaxdist.data.run_tokenizer import RunTokenizer
     from jaxdist.observe.metrics import MetricWriter
     from jaxdist.observe.progress import Progress
@@ -36,6 +35,22 @@ class RunResult:
     eval_loss: float | None
     tokens_per_sec: float
     steps: int
+
+
+class BatchStream(Protocol):
+    """What a run draws its batches from: the data loader (data/loader.py's `Loader`) or, for
+    objective.method=grpo, the prompt stream (data/prompt_stream.py's `PromptStream`); a checkpoint keeps
+    its state."""
+
+    def __next__(self) -> Any: ...
+
+    def has_eval(self) -> bool: ...
+
+    def eval_arrays(self) -> list[Any]: ...
+
+    def get_state(self) -> dict: ...
+
+    def set_state(self, state: dict) -> None: ...
 
 
 # `tasks` of jaxdist.run: (run, run_dir) -> evaluate(params) -> {"eval/TASK/METRIC": value}
@@ -64,7 +79,7 @@ class RunState:
     # set_up: before anything is written
     mesh: Mesh = dataclasses.field(init=False)
     prog: Program = dataclasses.field(init=False)
-    loader: Loader = dataclasses.field(init=False)
+    loader: BatchStream = dataclasses.field(init=False)  # a Loader, or GRPO's PromptStream
     run_tok: RunTokenizer = dataclasses.field(init=False)  # what the token ids mean (recorded by open)
     is_main: bool = dataclasses.field(init=False)
     no_eval: str | None = dataclasses.field(init=False)  # why evaluation is off, decided now

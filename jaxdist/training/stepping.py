@@ -21,7 +21,7 @@ from jaxdist.observe.metrics import reason
 from jaxdist.training import hooks
 
 if TYPE_CHECKING:
-    from jaxdist.training.state import RunState
+    from jaxdist.training.state import BatchStream, RunState
 
 
 def compile_step(run: RunState) -> None:
@@ -63,8 +63,8 @@ def train(run: RunState) -> None:
             stats = {k: sum(float(st[k]) for _, _, st in sums) / pairs for k in sums[0][2]}
             return {"loss": sum(float(x) for x, _, _ in sums) / pairs, **stats}
         sums = [run.prog.eval_step(state.params, b) for b in eval_arrays]
-        if getattr(run.loader, "eval_names", None):  # data.sources: each source's loss too (eval_loss/NAME)
-            return mixture.eval_losses(run.loader.eval_names, [(float(x), float(c)) for x, c in sums])
+        if names := getattr(run.loader, "eval_names", None):  # data.sources: each source's loss too (eval_loss/NAME)
+            return mixture.eval_losses(names, [(float(x), float(c)) for x, c in sums])
         return float(sum(float(x) for x, _ in sums) / sum(float(c) for _, c in sums))
 
     def evaluate(state) -> float | dict:
@@ -143,7 +143,7 @@ def _plot(run_dir: Path):
 def _save_after_failure(
     saver: Saver,
     per_step: list[hooks.Hook],
-    loader: Loader,
+    loader: BatchStream,
     then: str = "free space or fix the folder, then run the same command",
 ) -> str:
     """After metrics, a tracker or the data failed: a checkpoint of the last step if there is room, else why not."""
