@@ -64,6 +64,23 @@ CASES = {
         4,
         dict(pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=4)),
     ),
+    # zero bubble V: chunks s and 2P-1-s on stage s, the loss on stage 0; with accumulation and tp
+    "zb_v accum pp=2,tp=2,fsdp=2": (
+        "pp=2,fsdp=2,tp=2",
+        8,
+        dict(pipeline=dict(schedule="zb_v", microbatches=2), train=dict(grad_accum_steps=2)),
+    ),
+    # pp=4 with two chunks per stage: 8 layers, one per chunk (compared with the 8-layer one-device run)
+    "zb_v pp=4,fsdp=2 M=8": (
+        "pp=4,fsdp=2",
+        8,
+        dict(model=dict(num_layers=8), pipeline=dict(schedule="zb_v", microbatches=8)),
+    ),
+    "interleaved V=2 pp=4,fsdp=2": (
+        "pp=4,fsdp=2",
+        8,
+        dict(model=dict(num_layers=8), pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=4)),
+    ),
 }
 TABLE_SCHEDULES = [
     k for k, (_, _, o) in CASES.items() if schedule_registry.get(o.get("pipeline", {}).get("schedule", "gpipe")).tabled
@@ -103,18 +120,33 @@ def loss_curve(prog, params, batches):
 
 
 @pytest.fixture(scope="module")
-def reference(cfg, batches):
-    """The non-pipelined model on one device: initial params, loss, gradients, 10-step curve, and its
-    compiled gradient program."""
-    prog = step.build_program(cfg, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
-    params = jax.device_get(prog.init_state(0).params)
-    compiled = compiled_gradients(prog)
-    grads, loss = compiled(params, batches[0])
-    return params, float(loss), jax.device_get(grads), loss_curve(prog, params, batches), compiled
+def references(cfg, batches):
+    """num_layers -> the non-pipelined model on one device: initial params, loss, gradients, 10-step curve
+    (TINY's 4 layers only), and its compiled gradient program; memoised."""
+    cache = {}
+
+    def get(layers):
+        if layers not in cache:
+            c = cfg.replace(model=dict(num_layers=layers))
+            prog = step.build_program(c, mesh_mod.mesh_from_string("fsdp=1", jax.devices()[:1]))
+            params = jax.device_get(prog.init_state(0).params)
+            compiled = compiled_gradients(prog)
+            grads, loss = compiled(params, batches[0])
+            curve = loss_curve(prog, params, batches) if layers == TINY["num_layers"] else None
+            cache[layers] = params, float(loss), jax.device_get(grads), curve, compiled
+        return cache[layers]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def build(cfg, reference, batches):
+def reference(references):
+    """The one-device run of TINY (4 layers)."""
+    return references(TINY["num_layers"])
+
+
+@pytest.fixture(scope="module")
+def build(cfg, references, batches):
     """case id -> (program, compiled gradient program, loss, gradients in the model's layout); memoised."""
     cache = {}
 
@@ -123,7 +155,8 @@ def build(cfg, reference, batches):
             mesh_text, n, overrides = CASES[case_id]
             prog = step.build_program(cfg.replace(**overrides), mesh_mod.mesh_from_string(mesh_text, jax.devices()[:n]))
             compiled = compiled_gradients(prog)
-            params = jax.device_put(in_layout(prog, reference[0]), prog.state_shardings.params)
+            ref_params = references(prog.cfg.model.num_layers)[0]
+            params = jax.device_put(in_layout(prog, ref_params), prog.state_shardings.params)
             grads, loss = compiled(params, jax.device_put(batches[0], prog.batch_sharding))
             cache[case_id] = prog, compiled, float(loss), pipeline.from_stages(jax.device_get(grads), prog.pipeline)
         return cache[case_id]
@@ -136,9 +169,9 @@ def case(request, build):
     return build(request.param)
 
 
-def test_loss_and_gradients_match_single_device(case, reference):
-    _, _, loss, grads = case
-    _, ref_loss, ref_grads, *_ = reference
+def test_loss_and_gradients_match_single_device(case, references):
+    prog, _, loss, grads = case
+    _, ref_loss, ref_grads, *_ = references(prog.cfg.model.num_layers)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -275,6 +308,27 @@ def test_zb_h1_bubble_read_from_the_program(build, batches, reference):
     assert pl.iterations == 26 and (counts.sum(axis=1) == 26).all()
     idle = counts[0, 0] / pl.iterations
     assert idle == pytest.approx(pl.bubble_fraction) == pytest.approx(2 / 26)
+    assert idle <= 0.4 * 3 / 11
+
+
+def test_zb_v_bubble_read_from_the_program(build, batches, references):
+    """The compiled zb_v program (pp=4, 8 layers, M=8) counts its lax.switch branches: on each stage 2M
+    input gradients (B) and 2M weight gradients (W), one per chunk and micro-batch, and 2M forwards but
+    on stage 0 (M: its chunk 1 is the last virtual stage, whose B computes the loss); stages 1..3 idle 3
+    of 51 slots: 0.059, 0.22x the 3/11 of 1F1B's program at the same P and M and 0.76x zb_h1's 2/26
+    (slots of half a stage's layers: lock-step costs in tests/test_pipeline_schedules.py)."""
+    prog = build("zb_v pp=4,fsdp=2 M=8")[0]
+    pl = prog.pipeline
+    params = jax.device_put(in_layout(prog, references(8)[0]), prog.state_shardings.params)
+    with prog.activate():
+        counts = jax.jit(prog.apply_fn.objective.executed)(params, jax.device_put(batches[0], prog.batch_sharding))
+    counts = np.asarray(counts)  # (P, [idle, forward, backward (input), weight])
+    M, S = pl.microbatches, pl.stages
+    np.testing.assert_array_equal(counts[:, 1], [M] + [2 * M] * (S - 1))
+    np.testing.assert_array_equal(counts[:, 2:], 2 * M)
+    assert pl.iterations == 51 and (counts.sum(axis=1) == 51).all()
+    idle = counts[1:, 0].max() / pl.iterations
+    assert idle == pytest.approx(pl.bubble_fraction) == pytest.approx(3 / 51)
     assert idle <= 0.4 * 3 / 11
 
 

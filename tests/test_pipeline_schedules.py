@@ -12,7 +12,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedule_registry, schedules
 from jaxdist.training import step
 
-NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2))
 GRID = [(name, P, M, V) for P in (2, 4) for M in (P, 2 * P, 8, 16) for name, V in NAMES]
 
 
@@ -51,6 +51,17 @@ def test_table_invariants(name, P, M, V):
         assert t.bubble_fraction < one
         if P == 4 and M >= 2 * P:
             assert t.bubble_fraction <= one / 3
+    if name == "zb_v":  # the V: stage s holds virtual stages s and 2P-1-s, the loss on stage 0's chunk 1
+        assert t.placement == "v" and t.last == (0, 1) and t.split_backward and t.loss_without_forward
+        per = lambda k: (t.kind == k).sum(axis=(0, 2))
+        np.testing.assert_array_equal(per(schedules.FWD), [M] + [2 * M] * (P - 1))  # no F at the loss chunk
+        np.testing.assert_array_equal(per(schedules.BWD), 2 * M)
+        np.testing.assert_array_equal(per(schedules.WGT), 2 * M)
+        assert (flight <= 2 * P + 1).all()  # chunk micro-batches (half a stage each): 1F1B's P stage ones, + 1
+        one = (P - 1) / (M + P - 1)
+        assert t.bubble_fraction < one
+        if P == 4 and M >= 2 * P:
+            assert t.bubble_fraction <= min(one / 3, schedule_registry.get("zb_h1").table(P, M).bubble_fraction)
 
 
 def test_lockstep_time():
@@ -119,6 +130,45 @@ def test_check_catches_a_broken_zb_table():
         schedules.check(table(kind, mb))
 
 
+def test_zb_v_at_p4_m8():
+    """The bench point (P=4, M=8): 51 slots of half-stage actions; stage 0 runs 40 (F of chunk 0, B and W
+    of both) and idles 3: bubble 3/51 = 0.059, 0.22x 1F1B's 6/22 and 0.76x zb_h1's 2/26. The V turns at
+    stage P-1 (its chunk 0 feeds its own chunk 1) and the loss is on stage 0. Its buffers keep 10 stage
+    inputs and 6 arrived gradients of half a stage's layers each (zb_h1: 5 and 4 of a whole stage)."""
+    t = schedule_registry.get("zb_v").table(4, 8)
+    one = schedule_registry.get("1f1b").table(4, 8)
+    assert t.slots == 51 and (t.kind != schedules.IDLE).sum(axis=(0, 2)).tolist() == [40, 48, 48, 48]
+    assert t.bubble_fraction == pytest.approx(3 / 51)
+    assert t.bubble_fraction / one.bubble_fraction == pytest.approx(0.216, abs=1e-3)
+    bufs = schedules.buffers(t)
+    assert (bufs.x_size, bufs.g_size) == (10, 6)
+    assert (bufs.arrive[("x", "own")][:, 3] >= 0).sum() == 8  # the turn: stage 3's chunk 0 feeds its chunk 1
+    assert (bufs.arrive[("x", "own")][:, :3] < 0).all() and (bufs.arrive[("x", "up")] >= 0).sum() == 3 * 8
+    rows = t.render().splitlines()
+    assert rows[0].split()[1:10] == ["F0/0", "F1/0", "F2/0", "F3/0", "F4/0", "F5/0", "F6/0", "B0/1", "W0/1"]
+    assert rows[3].split()[4:8] == ["F0/0", "F0/1", "F1/0", "F1/1"]
+
+
+def test_check_catches_a_broken_zb_v_table():
+    """check() fails on a zb_v table read as circular (its chunk 1 then runs in the wrong direction), with
+    stage P-1's chunk 1 forward moved before its chunk 0 forward (the turn), and with a B missing."""
+    t = schedule_registry.get("zb_v").table(2, 4)
+    schedules.check(t)
+    table = lambda kind, mb, placement="v": schedules.Table(2, 4, 2, kind, t.chunk, mb, placement)
+    with pytest.raises(AssertionError):
+        schedules.check(table(t.kind, t.mb, "ring"))
+    f0 = np.argwhere((t.kind == schedules.FWD) & (t.mb == 0) & (t.chunk == 0))[-1]  # stage 1, chunk 0
+    f1 = np.argwhere((t.kind == schedules.FWD) & (t.mb == 0) & (t.chunk == 1) & (np.arange(2)[None, :, None] == 1))[0]
+    chunk = t.chunk.copy()
+    chunk[tuple(f0)], chunk[tuple(f1)] = 1, 0  # swap the two forwards of micro-batch 0 at the turn
+    with pytest.raises(AssertionError, match="before its input"):
+        schedules.check(schedules.Table(2, 4, 2, t.kind, chunk, t.mb, "v"))
+    kind = t.kind.copy()
+    kind[tuple(np.argwhere(t.kind == schedules.BWD)[0])] = schedules.IDLE
+    with pytest.raises(AssertionError, match="missing"):
+        schedules.check(table(kind, t.mb))
+
+
 def test_render():
     assert schedule_registry.get("1f1b").table(2, 2).render().splitlines() == [
         "s0  F0  F1   .  B0   .  B1",
@@ -178,7 +228,9 @@ def test_errors_name_the_combination(tiny_cfg, overrides, message):
 
 def test_checkpoints_move_between_schedules(tiny_cfg):
     """The staged layout is the same for gpipe and 1f1b, and for circular and interleaved_1f1b at the same
-    repeats, so a resume may change pipeline.schedule freely (the config-drift check lets it through)."""
+    repeats, so a resume may change pipeline.schedule freely (the config-drift check lets it through);
+    zb_v's V placement puts other layers on each stage at the same shapes, so a change into or out of it
+    is refused in one line."""
     stack = {"blocks": {"w": np.arange(8)}}
     for a, b, V in (("gpipe", "1f1b", 1), ("circular", "interleaved_1f1b", 2)):
         staged = [pipeline.to_stages(stack, pipeline.Plan(n, 2, 4, V, 8 // (2 * V))) for n in (a, b)]
@@ -186,6 +238,15 @@ def test_checkpoints_move_between_schedules(tiny_cfg):
     saved = {"config": tiny_cfg.replace(pipeline=dict(schedule="gpipe")).to_dict()}
     now = tiny_cfg.replace(pipeline=dict(schedule="1f1b"))
     assert checkpoint.check_config_drift(saved, now, "ckpt") == {"pipeline.schedule": ("gpipe", "1f1b")}
+    v = pipeline.to_stages(stack, pipeline.Plan("zb_v", 2, 4, 2, 2))["blocks"]["w"]
+    np.testing.assert_array_equal(v, [[0, 1, 6, 7], [2, 3, 4, 5]])  # stage s: groups s and 2P-1-s
+    np.testing.assert_array_equal(
+        pipeline.from_stages({"blocks": {"w": v}}, pipeline.Plan("zb_v", 2, 4, 2, 2))["blocks"]["w"], np.arange(8)
+    )
+    for a, b in (("circular", "zb_v"), ("zb_v", "1f1b")):
+        saved = {"config": tiny_cfg.replace(pipeline=dict(schedule=a)).to_dict()}
+        with pytest.raises(JaxdistError, match=f"saved under {a} .* resume with pipeline.schedule={a}"):
+            checkpoint.check_config_drift(saved, tiny_cfg.replace(pipeline=dict(schedule=b)), "ckpt")
 
 
 def test_registry_covers_exactly_the_schedules_config_accepts():
@@ -203,8 +264,9 @@ def test_registry_covers_exactly_the_schedules_config_accepts():
         "1f1b_paired",
         "interleaved_1f1b",
         "zb_h1",
+        "zb_v",
     }
-    assert schedule_registry.virtual_names() == "circular or interleaved_1f1b"
+    assert schedule_registry.virtual_names() == "circular or interleaved_1f1b"  # zb_v's 2 chunks are fixed
     with pytest.raises(JaxdistError, match=r"pipeline.schedule='nope' is not one of gpipe, circular, .*; pick one"):
         schedule_registry.get("nope")
 

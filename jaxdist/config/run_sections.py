@@ -76,11 +76,11 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal["gpipe", "circular", "1f1b", "1f1b_paired", "interleaved_1f1b", "zb_h1"] = (
+    schedule: Literal["gpipe", "circular", "1f1b", "1f1b_paired", "interleaved_1f1b", "zb_h1", "zb_v"] = (
         "gpipe"  # pipeline schedule (with pp > 1)
     )
     microbatches: NonNegative = 0  # pipeline micro-batches per step; 0 = pp (the minimum)
-    repeats: Positive = 1  # circular, interleaved_1f1b: virtual stages (layer chunks) per device
+    repeats: Positive = 1  # circular, interleaved_1f1b: virtual stages (layer chunks) per device (zb_v: always 2)
 
 
 @dataclasses.dataclass(frozen=True)

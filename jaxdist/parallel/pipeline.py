@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -122,8 +123,8 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
 
 
 def virtual_repeats(cfg: Config) -> int:
-    """Chunks per stage: pipeline.repeats for a schedule with virtual stages, else 1."""
-    return cfg.pipeline.repeats if schedule_registry.get(cfg.pipeline.schedule).virtual else 1
+    """Chunks per stage: pipeline.repeats for a schedule with virtual stages (zb_v: 2), else 1."""
+    return schedule_registry.get(cfg.pipeline.schedule).repeats(cfg.pipeline.repeats)
 
 
 def describe(pl: Plan | None) -> dict[str, Any]:
@@ -151,10 +152,23 @@ def describe(pl: Plan | None) -> dict[str, Any]:
 # ---- parameter layout: layer stack (L, ...) <-> stages (P, V * L/(PV), ...) -----------------------
 
 
+def _groups(pl: Plan) -> np.ndarray:
+    """(P, V): the layer group (virtual stage) stage s runs as its chunk v."""
+    s, v = np.arange(pl.stages)[:, None], np.arange(pl.repeats)[None, :]
+    if pl.entry.placement == "v":  # stage s: groups s and 2P-1-s
+        return np.where(v == 0, s, 2 * pl.stages - 1 - s)
+    return v * pl.stages + s
+
+
 def to_stages(params: dict, pl: Plan) -> dict:
-    """Layer l = (v P + s) G + j (G layers per group) goes to row s, position v G + j."""
+    """Layer l = g G + j (G layers per group) of group g = v P + s goes to row s, position v G + j (V
+    placement: group s and 2P-1-s of stage s are its chunks 0 and 1)."""
+    order = _groups(pl).ravel()
 
     def one(a):
+        if pl.entry.placement == "v":
+            a = a.reshape(pl.stages * pl.repeats, pl.layers_per_group, *a.shape[1:])[order]
+            return a.reshape(pl.stages, pl.repeats * pl.layers_per_group, *a.shape[2:])
         a = a.reshape(pl.repeats, pl.stages, pl.layers_per_group, *a.shape[1:]).swapaxes(0, 1)
         return a.reshape(pl.stages, pl.repeats * pl.layers_per_group, *a.shape[3:])
 
@@ -163,8 +177,12 @@ def to_stages(params: dict, pl: Plan) -> dict:
 
 def from_stages(params: dict, pl: Plan) -> dict:
     """Inverse of `to_stages`: back to the model's plain layer stack."""
+    inverse = np.argsort(_groups(pl).ravel())
 
     def one(a):
+        if pl.entry.placement == "v":
+            a = a.reshape(pl.stages * pl.repeats, pl.layers_per_group, *a.shape[2:])[inverse]
+            return a.reshape(pl.repeats * pl.stages * pl.layers_per_group, *a.shape[2:])
         a = a.reshape(pl.stages, pl.repeats, pl.layers_per_group, *a.shape[2:]).swapaxes(0, 1)
         return a.reshape(pl.repeats * pl.stages * pl.layers_per_group, *a.shape[3:])
 

@@ -52,10 +52,9 @@ SWITCH = np.array([0, 1, 1, 0, 2, 2, 2, 3, 3, 3], np.int32)
 
 def branch_table(table: schedules.Table) -> np.ndarray:
     """(slots, P, lanes) action kind refined by first / last virtual stage."""
-    P, V = table.stages, table.repeats
-    s = np.arange(P)[None, :, None]
+    s = np.arange(table.stages)[None, :, None]
     first = (s == 0) & (table.chunk == 0)
-    last = (s == P - 1) & (table.chunk == V - 1)
+    last = (s == table.last[0]) & (table.chunk == table.last[1])
     refine = lambda f, m, lst: np.where(first, f, np.where(last, lst, m))
     out = np.select(
         [table.kind == schedules.FWD, table.kind == schedules.BWD, table.kind == schedules.WGT],
@@ -77,11 +76,13 @@ def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], sch
         "switch": np.stack(remap, axis=-1),
         "chunk": table.chunk,
         "mb": table.mb,
-        "x_in": bufs.x_in,
-        "g_in": bufs.g_in,
         "x_read": np.maximum(bufs.x_read, 0),
         "g_read": np.maximum(bufs.g_read, 0),
+        # an action whose output goes the other way round the ring (V placement's chunk 1)
+        "flip": ~schedules.sends_down(schedules.FWD, table.chunk, table.placement),
     }
+    # only the arrivals the table has (a ring placement: activations from below, gradients from above)
+    consts |= {f"in {pool} {src}": a for (pool, src), a in bufs.arrive.items() if (a >= 0).any()}
     return consts, used, bufs
 
 
@@ -153,7 +154,7 @@ class _Schedule:
         local = jax.tree.map(lambda a: a[0].reshape(V, G, *a.shape[2:]), stack)  # (V, G, ...)
         rank = _Rank(self, stack, rest, local, tokens_MbT1)
         carry, _ = jax.lax.scan(rank.body, rank.init(), jnp.arange(self.table.slots))
-        _, _, _, _, acc, racc, loss, counts = carry
+        _, _, _, acc, racc, loss, counts = carry
         acc = jax.tree.map(lambda a: a.reshape(1, V * G, *a.shape[2:]), acc)
         # Non-stack gradients live on stage 0 (embedding) and the last stage (norm, head): sum them.
         return acc, jax.lax.psum(racc, AXIS), jax.lax.psum(loss, AXIS), counts[None]
@@ -189,6 +190,8 @@ class _Rank:
         self.bwd_perm = [(k, (k - 1) % S) for k in range(S)]
         split = sched.table.split_backward
         self.every = [self.idle, self.forward, self.backward_input if split else self.backward, self.weight]
+        self.flips = bool(sched.consts["flip"].any())  # V placement: directions depend on the chunk
+        self.keeps_own = any(k.endswith(" own") for k in sched.consts)  # a stage feeds itself (V's turn)
 
     def whole(self, r):  # the model with `r` as its non-stack parameters (embedding, final norm, head)
         return nnx.merge(self.sched.graphdef, {**r, STACK: self.stack})
@@ -241,7 +244,8 @@ class _Rank:
         buf = lambda n: jnp.zeros((n, *self.zx.shape), self.zx.dtype)
         bufs = self.sched.bufs
         zero = jnp.zeros((), jnp.float32)
-        return (self.zx, self.zx, buf(bufs.x_size), buf(bufs.g_size), self.zacc, self.zr, zero, jnp.zeros(4, jnp.int32))
+        recv = {"down": self.zx, "up": self.zx} | ({"own": self.zx} if self.keeps_own else {})
+        return (recv, buf(bufs.x_size), buf(bufs.g_size), self.zacc, self.zr, zero, jnp.zeros(4, jnp.int32))
 
     def lane(self, t, lane, xbuf, gbuf):
         """Run lane `lane`'s table entry of slot t -> (chunk v, and what the branch returns)."""
@@ -257,18 +261,27 @@ class _Rank:
         return v, jax.lax.switch(c["switch"][t, s, lane], branches, *operands)
 
     def body(self, carry, t):
-        recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts = carry
-        xbuf = _put(xbuf, self.c["x_in"][t, self.s], recv_f)
-        gbuf = _put(gbuf, self.c["g_in"][t, self.s], recv_b)
-        send_f, send_b = self.zx, self.zx
+        """One slot: file what arrived (from stage s-1, from s+1, the stage's own output), run the lanes,
+        send the outputs on: down the ring (s -> s+1) and up (s -> s-1)."""
+        recv, xbuf, gbuf, acc, racc, loss, counts = carry
+        pools = {"x": xbuf, "g": gbuf}
+        for pool, src in ((p, src) for p in "xg" for src in ("down", "up", "own")):
+            if f"in {pool} {src}" in self.c:
+                pools[pool] = _put(pools[pool], self.c[f"in {pool} {src}"][t, self.s], recv[src])
+        xbuf, gbuf = pools["x"], pools["g"]
+        down, up = self.zx, self.zx
         for lane in range(self.sched.table.lanes):  # two lanes: a forward, then a backward
             v, (y, dx, dg, dr, li, took) = self.lane(t, lane, xbuf, gbuf)
             acc = jax.tree.map(lambda a, g, v=v: a.at[v].add(g), acc, dg)
             racc = jax.tree.map(jnp.add, racc, dr)
-            send_f, send_b, loss, counts = send_f + y, send_b + dx, loss + li, counts + took
-        recv_f = jax.lax.ppermute(send_f, AXIS, self.fwd_perm)
-        recv_b = jax.lax.ppermute(send_b, AXIS, self.bwd_perm)
-        return (recv_f, recv_b, xbuf, gbuf, acc, racc, loss, counts), None
+            if self.flips:  # one action per slot: y or dx is zero; chunk 1 of a V sends each the other way
+                flip = self.c["flip"][t, self.s, lane]
+                y, dx = jnp.where(flip, dx, y), jnp.where(flip, y, dx)
+            down, up, loss, counts = down + y, up + dx, loss + li, counts + took
+        recv = {"down": jax.lax.ppermute(down, AXIS, self.fwd_perm), "up": jax.lax.ppermute(up, AXIS, self.bwd_perm)}
+        if self.keeps_own:
+            recv["own"] = down + up  # the one output of the slot, whichever way it went
+        return (recv, xbuf, gbuf, acc, racc, loss, counts), None
 
 
 def _put(buf, slot, value):

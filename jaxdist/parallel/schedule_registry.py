@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline_1f1b, schedules
+from jaxdist.parallel import pipeline_1f1b, schedules, zb_v
 
 Refusal = Callable[[Config, int, int], None]  # (cfg, stages, micro-batches) -> raises JaxdistError or returns
 
@@ -34,6 +34,15 @@ def _refuses_moe(cfg: Config, stages: int, micro: int) -> None:
         raise JaxdistError(
             f"pipeline.schedule={cfg.pipeline.schedule} with MoE layers (model.moe_experts={cfg.model.moe_experts}) "
             f"is not supported yet; use pipeline.schedule={scans} for MoE models"
+        )
+
+
+def _refuses_zb_v(cfg: Config, stages: int, micro: int) -> None:
+    _refuses_moe(cfg, stages, micro)
+    if cfg.pipeline.repeats not in (1, 2):
+        raise JaxdistError(
+            f"pipeline.schedule=zb_v runs two chunks per stage (V placement); got pipeline.repeats="
+            f"{cfg.pipeline.repeats}: set pipeline.repeats=2 (or leave it at 1)"
         )
 
 
@@ -62,6 +71,15 @@ class Schedule:
     virtual: bool = False  # a stage holds pipeline.repeats chunks (the circular layout of pipeline.to_stages)
     lanes: int = 1  # table lanes: 2 places a forward and a backward in the same slot
     refuses: Refusal = _refuses_nothing  # one-line errors for what it cannot do (cfg, stages, micro-batches)
+    # how chunks sit on stages: "ring" (chunk v of stage s is virtual stage v P + s) or "v" (stage s
+    # holds virtual stages s and 2P-1-s: pipeline.to_stages' V layout)
+    placement: str = "ring"
+    chunks: int = 0  # a fixed chunk count per stage (zb_v: 2) whatever pipeline.repeats says; 0: pipeline.repeats
+
+    def repeats(self, configured: int) -> int:
+        """Chunks per stage under `pipeline.repeats=configured`: 1 without virtual stages, the fixed count
+        where the schedule has one, else the configured one."""
+        return self.chunks or (configured if self.virtual else 1)
 
     @property
     def tabled(self) -> bool:
@@ -69,8 +87,10 @@ class Schedule:
         return self.engine is not None
 
     def table(self, stages: int, microbatches: int, repeats: int = 1) -> schedules.Table:
-        """The orders placed on lock-step slots (`schedules.simulate`)."""
-        return schedules.simulate(self.orders(stages, microbatches, repeats), stages, microbatches, repeats, self.lanes)
+        """The orders placed on lock-step slots (`schedules.simulate`); a fixed chunk count overrides `repeats`."""
+        repeats = self.chunks or repeats
+        order = self.orders(stages, microbatches, repeats)
+        return schedules.simulate(order, stages, microbatches, repeats, self.lanes, self.placement)
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -90,6 +110,15 @@ SCHEDULES: dict[str, Schedule] = {
             refuses=_refuses_interleaved,
         ),
         Schedule("zb_h1", schedules.zb_h1_orders, pipeline_1f1b.schedule_objective, refuses=_refuses_moe),
+        Schedule(
+            "zb_v",
+            zb_v.zb_v_orders,
+            pipeline_1f1b.schedule_objective,
+            virtual=True,
+            refuses=_refuses_zb_v,
+            placement="v",
+            chunks=2,
+        ),
     )
 }
 
@@ -102,5 +131,5 @@ def get(name: str) -> Schedule:
 
 
 def virtual_names() -> str:
-    """The schedules with virtual chunks, for error messages ("circular or interleaved_1f1b")."""
-    return " or ".join(n for n, s in SCHEDULES.items() if s.virtual)
+    """The schedules with a configurable chunk count, for error messages ("circular or interleaved_1f1b")."""
+    return " or ".join(n for n, s in SCHEDULES.items() if s.virtual and not s.chunks)

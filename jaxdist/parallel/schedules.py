@@ -129,6 +129,12 @@ class Table:
     kind: np.ndarray
     chunk: np.ndarray
     mb: np.ndarray
+    placement: str = "ring"  # chunk v of stage s is virtual stage v P + s; "v": s (v = 0), 2P-1-s (v = 1)
+
+    @property
+    def last(self) -> tuple[int, int]:
+        """(stage, chunk) of the last virtual stage (the one that computes the loss)."""
+        return last_virtual(self.stages, self.repeats, self.placement)
 
     @property
     def slots(self) -> int:
@@ -146,7 +152,8 @@ class Table:
     @property
     def loss_without_forward(self) -> bool:
         """The last virtual stage runs no F: its B recomputes the stage from the input (zb_h1)."""
-        return not bool((self.kind[:, -1] == FWD)[self.chunk[:, -1] == self.repeats - 1].any())
+        s, v = self.last
+        return not bool((self.kind[:, s] == FWD)[self.chunk[:, s] == v].any())
 
     @property
     def bubble_fraction(self) -> float:
@@ -184,28 +191,50 @@ def lockstep_time(table: Table, f: float, b: float, w: float | None = None) -> f
     return float(sum((anyk[k].any(axis=1) * c).sum() for k, c in cost.items()))
 
 
-def prev_virtual(s: int, v: int, P: int):
-    """The virtual stage feeding (s, v) (None: the first, fed by the embedding)."""
+def prev_virtual(s: int, v: int, P: int, placement: str = "ring"):
+    """The virtual stage feeding (s, v) (None: the first, fed by the embedding). V placement: chunk 0
+    runs down the stages, chunk 1 back up (stage P-1's chunk 0 feeds its own chunk 1)."""
+    if placement == "v" and v == 1:
+        return (s + 1, 1) if s < P - 1 else (P - 1, 0)
     if s > 0:
         return s - 1, v
     return (P - 1, v - 1) if v > 0 else None
 
 
-def next_virtual(s: int, v: int, P: int, V: int):
+def next_virtual(s: int, v: int, P: int, V: int, placement: str = "ring"):
     """The virtual stage (s, v) feeds (None: the last, which feeds the loss)."""
+    if placement == "v":
+        if v == 1:
+            return (s - 1, 1) if s > 0 else None
+        return (s + 1, 0) if s < P - 1 else (P - 1, 1)
     if s < P - 1:
         return s + 1, v
     return (0, v + 1) if v < V - 1 else None
 
 
-def _deps(k: int, s: int, v: int, i: int, P: int, V: int, loss_without_forward: bool = False) -> list[tuple]:
+def last_virtual(P: int, V: int, placement: str = "ring") -> tuple[int, int]:
+    """(stage, chunk) of the last virtual stage: stage P-1's last chunk; V placement: stage 0's chunk 1."""
+    return (0, 1) if placement == "v" else (P - 1, V - 1)
+
+
+def sends_down(kind, v, placement: str = "ring"):
+    """Whether an action's output goes down the ring (to s+1 mod P), else up it (to s-1 mod P):
+    forwards go down, backwards up, except V placement's chunk 1, which runs
+    up the stages (its forwards go to s-1, its input gradients to s+1). (A stage feeding itself, V
+    placement's turn at stage P-1, sends nothing: `buffers` keeps its own output.) Works elementwise on arrays."""
+    return (kind == FWD) != ((placement == "v") & (np.asarray(v) == 1))
+
+
+def _deps(
+    k: int, s: int, v: int, i: int, P: int, V: int, loss_without_forward: bool = False, placement: str = "ring"
+) -> list[tuple]:
     """(kind, stage, chunk, micro-batch) of what an action needs. F: the previous virtual stage's F.
     B: its own F (listed first) and the next virtual stage's B (none after the last: the loss); at a
     last virtual stage without F (`Table.loss_without_forward`), the previous virtual stage's F.
     W: its own B."""
     if k == WGT:
         return [(BWD, s, v, i)]
-    src, dst = prev_virtual(s, v, P), next_virtual(s, v, P, V)
+    src, dst = prev_virtual(s, v, P, placement), next_virtual(s, v, P, V, placement)
     if k == FWD:
         return [] if src is None else [(FWD, src[0], src[1], i)]
     if dst is None and loss_without_forward:
@@ -214,14 +243,20 @@ def _deps(k: int, s: int, v: int, i: int, P: int, V: int, loss_without_forward: 
 
 
 def simulate(
-    order: list[list[tuple[int, int, int]]], stages: int, microbatches: int, repeats: int = 1, lanes: int = 1
+    order: list[list[tuple[int, int, int]]],
+    stages: int,
+    microbatches: int,
+    repeats: int = 1,
+    lanes: int = 1,
+    placement: str = "ring",
 ) -> Table:
     """Place per-stage orders on lock-step slots: each stage runs its actions in order, an action waiting
     until its inputs were produced in an earlier slot. lanes=2: forwards and backwards are two streams
     (each in order), at most one of each per slot, and a backward may follow its own stage's forward of
     the same slot (lane 0 runs first)."""
     P, V = stages, repeats
-    no_last_f = not any(a[0] == FWD and a[1] == V - 1 for a in order[P - 1])
+    ls, lv = last_virtual(P, V, placement)
+    no_last_f = not any(a[0] == FWD and a[1] == lv for a in order[ls])
     streams = [[order[s]] if lanes == 1 else [[a for a in order[s] if a[0] == k] for k in (FWD, BWD)] for s in range(P)]
     done: dict[tuple, int] = {}  # (kind, s, v, i) -> slot
     ptr = [[0] * lanes for _ in range(P)]
@@ -235,7 +270,7 @@ def simulate(
                 if ptr[s][lane] == len(streams[s][lane]):
                     continue
                 k, v, i = streams[s][lane][ptr[s][lane]]
-                deps = _deps(k, s, v, i, P, V, no_last_f)
+                deps = _deps(k, s, v, i, P, V, no_last_f, placement)
                 same_slot_ok = lanes == 2 and k == BWD  # its own forward, run on lane 0 of this slot
                 if all(
                     done.get(d, t + 1) < t or (same_slot_ok and j == 0 and done.get(d) == t) for j, d in enumerate(deps)
@@ -251,7 +286,7 @@ def simulate(
             ptr[s][lane] += 1
         rows.append(row)
     a = np.array(rows, dtype=np.int32)  # (slots, P, lanes, 3)
-    return Table(P, microbatches, V, a[..., 0], a[..., 1], a[..., 2])
+    return Table(P, microbatches, V, a[..., 0], a[..., 1], a[..., 2], placement)
 
 
 # ---- what the executor needs: where each stage's inputs and gradients wait ----------------------------
@@ -261,14 +296,24 @@ def simulate(
 class Buffers:
     """Per (slot, stage): the buffer slot an arriving activation (x_in) / gradient (g_in) is written
     to (-1: nothing arrives); per (slot, stage, lane): the slots the lane's action reads (x_read,
-    g_read). Sizes: the most activations / gradients any stage holds at once."""
+    g_read). Sizes: the most activations / gradients any stage holds at once. `arrive`: every arrival by
+    (pool "x" / "g", source): "down" came from stage s-1 (sent down the ring), "up" from s+1, "own" is
+    the stage's own output of the previous slot (V placement's turn at stage P-1); x_in is ("x", "down")
+    and g_in ("g", "up"), the only two a ring placement has."""
 
-    x_in: np.ndarray
-    g_in: np.ndarray
+    arrive: dict
     x_read: np.ndarray
     g_read: np.ndarray
     x_size: int
     g_size: int
+
+    @property
+    def x_in(self) -> np.ndarray:
+        return self.arrive[("x", "down")]
+
+    @property
+    def g_in(self) -> np.ndarray:
+        return self.arrive[("g", "up")]
 
 
 def _where(table: Table) -> dict[tuple, tuple[int, int]]:
@@ -285,36 +330,37 @@ def buffers(table: Table) -> Buffers:
     receiver's last action on it (B; W where the backward is split: the weight gradient needs the input);
     a gradient sent by B at t arrives at t + 1 and is kept until the receiver's B (and W). A buffer
     slot read in slot t is free from t + 1."""
-    P, V = table.stages, table.repeats
+    P, V, where = table.stages, table.repeats, table.placement
     at = _where(table)
-    x_in, g_in = (np.full(table.kind.shape[:2], -1, np.int32) for _ in range(2))
+    arrive = {(n, src): np.full(table.kind.shape[:2], -1, np.int32) for n in "xg" for src in ("down", "up", "own")}
     x_read, g_read = (np.full(table.kind.shape, -1, np.int32) for _ in range(2))
-    intervals = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}  # (arrive, last use, key)
+    intervals = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}  # (arrive, last use, key, source)
     last_use = lambda s, v, i: max(at[(k, s, v, i)][0] for k in (FWD, BWD, WGT) if (k, s, v, i) in at)
+    source = lambda k, s, v, d: "own" if d == s else ("down" if sends_down(k, v, where) else "up")
     for (k, s, v, i), (t, _) in at.items():
-        if k == FWD and (dst := next_virtual(s, v, P, V)) is not None:
-            intervals["x"][dst[0]].append((t + 1, last_use(dst[0], dst[1], i), (dst[1], i)))
-        if k == BWD and (src := prev_virtual(s, v, P)) is not None:
-            intervals["g"][src[0]].append((t + 1, last_use(src[0], src[1], i), (src[1], i)))
+        if k == FWD and (dst := next_virtual(s, v, P, V, where)) is not None:
+            intervals["x"][dst[0]].append((t + 1, last_use(dst[0], dst[1], i), (dst[1], i), source(k, s, v, dst[0])))
+        if k == BWD and (src := prev_virtual(s, v, P, where)) is not None:
+            intervals["g"][src[0]].append((t + 1, last_use(src[0], src[1], i), (src[1], i), source(k, s, v, src[0])))
     sizes = {}
-    for name, arrive, read in (("x", x_in, x_read), ("g", g_in, g_read)):
+    for name, read in (("x", x_read), ("g", g_read)):
         size = 0
         for s in range(P):
             free_from: list[int] = []  # per buffer slot: first slot it may be written again
-            for start, end, (v, i) in sorted(intervals[name][s]):
+            for start, end, (v, i), src in sorted(intervals[name][s]):
                 slot = next((j for j, f in enumerate(free_from) if f <= start), len(free_from))
                 if slot == len(free_from):
                     free_from.append(0)
                 free_from[slot] = end + 1
-                assert arrive[start, s] == -1, "two arrivals in one slot"
-                arrive[start, s] = slot
+                assert arrive[(name, src)][start, s] == -1, "two arrivals in one slot"
+                arrive[(name, src)][start, s] = slot
                 for k in (FWD, BWD, WGT) if name == "x" else (BWD, WGT):  # F reads x; B and W x and g
                     if (k, s, v, i) in at:
                         t2, lane = at[(k, s, v, i)]
                         read[t2, s, lane] = slot
             size = max(size, len(free_from))
         sizes[name] = max(size, 1)
-    return Buffers(x_in, g_in, x_read, g_read, sizes["x"], sizes["g"])
+    return Buffers(arrive, x_read, g_read, sizes["x"], sizes["g"])
 
 
 def in_flight(table: Table) -> np.ndarray:
@@ -340,7 +386,7 @@ def check(table: Table) -> None:
     the next virtual stage's B, each in a strictly earlier slot (the data crosses devices between
     slots); B after its own F (in the same slot only on two lanes, where the forward lane runs first;
     without that F, after the previous virtual stage's F); W after its own B."""
-    P, M, V = table.stages, table.microbatches, table.repeats
+    P, M, V, where = table.stages, table.microbatches, table.repeats, table.placement
     seen: dict[tuple, tuple[int, int]] = {}
     for t, s, lane in zip(*np.nonzero(table.kind != IDLE)):
         key = (int(table.kind[t, s, lane]), int(s), int(table.chunk[t, s, lane]), int(table.mb[t, s, lane]))
@@ -350,17 +396,17 @@ def check(table: Table) -> None:
     kinds = (FWD, BWD, WGT) if split else (FWD, BWD)
     want = {(k, s, v, i) for k in kinds for s in range(P) for v in range(V) for i in range(M)}
     if no_last_f:
-        want -= {(FWD, P - 1, V - 1, i) for i in range(M)}
+        want -= {(FWD, *table.last, i) for i in range(M)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:4]}, extra {sorted(set(seen) - want)[:4]}"
     for (k, s, v, i), (t, lane) in seen.items():
-        src = prev_virtual(s, v, P)
+        src = prev_virtual(s, v, P, where)
         if k == FWD and src is not None:
             assert seen[(FWD, *src, i)][0] < t, f"F{i} at stage {s} chunk {v} before its input"
         if k == WGT:
             tb, lb = seen[(BWD, s, v, i)]
             assert tb < t or (tb == t and lb < lane), f"W{i} at stage {s} chunk {v} before its B"
         if k == BWD:
-            dst = next_virtual(s, v, P, V)
+            dst = next_virtual(s, v, P, V, where)
             if dst is None and no_last_f:
                 assert src is None or seen[(FWD, *src, i)][0] < t, f"B{i} at stage {s} chunk {v} before its input"
             else:

@@ -127,12 +127,12 @@ def schedule_variants(cfg: Config, mesh: dict[str, int]) -> list[Config]:
     """With pp > 1, `cfg` under every schedule of the registry (parallel/schedule_registry.py), each sized
     by its own model: the scan schedules' bubble and stacked activations, the table schedules' slots and
     buffers (Layout.table). A schedule with virtual chunks gets pipeline.repeats (2 where the config says
-    1: one chunk per stage is its non-virtual twin). What a schedule refuses, Layout.validate refuses."""
+    1: one chunk per stage is its non-virtual twin; zb_v always 2). What a schedule refuses, Layout.validate refuses."""
     if mesh["pp"] == 1:
         return [cfg]
     out = []
     for entry in schedule_registry.SCHEDULES.values():
-        repeats = max(2, cfg.pipeline.repeats) if entry.virtual else 1
+        repeats = entry.repeats(max(2, cfg.pipeline.repeats))
         pipeline = dataclasses.replace(cfg.pipeline, schedule=entry.name, repeats=repeats)
         out.append(dataclasses.replace(cfg, pipeline=pipeline))
     return out

@@ -117,8 +117,8 @@ class Layout:
 
     @property
     def repeats(self) -> int:
-        virtual = schedule_registry.get(self.cfg.pipeline.schedule).virtual
-        return self.cfg.pipeline.repeats if self.mesh["pp"] > 1 and virtual else 1
+        entry = schedule_registry.get(self.cfg.pipeline.schedule)
+        return entry.repeats(self.cfg.pipeline.repeats) if self.mesh["pp"] > 1 else 1
 
     @property
     def schedule(self) -> str | None:
