@@ -3,6 +3,8 @@
     python -m jaxdist.plan --config configs/llama2-70b.yaml --devices 128 --hardware h100-80gb
     python -m jaxdist.plan --config configs/llama2-70b.yaml --devices 128 --mesh pp=4,tp=8,fsdp=4 --json
     python -m jaxdist.plan --config configs/llama3-8b.yaml --devices 64 train.global_batch=256 --plot s.png
+    python -m jaxdist.plan --calibrate here.json --mesh-search-steps 3   # measure this machine, then
+    python -m jaxdist.plan --search --hardware here.json                 # plan with what was measured
 
 Without --mesh every candidate family (DP, FSDP, HSDP, TPxFSDP, PPxFSDP, PPxTPxFSDP) is sized, with the
 accumulation / pipeline micro-batches that make it fit fastest (on pp meshes under every pipeline.schedule),
@@ -13,8 +15,10 @@ model (jaxdist.planner) is checked against the compiled program in tests/test_pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
@@ -35,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--hardware",
         default=None,
-        help=f"one of {', '.join(hardware.HARDWARE)} (default h100-80gb; with --search the devices present)",
+        help=f"one of {', '.join(hardware.HARDWARE)}, or a FILE.json that plan --calibrate wrote (default h100-80gb; "
+        "with --search or --calibrate the devices present)",
     )
     p.add_argument(
         "--mesh",
@@ -49,6 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="search every layout of the devices present (mesh, pipeline schedule and micro-batches, remat, "
         "accumulation): rank by the planner, compile the top --top-k, drop what the compiler says does not fit, "
         "time --mesh-search-steps steps of the best few, print the table and the choice",
+    )
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="FILE.json",
+        help="measure the devices present (matmul FLOP/s at the config's shapes, all-gather latency and bandwidth) "
+        "and write them as a hardware entry that --hardware FILE.json reads; with --mesh-search-steps N also time "
+        "the search's top --top-k layouts and print the planner's error before and after",
     )
     p.add_argument("--top-k", type=int, default=3, help="with --search: layouts compiled ahead of time")
     p.add_argument(
@@ -66,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-scaling", action="store_true", help="skip the 1..1024-device scaling curves")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after flags
-    if not args.search:  # --search defaults to the devices present; a plan to the documented h100-80gb
+    if not (args.search or args.calibrate):  # these default to the devices present; a plan to h100-80gb
         args.hardware = args.hardware or "h100-80gb"
     return args
 
@@ -74,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.calibrate:
+        return calibrate(args)
     if args.search:
         return search(args)
     # The library, once, here: --help and a bad flag answer before it loads.
@@ -139,6 +154,64 @@ def search(args: argparse.Namespace) -> int:
     print(searching.table(out.rows, out.budget_bytes))
     print(f"\n{out.reason}")
     print(f"run it with:\n  {train_command(args, cfg, out.chosen.est)}")
+    return 0
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """`--calibrate FILE.json`: the devices present measured, written as a hardware entry; with
+    --mesh-search-steps, the search's top layouts timed and the planner's error before and after."""
+    if args.mesh or args.search:
+        raise JaxdistError("--calibrate measures the devices present; drop --mesh / --search (search later with "
+                           "--hardware FILE.json)")  # fmt: skip
+    path = Path(args.calibrate)
+    if path.suffix != ".json" or not path.parent.is_dir():
+        raise JaxdistError(f"--calibrate {path}: give a FILE.json in an existing folder")
+    budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
+    setup_platform(args.cpu_devices)
+    # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
+    import jax
+
+    from jaxdist.analysis import calibrate as calibration
+    from jaxdist.analysis import mesh_search
+    from jaxdist.observe import report
+    from jaxdist.planner import search as searching
+    from jaxdist.planner.plans import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    base = hardware.get(args.hardware) if args.hardware else report.hardware_for(jax.devices()[0])
+    if base is None:
+        raise JaxdistError(
+            f"no hardware entry for {jax.devices()[0].device_kind} to start from; name one with --hardware"
+        )
+    measured = calibration.measure(cfg, jax.devices())
+    hw = calibration.entry(base, measured, path.stem)
+    hardware.save(hw, path)
+    doc: dict = dict(hardware=str(path), entry=dataclasses.asdict(hw), lines=measured.lines())
+    if args.mesh_search_steps:
+        out = mesh_search.run(
+            cfg, searching.with_budget(hw, budget), top_k=args.top_k, steps=args.mesh_search_steps, timed=args.top_k
+        )
+        found = calibration.compare(out.rows, base)
+        doc.update(
+            compared=[
+                dict(layout=n, measured_s=m, before_s=b, after_s=a)
+                for n, m, b, a in zip(found.names, found.measured, found.before, found.after)
+            ],
+            error_before=found.error(found.before),
+            error_after=found.error(found.after),
+            correlation_before=found.correlation(found.before),
+            correlation_after=found.correlation(found.after),
+        )
+        doc["lines"] += ["", *found.lines(f"{base.name} entry", "calibrated")]
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(
+        f"{len(jax.devices())} x {jax.devices()[0].device_kind}, measured from the {base.name} entry; written to {path}"
+    )
+    for line in doc["lines"]:
+        print(line)
+    print(f"plan with it: python -m jaxdist.plan --search --hardware {path}")
     return 0
 
 

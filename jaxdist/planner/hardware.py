@@ -19,6 +19,8 @@ hop (the JAX scaling book's sharding chapter); launch and DCN step values are as
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from jaxdist.errors import JaxdistError
 
@@ -209,7 +211,61 @@ def parse_bytes(text: str) -> float:
 
 
 def get(name: str) -> Hardware:
+    """A table entry by name, or a measured one from a JSON file (`plan --calibrate FILE.json` writes it)."""
+    if name.lower().endswith(".json"):
+        return load(Path(name))
     key = name.lower()
     if key not in HARDWARE:
-        raise JaxdistError(f"unknown hardware '{name}'; use one of {', '.join(HARDWARE)} (--hardware)")
+        raise JaxdistError(
+            f"unknown hardware '{name}'; use one of {', '.join(HARDWARE)} or a FILE.json from plan --calibrate "
+            "(--hardware)"
+        )
     return HARDWARE[key]
+
+
+def save(hw: Hardware, path: Path) -> None:
+    """`hw` as JSON (its fields by name), written whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(dataclasses.asdict(hw), indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise JaxdistError(
+            f"cannot write the hardware entry {path} ({e.strerror or e}); choose a writable path"
+        ) from None
+
+
+def load(path: Path) -> Hardware:
+    """A hardware entry written by `save`: every field present, none unknown, numbers where numbers go."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise JaxdistError(
+            f"hardware file {path} does not exist; write it with python -m jaxdist.plan --calibrate {path}"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise JaxdistError(
+            f"hardware file {path} is not readable JSON ({e}); write it again with plan --calibrate"
+        ) from None
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+    if not isinstance(doc, dict) or required - doc.keys() or doc.keys() - fields.keys():
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise JaxdistError(
+            f"hardware file {path} is not a hardware entry (fields {got}; needs {sorted(required)}); write it again "
+            "with plan --calibrate"
+        )
+    peak = doc["peak_flops"]
+    numbers = [v for k, v in doc.items() if k not in ("name", "note", "backend", "flash_attention", "peak_flops")]
+    if (
+        not isinstance(peak, dict)
+        or "bfloat16" not in peak
+        or not all(isinstance(v, (int, float)) and v > 0 for v in peak.values())
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers)
+    ):
+        raise JaxdistError(
+            f"hardware file {path} holds a value that is not a non-negative number (peak_flops needs a positive "
+            "bfloat16 rate); write it again with plan --calibrate"
+        )
+    return Hardware(**doc)

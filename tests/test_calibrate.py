@@ -1,0 +1,111 @@
+"""`plan --calibrate` (jaxdist/analysis/calibrate.py): the alpha-beta fit, the measured entry written and
+read back by `--hardware FILE.json`, bad hardware files, the before/after comparison. One measurement
+of this machine at the tiny config's shapes (a few seconds; nothing compiled but a matmul and gathers)."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxdist import plan
+from jaxdist.analysis import calibrate
+from jaxdist.errors import JaxdistError
+from jaxdist.planner import hardware
+
+
+def test_the_fit_recovers_latency_and_bandwidth_through_noise():
+    rng = np.random.default_rng(0)
+    latency, bandwidth = 40e-6, 2e9
+    points = [(b, (latency + b / bandwidth) * (1 + 0.02 * rng.standard_normal())) for b in (4e3, 3e4, 3e5, 3e6)]
+    got_latency, got_bandwidth = calibrate.fit_alpha_beta(points)
+    assert got_latency == pytest.approx(latency, rel=0.15) and got_bandwidth == pytest.approx(bandwidth, rel=0.05)
+    with pytest.raises(JaxdistError, match="do not grow with their size"):
+        calibrate.fit_alpha_beta([(1e3, 2e-3), (1e6, 1e-3)])
+    with pytest.raises(JaxdistError, match="two or more sizes"):
+        calibrate.fit_alpha_beta([(1e3, 1e-3), (1e3, 2e-3)])
+
+
+def test_rank_correlation_and_the_comparison_figures():
+    assert calibrate.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert calibrate.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert calibrate.rank_correlation([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)  # ties: mean ranks
+    assert math.isnan(calibrate.rank_correlation([1.0], [2.0]))
+    found = calibrate.Comparison(["a", "b", "c"], [1.0, 2.0, 4.0], [2.0, 1.0, 1.0], [1.1, 2.2, 3.6])
+    assert found.error(found.before) == pytest.approx(0.75) and found.error(found.after) == pytest.approx(0.1)
+    assert found.correlation(found.before) == pytest.approx(-math.sqrt(3) / 2)
+    assert found.correlation(found.after) == pytest.approx(1.0)
+    assert found.lines("table", "measured")[-1].startswith(
+        "prediction error (median |predicted/measured - 1|): table 75%"
+    )
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """`plan --calibrate FILE.json` on this machine's 8 simulated devices, in-process."""
+    path = tmp_path_factory.mktemp("cal") / "here.json"
+    calibrate.MIN_SECONDS, saved = 0.02, calibrate.MIN_SECONDS
+    try:
+        assert plan.main(["--calibrate", str(path), "--json"]) == 0
+    finally:
+        calibrate.MIN_SECONDS = saved
+    return path
+
+
+def test_calibrate_writes_an_entry_that_plan_reads(measured, capsys):
+    capsys.readouterr()  # the fixture's JSON line
+    hw = hardware.get(str(measured))
+    cpu = hardware.get("cpu")
+    assert hw.name == "here" and hw.backend == "cpu" and hw.matmul_efficiency == 1.0 and hw.hop_fast_s == 0.0
+    assert set(hw.peak_flops) == {"float32", "bfloat16"} and all(0 < v < 1e13 for v in hw.peak_flops.values())
+    assert 0 < hw.fast_bandwidth == hw.slow_bandwidth < 1e12 and 0 <= hw.latency_s < 1.0
+    assert hw.hbm_bytes == cpu.hbm_bytes and hw.devices_per_node == cpu.devices_per_node  # not measured: the base's
+    assert plan.main(["--hardware", str(measured), "--mesh", "fsdp=8", "--no-scaling", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "here" and out["recommended"]["step_s"] > 0
+
+
+def test_bad_hardware_files_and_flags_are_one_line(measured, tmp_path, capsys):
+    good = json.loads(measured.read_text())
+    cases = [
+        (tmp_path / "missing.json", None, "does not exist; write it with python -m jaxdist.plan --calibrate"),
+        (tmp_path / "text.json", "not json", "is not readable JSON"),
+        (tmp_path / "short.json", {k: v for k, v in good.items() if k != "latency_s"}, "is not a hardware entry"),
+        (tmp_path / "extra.json", dict(good, lantency_s=1.0), "is not a hardware entry"),
+        (tmp_path / "negative.json", dict(good, fast_bandwidth=-1.0), "not a non-negative number"),
+        (tmp_path / "noflops.json", dict(good, peak_flops={"float32": 1e9}), "positive bfloat16 rate"),
+    ]
+    for path, content, message in cases:
+        if content is not None:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(JaxdistError, match=message):
+            hardware.get(str(path))
+    assert dataclasses.asdict(hardware.load(measured)) == good  # written whole, read back whole
+    for argv, message in [
+        (["--calibrate", str(tmp_path / "x.txt")], "give a FILE.json in an existing folder"),
+        (["--calibrate", str(tmp_path / "no" / "x.json")], "give a FILE.json in an existing folder"),
+        (["--calibrate", str(tmp_path / "x.json"), "--mesh", "dp=8"], "--calibrate measures the devices present"),
+        (["--hardware", "h200"], "or a FILE.json from plan --calibrate"),
+    ]:
+        assert plan.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_compare_estimates_the_timed_layouts_under_both_entries(measured):
+    """The comparison's 'before' column is the planner under the base entry, 'after' under the measured
+    one, for the timed rows only (the search's rows carry the measured entry's estimates)."""
+    from jaxdist import config
+    from jaxdist.planner import search
+    from jaxdist.planner.estimate import estimate
+    from jaxdist.planner.layout import Layout
+
+    cfg, hw, cpu = config.load(None, []), hardware.get(str(measured)), hardware.get("cpu")
+    ones = dict.fromkeys(search.mesh_shapes(8)[0], 1)
+    rows = [search.Row(estimate(Layout(cfg, ones | m, hw))) for m in ({"fsdp": 8}, {"dp": 8})]
+    rows[0].measured_s = 0.5
+    found = calibrate.compare(rows, cpu)
+    assert found.names == [rows[0].name] and found.measured == [0.5] and found.after == [rows[0].est.step_s]
+    assert found.before == [estimate(Layout(cfg, rows[0].est.layout.mesh, cpu)).step_s] != found.after
+    with pytest.raises(JaxdistError, match="give --mesh-search-steps N > 0"):
+        calibrate.compare(rows[1:], cpu)
