@@ -411,32 +411,42 @@ def test_train_refuses_a_window_past_the_models_positions(capsys):
     assert yaml.safe_load(capsys.readouterr().out)["model"]["seq_len"] == 129
 
 
-def test_hub_ids_resolve_through_the_offline_cache(tmp_path):
+def test_hub_ids_resolve_through_the_offline_cache(tmp_path, capsys, monkeypatch):
     """`--restore hf:ORG/NAME[@REV]` reads huggingface_hub's cache (HF_HOME) offline; a miss is one line
-    that says how to download; a local directory still wins."""
+    that says how to download; a local directory still wins. The first command is a real process with
+    HF_HOME and HF_HUB_OFFLINE set as a user sets them; the others run in this process, huggingface_hub's
+    constants (what it read from those variables) pointed at the same cache."""
+    from huggingface_hub import constants
+
     commit = hub_cache(tmp_path / "hf", "acme/tiny-llama", FIXTURE)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     expected = json.loads((FIXTURE / "config.json").read_text())
+    cmd = [sys.executable, "-m", "jaxdist.train", "--restore", "hf:acme/tiny-llama", "--print-config"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
-    def run(spec):
-        cmd = [sys.executable, "-m", "jaxdist.train", "--restore", f"hf:{spec}", "--print-config"]
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    def run(spec):  # (exit code, stdout, stderr) of the same command in this process
+        code = train.main(["--restore", f"hf:{spec}", "--print-config"])
+        return code, *capsys.readouterr()
 
-    for spec in ("acme/tiny-llama", f"acme/tiny-llama@{commit}"):
-        out = run(spec)
-        assert out.returncode == 0, out.stderr
-        model = yaml.safe_load(out.stdout)["model"]
+    printed = [out.stdout, run(f"acme/tiny-llama@{commit}")[1]]
+    for text in printed:
+        model = yaml.safe_load(text)["model"]
         assert model["d_model"] == expected["hidden_size"] and model["num_layers"] == expected["num_hidden_layers"]
-    miss = run("acme/not-cached")
-    assert miss.returncode == 2 and miss.stderr.count("\n") == 1, miss.stderr
-    assert "not in the Hugging Face cache" in miss.stderr and "hf download acme/not-cached" in miss.stderr
-    assert "HF_HUB_OFFLINE is set" in miss.stderr
+    code, _, err = run("acme/not-cached")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "not in the Hugging Face cache" in err and "hf download acme/not-cached" in err
+    assert "HF_HUB_OFFLINE is set" in err
     # a directory spelled like a Hub id is a directory
     local = tmp_path / "acme" / "tiny-llama"
     shutil.copytree(FIXTURE, local)
-    out = run("acme/tiny-llama")
-    assert out.returncode == 0, out.stderr
+    code, text, err = run("acme/tiny-llama")
+    assert code == 0, err
+    assert yaml.safe_load(text)["model"]["d_model"] == expected["hidden_size"]
 
 
 def test_hf_folders_hold_one_weights_layout_and_nothing_is_read_outside_them(sharded, tmp_path, capsys, monkeypatch):
