@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="BYTES",
         help="with --mesh auto: usable memory per device, e.g. 300MB, instead of the hardware's",
     )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="with --mesh auto: the planner's hardware entry, a name or a FILE.json that python -m jaxdist.plan "
+        "--calibrate wrote (default: the entry of the devices present)",
+    )
     p.add_argument("--dcn-mesh", default=None, help="axes spanning hosts, e.g. dp=2 (multi-host)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument(
@@ -137,19 +143,30 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv, stopper)
 
 
+def _search_flags(args: argparse.Namespace, cfg) -> tuple[bool, float | None]:
+    """(--mesh auto?, --memory-budget in bytes): the flags that belong to the layout search, checked before
+    anything starts."""
+    auto = cfg.mesh.shape.strip() == "auto"
+    budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
+    if (args.mesh_search_steps or budget or args.hardware) and not auto:
+        raise JaxdistError(
+            "--mesh-search-steps, --memory-budget and --hardware belong to --mesh auto; add it or drop them"
+        )
+    if args.hardware:
+        hardware.get(args.hardware)  # an unknown name or a bad file fails before anything starts
+    if auto and args.print_config:
+        raise JaxdistError(
+            "--mesh auto is decided when training starts; drop --print-config, or see the choice with "
+            "python -m jaxdist.plan --search"
+        )
+    return auto, budget
+
+
 def _main(argv: list[str] | None, stopper) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
-        auto = cfg.mesh.shape.strip() == "auto"
-        budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
-        if (args.mesh_search_steps or budget) and not auto:
-            raise JaxdistError("--mesh-search-steps and --memory-budget belong to --mesh auto; add it or drop them")
-        if auto and args.print_config:
-            raise JaxdistError(
-                "--mesh auto is decided when training starts; drop --print-config, or see the choice with "
-                "python -m jaxdist.plan --search"
-            )
+        auto, budget = _search_flags(args, cfg)
         typed_restore = args.restore  # names the default run dir: a new Hub revision does not move it
         if args.restore and args.restore.startswith("hf:"):  # the model shape comes from config.json
             args.restore = f"hf:{hub.local_dir(args.restore[3:])}"  # a Hub id -> its cached snapshot
@@ -185,7 +202,7 @@ def _main(argv: list[str] | None, stopper) -> int:
             # deferred: the search compiles candidate layouts (jax, the library), after the platform set-up
             from jaxdist.analysis import mesh_search
 
-            hw = mesh_search.hardware_here(budget)
+            hw = mesh_search.hardware_here(budget, args.hardware)
             cfg, changed = mesh_search.auto_layout(cfg, run_dir, hw, steps=args.mesh_search_steps)
             allowed |= changed
         origin = (

@@ -109,3 +109,24 @@ def test_compare_estimates_the_timed_layouts_under_both_entries(measured):
     assert found.before == [estimate(Layout(cfg, rows[0].est.layout.mesh, cpu)).step_s] != found.after
     with pytest.raises(JaxdistError, match="give --mesh-search-steps N > 0"):
         calibrate.compare(rows[1:], cpu)
+
+
+def test_train_mesh_auto_takes_a_measured_entry(measured, tmp_path, monkeypatch, capsys):
+    """`train --mesh auto --hardware FILE.json` searches with the measured entry (mesh_search.hardware_here);
+    --hardware without --mesh auto, or a bad file, is one line before anything is written."""
+    from jaxdist import train
+    from jaxdist.analysis import mesh_search
+
+    got = mesh_search.hardware_here(2e6, str(measured))
+    assert got == dataclasses.replace(hardware.load(measured), hbm_bytes=got.hbm_bytes) and got.name == "here"
+    assert mesh_search.hardware_here(None, None).name == "cpu"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("{}")
+    for argv, message in [
+        (["--hardware", str(measured), "--steps", "1"], "--hardware belong to --mesh auto; add it or drop them"),
+        (["--mesh", "auto", "--hardware", "bad.json", "--steps", "1"], "bad.json is not a hardware entry"),
+    ]:
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]  # no run dir

@@ -25,7 +25,7 @@ from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.distributed.mesh import format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.observe import metrics
-from jaxdist.planner import search
+from jaxdist.planner import hardware, search
 from jaxdist.planner.hardware import Hardware
 from jaxdist.training import step
 
@@ -245,11 +245,12 @@ def _sections(flat: dict) -> dict:
     return out
 
 
-def hardware_here(budget_bytes: float | None = None) -> Hardware:
-    """The planner's entry for the devices present (on CPU the `cpu` entry), with `budget_bytes` usable."""
+def hardware_here(budget_bytes: float | None = None, name: str | None = None) -> Hardware:
+    """The planner's entry for the devices present (on CPU the `cpu` entry), or the one `name`d (a table
+    name, or a FILE.json that `plan --calibrate` measured), with `budget_bytes` usable."""
     from jaxdist.observe import report  # deferred: report reads the devices, present only after set-up
 
-    hw = report.hardware_for(jax.devices()[0])
+    hw = hardware.get(name) if name else report.hardware_for(jax.devices()[0])
     if hw is None:
         raise JaxdistError(
             f"--mesh auto: the planner has no entry for {jax.devices()[0].device_kind}; give --mesh explicitly "
