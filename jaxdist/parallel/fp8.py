@@ -63,10 +63,15 @@ def check(cfg, mesh) -> None:
     m = cfg.model
     if m.fp8 == "off":
         return
-    if m.moe_experts:
+    if m.moe_experts and m.family == "gpt_oss":
         raise JaxdistError(
-            f"model.fp8={m.fp8} with model.moe_experts > 0: the experts' matmuls have no FP8 path yet; "
-            "use a dense model or model.fp8=off"
+            f"model.fp8={m.fp8} with model.family=gpt_oss: its biased clamped-SwiGLU experts have no FP8 path; "
+            "use model.fp8=off"
+        )
+    if m.moe_experts and m.fp8 == "mxfp8":
+        raise JaxdistError(
+            "model.fp8=mxfp8 with model.moe_experts > 0: the experts' matmuls are FP8 with tensorwise or rowwise "
+            "scales only; use model.fp8=tensorwise or rowwise"
         )
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(

@@ -119,6 +119,11 @@ def fp8_matmuls(mode: str):
         _FP8.reset(token)
 
 
+def fp8_mode() -> str:
+    """model.fp8 of the layers being traced ("off" outside `fp8_matmuls`)."""
+    return _FP8.get()
+
+
 def gathered(w, names):
     """`w` all-gathered over the batch axes (FSDP), still split over the others (tp): the copy a matmul
     uses. Explicit, so the forward and the backward can share one copy (XLA never merges two

@@ -47,7 +47,9 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.config import Config
 from jaxdist.distributed.sharding import Rules, current_rules, drop_axes, logical_to_spec
 from jaxdist.errors import JaxdistError
+from jaxdist.parallel import fp8_experts
 from jaxdist.parallel.grouped_ffn import chunk_rows, expert_chunks
+from jaxdist.parallel.matmul import fp8_mode
 
 EXPERT, INNER = "expert", "mlp"  # logical names of the expert dim and the tp-split inner dim
 
@@ -114,13 +116,15 @@ def select_tier(fullest, tiers):
     return jnp.sum(fullest > jnp.asarray(tiers[:-1]))
 
 
-def _swiglu(x_RD, w_gate_DF, w_up_DF, w_down_FD):
+def _swiglu(x_RD, w_gate_DF, w_up_DF, w_down_FD, fp8="off"):
+    """One expert over its rows; with `fp8` (tensorwise, rowwise) each matmul is `fp8_experts.dot`."""
     dt = x_RD.dtype
-    h = jax.nn.silu(x_RD @ w_gate_DF.astype(dt)) * (x_RD @ w_up_DF.astype(dt))
-    return h @ w_down_FD.astype(dt)
+    mm = (lambda a, w: a @ w.astype(dt)) if fp8 == "off" else (lambda a, w: fp8_experts.dot(a, w.astype(dt), fp8))
+    h = jax.nn.silu(mm(x_RD, w_gate_DF)) * mm(x_RD, w_up_DF)
+    return mm(h, w_down_FD)
 
 
-def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axes):
+def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axes, fp8="off"):
     """Capacity mode: slots, dispatch buffer, all-to-all, experts over every slot, all-to-all back,
     combine: -> (y_ND, keep)."""
     N, D = x_ND.shape
@@ -134,7 +138,7 @@ def _dispatch(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, C, ep_axe
     if ep > 1:  # send each destination its experts' rows; receive (source, El·C, D)
         buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
     rows_ERD = buf.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
-    out_ERD = jax.vmap(_swiglu)(rows_ERD, w_gate, w_up, w_down)
+    out_ERD = jax.vmap(functools.partial(_swiglu, fp8=fp8))(rows_ERD, w_gate, w_up, w_down)
     out = out_ERD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, El * C, D)
     if ep > 1:  # back to the devices the tokens came from
         out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
@@ -177,7 +181,7 @@ def _dropless_back(out_RD, idx_NK, recv_SE, *, experts, C, R, ep_axes):
     return jnp.take(buf.reshape(experts * C, D), slot, axis=0, mode="fill", fill_value=0)
 
 
-def _dropless(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, ep_axes, all_axes):
+def _dropless(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, ep_axes, all_axes, fp8="off"):
     """Dropless: every device's (source, expert) counts (one psum over ep) give the smallest tier that
     holds the fullest expert anywhere (one pmax, the same tier on every device) and each local expert's
     received rows; `lax.switch` runs that tier's data movement, `expert_chunks` the experts on the rows
@@ -207,7 +211,7 @@ def _dropless(x_ND, idx_NK, gate_NK, w_gate, w_up, w_down, *, experts, ep_axes, 
     dt = x_ND.dtype
     ws = (w.astype(dt) for w in (w_gate, w_up, w_down))
     # a functools.partial(jax.custom_vjp) function: pyright cannot carry its return type through both
-    out = cast(jax.Array, expert_chunks(rows.reshape(El, R, D), recv_SE.sum(0), *ws, chunk))
+    out = cast(jax.Array, expert_chunks(rows.reshape(El, R, D), recv_SE.sum(0), *ws, chunk, fp8))
     back = [functools.partial(_dropless_back, C=C, **kw) for C in tiers]
     picked = jax.lax.switch(tier, back, out.reshape(El * R, -1), idx_NK, recv_SE)
     gate = gate_NK.T.reshape(-1, 1).astype(x_ND.dtype)
@@ -229,6 +233,7 @@ def _local(
     inner_axes,
     seq_axes=(),
     all_axes=(),
+    fp8="off",
 ):
     """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
     on local tokens: left to the automatic partitioner it all-gathers the router scores."""
@@ -243,9 +248,10 @@ def _local(
     args = (x_BTD.reshape(N, D), idx_BTK.reshape(N, K), gate_BTK.reshape(N, K), w_gate, w_up, w_down)
     if factor is not None:
         C = capacity(N, experts, K, factor)
-        y_ND, keep = _dispatch(*args, experts=experts, C=C, ep_axes=ep_axes)
+        y_ND, keep = _dispatch(*args, experts=experts, C=C, ep_axes=ep_axes, fp8=fp8)
     else:  # dropless: nothing is ever dropped
-        y_ND, keep = _dropless(*args, experts=experts, ep_axes=ep_axes, all_axes=all_axes), jnp.ones(N * K, bool)
+        y = _dropless(*args, experts=experts, ep_axes=ep_axes, all_axes=all_axes, fp8=fp8)
+        y_ND, keep = y, jnp.ones(N * K, bool)
     if inner_axes:  # each tp rank computed a slice of the experts' inner dim
         y_ND = jax.lax.psum(y_ND, inner_axes)
     dropped_B = (~keep).reshape(K, B, T).sum((0, 2)).astype(jnp.float32)
@@ -262,7 +268,7 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
     `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
     experts = w_gate_EDF.shape[0]
     mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
-    kw = dict(route=route, experts=experts, factor=factor)
+    kw = dict(route=route, experts=experts, factor=factor, fp8=fp8_mode())  # model.fp8, set around the layer scan
     if rules is None or mesh.empty:
         return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
     done = set(mesh.manual_axes)
