@@ -224,8 +224,7 @@ def greedy_gaps(cfg, params, graphdef, mesh, prompts, ref_tokens, tol: float) ->
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
     with sharding.activate(mesh, decode.generation_rules(cfg)):
-        out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
-    logits = np.asarray(out[0] if isinstance(out, tuple) else out, np.float32)
+        logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens), np.float32)
     gaps = np.zeros((len(ref), len(ref[0])), np.float32)
     for i, (p, r) in enumerate(zip(prompts, ref)):
         top2 = np.sort(logits[i, len(p) - 1 : len(p) - 1 + len(r)], -1)[:, -2:]

@@ -59,7 +59,7 @@ def _apply(graphdef, params, tokens):
 def logits_of(model, params, mesh, tokens=REF["sequences"]) -> np.ndarray:
     """One compiled program per (graphdef, mesh), shared by the tests."""
     with sharding.activate(mesh, model.rules):
-        return np.asarray(_apply(model.graphdef, params, tokens)[0])
+        return np.asarray(_apply(model.graphdef, params, tokens))
 
 
 @pytest.fixture(scope="module")

@@ -397,7 +397,6 @@ def test_grpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(tiny
     """GRPO's stage on a MoE model (one device, on-policy, beta 0, dapo): the loss is the surrogate,
     -sum_n A_n len_n / sum_n len_n (the ratio is 1), plus the router's auxiliary objective as the LM
     objective adds it, its sum / the batch's routed positions (both 1e-6)."""
-    from jaxdist.reduce.gradients import model_outputs
 
     cfg = tiny_cfg.replace(model=dict(MICRO_MODEL, moe_experts=4, moe_topk=2), train=dict(global_batch=4))
     g = grpo.GRPO(group_size=2, beta=0.0, iterations=1, loss_type="dapo")
@@ -416,7 +415,7 @@ def test_grpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(tiny
             state.params, grpo_stage.pack(rows, adv)
         )
         inputs = loss_mask.split(rows[:, :-1])[0]
-        aux = jax.jit(lambda p: model_outputs(prog.apply_fn(p, inputs, features=True))[1]["objective"])(state.params)
+        aux = jax.jit(lambda p: prog.apply_fn(p, inputs)[1]["objective"])(state.params)
     expected_aux = float(aux) / (4 * (W - 1))
     surrogate = -float((adv * lengths).sum() / lengths.sum())
     assert expected_aux > 1e-4 and abs(float(metrics["aux_loss"]) - expected_aux) < 1e-6

@@ -214,7 +214,7 @@ def test_restore_hf_fine_tunes_from_the_hf_weights(tmp_path):
     params, model = hf_tensors.import_params(FIXTURE, cfg, mesh)
     loader = loader_mod.Loader(cfg, NamedSharding(mesh, P(("dp", "fsdp"))))
     with sharding.activate(mesh, model.rules):
-        s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x, **kw: nnx.merge(model.graphdef, q)(x, **kw), p, t))(
+        s, n = jax.jit(lambda p, t: token_loss_sums(lambda q, x: nnx.merge(model.graphdef, q).loss_head(x), p, t))(
             params, next(loader)
         )
     assert abs(result.final_loss - float(s) / float(n)) < 1e-5

@@ -25,6 +25,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.models import flops
 from jaxdist.models.llama import count_params
 from jaxdist.parallel import pipeline
+from jaxdist.parallel.loss import logits as head_logits
 from jaxdist.training import step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def fsdp8():
 
 
 def logits_fn(prog):
-    fn = jax.jit(lambda p, t: prog.apply_fn(p, t))
+    fn = jax.jit(lambda p, t: head_logits(prog.apply_fn(p, t)[0]))  # the training forward's head -> logits
 
     def call(params, tokens):
         with prog.activate():
@@ -324,7 +325,7 @@ def test_family_lora_gradients_match_peft(family_peft):
     prog, params, ref = f["prog"], f["params"], f["ref"]
 
     def loss(trained, frozen, tokens):
-        logits = prog.apply_fn(adapters.combine(trained, frozen), tokens[:, :-1]).astype(jnp.float32)
+        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens[:, :-1])[0]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
 
     with prog.activate():

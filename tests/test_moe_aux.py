@@ -150,7 +150,7 @@ def test_aux_objective_is_per_routed_token_whatever_the_loss_mask():
     }
     ids = np.asarray(jax.random.randint(keys[3], (Bt, Tt + 1), 0, V), np.int32)
 
-    def apply_fn(p, x_BT, features=True):
+    def apply_fn(p, x_BT):
         x_BTD = p["emb"][x_BT]
         aux = jnp.sum(jnp.square(jax.nn.softmax(x_BTD @ p["r"], axis=-1)))  # a sum over routed tokens
         stats = dict(objective=aux, moe_aux_loss=aux, moe_z_loss=aux, moe_dropped=jnp.float32(0))

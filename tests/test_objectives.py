@@ -357,7 +357,6 @@ def test_dpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(dpo_c
     the LM objective adds it (`reduce.gradients.objective_sums`: the model's aux sum x 1 / routed positions, a
     mean over every position of the batch's rows). At step 0 the reference is the policy, so the DPO part is ln 2 and the
     loss is ln 2 + that aux term (1e-6); the term is > 0 and its gradient reaches the router."""
-    from jaxdist.reduce.gradients import model_outputs
 
     cfg = dpo_cfg.replace(model=dict(moe_experts=4, moe_topk=2), train=dict(global_batch=4))
     prog = step.build_program(cfg, mesh_from_string("dp=1", jax.devices()[:1]))
@@ -372,7 +371,7 @@ def test_dpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(dpo_c
             state.params, state.reducer_state, batch
         )
         inputs = loss_mask.split(pairs.as_rows(batch)[:, :-1])[0]
-        aux = jax.jit(lambda p: model_outputs(prog.apply_fn(p, inputs, features=True))[1]["objective"])(state.params)
+        aux = jax.jit(lambda p: prog.apply_fn(p, inputs)[1]["objective"])(state.params)
     expected = float(aux) / (8 * (W - 1))  # the LM objective's weight: a mean over the 8 rows' W - 1 positions
     assert expected > 1e-4
     assert abs(float(metrics["aux_loss"]) - expected) < 1e-6 * max(1.0, expected)

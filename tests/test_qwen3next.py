@@ -52,7 +52,7 @@ def imported(mesh_text: str, devices=None):
 
 def forward(model, params, mesh, tokens) -> np.ndarray:
     with sharding.activate(mesh, model.rules):
-        logits, _ = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t))(params, tokens)
+        logits = jax.jit(lambda p, t: nnx.merge(model.graphdef, p)(t))(params, tokens)
     return np.asarray(logits)
 
 

@@ -43,8 +43,7 @@ def score_fn(graphdef):
     """(params, tokens_BL, targets_BL, mask_BL) -> (logprob sum_B, all greedy_B)."""
 
     def run(params, tokens_BL, targets_BL, mask_BL):
-        out = nnx.merge(graphdef, params)(tokens_BL)
-        logits_BLV = (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)  # MoE: (logits, aux)
+        logits_BLV = nnx.merge(graphdef, params)(tokens_BL).astype(jnp.float32)
         logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
         picked_BL = jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]
         greedy_BL = jnp.argmax(logits_BLV, axis=-1) == targets_BL

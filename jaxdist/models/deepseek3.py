@@ -206,7 +206,8 @@ def dense_count(cfg: ModelConfig) -> int:
 
 
 class DeepseekV3(llama.Llama):
-    """`model(tokens_BT) -> logits_BTV` (with experts: (logits, aux)), as `llama.Llama`; two stacks."""
+    """`model(tokens_BT) -> logits_BTV`, `model.loss_head(tokens_BT) -> (loss.Head, aux)`:
+    as `llama.Llama`; two stacks."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, compute_dtype=jnp.float32, lora=None):
         super().__init__(cfg, rngs, compute_dtype, lora)

@@ -169,7 +169,8 @@ class Block(nnx.Module):
 
 
 class GptOss(llama.Llama):
-    """`model(tokens_BT) -> (logits_BTV, aux)`, as `llama.Llama` with MoE layers, with gpt-oss's parts."""
+    """`model(tokens_BT) -> logits_BTV`, `model.loss_head(tokens_BT) -> (loss.Head, aux)`:
+    as `llama.Llama` with MoE layers, with gpt-oss's parts."""
 
     def unit(self, cfg: ModelConfig):
         return Block, cfg.num_layers

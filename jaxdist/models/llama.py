@@ -182,7 +182,10 @@ def scanned_unit(cfg: ModelConfig):
 
 
 class Llama(nnx.Module):
-    """`model(tokens_BT) -> logits_BTV` (float32). The layer stack has a leading `layers` axis.
+    """The decoder. Its entry points have one return type each: `model(tokens_BT) -> logits_BTV` (float32:
+    generation, evaluation, the comparisons with transformers); `model.loss_head(tokens_BT) -> (loss.Head,
+    aux)` (training: the loss applies the head block by block; aux holds the MoE layers' sums, {} when
+    dense); `model.decode(...) -> (logits, k cache, v cache)`. The layer stack has a leading `layers` axis.
 
     Another architecture that keeps this skeleton (embedding, scanned stack, norm, head) subclasses it
     and replaces its parts: `Norm`, `unit` (the scanned module), `embed_factor`, and `layer_consts`
@@ -307,17 +310,18 @@ class Llama(nnx.Module):
         """Per-layer aux sums (leading layer axis) -> the model's (the pipeline calls it too)."""
         return moe.combine_layers(aux_L)
 
-    def features(self, tokens_BT, segment_ids_BT=None, positions_T=None):
-        """What `jaxdist.parallel.loss.cross_entropy` takes instead of logits (never B·T·V): a loss.Head, or
-        (loss.Head, aux) with MoE layers."""
-        return self(tokens_BT, segment_ids_BT, positions_T, features=True)
-
-    def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None, features: bool = False):
-        """-> logits_BTV (features=True: the loss.Head); with MoE layers (out, aux) (jaxdist.reduce.gradients adds
-        aux['objective']). `positions_T`: context parallelism's load-balanced order (None: 0..T-1)."""
+    def loss_head(self, tokens_BT, segment_ids_BT=None, positions_T=None) -> tuple[loss.Head, dict]:
+        """The training forward: (loss.Head, aux). The head is what `jaxdist.parallel.loss.cross_entropy` takes
+        instead of logits (never B·T·V); aux holds the MoE layers' sums ({} for a dense model):
+        aux['objective'] is added to the training loss (jaxdist.reduce.gradients), the rest are statistics.
+        `positions_T`: context parallelism's load-balanced order (None: 0..T-1)."""
         x_BTD, aux = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
-        out = self.head(x_BTD) if features else self.logits(x_BTD)
-        return out if aux is None else (out, self.combine_aux(aux))
+        return self.head(x_BTD), ({} if aux is None else self.combine_aux(aux))
+
+    def __call__(self, tokens_BT, segment_ids_BT=None, positions_T=None) -> jax.Array:
+        """-> logits_BTV, whatever the layers (MoE included: their aux sums are `loss_head`'s)."""
+        x_BTD, _ = self.run_layers_aux(self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, positions_T=positions_T)
+        return self.logits(x_BTD)
 
     def empty_cache(self, batch: int, slots: int, dtype):
         """The (k, v) caches `decode` fills: (L, B, S, K, H) each."""

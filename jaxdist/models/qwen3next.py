@@ -322,7 +322,8 @@ class Group(nnx.Module):
 
 
 class Qwen3Next(llama.Llama):
-    """`model(tokens_BT) -> logits_BTV` (with experts: (logits, aux)), as `llama.Llama`."""
+    """`model(tokens_BT) -> logits_BTV`, `model.loss_head(tokens_BT) -> (loss.Head, aux)`:
+    as `llama.Llama`."""
 
     Norm = Norm
 

@@ -35,7 +35,6 @@ import numpy as np
 from jaxdist.data import loss_mask
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.loss import cross_entropy
-from jaxdist.reduce.gradients import model_outputs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -92,7 +91,7 @@ def token_logps(apply_fn: Callable, params, rows_NW, temperature: float = 1.0, a
     `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs = loss_mask.split(rows_NW[:, :-1])[0]
     targets, weights = loss_mask.split(rows_NW[:, 1:])
-    head, got = model_outputs(apply_fn(params, inputs, features=True))
+    head, got = apply_fn(params, inputs)
     if aux is not None:
         aux.update(got)
     if temperature != 1.0:  # logits / T = x (W / T): scale the head, not the (B, T, V) logits

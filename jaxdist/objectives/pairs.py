@@ -28,7 +28,7 @@ from jaxdist.adapters import tree as adapters
 from jaxdist.data import loss_mask
 from jaxdist.parallel.loss import cross_entropy
 from jaxdist.parallel.microbatch import split_microbatches
-from jaxdist.reduce.gradients import GradientStage, model_outputs
+from jaxdist.reduce.gradients import GradientStage
 
 
 def as_rows(tokens_BR):
@@ -42,7 +42,7 @@ def sequence_logps(apply_fn: Callable, params, rows_NW, aux: dict | None = None)
     `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs_NT = loss_mask.split(rows_NW[:, :-1])[0]
     targets_NT, weights_NT = loss_mask.split(rows_NW[:, 1:])
-    head, got = model_outputs(apply_fn(params, inputs_NT, features=True))
+    head, got = apply_fn(params, inputs_NT)
     if aux is not None:
         aux.update(got)
     logps_NT = -cross_entropy(head, targets_NT)

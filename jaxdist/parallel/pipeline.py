@@ -271,12 +271,12 @@ def layer_order(x_SVG, pl: Plan):
 
 
 def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
-    """apply_fn(params, tokens_BT) -> logits_BTV (features=True: the loss.Head) with the layer stack run as a
+    """apply_fn(params, tokens_BT) -> (loss.Head, aux), as the model's `loss_head`, with the layer stack run as a
     pipeline. `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
     positions when not 0..T-1 (context parallelism). MoE models return (out, aux) like the plain model:
     the per-layer aux sums leave the pipeline stacked by stage and are put back in layer order."""
 
-    def apply_fn(params, tokens_BT, features=False):
+    def apply_fn(params, tokens_BT):
         B = tokens_BT.shape[0]
         if B % pl.microbatches:
             raise JaxdistError(
@@ -311,10 +311,9 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
         )(params[STACK], x_MbTD)
         out_SMbTD, aux_S = res if sparse else (res, None)
         x_BTD = from_microbatches(out_SMbTD[pl.stages - 1])
-        out = model.head(x_BTD) if features else model.logits(x_BTD)
         if not sparse:
-            return out
-        return out, model.combine_aux(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
+            return model.head(x_BTD), {}
+        return model.head(x_BTD), model.combine_aux(jax.tree.map(lambda a: layer_order(a, pl), aux_S))
 
     engine = pl.entry.engine  # a table schedule: training takes its gradients from it (jaxdist.reduce.gradients)
     return PipelinedApply(apply_fn, engine(graphdef, pl, positions_T) if engine else None)
@@ -329,5 +328,5 @@ class PipelinedApply:
     forward: Callable
     objective: Callable | None = None
 
-    def __call__(self, params, tokens_BT, features=False):
-        return self.forward(params, tokens_BT, features=features)
+    def __call__(self, params, tokens_BT):
+        return self.forward(params, tokens_BT)

@@ -25,10 +25,17 @@ from jaxdist.parallel.microbatch import split_microbatches
 def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
     divide into exactly the full-batch mean). Only the targets the loss mask keeps count, in both
-    (`jaxdist.data.loss_mask`; data without a mask: every target). `apply_fn(params, tokens, features=True)`
-    gives the model's final hidden states and head (`jaxdist.parallel.loss.Head`), not logits: the loss applies it.
+    (`jaxdist.data.loss_mask`; data without a mask: every target). `apply_fn(params, tokens) -> (head, aux)`
+    gives the model's final hidden states and head (`jaxdist.parallel.loss.Head`), not logits: the loss applies
+    it; aux (MoE sums) is not part of this loss (`objective_sums` adds it).
     `order_T` (context parallelism): the positions in the order the model computes them — inputs and
     targets are reordered alike, so the sums are unchanged."""
+    sums, _ = _loss_sums_and_aux(apply_fn, params, tokens_BT1, order_T)
+    return sums
+
+
+def _loss_sums_and_aux(apply_fn: Callable, params, tokens_BT1, order_T) -> tuple[tuple[jax.Array, jax.Array], dict]:
+    """(`token_loss_sums`, the model's aux) from one forward."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     if order_T is not None:
         inputs_BT, targets_BT = (jnp.take(x, jnp.asarray(order_T), axis=1) for x in (inputs_BT, targets_BT))
@@ -36,19 +43,9 @@ def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tup
     # array reordered by `take` would be all-gathered over cp).
     inputs_BT = loss_mask.split(inputs_BT)[0]
     targets_BT, weights_BT = loss_mask.split(targets_BT)
-    losses_BT = cross_entropy(apply_fn(params, inputs_BT, features=True), targets_BT)
-    return (losses_BT * weights_BT).sum(), weights_BT.sum()
-
-
-def model_outputs(out):
-    """A model returns logits (or its loss.Head), or (that, aux): aux['objective'] is a token-weighted sum
-    added to the training loss (MoE balance and z losses), the other entries are summed statistics."""
-    return out if isinstance(out, tuple) else (out, {})
-
-
-def without_aux(apply_fn: Callable) -> Callable:
-    """`apply_fn` returning only its logits / loss.Head (evaluation: cross-entropy alone)."""
-    return lambda params, x, **kw: model_outputs(apply_fn(params, x, **kw))[0]
+    head, aux = apply_fn(params, inputs_BT)
+    losses_BT = cross_entropy(head, targets_BT)
+    return ((losses_BT * weights_BT).sum(), weights_BT.sum()), aux
 
 
 def batch_count(tokens_BT1):
@@ -76,14 +73,7 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale: 
     behind a custom VJP: `pipeline.PipelinedApply.objective`) is used as it is."""
     if isinstance(apply_fn, pipeline.PipelinedApply) and apply_fn.objective is not None:
         return apply_fn.objective(params, tokens_BT1, order_T)
-    aux = {}
-
-    def model_only(p, x, **kw):  # the aux outputs leave through `aux` within this same trace
-        out, a = model_outputs(apply_fn(p, x, **kw))
-        aux.update(a)
-        return out
-
-    loss, count = token_loss_sums(model_only, params, tokens_BT1, order_T)
+    (loss, count), aux = _loss_sums_and_aux(apply_fn, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
     if "objective" not in aux:
         return loss, (loss, count, stats)
@@ -198,8 +188,8 @@ def partial_gradients(apply_fn: Callable, microbatches: int, split: Callable, co
     def apply(params, tokens, state, step):
         trained, fixed = split(params)
 
-        def apply_trained(t, x, **kw):
-            return apply_fn(combine(t, fixed), x, **kw)
+        def apply_trained(t, x):
+            return apply_fn(combine(t, fixed), x)
 
         grads, loss, count, stats = accumulate_with_stats(apply_trained, trained, tokens, microbatches, order_T)
         return jax.tree.map(lambda g: g / count, grads), loss / count, state, metrics_from_sums(stats, count)

@@ -35,7 +35,7 @@ from jaxdist.optim import registry as optimizers
 from jaxdist.optim.adamw import decay_mask
 from jaxdist.parallel import context, pipeline
 from jaxdist.reduce import registry
-from jaxdist.reduce.gradients import GradientStage, token_loss_sums, without_aux
+from jaxdist.reduce.gradients import GradientStage, token_loss_sums
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +72,7 @@ class Program:
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count); pair objectives: (params, reducer_state, tokens) -> (loss_sum, pairs, stats)
     abstract_state: TrainState
-    apply_fn: Callable  # (params, tokens_BT) -> logits_BTV; features=True: loss.Head; pipelined when pp > 1 (then trace it under jax.set_mesh)
+    apply_fn: Callable  # (params, tokens_BT) -> (loss.Head, aux dict); pipelined when pp > 1 (then trace it under jax.set_mesh)
     model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
 
     @property
@@ -135,7 +135,7 @@ def build_program(
     train_step = make_train_step(cfg, tx, lr_schedule, stage, on_device)
 
     def eval_step(params, tokens):
-        return token_loss_sums(without_aux(apply_fn), params, tokens, order_T)  # eval: cross-entropy only
+        return token_loss_sums(apply_fn, params, tokens, order_T)  # eval: cross-entropy only
 
     jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
     jit_from_params = jax.jit(state_from_params, out_shardings=shardings)
@@ -181,13 +181,14 @@ def trained_part(cfg: Config, tree):
 
 
 def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None = None) -> Callable:
-    """`apply_fn(params, tokens_BT, features=False)`: the model (pipelined when pp > 1); with
+    """`apply_fn(params, tokens_BT) -> (loss.Head, aux)`: the model's training forward (`loss_head`; pipelined
+    when pp > 1); with
     `data.document_mask`, attention stays inside the documents that `eos_id` ends."""
     eos_id = check_document_mask(cfg, model.pipeline, eos_id)
     if model.pipeline:  # pp > 1: the layer stack runs as a pipeline schedule
         return pipeline.pipelined_apply(model.graphdef, model.pipeline, order_T)
 
-    def apply_fn(params, tokens_BT, features=False):
+    def apply_fn(params, tokens_BT):
         if cfg.offload.params == "host":  # the layer stack is fetched layer by layer inside the scan
             params = jax.tree_util.tree_map_with_path(
                 lambda p, x: x if getattr(p[0], "key", None) == "blocks" else offload.fetch(x),
@@ -195,7 +196,7 @@ def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None =
                 is_leaf=offload.is_offloaded,
             )
         segment_ids_BT = None if eos_id is None else document_segments(tokens_BT, eos_id)
-        return nnx.merge(model.graphdef, params)(tokens_BT, segment_ids_BT, order_T, features=features)
+        return nnx.merge(model.graphdef, params).loss_head(tokens_BT, segment_ids_BT, order_T)
 
     return apply_fn
 
