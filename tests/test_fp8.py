@@ -35,7 +35,8 @@ def test_fp8_matmul_equals_a_numpy_emulation(mode):
     """y = x @ w, dx = g @ w^T, dw = x^T @ g, each a dot of quantised operands (e4m3 forward, e5m2 for g)
     times the scales: per tensor, or per row of what the dot keeps. Measured: tensorwise 0 / 0 / 5.9e-9,
     rowwise 2.1e-7 / 2.4e-7 / 1.9e-7 of the largest entry (float32 summation order); bound 1e-6. Against
-    float32 matmuls the error is ~4% (e4m3 keeps 3 mantissa bits): the emulation is what is compared."""
+    float32 matmuls the error is ~4% (e4m3 keeps 3 mantissa bits): the emulation is what is compared.
+    LoRA's frozen base (fp8_frozen_matmul): the same y and dx, to the same bound, and a zero dw."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 8, 32)).astype(np.float32)
     w = (rng.standard_normal((32, 4, 8)) * 0.1).astype(np.float32)
@@ -58,7 +59,15 @@ def test_fp8_matmul_equals_a_numpy_emulation(mode):
     xq, sx = quantize(x2, E4M3, 0 if per else None)
     gq, sg = quantize(g2, E5M2, 0 if per else None)
     want_dw = (xq.T @ gq) * sx.reshape(-1, 1) * sg
-    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+
+    def frozen(x, w):  # LoRA's frozen base: the same forward and input gradient, no weight gradient
+        with matmul.fp8_matmuls(mode):
+            return matmul.fp8_frozen_matmul(x, w, ("embed", "heads", "head_dim"), 1, per)
+
+    fy, fvjp = jax.vjp(frozen, jnp.asarray(x), jnp.asarray(w))
+    fdx, fdw = fvjp(jnp.asarray(g))
+    assert not np.asarray(fdw).any()
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw), (fy, want_y), (fdx, want_dx)):
         got = np.asarray(got).reshape(want.shape)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     # and it is FP8: float32 operands would be ~4% away from the emulation
@@ -78,21 +87,26 @@ def program(cfg, mesh_text, n):
 
 @pytest.fixture(scope="module")
 def gradients(fp8_cfg):
-    """(mode, mesh) -> (loss, gradients, compiled program) from the one-device run's initial params; memoised."""
-    cache, params, batch = {}, None, learnable_batches(fp8_cfg, 1)[0]
+    """(mode, mesh, LoRA rank) -> (loss, gradients, compiled program) from the one-device run's initial
+    params (per rank: LoRA's are the adapters'); memoised."""
+    cache, params, batch = {}, {}, learnable_batches(fp8_cfg, 1)[0]
 
-    def get(mode, mesh_text):
-        nonlocal params
-        if (mode, mesh_text) not in cache:
+    def get(mode, mesh_text, lora=0):
+        if (mode, mesh_text, lora) not in cache:
             n = 1 if mesh_text == "fsdp=1" else 8
-            prog = program(fp8_cfg.replace(model=dict(fp8=mode)), mesh_text, n)
-            params = jax.device_get(prog.init_state(0).params) if params is None else params
+            prog = program(fp8_cfg.replace(model=dict(fp8=mode), lora=dict(rank=lora, alpha=8.0)), mesh_text, n)
+            if lora not in params:
+                params[lora] = jax.device_get(prog.init_state(0).params)
+                if lora:  # B starts at 0, which would leave A's gradients 0: give B values
+                    params[lora] = jax.tree_util.tree_map_with_path(
+                        lambda p, v: v + 0.05 if "_lora_b" in jax.tree_util.keystr(p) else v, params[lora]
+                    )
             compiled = compiled_gradients(prog)
             grads, loss = compiled(
-                jax.device_put(params, prog.state_shardings.params), jax.device_put(batch, prog.batch_sharding)
+                jax.device_put(params[lora], prog.state_shardings.params), jax.device_put(batch, prog.batch_sharding)
             )
-            cache[mode, mesh_text] = float(loss), jax.device_get(grads), compiled
-        return cache[mode, mesh_text]
+            cache[mode, mesh_text, lora] = float(loss), jax.device_get(grads), compiled
+        return cache[mode, mesh_text, lora]
 
     return get
 
@@ -109,6 +123,22 @@ def test_fp8_loss_and_gradients_equal_on_one_device_and_sharded(gradients, mode,
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-2 * np.abs(r).max())
+
+
+def test_lora_over_an_fp8_base_equals_on_one_device_and_sharded(gradients):
+    """lora.rank=4 with model.fp8=tensorwise: the frozen base's matmuls in FP8 (no weight gradient), the
+    adapters in the compute dtype (B set to 0.05, so A has gradients). fsdp=8 against one device: loss
+    0 relative, adapter gradients <= 2.7e-5 of each tensor's largest entry (bounds 1e-5, 1e-2). The compiled step quantises the base to
+    f8e4m3fn and the gradients to f8e5m2 and has no gradient for the base (only adapters)."""
+    ref_loss, ref_grads, _ = gradients("tensorwise", "fsdp=1", 4)
+    loss, grads, compiled = gradients("tensorwise", "fsdp=8", 4)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    assert leaves and all("_lora_" in jax.tree_util.keystr(p) for p, _ in leaves)
+    for (path, g), r in zip(leaves, jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-2 * np.abs(r).max(), err_msg=jax.tree_util.keystr(path))
+    text = compiled.as_text()
+    assert "f8e4m3fn" in text and "f8e5m2" in text
 
 
 def test_the_compiled_step_gathers_weights_quantised_and_converts_gradients_to_e5m2(fp8_cfg, gradients):
@@ -137,11 +167,11 @@ def test_the_compiled_step_gathers_weights_quantised_and_converts_gradients_to_e
             {"fsdp": 8},
             "model.fp8=tensorwise with model.family=gpt_oss",
         ),
-        ({"lora": {"rank": 4}}, {"fsdp": 8}, "model.fp8=tensorwise with lora.rank > 0"),
+        ({"lora": {"rank": 4}, "model": {"fp8": "mxfp8"}}, {"fsdp": 8}, "model.fp8=mxfp8 with lora.rank > 0"),
         ({}, {"cp": 2, "fsdp": 4}, "model.fp8=tensorwise with cp > 1"),
         ({"model": {"fp8": "mxfp8", "mlp_dim": 48}}, {"fsdp": 8}, "model.fp8=mxfp8 scales blocks of 32"),
     ],
-    ids=["mxfp8 moe", "gpt_oss", "lora", "cp", "mxfp8 inner dims"],
+    ids=["mxfp8 moe", "gpt_oss", "mxfp8 lora", "cp", "mxfp8 inner dims"],
 )
 def test_fp8_refusals_are_one_line(fp8_cfg, overrides, sizes, message):
     with pytest.raises(JaxdistError, match=message.replace(".", r"\.").replace("+", r"\+")):

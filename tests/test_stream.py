@@ -158,7 +158,13 @@ def test_a_run_whose_stream_turns_bad_saves_the_steps_done_and_counts_skips(docs
     (tmp_path / "data" / "b.jsonl").write_text("{not json\n")
     model = [f"model.{k}={v}" for k, v in MICRO_MODEL.items() if k != "seq_len"]
     cfg = stream_cfg(
-        docs, *model, "train.steps=2", "train.eval_every=0", "train.log_every=1", "train.plot=false", "checkpoint.every=100"
+        docs,
+        *model,
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.plot=false",
+        "checkpoint.every=100",
     ).replace(data=dict(sources=[{"name": "docs", "path": str(tmp_path / "data"), "stream": True}]))
     said = []
     run(cfg, tmp_path / "run", log=said.append)

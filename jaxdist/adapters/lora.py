@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxdist.adapters import quant
 from jaxdist.distributed.sharding import constrain, current_rules
-from jaxdist.parallel.matmul import token_matmul, weight_matmul
+from jaxdist.parallel.matmul import fp8_frozen_matmul, fp8_mode, token_matmul, weight_matmul
 
 # lora.targets name -> (submodule of a Block, weight attribute, leading input dims of the weight)
 TARGETS = {
@@ -90,8 +90,11 @@ def project(module, weight: str, x, names: tuple[str | None, ...], in_dims: int 
         # dims sharded over data-parallel axes (fsdp) are gathered before de-quantising, locally.
         names = gathered_names(names)
         w = quant.dequantize(constrain(w, names), constrain(scale[...], names), block_axis(weight), x.dtype)
-    w = constrain(jax.lax.stop_gradient(w).astype(x.dtype), names)
-    y = token_matmul(x, w.reshape(x.shape[-1], *w.shape[in_dims:]))
+    if fp8_mode() in ("tensorwise", "rowwise"):  # model.fp8: the frozen base's matmul in FP8, no weight gradient
+        y = fp8_frozen_matmul(x, w, names, in_dims, fp8_mode() == "rowwise")
+    else:
+        w = constrain(jax.lax.stop_gradient(w).astype(x.dtype), names)
+        y = token_matmul(x, w.reshape(x.shape[-1], *w.shape[in_dims:]))
     a = getattr(module, weight + A, None)
     if a is None:
         return y

@@ -87,7 +87,7 @@ class ModelConfig:
     init_std: PositiveFloat = 0.02  # normal init of weights
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
     fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = (
-        "off"  # the layers' weight matmuls and the routed experts' in FP8 (e4m3 forward, e5m2 gradients), scale per tensor or per row (parallel/fp8.py, fp8_experts.py); mxfp8: Blackwell GPUs only, dense
+        "off"  # the layers' weight matmuls, the routed experts' and LoRA's frozen base's in FP8 (e4m3 forward, e5m2 gradients), scale per tensor or per row (parallel/fp8.py, fp8_experts.py); mxfp8: Blackwell GPUs only, dense
     )
     remat: Literal["none", "full", "dots_saveable", "offload_dots"] = (
         "none"  # activation recomputation per block (offload_dots: dots_saveable's residuals saved to host memory)

@@ -78,10 +78,10 @@ def check(cfg, mesh) -> None:
             f"model.fp8={m.fp8} with cp > 1: FP8 matmuls flatten (batch, seq), which context parallelism splits; "
             "use model.fp8=off, or dp/fsdp/tp/pp"
         )
-    if cfg.lora.rank:
+    if cfg.lora.rank and m.fp8 == "mxfp8":
         raise JaxdistError(
-            f"model.fp8={m.fp8} with lora.rank > 0: the frozen base's matmuls have no FP8 path yet; "
-            "use model.fp8=off (QLoRA's lora.base_dtype=nf4 also shrinks the base)"
+            "model.fp8=mxfp8 with lora.rank > 0: the frozen base's matmuls are FP8 with tensorwise or rowwise "
+            "scales only; use model.fp8=tensorwise or rowwise"
         )
     if m.fp8 == "mxfp8" and any(d % 32 for d in (m.d_model, m.num_heads * m.head_dim, m.mlp_dim)):
         raise JaxdistError(

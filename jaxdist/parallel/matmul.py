@@ -239,3 +239,33 @@ def fp8_weight_matmul(x, w, names, in_dims: int, rowwise: bool):
 
     mm.defvjp(fwd, bwd)
     return mm(x, w)
+
+
+def fp8_frozen_matmul(x, w, names, in_dims: int, rowwise: bool):
+    """x[..., I] @ w[I..., O...] for a frozen `w` (LoRA's base: no weight gradient), with
+    fp8_weight_matmul's FP8 forward and input gradient: w quantised to e4m3 on its shard (per tensor, or
+    per output column forward and per input row for the input gradient) and gathered quantised, x in
+    e4m3, the gradient in e5m2. The backward quantises w again (it is not a residual)."""
+    I, O = x.shape[-1], math.prod(w.shape[in_dims:])
+    ins, outs = tuple(range(in_dims)), tuple(range(in_dims, w.ndim))
+    lead = x.shape[:-1]
+
+    def weight(w, per):
+        q, s = fp8.quantize(w, fp8.E4M3, per if rowwise else None)
+        return gathered(constrain(q, names), names).reshape(I, O), s
+
+    @jax.custom_vjp
+    def mm(x, w):
+        full, sw = weight(w, ins)
+        xq, sx = fp8.quantize(x.reshape(-1, I), fp8.E4M3, 1 if rowwise else None)
+        out = fp8.scaled_dot(xq, sx, full, sw.reshape(1, -1), (((1,), (0,)), ((), ())))
+        return out.astype(x.dtype).reshape(*lead, *w.shape[in_dims:])
+
+    def bwd(w, g):
+        full, sw = weight(w, outs)
+        gq, sg = fp8.quantize(g.reshape(-1, O), fp8.E5M2, 1 if rowwise else None)
+        dx = fp8.scaled_dot(gq, sg, full, sw.reshape(-1, 1) if rowwise else sw.reshape(1, 1), (((1,), (1,)), ((), ())))
+        return dx.astype(g.dtype).reshape(*lead, I), None
+
+    mm.defvjp(lambda x, w: (mm(x, w), w), bwd)
+    return mm(x, jax.lax.stop_gradient(w))
