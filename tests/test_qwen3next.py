@@ -186,7 +186,7 @@ def test_chunked_delta_rule_is_the_recurrence():
     """The chunked form (the one a forward over a sequence runs: T / chunk states kept for the backward)
     equals the token-by-token recurrence (the decoding step's), over several chunks, a padded last chunk and
     a non-zero initial state."""
-    from jaxdist.models.qwen3next import chunked_delta_rule, gated_delta_rule
+    from jaxdist.models.delta_rule import chunked_delta_rule, gated_delta_rule
 
     r = np.random.default_rng(0)
     B, T, V, K, D = 2, 21, 3, 8, 6

@@ -8,7 +8,7 @@ norm, untied head) with Qwen3-Next's hybrid layers, as transformers' `Qwen3NextF
   q, k, v; L2-normed q and k (q x dk^-1/2); the gated delta rule as a `lax.scan` over time, state
   S (value heads, dk, dv): S <- exp(g_t) S, S <- S + k_t (beta_t (v_t - S^T k_t))^T, o_t = S^T q_t with
   beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (transformers' `torch_recurrent_gated_delta_rule`,
-  exact; its chunked form is the same sum); then RMSNorm(o) * w * silu(z) and the output projection;
+  exact; its chunked form is the same sum: models/delta_rule.py); then RMSNorm(o) * w * silu(z) and the output projection;
 - gated full attention: the query projection yields a per-head sigmoid gate on the attention output,
   zero-centred (1 + w) q/k norms, rotary on the first `rope_fraction` of each head's dims;
 - every norm except the DeltaNet output's is zero-centred (gemma3.Norm: scale 1 + w);
@@ -39,10 +39,10 @@ from jaxdist.distributed.sharding import constrain
 from jaxdist.errors import JaxdistError
 from jaxdist.models import llama, moe
 from jaxdist.models.attention import causal_attention, rotary_by
+from jaxdist.models.delta_rule import causal_conv, chunked_delta_rule, gated_delta_rule
 from jaxdist.models.gemma3 import Norm
 
 param = llama.param
-L2_EPS = 1e-6  # transformers' l2norm in the delta rule (FLA's)
 
 
 def rotary_dims(m: ModelConfig) -> int:
@@ -99,83 +99,6 @@ class Attention(nnx.Module):
         dt = q_BTNH.dtype
         o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt), mask=mask_BTS[:, None])
         return self.out(o_BTNH, gate_BTNH), k_BSKH, v_BSKH
-
-
-def l2norm(x):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
-
-
-def gated_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD):
-    """The gated delta rule over time (float32): -> (o_BTVD, final state). q and k are L2-normed here and q
-    scaled by dk^-1/2, as transformers' kernels with use_qk_l2norm_in_kernel."""
-    q = l2norm(q_BTVK.astype(jnp.float32)) * q_BTVK.shape[-1] ** -0.5
-    k = l2norm(k_BTVK.astype(jnp.float32))
-    v, g, beta = v_BTVD.astype(jnp.float32), g_BTV.astype(jnp.float32), beta_BTV.astype(jnp.float32)
-
-    def step(s_BVKD, x):
-        q_t, k_t, v_t, g_t, b_t = x
-        s_BVKD = s_BVKD * jnp.exp(g_t)[..., None, None]
-        kv_BVD = jnp.einsum("bvkd,bvk->bvd", s_BVKD, k_t)
-        delta_BVD = (v_t - kv_BVD) * b_t[..., None]
-        s_BVKD = s_BVKD + k_t[..., :, None] * delta_BVD[..., None, :]
-        return s_BVKD, jnp.einsum("bvkd,bvk->bvd", s_BVKD, q_t)
-
-    time_first = lambda x: jnp.moveaxis(x, 1, 0)
-    state, o_TBVD = jax.lax.scan(step, state_BVKD.astype(jnp.float32), tuple(map(time_first, (q, k, v, g, beta))))
-    return jnp.moveaxis(o_TBVD, 0, 1), state
-
-
-CHUNK = 64  # transformers' chunk_size
-
-
-def chunked_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD, chunk: int = CHUNK):
-    """`gated_delta_rule` by chunks (transformers' `torch_chunk_gated_delta_rule`, the same sum in another
-    order): within a chunk the delta rule's updates are one unit-lower-triangular solve (the UT transform),
-    across chunks a `lax.scan` carries the state, so the backward keeps T / chunk states, not T."""
-    B, T, V, K = q_BTVK.shape
-    C = chunk  # padded to whole chunks, as transformers
-    pad = (-T) % C
-    f32 = lambda x: x.astype(jnp.float32)
-    q = l2norm(f32(q_BTVK)) * K**-0.5
-    k = l2norm(f32(k_BTVK))
-    v, g, beta = f32(v_BTVD), f32(g_BTV), f32(beta_BTV)
-    padT = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    # -> (n chunks, B, V, C, ...): the scan runs over the leading axis
-    chunks = lambda x: jnp.moveaxis(padT(x).reshape(B, -1, C, V, *x.shape[3:]), 3, 2).swapaxes(0, 1)
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    G = jnp.cumsum(g, axis=-1)  # (n, B, V, C) log decay from the chunk's start
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))
-    ut = jnp.where(lower & ~jnp.eye(C, dtype=bool), (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
-    solve = lambda b: jax.lax.linalg.triangular_solve(
-        ut + jnp.eye(C), b, left_side=True, lower=True, unit_diagonal=True
-    )
-    new_v, k_cum = solve(v_beta), solve(k_beta * jnp.exp(G)[..., None])
-    intra = (q @ k.swapaxes(-1, -2)) * decay
-    q_dec = q * jnp.exp(G)[..., None]
-    k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
-    chunk_decay = jnp.exp(G[..., -1])[..., None, None]
-
-    def step(s_BVKD, x):
-        new_v, k_cum, q_dec, k_dec, intra, cd = x
-        v_new = new_v - k_cum @ s_BVKD
-        o = q_dec @ s_BVKD + intra @ v_new
-        return s_BVKD * cd + k_dec.swapaxes(-1, -2) @ v_new, o
-
-    state, o = jax.lax.scan(step, f32(state_BVKD), (new_v, k_cum, q_dec, k_dec, intra, chunk_decay))
-    o_BTVD = jnp.moveaxis(o.swapaxes(0, 1), 3, 2).reshape(B, -1, V, v_BTVD.shape[-1])[:, :T]
-    return o_BTVD, state
-
-
-def causal_conv(x_BTC, tail_BWC, w_C1W):
-    """Depthwise causal convolution of `x_BTC` continuing `tail_BWC` (the previous W-1 inputs, zeros at
-    the start), then SiLU: -> (y_BTC, the new tail). As transformers' conv1d with padding W-1, cut to T."""
-    W, T = w_C1W.shape[-1], x_BTC.shape[1]
-    full = jnp.concatenate([tail_BWC.astype(x_BTC.dtype), x_BTC], axis=1)  # (B, W-1+T, C)
-    w_WC = w_C1W[:, 0, :].T.astype(x_BTC.dtype)
-    y_BTC = sum(full[:, j : j + T] * w_WC[j] for j in range(W))
-    return jax.nn.silu(y_BTC), full[:, T:]
 
 
 class GatedDeltaNet(nnx.Module):
