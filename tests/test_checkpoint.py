@@ -1,7 +1,9 @@
 """Checkpoints: bit-exact resume after SIGKILL, a save killed half-way, SIGTERM, restore onto another
 mesh / device count, params-only, an unreadable latest checkpoint, the non-finite guard.
 
-Resume, kill and signal tests run `python -m jaxdist.train` as real subprocesses on a very small model.
+Resume, kill and signal tests run the `jaxdist.train` command on a very small model: as real subprocesses
+where the test is about the process (B killed, T signalled, T4 on another device count), in-process
+(`train.main`) where it is not (A, C, R; same XLA flags and compilation cache as the subprocesses).
 All runs share one schedule (40 steps, a checkpoint every 10) so they are comparable step by step:
   A  straight 40 steps on fsdp=8 (the reference)
   B  same, SIGKILLed while the step-30 save is in flight (so after the step-20 save completed)
@@ -13,6 +15,8 @@ All runs share one schedule (40 steps, a checkpoint every 10) so they are compar
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import signal
@@ -28,7 +32,7 @@ import numpy as np
 import pytest
 from conftest import MICRO_ARGS
 
-from jaxdist import checkpoint, config
+from jaxdist import checkpoint, config, train
 from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
@@ -102,14 +106,23 @@ def runs(tmp_path_factory):
                 proc.proc.kill()
 
 
+def in_process(run_dir: Path, *args: str) -> str:
+    """The same command as `Train` run by `train.main` in this process: its printed lines."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = train.main(["--run-dir", str(run_dir), *SMALL, *SCHEDULE, *args])
+    assert rc == 0, out.getvalue()[-3000:]
+    return out.getvalue()
+
+
 def _run_all(root: Path, started: list) -> dict:
-    def train(*args, **kwargs):
+    def spawn(*args, **kwargs):
         started.append(Train(*args, **kwargs))
         return started[-1]
 
-    a = train(root / "a", "checkpoint.keep=3")
-    b = train(root / "b", signal_on=(r"checkpoint step 30: writing in background", signal.SIGKILL))
-    t = train(root / "t", signal_on=(r"checkpoint step 10: writing in background", signal.SIGTERM))
+    b = spawn(root / "b", signal_on=(r"checkpoint step 30: writing in background", signal.SIGKILL))
+    t = spawn(root / "t", signal_on=(r"checkpoint step 10: writing in background", signal.SIGTERM))
+    in_process(root / "a", "checkpoint.keep=3")  # while B and T run
     out = {"root": root}
 
     out["b_rc"] = b.finish()
@@ -120,13 +133,11 @@ def _run_all(root: Path, started: list) -> dict:
     out["t_exit_s"] = time.monotonic() - t.signalled_at
     out["t_text"] = t.text()
 
-    assert a.finish() == 0, a.text()
-    c = train(root / "b")  # the same command again resumes B
-    t4 = train(root / "t", "--cpu-devices", "4")
-    r = train(root / "r", "--restore", str(root / "a" / "checkpoints" / "20"), "--mesh", "dp=2,fsdp=4")
-    for name, proc in (("c", c), ("t4", t4), ("r", r)):
-        assert proc.finish() == 0, proc.text()
-        out[f"{name}_text"] = proc.text()
+    t4 = spawn(root / "t", "--cpu-devices", "4")
+    out["c_text"] = in_process(root / "b")  # the same command again resumes B
+    out["r_text"] = in_process(root / "r", "--restore", str(root / "a" / "checkpoints" / "20"), "--mesh", "dp=2,fsdp=4")
+    assert t4.finish() == 0, t4.text()
+    out["t4_text"] = t4.text()
     return out
 
 
