@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from jaxdist import config
+from jaxdist.cluster import elastic, peers, supervisor
 from jaxdist.cluster import launch as launch_mod
-from jaxdist.cluster import peers, supervisor
 from jaxdist.distributed.platform import enable_compilation_cache, setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError
 from jaxdist.hf import hub, mapping
@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     multi.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     multi.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
     multi.add_argument(
+        "--elastic",
+        default=None,
+        metavar="MIN:MAX",
+        help="when a process dies or freezes, continue on the survivors (MIN..MAX processes): the training "
+        "processes restart on a re-planned mesh from the latest checkpoint (docs/multi-host.md)",
+    )
+    multi.add_argument(
         "--init-timeout", type=int, default=300, help="seconds to wait for the coordinator and every peer (default 300)"
     )
     multi.add_argument(
@@ -103,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 train.global_batch=16")
     args = p.parse_intermixed_args(argv)  # overrides may come before or after flags
+    if args.elastic is not None:
+        elastic.parse_span(args.elastic)  # a bad span is refused in one line
     for flag, value in (("--init-timeout", args.init_timeout), ("--heartbeat-timeout", args.heartbeat_timeout)):
         if value <= 0:
             raise JaxdistError(f"{flag} {value} must be a positive number of seconds")

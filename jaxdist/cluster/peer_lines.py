@@ -72,6 +72,8 @@ def public(p: dict) -> dict:
     return {k: p[k] for k in ("index", "host", "pid")}
 
 
+PEER_DIED = 1  # exit status of a process stopped because another one died
+
 GONE = "gone: killed or crashed"  # how a process ended that no one saw end
 
 

@@ -50,13 +50,14 @@ def each(peers: list[dict], fn) -> list:
         return list(pool.map(fn, peers))
 
 
-def tell(peers: list[dict], records: list[dict]) -> None:
+def tell(peers: list[dict], records: list[dict], gen: int = 0) -> None:
     """Tell every peer's supervisor about these deaths (at its known address, else at each it published,
-    ASK_S per try; the unreachable are skipped)."""
+    ASK_S per try; the unreachable are skipped). `gen`: the membership they happened in (elastic runs)."""
 
     def one(p: dict) -> None:
+        msg = {"op": "gone", "token": p["token"], "records": records, "gen": gen}
         for addr in [p["addr"]] if "addr" in p else p.get("addrs") or []:
-            if isinstance(ask(addr, p["port"], {"op": "gone", "token": p["token"], "records": records}), dict):
+            if isinstance(ask(addr, p["port"], msg), dict):
                 return
 
     each([p for p in peers if p.get("port")], one)
@@ -74,6 +75,10 @@ class Listener:
             None  # () -> this process's record while it cannot take part (stopped), else None
         )
         self.news = threading.Event()
+        self.gen = 0  # the membership this process is in (elastic runs regroup into 1, 2, ...)
+        self.phase: Callable[[], str] | None = None  # elastic runs: running, deciding, waiting or leaving (elastic.py)
+        self.regroup: dict | None = None  # the leader's message of a new membership (elastic.py)
+        self.regrouped = threading.Event()
         self.watchers: list[socket.socket] = []  # peers' connections held open to see this process end
         self._lock = threading.Lock()
         self.sock = socket.create_server(("", 0))
@@ -98,9 +103,19 @@ class Listener:
             conn.close()
 
     def _answer(self, msg: dict) -> dict:
-        if msg.get("op") == "gone" and msg.get("token") == self.token:
+        ours = msg.get("token") == self.token and msg.get("gen", 0) == self.gen  # news of an older membership: none
+        if msg.get("op") == "gone" and ours:
             self.hear(msg["records"])
-        return {"index": self.index, "gone": self.mine or (self.state() if self.state else None)}
+        gone = self.mine or (self.state() if self.state else None)
+        if self.phase is None:  # not an elastic run
+            return {"index": self.index, "gone": gone}
+        phase = "leaving" if gone else self.phase()
+        newer = msg.get("gen", 0) > self.gen and phase != "leaving"
+        if msg.get("op") == "regroup" and msg.get("token") == self.token and newer:
+            self.regroup = msg
+            self.regrouped.set()
+            self.news.set()  # a training process still running stops: the run regroups
+        return {"index": self.index, "gone": gone, "phase": phase}
 
     def hear(self, records: list[dict]) -> None:
         with self._lock:

@@ -112,5 +112,6 @@ def _orphaned(sock: socket.socket, me: dict, table: list[dict], n: int, run_dir:
         flush=True,
     )
     rec = peer_lines.death(me, at)
-    peer_wire.tell([p for p in table if p["index"] != me["index"]], [rec])
+    gen = int(os.environ.get(supervisor.GEN, "0"))
+    peer_wire.tell([p for p in table if p["index"] != me["index"]], [rec], gen)
     os._exit(supervisor.PEER_DIED)

@@ -19,15 +19,16 @@ import sys
 import threading
 import time
 
+from jaxdist.cluster import elastic, peer_lines, peer_wire, regroup
 from jaxdist.cluster import launch as launch_mod
-from jaxdist.cluster import peer_lines, peer_wire
 from jaxdist.errors import JaxdistError
 
 SWITCH = "JAXDIST_WATCH_PEERS"  # "0": no supervisor
 CHILD = "JAXDIST_SUPERVISOR"  # set in the training process: "FD PORT TOKEN" (its socket pair, its supervisor)
+GEN = "JAXDIST_ELASTIC_GEN"  # set in the training process: the membership it belongs to (elastic runs: 0, 1, ...)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 GRACE_S = 0.5  # a training process told that a peer died may end by itself this long (its own error wins)
-PEER_DIED = 1  # exit status of a process stopped because another one died
+PEER_DIED = peer_lines.PEER_DIED  # exit status of a process stopped because another one died
 
 
 class _Flags(argparse.ArgumentParser):
@@ -42,6 +43,7 @@ def launch_of(argv: list[str]) -> launch_mod.Launch | None:
     p.add_argument("--coordinator")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
+    p.add_argument("--elastic")
     try:
         args, _ = p.parse_known_args(argv)
         return launch_mod.detect(args.coordinator, args.num_processes, args.process_id)
@@ -57,15 +59,32 @@ def supervise(argv: list[str]) -> int | None:
     launch = launch_of(argv)
     if launch is None or launch.num_processes < 2:
         return None
-    return Supervisor(launch).run(argv)
+    return Supervisor(launch, elastic_span(argv)).run(argv)
+
+
+def elastic_span(argv: list[str]) -> tuple[int, int] | None:
+    """--elastic MIN:MAX, read as `train` reads it (None: not elastic, or input `train` refuses itself)."""
+    p = _Flags(add_help=False)
+    p.add_argument("--elastic")
+    try:
+        text = p.parse_known_args(argv)[0].elastic
+        return None if text is None else elastic.parse_span(text)
+    except JaxdistError:
+        return None
 
 
 class Supervisor:
     """The pid the launcher started, in a multi-process run: runs the training process, passes signals on,
     hears of and asks about peers, and says who died."""
 
-    def __init__(self, launch: launch_mod.Launch):
+    def __init__(self, launch: launch_mod.Launch, span: tuple[int, int] | None = None):
         self.index, self.n = launch.process_id, launch.num_processes
+        self.span = span  # --elastic MIN:MAX: regroup on the survivors after a death (elastic.py)
+        self.gen = 0  # the membership (elastic runs count their regroups)
+        self.phase = "running"  # what peers are told (elastic.py): running, deciding, waiting, leaving
+        self.cause: dict | None = None  # the peer whose death ended our training process (elastic runs)
+        self.proc: subprocess.Popen | None = None  # the training process of this membership
+        self.recorder: threading.Thread | None = None  # the leader's metrics.jsonl record of a regroup
         self.listener = peer_wire.Listener(self.index)
         self.peers: list[dict] = []  # reachable peers' records, once the training process sent the table
         self.me = {"index": self.index, "host": socket.gethostname(), "pid": os.getpid()}
@@ -73,28 +92,48 @@ class Supervisor:
         self.was_stopped = False  # the training process was stopped (SIGSTOP) when it was killed
 
     def run(self, argv: list[str]) -> int:
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, CHILD: f"{theirs.fileno()} {self.listener.port} {self.listener.token}"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxdist.train", *argv], env=env, pass_fds=(theirs.fileno(),), process_group=0
-        )
-        theirs.close()
-        self.listener.state = lambda: self._stalled(proc)  # asked "how are you": a stopped process says so
+        if self.span is not None:
+            self.listener.phase = lambda: self.phase
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for s in FORWARDED:  # the child has its own process group: a terminal's Ctrl-C reaches it once, from here
-                previous[s] = signal.signal(s, lambda signum, _: proc.send_signal(signum))
-        self._reader = threading.Thread(target=self._table, args=(ours,), daemon=True)
-        self._reader.start()
+                previous[s] = signal.signal(s, lambda signum, _: self.proc and self.proc.send_signal(signum))
         rc = None
         try:
-            rc, stopped = self._wait(proc)
-            return self._after(rc, stopped, proc.pid)
+            while True:
+                ours, theirs = socket.socketpair()
+                env = {**os.environ, CHILD: f"{theirs.fileno()} {self.listener.port} {self.listener.token}"}
+                self.proc = proc = subprocess.Popen(
+                    [sys.executable, "-m", "jaxdist.train", *argv],
+                    env={**env, GEN: str(self.gen)},
+                    pass_fds=(theirs.fileno(),),
+                    process_group=0,
+                )
+                theirs.close()
+                self.listener.state = lambda: self._stalled(self.proc)  # asked "how are you": a stopped process says so
+                self._reader = threading.Thread(target=self._table, args=(ours,), daemon=True)
+                self._reader.start()
+                try:
+                    rc, stopped = self._wait(proc)
+                    self.phase = "deciding"
+                    code = self._after(rc, stopped, proc.pid)
+                finally:
+                    ours.close()
+                if self.cause is None:
+                    break
+                self.phase = "waiting"
+                argv, code = regroup.regroup(self, argv)
+                if not argv:
+                    break
+            self.phase = "leaving"
+            if self.recorder is not None:
+                self.recorder.join(timeout=2)
+            return code
         finally:
+            self.phase = "leaving"
             for s, h in previous.items():
                 signal.signal(s, h)
             self.listener.close(clean=rc in (0, 2, 130))  # the ring watch hears of deaths only
-            ours.close()
 
     def _table(self, ours: socket.socket) -> None:
         """The peers' table from the training process, then which of their supervisors we can reach."""
@@ -117,7 +156,7 @@ class Supervisor:
         self.peers = [p for p in found if p]
         if self.peers:  # watch the next one round the ring: each process is watched by one other
             after = [p for p in self.peers if p["index"] > self.index] or self.peers
-            threading.Thread(target=self._watch, args=(after[0],), daemon=True).start()
+            threading.Thread(target=self._watch, args=(after[0], self.gen), daemon=True).start()
         lost = [str(p["index"]) for p, f in zip(others, found) if not f]
         if lost and self.index == 0:
             print(
@@ -127,9 +166,10 @@ class Supervisor:
                 flush=True,
             )
 
-    def _watch(self, p: dict) -> None:
+    def _watch(self, p: dict, gen: int | None = None) -> None:
         """Hold a connection to a peer's supervisor: if it closes without "clean", that process has
         ended (killed outright, both of its processes): a death heard of at once, not at the heartbeat."""
+        gen = self.gen if gen is None else gen  # the membership it watches in (elastic runs regroup)
         data = b""
         try:
             with socket.create_connection((p["addr"], p["port"]), timeout=peer_wire.ASK_S) as s:
@@ -139,13 +179,13 @@ class Supervisor:
                     data += chunk
         except OSError:
             return
-        if not data.endswith(b"clean\n"):
+        if not data.endswith(b"clean\n") and gen == self.gen:  # a death in an older membership: regrouped already
             self.listener.hear([peer_lines.death(p, time.time())])
 
-    def _stalled(self, proc: subprocess.Popen) -> dict | None:
+    def _stalled(self, proc: subprocess.Popen | None) -> dict | None:
         """This process's record when its training process is stopped (SIGSTOP, a debugger): it answers no
         collective, so its peers' fail, and they must name it, not themselves."""
-        if proc.poll() is not None or not is_stopped(proc.pid):
+        if proc is None or proc.poll() is not None or not is_stopped(proc.pid):
             return None
         return peer_lines.death(self.me, time.time(), stopped_how(proc.pid))
 
@@ -171,22 +211,32 @@ class Supervisor:
             return code
         at = time.time()
         verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
+        if self.span is not None and not verdict and not self.was_stopped:  # elastic: a peer's death regroups
+            dead = self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT or stopped else 1)
+            if dead is None and self.listener.regroup is not None:  # the leader regrouped before we heard why
+                self.cause = {"at": time.time()}
+                return PEER_DIED
+            if dead is not None:
+                self.cause = dead
+                print(regroup.lost_line(self.index, self.n, dead), file=sys.stderr, flush=True)
+                peer_wire.tell(self.peers, [dead], self.gen)
+                return PEER_DIED
         self.listener.mine = {**peer_lines.death(self.me, at, peer_lines.ending(rc)), "fatal": not verdict}
         if self.was_stopped:  # the peers' failures are ours: name this process, not the one that told us
             self.listener.mine = {**peer_lines.death(self.me, at, stopped_how(worker)), "fatal": True}
             print(peer_lines.stopped_line(self.me, worker, at, self.n, self.run_dir), file=sys.stderr, flush=True)
-            peer_wire.tell(self.peers, [self.listener.mine])
+            peer_wire.tell(self.peers, [self.listener.mine], self.gen)
             return PEER_DIED
         # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
         dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
         if dead is not None:
             print(peer_lines.blame_line(self.index, self.n, dead, self.run_dir), file=sys.stderr, flush=True)
             self.listener.mine["cause"] = dead["index"]
-            peer_wire.tell(self.peers, [dead, self.listener.mine])
+            peer_wire.tell(self.peers, [dead, self.listener.mine], self.gen)
             return PEER_DIED
         if rc < 0:  # a signal: nothing in the training process could say it
             print(peer_lines.own_line(self.me, worker, rc, at, self.n, self.run_dir), file=sys.stderr, flush=True)
-        peer_wire.tell(self.peers, [self.listener.mine])
+        peer_wire.tell(self.peers, [self.listener.mine], self.gen)
         return code
 
     def _find_dead(self, tries: int = 2) -> dict | None:

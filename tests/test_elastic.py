@@ -1,0 +1,140 @@
+"""Elastic runs (`--elastic MIN:MAX`, jaxdist.cluster.elastic / regroup): the mesh re-planned for the
+survivors, the command rewritten, and a real run of 2 processes x 4 CPU devices that loses process 1
+(SIGKILL) mid-run and finishes on process 0 alone, its losses equal to an uninterrupted run's."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MICRO_ARGS, gone
+
+from jaxdist.cluster import elastic
+from jaxdist.errors import JaxdistError
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY, KILL_AT = 12, 4, 6  # the run loses process 1 once step 6 is logged: it resumes from step 4
+COMMON = [
+    "--steps",
+    str(STEPS),
+    *MICRO_ARGS,
+    "train.log_every=1",
+    "train.eval_every=0",
+    "optim.schedule=constant",
+    "optim.warmup_steps=2",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.async_save=false",
+]
+RTOL = 1e-5  # a mesh change (fsdp=8 over 2 processes -> fsdp=4 in one): test_distributed's restore tolerance
+WAIT = 400  # seconds: a hung run fails the test instead of hanging it
+
+
+def test_span_is_checked():
+    assert elastic.parse_span("2:4") == (2, 4) and elastic.parse_span("3") == (3, 3)
+    for bad in ("4:2", "0:2", "a:b", "2-4"):
+        with pytest.raises(JaxdistError, match="--elastic"):
+            elastic.parse_span(bad)
+
+
+def test_mesh_keeps_model_axes_and_the_global_batch():
+    old = elastic.parse_shape("dp=2,fsdp=4")
+    assert elastic.fit(old, 4, 8) == "fsdp=4"  # the batch axis that sharded the weights takes the rest
+    assert elastic.fit(elastic.parse_shape("dp=8"), 6, 12) == "dp=6"
+    assert elastic.fit(elastic.parse_shape("fsdp=4,tp=2"), 6, 12) == "fsdp=3,tp=2"  # tp=2 still divides 6
+    assert elastic.fit(elastic.parse_shape("fsdp=2,tp=4"), 6, 12) == "fsdp=6"  # tp=4 does not: data parallel
+    assert elastic.fit(old, 6, 8) is None  # 6 batch shards cannot split 8 sequences
+
+
+def test_plan_picks_the_most_processes_that_fit(tmp_path):
+    (tmp_path / "config.yaml").write_text("mesh: {shape: 'fsdp=8'}\ntrain: {global_batch: 8, grad_accum_steps: 1}\n")
+    assert elastic.plan(tmp_path, 4, 3, (1, 4)) == (2, "fsdp=8", "fsdp=4")  # 3 x 2 devices: 6 does not split 8
+    assert elastic.plan(tmp_path, 4, 3, (3, 4)).startswith("no mesh of 3..3 process(es) x 2 device(s)")
+    assert elastic.plan(tmp_path, 4, 1, (2, 4)) == "1 process(es) survive, fewer than --elastic's minimum 2"
+
+
+def test_command_is_rewritten_for_the_new_place():
+    argv = ["--mesh", "fsdp=8", "--coordinator=h:1", "--num-processes", "4", "--process-id", "3", "--elastic", "1:4"]
+    got = elastic.rewrite([*argv, "mesh.shape=x", "optim.lr=1e-3"], 2, 1, "h:9", "fsdp=4", "/r")
+    assert got == ["--elastic", "1:4", "optim.lr=1e-3", "--num-processes", "2", "--process-id", "1"] + [
+        "--coordinator",
+        "h:9",
+        "--mesh",
+        "fsdp=4",
+        "--run-dir",
+        "/r",
+    ]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and not r.get("summary")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: one process x 8 devices (fsdp=8), in this process."""
+    from jaxdist import train
+
+    run = tmp_path_factory.mktemp("elastic") / "ref"
+    assert train.main(["--mesh", "fsdp=8", "--run-dir", str(run), *COMMON]) == 0
+    return losses(run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_process_leaves_the_run_to_the_survivor(tmp_path, reference):
+    """SIGKILL process 1 (the pid its launcher started) after step 6: process 0's supervisor regroups alone,
+    restarts its training process as 1 process x 4 devices (fsdp=4) from the checkpoint of step 4 and
+    finishes; every step's loss equals the uninterrupted run's, one line and one metrics.jsonl record say
+    what changed, and no process is left behind."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "PYTHONUNBUFFERED": "1"}
+    port, run = free_port(), tmp_path / "run"
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--elastic", "1:2", "--process-id"]
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "fsdp=8", "--run-dir", str(run), *COMMON, *flags]
+    logs = [tmp_path / f"p{i}.log" for i in (0, 1)]
+    procs = [
+        subprocess.Popen([*cmd, str(i)], env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for i, log in enumerate(logs)
+    ]
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (run / "metrics.jsonl").exists() or max(losses(run), default=0) < KILL_AT:
+            assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = procs[0].wait(timeout=WAIT)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = logs[0].read_text()
+    assert rc == 0, out[-3000:]
+    assert f"elastic: process 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in out
+    assert "elastic: process(es) 1 gone; continuing on 1 of 2 processes, mesh fsdp=8 -> fsdp=4, from checkpoint" in out
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in got)
+    assert worst <= RTOL, {s: (got[s], reference[s]) for s in got}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (rec,) = [r for r in rows if "elastic" in r]
+    assert rec["elastic"] == {"processes": [2, 1], "mesh": ["fsdp=8", "fsdp=4"], "lost": [1], "spares": []}
+    assert EVERY <= rec["step"] < STEPS and 0 < rec["seconds_lost"] < took + 5
+    left = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(run) in (d / "cmdline").read_text() and not gone(int(d.name), 5):
+                left.append(int(d.name))
+        except OSError:
+            pass
+    assert left == []  # every supervisor and training process of the run has ended
