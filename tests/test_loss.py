@@ -63,10 +63,11 @@ def naive(cfg, batches):
     return gradients(cfg.replace(model=dict(loss_impl="naive")), "fsdp=1", 1, batches[0])
 
 
-@pytest.mark.parametrize("chunk,keep", [(1, False), (2, True), (4, False)])
-def test_blockwise_matches_optax_on_arrays(chunk, keep):
+@pytest.mark.parametrize("chunk,keep,shards", [(1, False, 1), (2, True, 1), (4, False, 1), (2, True, 2)])
+def test_blockwise_matches_optax_on_arrays(chunk, keep, shards):
     """No mesh: per-token losses and the gradients of a weighted sum, targets on block edges included;
-    4 blocks gathered 1, 2 or 4 at a time, logits kept or recomputed."""
+    4 blocks gathered 1, 2 or 4 at a time, logits kept (the input gradient computed in the forward,
+    per vocab shard when S=2) or recomputed."""
     rng = np.random.default_rng(0)
     x, w = rng.normal(size=(2, 6, 8)).astype(np.float32), rng.normal(size=(8, 64)).astype(np.float32)
     t = np.array([[0, 15, 16, 31, 32, 63], [47, 1, 17, 33, 5, 48]], np.int32)
@@ -74,7 +75,7 @@ def test_blockwise_matches_optax_on_arrays(chunk, keep):
     plan = loss.Plan(chunk, keep)
 
     def ours(x, w):
-        return loss._blockwise(x.reshape(12, 8), w, t.reshape(12), 1, 16, None, plan).reshape(2, 6)
+        return loss._blockwise(x.reshape(12, 8), w, t.reshape(12), shards, 16 // shards, None, plan).reshape(2, 6)
 
     def ref(x, w):
         return optax.softmax_cross_entropy_with_integer_labels(jnp.einsum("btd,dv->btv", x, w), t)

@@ -11,17 +11,21 @@ reduction: no gather over a sharded vocab). The head is cast to the compute dtyp
 fsdp-sharded and all-gathered a chunk of blocks at a time (`model.loss_gather_mib` per device, 256
 MiB: the whole 8B head in 4 collectives per pass instead of one per block). A custom VJP saves the
 log-sum-exp per token and, when they fit `model.loss_keep_mib` per device (512 MiB), the forward's
-logits in the compute dtype (the bf16 matmul's own values under bf16): its backward scans the blocks again and turns each block's logits into that block's
-head gradient (sharded like W) and its share of the input gradient — three matmuls over the
-vocabulary per step (forward, input gradient, weight gradient), the naive loss's count. Logits that do
-not fit are recomputed block by block (a fourth matmul; working set: a few (tokens, vb) blocks).
+logits in the compute dtype (the bf16 matmul's own values under bf16). With them kept, the forward also
+computes each token's input gradient (below) and the backward turns each kept block of logits into that
+block's head gradient (sharded like W) without the head: the head is gathered once per step, and three
+matmuls over the vocabulary run per step (forward logits, input gradient, weight gradient), the naive
+loss's count. Logits that do not fit are recomputed block by block in the backward, which gathers the
+head again (a fourth matmul; working set: a few (tokens, vb) blocks).
 
-Why not fused linear cross-entropy (Liger, Cut Cross-Entropy) inside the forward: a block's softmax
-gradient needs the final log-sum-exp of its tokens, known only after the last block. Per token the
-input gradient can be rescaled as the running max moves, but the head's gradient sums over tokens
-with a different factor each, so it cannot; Liger therefore chunks the tokens instead and keeps the
-whole head's unreduced gradient (D x V float32 per device, 2.1 GB for Llama 3 8B: more than these
-logits up to 4096 tokens per device, and a gradient reduced once for all chunks).
+The input gradient in the forward (as fused linear cross-entropy kernels do): per token and vocab shard
+the scan keeps sum_v exp(z_v - m) · W[:, v], rescaled by exp(m_old - m_new) as the running max m moves
+(as the sum of exponentials is), and the target's row W[:, target] taken from its gathered chunk; after
+the scan, softmax · W - W[:, target] is that sum times exp(m - lse), minus the row. The cotangent of each
+token's loss is a per-token scale, applied in the backward. The head's gradient cannot be built this
+way (it sums over tokens, each with its own rescaling factor), so it waits for the final log-sum-exp
+and is made in the backward from the kept logits; Liger instead chunks the tokens and keeps the whole
+head's unreduced gradient (D x V float32 per device, 2.1 GB for Llama 3 8B).
 """
 
 from __future__ import annotations
@@ -203,9 +207,10 @@ def _chunks(w_DSnv, chunk: int):
     return constrain(w_DSnv.reshape(D, S, nb // chunk, chunk, vb), ("embed", "vocab", None, None, None))
 
 
-def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
+def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs, per_chunk=None):
     """scan `body(carry, (j, w_j, x_j))` over the head's blocks j, each block's gathered weight
-    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks)."""
+    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks).
+    `per_chunk(carry, c, w_c)`, if given, sees each gathered chunk (D, S, chunk, vb) once before its blocks."""
     nb = w_blocks.shape[2]
     w_chunks = _chunks(w_blocks, chunk)
     split = lambda a: None if a is None else a.reshape(nb // chunk, chunk, *a.shape[1:])
@@ -213,6 +218,8 @@ def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
     def outer(carry, c_x):
         c, x_c = c_x
         w_c = _gathered_chunk(_block(w_chunks, c), dtype)
+        if per_chunk is not None:
+            carry = per_chunk(carry, c, w_c)
         inner = lambda carry, i_x: body(carry, (c * chunk + i_x[0], _block(w_c, i_x[0]), i_x[1]))
         return jax.lax.scan(inner, carry, (jnp.arange(chunk), x_c))
 
@@ -220,34 +227,68 @@ def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
     return carry, None if ys is None else ys.reshape(nb, *ys.shape[2:])
 
 
-def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan):
-    """Losses (N,), log-sum-exps (N,) and the blocks' float32 logits (nb, N, S, vb) if
-    `plan.keep_logits` (else None). Statistics are kept per vocab shard (N, S) and combined once
-    after the scan: one small all-reduce over tp instead of one per block."""
+def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = False):
+    """Losses (N,), log-sum-exps (N,), the blocks' logits (nb, N, S, vb) in the compute dtype if
+    `plan.keep_logits` (else None) and, if `input_grad`, each loss's gradient with respect to its
+    token's hidden state (N, D) float32 (else None). Statistics are kept per vocab shard (N, S) and
+    combined once after the scan: one small all-reduce over tp instead of one per block.
+
+    The input gradient sum_v softmax_v · W[:, v] - W[:, target] is accumulated as the logits are: per
+    token and shard, sum_v exp(z_v - m) · W[:, v] rescaled by exp(m_old - m_new) as the running max
+    moves (as the sum of exponentials is), and each token's target row taken from its gathered chunk;
+    so the backward needs no gathered head (the head is gathered once per step)."""
     w_blocks = _blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
-    N = x_ND.shape[0]
+    N, D = x_ND.shape
 
     def body(carry, j_w):
-        (m, s, tgt), (j, w, _) = carry, j_w
+        (m, s, tgt, acc, _), (j, w, _) = carry, j_w
         z = _block_logits(x_ND, w)
         m_new = jnp.maximum(m, z.max(axis=2))
-        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, :, None]).sum(axis=2)
+        scale = jnp.exp(m - m_new)
+        e = jnp.exp(z - m_new[:, :, None])
+        s = s * scale + e.sum(axis=2)
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
+        if input_grad:
+            acc = acc * scale[:, :, None] + _dot("nsv,dsv->nsd", e.astype(x_ND.dtype), w)
+            acc = constrain(acc, ("batch", "vocab", None))
         # kept in the compute dtype: a bf16 matmul's logits are bf16 values, so nothing is lost (half the bytes)
-        return (m_new, s, tgt), (z.astype(x_ND.dtype) if plan.keep_logits else None)
+        return (m_new, s, tgt, acc, carry[4]), (z.astype(x_ND.dtype) if plan.keep_logits else None)
+
+    def target_rows(carry, c, w_c):
+        """Add the target rows W[:, target] (N, S, D) of the tokens whose target lies in chunk c (a
+        local gather from its gathered copy, on the token's vocab shard)."""
+        k = w_c.shape[2]
+        s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
+        rows = jnp.take(w_c.reshape(D, shards, k * vb), r % (k * vb), axis=2)  # (D, S, N)
+        rows = constrain(jnp.transpose(rows, (2, 1, 0)).astype(jnp.float32), ("batch", "vocab", None))
+        s_iota = jax.lax.broadcasted_iota(jnp.int32, (N, shards), 1)
+        hit = ((r // (k * vb)) == c)[:, None] & (s_iota == s_y[:, None])
+        return (*carry[:4], carry[4] + jnp.where(hit[:, :, None], rows, 0.0))
 
     stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
-    init = (stat(-jnp.inf), stat(0.0), stat(0.0))
-    (m, s, tgt), zs = _scan_blocks(w_blocks, x_ND.dtype, plan.chunk, body, init, None)
+    vec = lambda: constrain(
+        jnp.zeros((N, shards, D) if input_grad else (), jnp.float32), ("batch", "vocab", None) if input_grad else ()
+    )
+    init = (stat(-jnp.inf), stat(0.0), stat(0.0), vec(), vec())
+    (m, s, tgt, acc, rows), zs = _scan_blocks(
+        w_blocks, x_ND.dtype, plan.chunk, body, init, None, target_rows if input_grad else None
+    )
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
-    return lse - tgt.sum(axis=1), lse, zs
+    dx = None
+    if input_grad:  # softmax_v = exp(z_v - m_s) · exp(m_s - lse) on shard s: one tp all-reduce of (N, D)
+        dx = ((acc * jnp.exp(m - lse[:, None])[:, :, None]) - rows).sum(axis=1)
+    return lse - tgt.sum(axis=1), lse, zs, dx
 
 
 def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules, plan: Plan):
     """The blockwise loss under `rules` (the token rules): set inside the forward and the backward,
-    which JAX traces later, outside the caller's `use_rules`."""
+    which JAX traces later, outside the caller's `use_rules`. With the logits kept, the forward also
+    computes the input gradient and the backward only the head's (from the kept logits: no head
+    gathered); else the backward gathers the head again to recompute the logits."""
+    keep = plan.keep_logits
+    w_shape, w_dtype = w_DV.shape, w_DV.dtype
 
     @jax.custom_vjp
     def f(x, w, t):
@@ -256,15 +297,43 @@ def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules, plan: Plan):
 
     def fwd(x, w, t):
         with use_rules(rules):
-            losses, lse, zs = _forward(x, w, t, shards, vb, plan)
-        return losses, (x, w, t, lse, zs)
+            losses, lse, zs, dx = _forward(x, w, t, shards, vb, plan, input_grad=keep)
+        return losses, (x, None if keep else w, t, lse, zs, dx)
 
     def bwd(res, g_N):
         with use_rules(rules):
-            return _backward(res, g_N, shards, vb, plan.chunk)
+            if keep:
+                return _head_grad(res, g_N, shards, vb, w_shape, w_dtype)
+            return _backward(res[:5], g_N, shards, vb, plan.chunk)
 
     f.defvjp(fwd, bwd)
     return f(x_ND, w_DV, targets_N)
+
+
+def _head_grad(res, g_N, shards, vb, w_shape, w_dtype):
+    """The backward when the forward kept the logits and computed the input gradient: each block's
+    softmax gradient from its kept logits and the saved log-sum-exps gives that block's head gradient;
+    the input gradient is the forward's scaled by each token's cotangent. No head, no gather."""
+    x, _, t, lse, zs, dx_ND = res
+    dw_blocks = _blocks(jnp.zeros(w_shape, w_dtype), shards, vb)
+    nb = dw_blocks.shape[2]
+
+    def body(dw_blocks, j_z):
+        j, z = j_z
+        z = z.astype(jnp.float32)
+        p = jnp.exp(z - lse[:, None, None])
+        dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
+        dw = matmul.weight_grad(
+            x,
+            dz.reshape(dz.shape[0], -1),
+            (((0,), (0,)), ((), ())),
+            dw_blocks.shape[:2] + (vb,),
+            ("embed", "vocab", None),
+        )
+        return jax.lax.dynamic_update_index_in_dim(dw_blocks, dw.astype(dw_blocks.dtype), j, axis=2), None
+
+    dw_blocks, _ = jax.lax.scan(body, dw_blocks, (jnp.arange(nb), zs))
+    return (g_N[:, None] * dx_ND).astype(x.dtype), dw_blocks.reshape(w_shape), None
 
 
 def _backward(res, g_N, shards, vb, chunk: int):

@@ -29,8 +29,8 @@ every backend):
   (q, k, v and gate, up: 5); remat=full recomputes the attention all-reduce (+1).
 - head (jaxdist.parallel.loss): naive — gathered over fsdp once per pass (the head of a tied table twice when
   tp > 1, observed), the input gradient all-reduced over tp; blockwise — every block gathered in the
-  forward and again in the backward (in the compute dtype; model.loss_gather_mib of blocks per
-  collective), the float32 input gradient and
+  forward (in the compute dtype; model.loss_gather_mib of blocks per collective) and, only when the
+  logits are recomputed (model.loss_keep_mib), again in the backward; the float32 input gradient and
   three per-token log-sum-exp statistics all-reduced over tp once. Its gradient is reduced like a layer's.
   The final norm, when its rule shards it, is gathered twice. Gathers of loop-invariant weights (the final norm, the naive head, a
   head of one vocab block) are hoisted out of the accumulation loop: once per step, not per pass.

@@ -25,17 +25,19 @@ def table_traffic(t: Tally) -> None:
         gathers = 2 if m.tie_embeddings and tp > 1 else 1
         t.add("fsdp", "all-gather", "head weights", head_full, gathers * head_passes, n=lay.weight_shards)
         t.add("tp", "all-reduce", "head input gradient", rows * D * lay.act_bytes, passes)
-    else:  # jaxdist.parallel.loss: every chunk of blocks gathered forward and again for the backward
+    else:  # jaxdist.parallel.loss: every chunk of blocks gathered in the forward; again for the backward
+        # only when the logits are recomputed (kept, the forward computes the input gradient too)
         blocks = head_full * lay.act_bytes / PARAM_BYTES
         rows_per_block = block_rows(m.vocab_size, tp, rows, D, m.loss_block)
         nb = m.vocab_size // (tp * rows_per_block)
-        chunks = nb // loss_plan(lay, rows, rows_per_block).chunk
+        plan = loss_plan(lay, rows, rows_per_block)
+        chunks = nb // plan.chunk
         t.add(
             "fsdp",
             "all-gather",
-            "head weight chunks (fwd + bwd)",
+            "head weight chunks (fwd)" if plan.keep_logits else "head weight chunks (fwd + bwd)",
             blocks,
-            2 * head_passes,
+            (1 if plan.keep_logits else 2) * head_passes,
             n=lay.weight_shards,
             tensors=chunks,
         )

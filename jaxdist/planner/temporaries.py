@@ -75,7 +75,9 @@ def loss_bytes(lay: Layout) -> float:
     (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.parallel.loss): a block of logits (the
     probabilities and their gradient are fused into its consumers), or all of them where the forward
     keeps them for the backward (loss.Plan), the gathered chunk of blocks twice (the forward's gather
-    is still live when the backward gathers it again) and the input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
+    is still live when the backward gathers it again; with the logits kept the backward gathers nothing,
+    yet the compiled temp stayed within 0.01% at V=8192 on fsdp=8 and fsdp=4,tp=2, so the term stays:
+    what holds those bytes at the peak instead was not traced) and the input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
     m = lay.cfg.model
     tokens = lay.cfg.train.global_batch // (lay.batch_shards * lay.accum) * m.seq_len // lay.cp
     shards = lay.mesh["tp"]
