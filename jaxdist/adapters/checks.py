@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from jaxdist.adapters import quant
-from jaxdist.adapters.lora import TARGETS, block_axis, per_layer_shapes
+from jaxdist.adapters.lora import TARGETS, block_axis, carried, per_layer_shapes
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.distributed.sharding import logical_to_spec
 from jaxdist.errors import JaxdistError
@@ -19,10 +19,12 @@ def check(cfg, mesh, rules) -> None:
                 f"lora.base_dtype={lo.base_dtype} needs lora.rank > 0 (a frozen base trains through adapters only)"
             )
         return
-    if m.moe_experts:
+    have = carried(m)
+    if [t for t in lo.targets if t not in have]:
         raise JaxdistError(
-            "lora.rank > 0 with model.moe_experts > 0: LoRA on mixture-of-experts layers is not supported "
-            "yet; use a dense model or lora.rank=0"
+            f"lora.targets={list(lo.targets)} names {', '.join(t for t in lo.targets if t not in have)}, which "
+            f"this model's layers do not have (its feed-forward is mixture-of-experts, whose experts take no adapters); "
+            f"set lora.targets=[{','.join(have)}]"
         )
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(
@@ -51,7 +53,7 @@ def check(cfg, mesh, rules) -> None:
         "w_down_FD": ("mlp", "embed"),
     }
     dims = []  # (weight, its block dimension, the shards that dimension is split over)
-    for _, weight, _ in TARGETS.values():
+    for _, weight, _ in (TARGETS[t] for t in have):
         shape = shapes[weight]
         axis = block_axis(weight) % len(shape)
         dims.append((weight, shape[axis], axis_size(mesh, logical_to_spec(names[weight], rules)[axis])))

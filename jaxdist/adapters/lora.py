@@ -31,6 +31,7 @@ TARGETS = {
     "down": ("mlp", "w_down_FD", 1),
 }
 IN_DIMS = {w: n for _, w, n in TARGETS.values()}
+ATTENTION = ("q", "k", "v", "o")
 A, B, SCALE = "_lora_a", "_lora_b", "_scale"
 RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
 
@@ -48,11 +49,19 @@ def scaling(lora) -> float:
     return lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
 
 
+def carried(m) -> tuple[str, ...]:
+    """The targets a model's layers carry: all seven, or the attention's four where the feed-forward is
+    experts (gpt-oss: every layer MoE; the experts take no adapters)."""
+    return ATTENTION if m.moe_experts else tuple(TARGETS)
+
+
 def attach(block, lora, rngs: nnx.Rngs) -> None:
-    """Give a (dense) Block's targeted matrices adapters, and every layer matrix a scale slot when the
+    """Give a Block's targeted matrices adapters, and every layer matrix it has a scale slot when the
     base is quantised (the scales are computed when the base is stored: jaxdist.adapters.tree)."""
     for part, weight, _ in TARGETS.values():
         module = getattr(block, part)
+        if not hasattr(module, weight):  # an MoE block's experts: not a target
+            continue
         module.lora_scale = scaling(lora)  # static: marks the module as frozen-base LoRA
         w = getattr(module, weight)
         names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape

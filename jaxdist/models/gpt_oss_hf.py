@@ -216,8 +216,12 @@ def check(cfg, sizes: dict) -> None:
         raise JaxdistError(
             "model.family=gpt_oss needs model.moe_experts and model.sliding_window (import a GptOss config.json)"
         )
-    if cfg.lora.rank:
-        raise JaxdistError("lora.rank>0 is not supported by model.family=gpt_oss yet; train it fully (lora.rank=0)")
+    extra = [t for t in cfg.lora.targets if t not in ("q", "k", "v", "o")] if cfg.lora.rank else []
+    if extra:
+        raise JaxdistError(
+            f"lora.targets names {', '.join(extra)}: gpt-oss's feed-forward is all experts, which take no "
+            f"adapters (peft's target_modules reach q/k/v/o_proj only); set lora.targets=[q,k,v,o]"
+        )
     for axis, why in (("pp", "its per-layer window is scanned over the whole stack"),
                       ("cp", "context parallelism has no attention sinks")):  # fmt: skip
         if sizes.get(axis, 1) > 1:

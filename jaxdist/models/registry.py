@@ -73,6 +73,15 @@ def _decoder_attention_flops(m: ModelConfig) -> float:
     return 12 * m.num_layers * m.seq_len * m.num_heads * m.head_dim
 
 
+def _decoder_check(cfg, sizes: dict) -> None:
+    """The decoder's MoE layers (parallel/moe.py's dispatch) take no LoRA."""
+    if cfg.lora.rank and cfg.model.moe_experts:
+        raise JaxdistError(
+            "lora.rank > 0 with model.moe_experts > 0: LoRA on the decoder's mixture-of-experts layers is not "
+            "supported yet; use a dense model or lora.rank=0"
+        )
+
+
 DECODER = Architecture(
     name="decoder",
     hf=decoder_hf.FAMILIES,
@@ -81,6 +90,7 @@ DECODER = Architecture(
     axes=COMMON_AXES | {"expert"},
     hf_layer=decoder_hf.layer_tensors,
     attention_flops=_decoder_attention_flops,
+    check=_decoder_check,
 )
 
 
