@@ -237,6 +237,7 @@ def lora_peft():
     sharded mesh; the LoRA program's logits, loss and adapter gradients in one compile."""
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
+    from jaxdist.parallel.loss import logits as head_logits
     from jaxdist.training import step
 
     plain_cfg = mapping.hf_config(None, [], FIXTURE, SHARDED)
@@ -249,7 +250,7 @@ def lora_peft():
     ref = dict(np.load(PEFT_FIXTURE / "reference.npz"))
 
     def loss(trained, frozen, tokens):
-        logits = prog.apply_fn(adapters.combine(trained, frozen), tokens)[0].astype(jnp.float32)
+        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens)[0])
         logp = jax.nn.log_softmax(logits[:, :-1])
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
 
