@@ -341,3 +341,26 @@ def test_fp8_moe_step_quantises_inside_the_expert_chunk_loop(moe_runs):
     loops = "\n".join("\n".join(comps[c]) for c in unknown)
     counts = [loops.count(f"{t}[") for t in ("f8e4m3fn", "f8e5m2")] + [loops.count(" dot(")]
     assert all(counts), counts
+
+
+def test_fp8_shared_experts_take_the_dense_fp8_matmul(tiny_cfg):
+    """Shared experts (models/moe.py, DeepSeek-style) under model.fp8 run the dense layers' FP8 matmul:
+    the traced MoE block's forward and backward hold 6 more e4m3 conversions (x and w of each of the
+    3 matmuls) and at least 3 more e5m2 ones (their gradients) with one shared expert than without, and
+    none without model.fp8 (traced only: no compile)."""
+    from flax import nnx
+
+    from jaxdist.models import moe
+
+    def converts(shared, mode):
+        m = tiny_cfg.replace(
+            model=dict(MICRO_MODEL, moe_experts=4, moe_topk=2, moe_mlp_dim=32, moe_shared_experts=shared)
+        ).model
+        block, x = moe.MoE(m, nnx.Rngs(0)), jnp.ones((2, 8, m.d_model), jnp.float32)
+        with matmul.fp8_matmuls(mode):
+            text = str(jax.make_jaxpr(jax.grad(lambda x: block(x)[0].sum()))(x))
+        return text.count("new_dtype=float8_e4m3fn"), text.count("new_dtype=float8_e5m2")
+
+    (e4_0, e5_0), (e4_1, e5_1) = converts(0, "tensorwise"), converts(1, "tensorwise")
+    assert e4_1 - e4_0 == 6 and e5_1 - e5_0 >= 3, (e4_0, e5_0, e4_1, e5_1)
+    assert converts(1, "off") == (0, 0)

@@ -39,6 +39,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
+from jaxdist.parallel import matmul
 from jaxdist.parallel.moe import expert_ffn
 
 EXPERT_NAMES = ("expert", "embed", "mlp")
@@ -54,6 +55,15 @@ def _param(rngs, init, shape, names):
 
 def _matmul(x, w):  # tokens flattened: a 2-D matmul (see mixed.token_matmul)
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _shared_matmul(x, w, names):
+    """A shared expert's matmul: under model.fp8 (tensorwise, rowwise) the dense layers' FP8 matmul
+    (w arrives cast to the compute dtype on its shard by the layer scan), else in the compute dtype."""
+    mode = matmul.fp8_mode()
+    if mode in ("tensorwise", "rowwise"):
+        return matmul.fp8_weight_matmul(x, w, names, 1, mode == "rowwise")
+    return _matmul(x, w.astype(x.dtype))
 
 
 def scores(logits_BTE, router: str):
@@ -111,10 +121,10 @@ class MoE(nnx.Module):
             route_fn,
         )
         if self.shared:
-            dt = x_BTD.dtype
-            h = jax.nn.silu(_matmul(x_BTD, self.shared_gate_DS[...].astype(dt)))
-            h = constrain(h * _matmul(x_BTD, self.shared_up_DS[...].astype(dt)), ("batch", "seq", "mlp"))
-            y_BTD = y_BTD + _matmul(h, self.shared_down_SD[...].astype(dt))
+            up = ("embed", "mlp")
+            h = jax.nn.silu(_shared_matmul(x_BTD, self.shared_gate_DS[...], up))
+            h = constrain(h * _shared_matmul(x_BTD, self.shared_up_DS[...], up), ("batch", "seq", "mlp"))
+            y_BTD = y_BTD + _shared_matmul(h, self.shared_down_SD[...], ("mlp", "embed"))
         lb = balance_loss_sum(counts_BE, logits_BTE, self.topk, self.router)
         z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
         aux = {

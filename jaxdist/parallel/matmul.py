@@ -192,7 +192,7 @@ def fp8_weight_matmul(x, w, names, in_dims: int, rowwise: bool):
     column in the weight gradient's), so the backward quantises again (w gathered once more, in FP8)."""
     I, O = x.shape[-1], math.prod(w.shape[in_dims:])
     ins, outs = tuple(range(in_dims)), tuple(range(in_dims, w.ndim))
-    lead = x.shape[:-1]
+    lead, w_dtype = x.shape[:-1], w.dtype
     # (T, I) @ (I, O), (T, O) @ (I, O)^T, (T, I)^T @ (T, O)
     fwd_dims, dx_dims, dw_dims = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ()))
 
@@ -235,7 +235,8 @@ def fp8_weight_matmul(x, w, names, in_dims: int, rowwise: bool):
             dx = fp8.scaled_dot(gq, sg, gathered(wq, names).reshape(I, O), sw.reshape(1, 1), dx_dims)
             dw = fp8.scaled_dot(xq, sx, gq, sg, dw_dims)
             dtype = g.dtype
-        return dx.astype(dtype).reshape(*lead, I), constrain(dw.reshape(w.shape if rowwise else wq.shape), names)
+        dw = constrain(dw.reshape(w.shape if rowwise else wq.shape), names)
+        return dx.astype(dtype).reshape(*lead, I), dw.astype(w_dtype)  # float32 for a master weight
 
     mm.defvjp(fwd, bwd)
     return mm(x, w)
