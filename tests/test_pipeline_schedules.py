@@ -217,7 +217,7 @@ def test_1f1b_activation_memory_is_flat_in_microbatches(temp_bytes):
             dict(model=dict(num_layers=4), pipeline=dict(schedule="interleaved_1f1b", repeats=2, microbatches=3)),
             "microbatches a multiple of pp=2",
         ),
-        (dict(model=dict(moe_experts=4), pipeline=dict(schedule="1f1b")), "pipeline.schedule=1f1b with MoE layers"),
+        (dict(model=dict(moe_experts=4), pipeline=dict(schedule="zb_v", repeats=3)), "zb_v runs two chunks per stage"),
     ],
 )
 def test_errors_name_the_combination(tiny_cfg, overrides, message):

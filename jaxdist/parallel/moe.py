@@ -21,7 +21,7 @@ all-to-all (`ragged-all-to-all` is UNIMPLEMENTED in its thunk emitter, jax 0.10.
 their padded size (`jax.lax.ragged_dot` too: XLA:CPU expands it into one masked dense matmul per group,
 measured here at the same time for 64 or 512 rows per group), so dropless splits the work in two:
 - data movement in tiers: C = ceil(f·N·K/E) for f in DROPLESS_TIERS, then N. Every device's
-  (source, expert) counts (one psum over ep of an (ep, E) integer table) and one pmax over the mesh
+  (source, expert) counts (one psum over ep of an (ep, E) integer table) and one pmax over the axes it makes manual
   pick the smallest tier that holds the fullest expert anywhere; `lax.switch` runs only that tier's
   buffer, all-to-all and return. Each direction sends E·C·D elements per device for the tier taken
   (worst case E·N·D; a perfectly balanced ragged exchange K·N·D). The switches move data only
@@ -279,7 +279,11 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
     used = lambda i: _axes(w_spec[i])
     gather = tuple((i, used(i)) for i in (1,) if used(i))
     seq_axes = tuple(a for a in _axes(x_spec[1]) if mesh.shape[a] > 1)
-    every = tuple(mesh.axis_names)  # the dropless tier is chosen alike on every device
+    # the dropless tier is chosen alike on every device of the axes manual here. Not across axes already
+    # manual outside (pp): a table pipeline schedule runs the layer inside its per-slot lax.switch, where
+    # the other pp ranks run other branches, so a pmax over pp would wait for them (XLA:CPU aborts after
+    # 40 s); the ep groups never span pp ranks, so the tier need not agree across them.
+    every = tuple(a for a in mesh.axis_names if a not in done)
     body = lambda *a: _local(
         *a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, all_axes=every, **kw
     )

@@ -154,10 +154,7 @@ def describe(pl: Plan | None) -> dict[str, Any]:
 
 def _groups(pl: Plan) -> np.ndarray:
     """(P, V): the layer group (virtual stage) stage s runs as its chunk v."""
-    s, v = np.arange(pl.stages)[:, None], np.arange(pl.repeats)[None, :]
-    if pl.entry.placement == "v":  # stage s: groups s and 2P-1-s
-        return np.where(v == 0, s, 2 * pl.stages - 1 - s)
-    return v * pl.stages + s
+    return schedules.stage_groups(pl.stages, pl.repeats, pl.entry.placement)
 
 
 def to_stages(params: dict, pl: Plan) -> dict:

@@ -14,6 +14,7 @@ in `SCHEDULES`, and its name among config/run_sections.py's `pipeline.schedule` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from jaxdist.config import Config
@@ -27,18 +28,7 @@ def _refuses_nothing(cfg: Config, stages: int, micro: int) -> None:
     return None
 
 
-def _refuses_moe(cfg: Config, stages: int, micro: int) -> None:
-    """What the table engine (parallel/pipeline_1f1b.py) cannot do yet."""
-    if cfg.model.moe_experts:
-        scans = " or ".join(n for n, s in SCHEDULES.items() if not s.tabled)
-        raise JaxdistError(
-            f"pipeline.schedule={cfg.pipeline.schedule} with MoE layers (model.moe_experts={cfg.model.moe_experts}) "
-            f"is not supported yet; use pipeline.schedule={scans} for MoE models"
-        )
-
-
 def _refuses_zb_v(cfg: Config, stages: int, micro: int) -> None:
-    _refuses_moe(cfg, stages, micro)
     if cfg.pipeline.repeats not in (1, 2):
         raise JaxdistError(
             f"pipeline.schedule=zb_v runs two chunks per stage (V placement); got pipeline.repeats="
@@ -47,7 +37,6 @@ def _refuses_zb_v(cfg: Config, stages: int, micro: int) -> None:
 
 
 def _refuses_interleaved(cfg: Config, stages: int, micro: int) -> None:
-    _refuses_moe(cfg, stages, micro)
     if micro % stages:
         raise JaxdistError(
             f"pipeline.schedule={cfg.pipeline.schedule} needs pipeline.microbatches a multiple of pp={stages} "
@@ -87,10 +76,19 @@ class Schedule:
         return self.engine is not None
 
     def table(self, stages: int, microbatches: int, repeats: int = 1) -> schedules.Table:
-        """The orders placed on lock-step slots (`schedules.simulate`); a fixed chunk count overrides `repeats`."""
-        repeats = self.chunks or repeats
-        order = self.orders(stages, microbatches, repeats)
-        return schedules.simulate(order, stages, microbatches, repeats, self.lanes, self.placement)
+        """The orders placed on lock-step slots (`schedules.simulate`); a fixed chunk count overrides `repeats`.
+        Built once per (schedule, stages, micro-batches, repeats) in a process (read-only arrays): the
+        planner asks for the same shapes across candidates and the step's Plan on every describe."""
+        return _table(self, stages, microbatches, self.chunks or repeats)
+
+
+@functools.lru_cache(maxsize=512)
+def _table(entry: Schedule, stages: int, microbatches: int, repeats: int) -> schedules.Table:
+    order = entry.orders(stages, microbatches, repeats)
+    table = schedules.simulate(order, stages, microbatches, repeats, entry.lanes, entry.placement)
+    for a in (table.kind, table.chunk, table.mb):
+        a.setflags(write=False)
+    return table
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -98,10 +96,8 @@ SCHEDULES: dict[str, Schedule] = {
     for s in (
         Schedule("gpipe", schedules.gpipe_orders),
         Schedule("circular", schedules.gpipe_orders, virtual=True),
-        Schedule("1f1b", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, refuses=_refuses_moe),
-        Schedule(
-            "1f1b_paired", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, lanes=2, refuses=_refuses_moe
-        ),
+        Schedule("1f1b", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective),
+        Schedule("1f1b_paired", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, lanes=2),
         Schedule(
             "interleaved_1f1b",
             schedules.interleaved_orders,
@@ -109,7 +105,7 @@ SCHEDULES: dict[str, Schedule] = {
             virtual=True,
             refuses=_refuses_interleaved,
         ),
-        Schedule("zb_h1", schedules.zb_h1_orders, pipeline_1f1b.schedule_objective, refuses=_refuses_moe),
+        Schedule("zb_h1", schedules.zb_h1_orders, pipeline_1f1b.schedule_objective),
         Schedule(
             "zb_v",
             zb_v.zb_v_orders,

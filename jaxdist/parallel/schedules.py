@@ -217,6 +217,12 @@ def last_virtual(P: int, V: int, placement: str = "ring") -> tuple[int, int]:
     return (0, 1) if placement == "v" else (P - 1, V - 1)
 
 
+def stage_groups(P: int, V: int, placement: str = "ring") -> np.ndarray:
+    """(P, V): the virtual stage (layer group) stage s runs as its chunk v: v P + s; V placement: s and 2P-1-s."""
+    s, v = np.arange(P)[:, None], np.arange(V)[None, :]
+    return np.where(v == 0, s, 2 * P - 1 - s) if placement == "v" else v * P + s
+
+
 def sends_down(kind, v, placement: str = "ring"):
     """Whether an action's output goes down the ring (to s+1 mod P), else up it (to s-1 mod P):
     forwards go down, backwards up, except V placement's chunk 1, which runs

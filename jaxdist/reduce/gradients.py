@@ -72,7 +72,7 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale: 
     A pipelined apply_fn with its own objective (a table schedule that computes its gradients itself,
     behind a custom VJP: `pipeline.PipelinedApply.objective`) is used as it is."""
     if isinstance(apply_fn, pipeline.PipelinedApply) and apply_fn.objective is not None:
-        return apply_fn.objective(params, tokens_BT1, order_T)
+        return apply_fn.objective(params, tokens_BT1, order_T, scale)
     (loss, count), aux = _loss_sums_and_aux(apply_fn, params, tokens_BT1, order_T)
     stats = {k: v for k, v in aux.items() if k != "objective"}
     if "objective" not in aux:

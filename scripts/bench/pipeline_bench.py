@@ -13,16 +13,16 @@ pipeline keeps for backward: (V M + P - 1) micro-batches of (b, T, D) float32 pe
 On CPU the "devices" share the host's cores, so a bubble iteration — which in this SPMD pipeline
 still computes (on padding) — costs real time, and the slowdown shows the bubble's compute directly.
 
-    python scripts/bench/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, 1f1b_paired, interleaved_1f1b, zb_h1
+    python scripts/bench/pipeline_bench.py --schedules          # gpipe, circular, 1f1b, 1f1b_paired, interleaved_1f1b, zb_h1, zb_v
     python scripts/bench/pipeline_bench.py --schedules --names gpipe,1f1b,zb_h1 --micro 8   # a subset
 
 --schedules: each schedule on pp=4,fsdp=2 at M in {4, 8, 16, 32} micro-batches of one sequence per
 batch shard (the global batch grows with M, so activation memory that grows with M is the schedule's),
-8 layers (V=2 for circular and interleaved_1f1b). Per configuration: compiled temp bytes per device
+8 layers (V=2 for circular, interleaved_1f1b and zb_v). Per configuration: compiled temp bytes per device
 of the train step, the bubble the schedule predicts (GPipe/circular: (P-1)/(V M+P-1) of their loop
 iterations; the table schedules: 1 - 2 V M / the table's lock-step time with F = B = 1, i.e. idle
-slots / slots on one lane; zb_h1: 1 - the busiest stage's F + B + W / its slots) and, for the table
-schedules, the same with stage 0's actions read off the compiled program (the lax.switch branches it
+slots / slots on one lane; zb_h1, zb_v: 1 - the busiest stage's F + B + W / its slots) and, for the table
+schedules, the same with the busiest stage's actions read off the compiled program (the lax.switch branches it
 ran, counted inside them), tokens/s as a ratio to GPipe at the same M (timed in interleaved rounds in
 one process; GPipe is always run), and the seconds to lower and compile the train step.
 """
@@ -162,6 +162,7 @@ SCHEDULE_RUNS = [
     ("1f1b_paired", 1),
     ("interleaved_1f1b", 2),
     ("zb_h1", 1),
+    ("zb_v", 2),
 ]
 SMALL = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
 
@@ -213,10 +214,10 @@ def schedules_study(args) -> int:
             if schedule_registry.get(name).tabled:  # the branches each stage's lax.switch ran, from the program
                 with prog.activate():
                     counts = np.asarray(jax.jit(prog.apply_fn.objective.executed)(state.params, tokens))
-                # stage 0's executed forwards + backwards (+ weight gradients) over the table's lock-step
-                # time (every action 1; one lane: its slots); the last stage's F slots compute nothing (zb_h1
-                # has none there), so stage 0 is the one to read
-                busy = counts[0, 1:].sum()
+                # the busiest stage's executed forwards + backwards (+ weight gradients) over the table's
+                # lock-step time (every action 1; one lane: its slots): stage 0 for 1F1B and zb_h1 (the last
+                # stage's F slots compute nothing there), stages 1..P-1 for zb_v (stage 0's chunk 1 has no F)
+                busy = counts[:, 1:].sum(axis=1).max()
                 measured = float(1 - busy / schedules.lockstep_time(pl.table(), 1.0, 1.0))
             state, _ = compiled(state, tokens)  # warm-up
             jax.block_until_ready(state)
