@@ -83,14 +83,14 @@ def test_weight_matmul_names_exactly_the_matrices_it_multiplies(tiny_cfg, monkey
     from flax import nnx
 
     from jaxdist.adapters import lora
-    from jaxdist.models import llama
+    from jaxdist.models import decoder_layers
     from jaxdist.parallel.matmul import WEIGHT_MATMUL
 
     # the layers' matmuls go through lora.project, which calls weight_matmul when no adapter is attached
     seen, real = [], lora.weight_matmul
     monkeypatch.setattr(lora, "weight_matmul", lambda x, w, *a, **k: seen.append(w) or real(x, w, *a, **k))
     model = tiny_cfg.replace(model=SMALL).model
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: llama.Block(model, nnx.Rngs(params=0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: decoder_layers.Block(model, nnx.Rngs(params=0))))
     names, matrices = {}, set()
 
     def run(x, state):

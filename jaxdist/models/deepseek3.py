@@ -36,11 +36,11 @@ from flax import nnx
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
-from jaxdist.models import llama, moe
+from jaxdist.models import decoder_layers, llama, moe
 from jaxdist.models.attention import document_mask, rotary_by
 
-param = llama.param
-RMSNorm = llama.RMSNorm
+param = decoder_layers.param
+RMSNorm = decoder_layers.RMSNorm
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm: the RMSNorm default, not rms_norm_eps
 BIAS = "e_bias_E"  # the selection bias's name in the parameters (not trained by the optimizer)
 
@@ -188,7 +188,7 @@ class MoE(moe.MoE):
         return super().__call__(x_BTD, route_fn=fn)
 
 
-class Block(llama.Block):
+class Block(decoder_layers.Block):
     """Llama's block (its forward and cached step) around MLA and the bias-corrected MoE; the cached
     step's two cache arrays are MLA's latent and rotary key instead of k and v."""
 
@@ -196,7 +196,7 @@ class Block(llama.Block):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
-        self.mlp = MoE(cfg, rngs) if sparse else llama.MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if sparse else decoder_layers.MLP(cfg, rngs)
         self.sparse = sparse
 
 

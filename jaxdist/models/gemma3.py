@@ -21,10 +21,10 @@ from flax import nnx
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
-from jaxdist.models import llama
+from jaxdist.models import decoder_layers, llama
 from jaxdist.models.attention import any_window_mask, banded_attention, rope_frequencies, rotary_by
 
-param = llama.param
+param = decoder_layers.param
 
 
 class Norm(nnx.Module):
@@ -89,7 +89,7 @@ class Attention(nnx.Module):
         return self.out(banded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, self.scale))
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS, window, freq_H):
-        """Decoding (as llama.Attention.cached): the full-length cache, masked to the layer's window."""
+        """Decoding (as decoder_layers.Attention.cached): the full-length cache, masked to the layer's window."""
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_BT, freq_H)
         k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
         v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
@@ -101,7 +101,7 @@ class Attention(nnx.Module):
         return self.out(o_BTNH), k_BSKH, v_BSKH
 
 
-class MLP(llama.MLP):
+class MLP(decoder_layers.MLP):
     """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down (LoRA targets gate, up, down as the decoder's)."""
 
     def __call__(self, x_BTD):

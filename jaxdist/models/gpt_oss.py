@@ -25,10 +25,10 @@ from flax import nnx
 from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
-from jaxdist.models import gpt_oss_hf, llama, moe
+from jaxdist.models import decoder_layers, gpt_oss_hf, llama, moe
 from jaxdist.models.attention import any_window_mask, document_mask, rotary_by
 
-param = llama.param
+param = decoder_layers.param
 
 
 def sink_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, sinks_N, scale: float):
@@ -89,7 +89,7 @@ class Attention(nnx.Module):
         return self.out(sink_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, self.sinks_N[...], self.scale))
 
     def cached(self, x_BTD, positions_BT, k_BSKH, v_BSKH, index, mask_BTS, window):
-        """Decoding (as llama.Attention.cached): the full-length cache, masked to the layer's window."""
+        """Decoding (as decoder_layers.Attention.cached): the full-length cache, masked to the layer's window."""
         q_BTNH, k_BTKH, v_BTKH = self.qkv(x_BTD, positions_BT)
         k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
         v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
@@ -148,8 +148,8 @@ class Block(nnx.Module):
     """x + attn(norm(x)), then x + experts(norm(x)); `consts` = this layer's window (None: full)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm, self.attn = llama.RMSNorm(cfg.d_model, cfg.norm_eps, rngs), Attention(cfg, rngs)
-        self.mlp_norm, self.mlp = llama.RMSNorm(cfg.d_model, cfg.norm_eps, rngs), Experts(cfg, rngs)
+        self.attn_norm, self.attn = decoder_layers.RMSNorm(cfg.d_model, cfg.norm_eps, rngs), Attention(cfg, rngs)
+        self.mlp_norm, self.mlp = decoder_layers.RMSNorm(cfg.d_model, cfg.norm_eps, rngs), Experts(cfg, rngs)
         self.sparse = True
 
     def __call__(self, x_BTD, positions_T, segment_ids_BT=None, consts=None):

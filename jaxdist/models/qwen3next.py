@@ -37,12 +37,12 @@ from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
 from jaxdist.errors import JaxdistError
-from jaxdist.models import llama, moe
+from jaxdist.models import decoder_layers, llama, moe
 from jaxdist.models.attention import causal_attention, rotary_by
 from jaxdist.models.delta_rule import causal_conv, chunked_delta_rule, gated_delta_rule
 from jaxdist.models.gemma3 import Norm
 
-param = llama.param
+param = decoder_layers.param
 
 
 def rotary_dims(m: ModelConfig) -> int:
@@ -119,7 +119,7 @@ class GatedDeltaNet(nnx.Module):
             out_sharding=(None,),
             eager_sharding=False,
         )
-        self.norm = llama.RMSNorm(dv, cfg.norm_eps, rngs, (None,))  # plain scale w, then x silu(z)
+        self.norm = decoder_layers.RMSNorm(dv, cfg.norm_eps, rngs, (None,))  # plain scale w, then x silu(z)
         self.wo_VHD = param(rngs, out_init, (Vh, dv, D), ("heads", "head_dim", "embed"))
 
     def __call__(self, x_BTD, tail_BWC=None, state_BVKD=None):
@@ -187,7 +187,7 @@ class Block(nnx.Module):
         self.attn = GatedDeltaNet(cfg, rngs) if linear else Attention(cfg, rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm_eps, rngs)
         self.sparse = bool(cfg.moe_experts)
-        self.mlp = MoE(cfg, rngs) if self.sparse else llama.MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if self.sparse else decoder_layers.MLP(cfg, rngs)
 
     def _mlp(self, x_BTD):
         y = self.mlp(self.mlp_norm(x_BTD))

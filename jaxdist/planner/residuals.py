@@ -32,7 +32,7 @@ from jax import export
 
 from jaxdist.config import ModelConfig
 from jaxdist.models import registry
-from jaxdist.models.llama import REMAT_POLICIES
+from jaxdist.models.decoder_layers import REMAT_POLICIES
 
 TRACE_T = 16  # where the symbolic sizes are evaluated: the per-token and quadratic terms are exact at any T
 
