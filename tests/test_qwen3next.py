@@ -154,7 +154,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
     [
         (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=qwen3_next"),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=qwen3_next"),
-        (["lora.rank=4"], "lora.rank"),
+        (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
         (["model.full_attention_interval=3"], "full_attention_interval=3"),
         (["model.qk_norm=true"], "qk_norm"),
     ],
@@ -199,3 +199,72 @@ def test_chunked_delta_rule_is_the_recurrence():
     assert np.abs(o).max() > 0.1 and np.abs(o - oc).max() <= 1e-5 and np.abs(s - sc).max() <= 1e-5
     wrong, _ = chunked(q, k, v, g, 0 * beta, s0, chunk=8)  # no writes: the deltas matter
     assert np.abs(o - wrong).max() > 1e-2
+
+
+PEFT_FIXTURE = FIXTURE.parent / "lora_peft_qwen3_next"  # scripts/fixtures/make_lora_peft_moe_fixture.py (peft 0.21.2)
+
+
+@pytest.fixture(scope="module")
+def lora_peft():
+    """peft's adapter (random A and B on the full-attention layer's q/k/v/o_proj, r=4) read onto the imported
+    float32 base on the sharded mesh: the LoRA program's logits, loss and adapter gradients in one compile."""
+    import jax.numpy as jnp
+
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.parallel.loss import logits as head_logits
+    from jaxdist.training import step
+
+    plain_cfg = mapping.hf_config(None, DISPATCH, FIXTURE, SHARDED)
+    lora, blocks = peft.read(PEFT_FIXTURE, plain_cfg.model)
+    cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(SHARDED)
+    prog = step.build_program(cfg, mesh)
+    base, _ = tensors.import_params(FIXTURE, plain_cfg, mesh)
+    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
+    params = adapters.combine(read, adapters.frozen(prog.state_from_params(base).params))
+    ref = dict(np.load(PEFT_FIXTURE / "reference.npz"))
+
+    def loss(trained, frozen, tokens):
+        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens)[0])
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
+
+    with prog.activate():
+        (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+            adapters.trainable(params), adapters.frozen(params), jnp.asarray(ref["sequences"])
+        )
+    return dict(cfg=cfg, params=params, ref=ref, loss=float(value), logits=np.asarray(logits), grads=grads)
+
+
+def test_lora_on_peft_adapter_matches_peft(lora_peft, tmp_path):
+    """A peft-written adapter on Qwen3-Next's gated full attention (q_proj with its per-head gate, k, v, o;
+    the DeltaNet layer, experts and shared expert frozen) read onto the base on fsdp=2,ep=2,tp=2: logits
+    equal peft's to 1e-5 of the largest (the adapter moves them by 3.0), the loss to a relative 1e-5, each
+    adapter tensor's gradient norm (relative 1e-5) and gradient . tensor (1e-5 of the largest) torch's; the
+    PEFT export is peft's file key for key, bit for bit (layer 1: the group's full-attention layer)."""
+    from safetensors.numpy import load_file
+
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+
+    f, ref = lora_peft, lora_peft["ref"]
+    tol = 1e-5 * np.abs(ref["logits"]).max()
+    assert np.abs(ref["logits"] - REF["logits"]).max() > 1000 * tol  # the adapter matters
+    np.testing.assert_allclose(f["logits"], ref["logits"], atol=tol, rtol=0)
+    np.testing.assert_allclose(f["loss"], ref["loss"], rtol=1e-5)
+    m = f["cfg"].model
+    g = peft.adapter_tensors(jax.device_get(f["grads"])["blocks"], f["cfg"].lora, m=m)
+    own = jax.device_get(adapters.trainable(f["params"]))["blocks"]
+    w = peft.adapter_tensors(own, f["cfg"].lora, m=m)
+    keys = [str(k) for k in ref["grad_keys"]]
+    assert sorted(g) == keys
+    assert ref["grad_norm"].min() > 0
+    np.testing.assert_allclose([np.linalg.norm(g[k]) for k in keys], ref["grad_norm"], rtol=1e-5)
+    dot = np.array([(g[k].astype(np.float64) * w[k]).sum() for k in keys])
+    np.testing.assert_allclose(dot, ref["grad_dot"], rtol=0, atol=1e-5 * np.abs(ref["grad_dot"]).max())
+    peft.write(tmp_path, own, f["cfg"].lora, m=m)
+    written = load_file(str(tmp_path / "adapter_model.safetensors"))
+    original = load_file(str(PEFT_FIXTURE / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(written[k], v)

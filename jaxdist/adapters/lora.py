@@ -58,9 +58,13 @@ def carried(m) -> tuple[str, ...]:
 def attach(block, lora, rngs: nnx.Rngs) -> None:
     """Give a Block's targeted matrices adapters, and every layer matrix it has a scale slot when the
     base is quantised (the scales are computed when the base is stored: jaxdist.adapters.tree)."""
+    if hasattr(block, "layers"):  # a scanned group of layers (Qwen3-Next): each layer's own matrices
+        for layer in block.layers:
+            attach(layer, lora, rngs)
+        return
     for part, weight, _ in TARGETS.values():
         module = getattr(block, part)
-        if not hasattr(module, weight):  # an MoE block's experts: not a target
+        if not hasattr(module, weight):  # an MoE block's experts, a DeltaNet layer's mixer: not a target
             continue
         module.lora_scale = scaling(lora)  # static: marks the module as frozen-base LoRA
         w = getattr(module, weight)
@@ -72,6 +76,8 @@ def attach(block, lora, rngs: nnx.Rngs) -> None:
     for target in lora.targets:
         part, weight, n_in = TARGETS[target]
         module = getattr(block, part)
+        if not hasattr(module, weight):
+            continue
         w = getattr(module, weight)
         names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape
         fan_in = math.prod(shape[:n_in])
@@ -124,13 +130,20 @@ def count_adapter_params(m, lora) -> int:
         _, weight, n_in = TARGETS[target]
         shape = shapes[weight]
         total += lora.rank * (math.prod(shape[:n_in]) + math.prod(shape[n_in:]))
-    return total * m.num_layers
+    return total * adapted_layers(m)
+
+
+def adapted_layers(m) -> int:
+    """The layers that carry the targets: all, or Qwen3-Next's full-attention ones (one per group of
+    `full_attention_interval`; its DeltaNet layers have no q/k/v/o)."""
+    return m.num_layers // m.full_attention_interval if m.family == "qwen3_next" else m.num_layers
 
 
 def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
     D, N, K, H, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    gate = 2 if m.family == "qwen3_next" else 1  # Qwen3-Next's gated attention: q_proj gives q and a gate per head
     return {
-        "wq_DNH": (D, N, H),
+        "wq_DNH": (D, N, gate * H),
         "wk_DKH": (D, K, H),
         "wv_DKH": (D, K, H),
         "wo_NHD": (N, H, D),

@@ -31,18 +31,38 @@ MODULES = {
 }
 
 
-def adapter_tensors(blocks: dict, lora, dtype=np.float32) -> dict[str, np.ndarray]:
-    """PEFT's tensors from the (host, unstaged) `params['blocks']` of a LoRA run."""
+def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None) -> dict[str, np.ndarray]:
+    """PEFT's tensors from the (host, unstaged) `params['blocks']` of a LoRA run. A stack of layer groups
+    (Qwen3-Next: `blocks['layers'][j]`, the group's j-th layer) needs the model config `m` for the
+    group size: HF layer g * n + j."""
+    if "layers" in blocks:
+        if m is None:
+            raise ValueError("adapter_tensors of grouped layers needs the model config")
+        units = [(m.full_attention_interval, int(j), unit) for j, unit in blocks["layers"].items()]
+    else:
+        units = [(1, 0, blocks)]
     out = {}
     for target in lora.targets:
         part, weight, _ = TARGETS[target]
-        a, b = np.asarray(blocks[part][weight + A]), np.asarray(blocks[part][weight + B])
-        r = a.shape[-1]
-        for i in range(a.shape[0]):
-            name = f"base_model.model.model.layers.{i}.{MODULES[target]}"
-            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T.astype(dtype))
-            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T.astype(dtype))
+        for n, j, unit in units:
+            if weight + A not in unit.get(part, {}):
+                continue
+            a, b = np.asarray(unit[part][weight + A]), np.asarray(unit[part][weight + B])
+            r = a.shape[-1]
+            for g in range(a.shape[0]):
+                name = f"base_model.model.model.layers.{g * n + j}.{MODULES[target]}"
+                out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[g].reshape(-1, r).T.astype(dtype))
+                out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[g].reshape(r, -1).T.astype(dtype))
     return out
+
+
+def carriers(m) -> list[int]:
+    """The HF layers whose projections take adapters: all, or Qwen3-Next's full-attention ones (the
+    last of each group of `full_attention_interval`)."""
+    if m.family == "qwen3_next":
+        n = m.full_attention_interval
+        return [i for i in range(m.num_layers) if i % n == n - 1]
+    return list(range(m.num_layers))
 
 
 def adapter_config(lora, base_model: str = "", revision: str | None = None) -> dict:
@@ -67,11 +87,11 @@ def adapter_config(lora, base_model: str = "", revision: str | None = None) -> d
 
 
 def write(
-    out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32, revision: str | None = None
+    out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32, revision: str | None = None, m=None
 ) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_tensors(blocks, lora, dtype), str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
+    save_file(adapter_tensors(blocks, lora, dtype, m), str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
     config = adapter_config(lora, base_model, revision)
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return [out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"]
@@ -111,17 +131,15 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     targets = [t for t in MODULES if MODULES[t].split(".")[-1] in modules]
     r = int(conf["r"])
     tensors = _tensors(adapter_dir / "adapter_model.safetensors")
+    layers = carriers(m)
     expected = {
-        f"base_model.model.model.layers.{i}.{MODULES[t]}.lora_{x}.weight"
-        for t in targets
-        for i in range(m.num_layers)
-        for x in "AB"
+        f"base_model.model.model.layers.{i}.{MODULES[t]}.lora_{x}.weight" for t in targets for i in layers for x in "AB"
     }
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise JaxdistError(
             f"{adapter_dir}/adapter_model.safetensors does not hold exactly the A and B tensors of "
-            f"{len(targets)} module(s) x {m.num_layers} layers: missing {missing[:2]}, unexpected {extra[:2]} "
+            f"{len(targets)} module(s) x {len(layers)} layers: missing {missing[:2]}, unexpected {extra[:2]} "
             f"({len(missing)} / {len(extra)} in all); is it an adapter for this base model?"
         )
     shapes = per_layer_shapes(m)
@@ -130,7 +148,7 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
         part, weight, n_in = TARGETS[target]
         shape = shapes[weight]
         a, b = [], []
-        for i in range(m.num_layers):
+        for i in layers:
             name = f"base_model.model.model.layers.{i}.{MODULES[target]}"
             ta, tb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
             want = ((r, math.prod(shape[:n_in])), (math.prod(shape[n_in:]), r))
@@ -141,8 +159,11 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
                 )
             a.append(ta.T.reshape(*shape[:n_in], r))
             b.append(tb.T.reshape(r, *shape[n_in:]))
-        blocks.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
-        blocks[part][weight + B] = np.stack(b).astype(np.float32)
+        unit = blocks
+        if m.family == "qwen3_next":  # the group's full-attention layer
+            unit = blocks.setdefault("layers", {}).setdefault(m.full_attention_interval - 1, {})
+        unit.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
+        unit[part][weight + B] = np.stack(b).astype(np.float32)
     lora = {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}
     return lora | ({"rslora": True} if conf.get("use_rslora") else {}), blocks
 

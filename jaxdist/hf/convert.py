@@ -157,7 +157,9 @@ def _write_peft(path, out: Path, cfg, params, source, dtype: str, log, allow_bas
     if jax.process_index() != 0:
         return []
     files = _write_whole(
-        out, lambda tmp: peft_format.write(tmp, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype], revision), log
+        out,
+        lambda tmp: peft_format.write(tmp, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype], revision, cfg.model),
+        log,
     )
     log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) for {base or '?'} to {out}")
     return files

@@ -6,7 +6,7 @@ experts, router, shared expert and its gate), the refusals of a whole config and
 
 Refused in one line each: a `layer_types` other than (n-1 linear, 1 full) repeated, `mlp_only_layers`,
 `decoder_sparse_step` > 1, multi-token-prediction layers (`mtp_*` / num_nextn_predict_layers), rotary
-scaling, LoRA, pp and cp meshes, packed documents (models/qwen3next.py).
+scaling, LoRA beyond the full-attention layers' q/k/v/o, pp and cp meshes, packed documents (models/qwen3next.py).
 """
 
 from __future__ import annotations
@@ -270,8 +270,12 @@ def check(cfg, sizes: dict) -> None:
         )
     if int(m.head_dim * m.rope_fraction) % 2:
         raise JaxdistError(f"model.rope_fraction={m.rope_fraction} x head_dim={m.head_dim} must be an even width")
-    if cfg.lora.rank:
-        raise JaxdistError("lora.rank>0 is not supported by model.family=qwen3_next yet; train it fully (lora.rank=0)")
+    extra = [t for t in cfg.lora.targets if t not in ("q", "k", "v", "o")] if cfg.lora.rank else []
+    if extra:
+        raise JaxdistError(
+            f"lora.targets names {', '.join(extra)}: Qwen3-Next takes adapters on its full-attention layers' "
+            f"q/k/v/o only here (not the experts, shared expert or DeltaNet projections); set lora.targets=[q,k,v,o]"
+        )
     for axis, why in (("pp", "its layer groups are scanned as one stack"),
                       ("cp", "the linear-attention recurrence runs over the whole sequence on one device")):  # fmt: skip
         if sizes.get(axis, 1) > 1:
