@@ -9,7 +9,7 @@ from conftest import compiled_gradients
 from jaxdist import checkpoint
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline, schedule_registry, schedules
+from jaxdist.parallel import pipeline, schedule_buffers, schedule_registry, schedules
 from jaxdist.training import step
 
 NAMES = (("1f1b", 1), ("1f1b_paired", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2))
@@ -27,17 +27,17 @@ def test_table_invariants(name, P, M, V):
     bubble at M >= P (at most a third of it where M >= 2P, P=4)."""
     t = schedule_registry.get(name).table(P, M, V)
     schedules.check(t)
-    flight = schedules.in_flight(t)
+    flight = schedule_buffers.in_flight(t)
     if name == "1f1b":
         assert t.slots == 2 * (M + P - 1)
         assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
         np.testing.assert_array_equal(flight, [min(P - s, M) for s in range(P)])
-        assert schedules.buffers(t).x_size <= P  # stage inputs kept, whatever M is
+        assert schedule_buffers.buffers(t).x_size <= P  # stage inputs kept, whatever M is
     if name == "1f1b_paired":  # one forward and one backward per slot
         assert t.slots == M + 2 * P - 2
         assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
         np.testing.assert_array_equal(flight, [min(2 * (P - s) - 1, M) for s in range(P)])
-        assert schedules.buffers(t).x_size <= max(2 * P - 3, 1)
+        assert schedule_buffers.buffers(t).x_size <= max(2 * P - 3, 1)
     if name == "interleaved_1f1b":
         assert t.bubble_fraction == pytest.approx((P - 1) / (V * M + P - 1))
         assert flight[0] == min((V - 1) * P + 2 * (P - 1) + 1, V * M)  # Megatron's warm-up + 1
@@ -98,7 +98,7 @@ def test_zb_h1_at_p4_m8():
     assert t.slots == 26 and (t.kind != schedules.IDLE).sum(axis=(0, 2)).tolist() == [24, 24, 24, 16]
     assert t.bubble_fraction == pytest.approx(2 / 26) and one.bubble_fraction == pytest.approx(6 / 22)
     assert t.bubble_fraction / one.bubble_fraction == pytest.approx(0.282, abs=1e-3)
-    bufs = schedules.buffers(t)
+    bufs = schedule_buffers.buffers(t)
     assert (bufs.x_size, bufs.g_size) == (5, 4)
     row0 = t.render().splitlines()[0].split()
     assert row0[1:8] == ["F0", "F1", "F2", "F3", "F4", ".", "B0"] and row0[-3:] == ["B7", "W7", "."]
@@ -140,7 +140,7 @@ def test_zb_v_at_p4_m8():
     assert t.slots == 51 and (t.kind != schedules.IDLE).sum(axis=(0, 2)).tolist() == [40, 48, 48, 48]
     assert t.bubble_fraction == pytest.approx(3 / 51)
     assert t.bubble_fraction / one.bubble_fraction == pytest.approx(0.216, abs=1e-3)
-    bufs = schedules.buffers(t)
+    bufs = schedule_buffers.buffers(t)
     assert (bufs.x_size, bufs.g_size) == (10, 6)
     assert (bufs.arrive[("x", "own")][:, 3] >= 0).sum() == 8  # the turn: stage 3's chunk 0 feeds its chunk 1
     assert (bufs.arrive[("x", "own")][:, :3] < 0).all() and (bufs.arrive[("x", "up")] >= 0).sum() == 3 * 8

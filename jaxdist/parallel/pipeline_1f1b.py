@@ -22,7 +22,7 @@ sums over the micro-batch's tokens, so they split over micro-batches), weighted 
 order, as the step's MoE statistics.
 
 Activations and gradients that arrive wait in small buffers whose slots the table assigns
-(`schedules.buffers`): at most P stage inputs per stage for 1F1B, whatever M is. Every slot sends one
+(`schedule_buffers.buffers`): at most P stage inputs per stage for 1F1B, whatever M is. Every slot sends one
 activation forward and one gradient backward (zeros when there is nothing to send).
 
 The result (summed loss, gradients of the sum) leaves through a `jax.custom_vjp` whose forward runs the
@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.data import loss_mask
-from jaxdist.parallel import schedules
+from jaxdist.parallel import schedule_buffers, schedules
 from jaxdist.parallel.loss import cross_entropy
 from jaxdist.parallel.microbatch import split_microbatches
 
@@ -78,10 +78,10 @@ def branch_table(table: schedules.Table) -> np.ndarray:
     return out.astype(np.int32)
 
 
-def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], schedules.Buffers]:
+def switch_constants(table: schedules.Table) -> tuple[dict, list[list[int]], schedule_buffers.Buffers]:
     """(the per-slot tables the scan reads, per lane the lax.switch branches it compiles, the buffers).
     Per lane, only the branches its table uses are compiled (two lanes: idle/forward, idle/backward)."""
-    bufs = schedules.buffers(table)
+    bufs = schedule_buffers.buffers(table)
     kinds = branch_table(table)
     used = [sorted(set(SWITCH[kinds[..., lane]].ravel().tolist()) | {0}) for lane in range(table.lanes)]
     remap = [np.searchsorted(u, SWITCH[kinds[..., lane]]).astype(np.int32) for lane, u in enumerate(used)]
@@ -169,7 +169,7 @@ class _Schedule:
     table: schedules.Table
     consts: dict
     used: list
-    bufs: schedules.Buffers
+    bufs: schedule_buffers.Buffers
     positions_T: Any
 
     def per_rank(self, stack, rest, tokens_MbT1, scale):

@@ -62,7 +62,7 @@ def activation_bytes(lay: Layout) -> float:
         tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
         saved = saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
         return saved + dequantised_bytes(lay) * m.num_layers
-    if lay.table is not None:  # the table's buffers (schedules.buffers), whatever M is
+    if lay.table is not None:  # the table's buffers (schedule_buffers.buffers), whatever M is
         stage_inputs = table_buffers(lay) * tokens * m.d_model * lay.act_bytes
     else:
         stage_inputs = (lay.pipe_iterations + carried_cotangents(lay)) * tokens * m.d_model * lay.act_bytes
@@ -100,7 +100,7 @@ def loss_side_bytes(lay: Layout) -> float:
 
 def table_buffers(lay: Layout) -> int:
     """A table schedule's (jaxdist.parallel.pipeline_1f1b) activation-sized buffers per stage: the
-    stage inputs kept until their backward and the gradients waiting for it (schedules.buffers: for
+    stage inputs kept until their backward and the gradients waiting for it (schedule_buffers.buffers: for
     1f1b at most P inputs, 2P-3 paired, whatever M is), plus the slot's received activation and
     gradient in the scan's carry."""
     _, bufs = lay.tabled

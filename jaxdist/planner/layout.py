@@ -21,7 +21,7 @@ from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.models import registry
 from jaxdist.objectives import refusals
-from jaxdist.parallel import schedule_registry, schedules
+from jaxdist.parallel import schedule_buffers, schedule_registry
 from jaxdist.planner.hardware import Hardware
 
 PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
@@ -31,7 +31,7 @@ PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 def schedule_table(schedule: str, stages: int, microbatches: int, repeats: int):
     """(Table, Buffers) of a table schedule, built once per shape (the candidates share them)."""
     table = schedule_registry.get(schedule).table(stages, microbatches, repeats)
-    return table, schedules.buffers(table)
+    return table, schedule_buffers.buffers(table)
 
 
 @dataclasses.dataclass(frozen=True)
