@@ -219,7 +219,8 @@ class Supervisor:
             if dead is not None:
                 self.cause = dead
                 print(regroup.lost_line(self.index, self.n, dead), file=sys.stderr, flush=True)
-                peer_wire.tell(self.peers, [dead], self.gen)
+                ours = {**peer_lines.death(self.me, at, "regrouping"), "cause": dead["index"]}
+                peer_wire.tell(self.peers, [dead, ours], self.gen)  # a frozen peer's supervisor hears it too
                 return PEER_DIED
         self.listener.mine = {**peer_lines.death(self.me, at, peer_lines.ending(rc)), "fatal": not verdict}
         if self.was_stopped:  # the peers' failures are ours: name this process, not the one that told us

@@ -1,0 +1,151 @@
+"""Recovery times of an elastic run (`--elastic`), per cause: seconds from a death to training again, split
+into its parts (docs/multi-host.md, "Elastic runs").
+
+    python scripts/cluster/elastic_times.py                        # every case once
+    python scripts/cluster/elastic_times.py --cases coordinator    # one case
+
+Two processes x 4 simulated CPU devices train the micro test model (fsdp=8, --elastic 1:2,
+--heartbeat-timeout 10, 40 steps, checkpoints every 5); once step 8 is logged one process is ended:
+`process` SIGKILLs process 1 (the pid its launcher started), `coordinator` process 0, `frozen` SIGSTOPs
+process 1's training process. The survivor must finish the 40 steps on 1 process x 4 devices. Each log
+line is time-stamped as it appears; printed per case: detect (the kill to the survivor's "regroups"
+line), regroup (to its "continuing on" line), start (to the new training process's topology line: Python,
+imports, its JAX set-up), restore and compile (the training process's own figures), seconds_lost (its
+metrics.jsonl record: the kill to the first step trained again), the steps trained again, and whether the
+losses equal an uninterrupted 1 x 8 run's (max relative difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "model.num_layers=1 model.d_model=32 model.num_heads=2 model.num_kv_heads=1 model.head_dim=16 model.mlp_dim=64 model.seq_len=16"
+STEPS, KILL_AT = 40, 8
+ARGS = [*MODEL.split(), "train.plot=false", "train.log_every=1", "train.eval_every=0", "optim.schedule=constant"]
+ARGS += ["optim.warmup_steps=2", "checkpoint.async_save=false", "checkpoint.every=5", "--steps", str(STEPS)]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+MARKS = {
+    "regroups": "regroups with the survivors",
+    "continuing": "continuing on ",
+    "up": re.compile(r"^process 0/1 on "),
+    "restored": re.compile(r"restored step \d+ from .* in ([\d.]+)s"),
+    "compiled": re.compile(r"compiled in ([\d.]+)s"),
+}
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and not r.get("summary")}
+
+
+def follow(proc: subprocess.Popen, seen: list[tuple[float, str]], log: Path) -> None:
+    with log.open("w") as f:
+        for line in proc.stdout:
+            seen.append((time.time(), line.rstrip()))
+            f.write(line)
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+
+
+def reference(tmp: Path) -> dict[int, float]:
+    run = tmp / "ref"
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "fsdp=8", "--run-dir", str(run), *ARGS]
+    subprocess.run(cmd, env={**ENV, "JAX_NUM_CPU_DEVICES": "8"}, cwd=ROOT, check=True, capture_output=True)
+    return losses(run)
+
+
+def case(tmp: Path, how: str, ref: dict[int, float]) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp / how / "run"
+    run.parent.mkdir(parents=True)
+    procs, seen = [], [[], []]
+    for i in (0, 1):
+        cmd = [sys.executable, "-m", "jaxdist.train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+        cmd += ["--process-id", str(i), "--elastic", "1:2", "--heartbeat-timeout", "10", "--mesh", "fsdp=8"]
+        cmd += ["--run-dir", str(run), *ARGS]
+        p = subprocess.Popen(
+            cmd,
+            env={**ENV, "JAX_NUM_CPU_DEVICES": "4"},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=follow, args=(p, seen[i], run.parent / f"p{i}.log"), daemon=True).start()
+        procs.append(p)
+    try:
+        while not (run / "metrics.jsonl").exists() or max(losses(run), default=0) < KILL_AT:
+            if any(p.poll() is not None for p in procs):
+                raise SystemExit(f"{how}: a process ended before the kill; see {run.parent}")
+            time.sleep(0.05)
+        victim, survivor = (0, 1) if how == "coordinator" else (1, 0)
+        target = children(procs[1].pid)[0] if how == "frozen" else procs[victim].pid
+        at = time.time()
+        os.kill(target, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
+        rc = procs[survivor].wait(timeout=600)
+        procs[victim].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    first = {}
+    for t, line in seen[survivor]:
+        for name, mark in MARKS.items():
+            hit = mark.search(line) if isinstance(mark, re.Pattern) else (mark in line and mark)
+            if hit and name not in first and t >= at:
+                first[name] = (t, hit.group(1) if isinstance(hit, re.Match) and hit.groups() else None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rec = next((r for r in rows if "elastic" in r), {})
+    got = losses(run)
+    cut = first["continuing"][0] if "continuing" in first else time.time()  # process 0's old steps: before it
+    old = [int(m.group(1)) for t, line in seen[0] if t < cut and (m := re.match(r"step (\d+)/", line))]
+    last_logged = max(old, default=0)
+
+    def since(name: str) -> float | None:
+        return round(first[name][0] - at, 2) if name in first else None
+
+    return {
+        "case": how,
+        "rc": rc,
+        "detect_s": since("regroups"),
+        "regroup_s": since("continuing"),
+        "started_s": since("up"),
+        "restore_s": float(first["restored"][1]) if "restored" in first else None,
+        "compile_s": float(first["compiled"][1]) if "compiled" in first else None,
+        "seconds_lost": rec.get("seconds_lost"),
+        "resumed_from": rec.get("step"),
+        "steps_trained_again": None if not rec else last_logged - rec["step"],
+        "steps_ok": sorted(got) == list(range(1, STEPS + 1)),
+        "max_rel_loss_diff": max(abs(got[s] - ref[s]) / abs(ref[s]) for s in got if s in ref),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*", default=["process", "coordinator", "frozen"])
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        ref = reference(tmp)
+        for how in args.cases:
+            print(json.dumps(case(tmp, how, ref)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
