@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import MICRO_ARGS, gone
 
-from jaxdist.cluster import elastic
+from jaxdist.cluster import elastic, peer_wire
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +39,38 @@ def test_span_is_checked():
     for bad in ("4:2", "0:2", "a:b", "2-4"):
         with pytest.raises(JaxdistError, match="--elastic"):
             elastic.parse_span(bad)
+
+
+def test_the_train_command_refuses_a_bad_span():
+    from jaxdist import train
+
+    with pytest.raises(JaxdistError, match="--elastic '3:1' needs 1 <= MIN <= MAX"):
+        train.parse_args(["--elastic", "3:1"])
+
+
+def test_a_listener_takes_a_new_membership_only_with_its_token_and_a_newer_generation():
+    lis = peer_wire.Listener(1)
+    phase = ["waiting"]
+    lis.phase = lambda: phase[0]
+    try:
+
+        def ask(msg):
+            return peer_wire.ask("127.0.0.1", lis.port, msg)
+
+        assert ask({"op": "status"}) == {"index": 1, "gone": None, "phase": "waiting"}
+        ask({"op": "regroup", "token": "wrong", "gen": 1, "n": 1, "id": 0})
+        ask({"op": "regroup", "token": lis.token, "gen": 0, "n": 1, "id": 0})  # not newer than ours
+        assert lis.regroup is None and not lis.news.is_set()
+        lis.gen = 1
+        news = [{"index": 0, "host": "h", "pid": 7, "how": "killed", "at": 2.0}]
+        ask({"op": "gone", "token": lis.token, "records": news, "gen": 0})  # a death in the old membership
+        assert lis.gone == {} and not lis.news.is_set()
+        assert ask({"op": "regroup", "token": lis.token, "gen": 2, "n": 2, "id": 1})["phase"] == "waiting"
+        assert lis.regroup["id"] == 1 and lis.regrouped.is_set() and lis.news.is_set()
+        lis.regroup, lis.mine = None, {"index": 1, "how": "killed by SIGKILL"}  # this process is the dead one
+        assert ask({"op": "regroup", "token": lis.token, "gen": 3})["phase"] == "leaving" and lis.regroup is None
+    finally:
+        lis.close(clean=True)
 
 
 def test_mesh_keeps_model_axes_and_the_global_batch():
