@@ -266,6 +266,7 @@ def test_fine_tuning_each_import_lowers_the_loss(name, tmp_path):
         "train.global_batch=8",
         "train.log_every=1",
         "checkpoint.every=0",
+        "train.plot=false",  # nothing here reads loss.png
         "optim.lr=1e-2",
         "optim.warmup_steps=0",
         "data.source=tokens",

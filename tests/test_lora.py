@@ -438,6 +438,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
         "lora.base_dtype=nf4",
         "lora.block_size=8",
         "train.trackers=[]",
+        "train.plot=false",  # nothing here reads loss.png
     ]
     cfg = mapping.apply(config.load(None, overrides), BASE)
     quiet = dict(log=lambda *a: None, restore=f"hf:{BASE}")
