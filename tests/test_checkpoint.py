@@ -257,11 +257,16 @@ def test_nonfinite_step_leaves_state_unchanged(small_program):
     assert int(m["skipped"]) == 0 and int(state.skipped) == 0 and np.isfinite(float(m["loss"]))
 
 
+# 8 steps on run A's LR schedule (40 steps): the same train-step program as run A's, loaded from the
+# compilation cache when the file runs whole instead of compiled again.
+POISONED = ["train.steps=8", "optim.schedule_steps=40"]
+
+
 def test_poisoned_batch_is_skipped_counted_and_training_continues(tmp_path, monkeypatch):
     from jaxdist import run
 
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "4")
-    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2"])
+    cfg = config.load(None, SMALL + POISONED + ["checkpoint.every=2"])
     run(cfg, tmp_path / "run", log=lambda *a: None)
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if "loss" in r}
@@ -277,7 +282,7 @@ def test_too_many_skips_stop_and_keep_the_last_good_checkpoint(tmp_path, monkeyp
     from jaxdist import run
 
     monkeypatch.setenv("JAXDIST_TEST_POISON_STEP", "5")
-    cfg = config.load(None, SMALL + ["train.steps=8", "checkpoint.every=2", "train.max_skipped_steps=1"])
+    cfg = config.load(None, SMALL + POISONED + ["checkpoint.every=2", "train.max_skipped_steps=1"])
     messages = []
     with pytest.raises(JaxdistError, match="1 consecutive steps had non-finite"):
         run(cfg, tmp_path / "run", log=messages.append)
