@@ -313,3 +313,20 @@ def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
     theirs = json.loads((PEFT_FIXTURE / "adapter_config.json").read_text())
     assert sorted(ours["target_modules"]) == theirs["target_modules"]
     assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])
+
+
+def test_mxfp4_dequantisation_is_transformers():
+    """jaxdist.hf.mxfp4.dequantize of packed expert tensors in the published layout (every FP4 code,
+    exponents 2^-9..2^9 and the range's ends) equals transformers' convert_moe_packed_tensors entry for
+    entry (scripts/fixtures/make_mxfp4_fixture.py): both are exact (an e2m1 value times a power of two),
+    so equality, not a tolerance; a swapped nibble order or a missing transpose fails."""
+    from jaxdist.hf import mxfp4
+
+    ref = np.load(FIXTURE.parent / "mxfp4" / "packed.npz")
+    for name in ("gate_up_proj", "down_proj"):
+        blocks, scales = ref[f"{name}_blocks"], ref[f"{name}_scales"]
+        np.testing.assert_array_equal(mxfp4.dequantize(blocks, scales), ref[name])
+        swapped = (blocks >> 4) | (blocks << 4)
+        assert not np.array_equal(mxfp4.dequantize(swapped, scales), ref[name])
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        mxfp4.dequantize(ref["down_proj_blocks"][..., :8], ref["down_proj_scales"])
