@@ -20,7 +20,7 @@ head again (a fourth matmul; working set: a few (tokens, vb) blocks).
 
 The input gradient in the forward (as fused linear cross-entropy kernels do): per token and vocab shard
 the scan keeps sum_v exp(z_v - m) · W[:, v], rescaled by exp(m_old - m_new) as the running max m moves
-(as the sum of exponentials is), and the target's row W[:, target] taken from its gathered chunk; after
+(as the sum of exponentials is), and the target's row W[:, target] taken from its gathered block; after
 the scan, softmax · W - W[:, target] is that sum times exp(m - lse), minus the row. The cotangent of each
 token's loss is a per-token scale, applied in the backward. The head's gradient cannot be built this
 way (it sums over tokens, each with its own rescaling factor), so it waits for the final log-sum-exp
@@ -207,10 +207,9 @@ def _chunks(w_DSnv, chunk: int):
     return constrain(w_DSnv.reshape(D, S, nb // chunk, chunk, vb), ("embed", "vocab", None, None, None))
 
 
-def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs, per_chunk=None):
+def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
     """scan `body(carry, (j, w_j, x_j))` over the head's blocks j, each block's gathered weight
-    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks).
-    `per_chunk(carry, c, w_c)`, if given, sees each gathered chunk (D, S, chunk, vb) once before its blocks."""
+    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks)."""
     nb = w_blocks.shape[2]
     w_chunks = _chunks(w_blocks, chunk)
     split = lambda a: None if a is None else a.reshape(nb // chunk, chunk, *a.shape[1:])
@@ -218,8 +217,6 @@ def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs, per_chunk=None):
     def outer(carry, c_x):
         c, x_c = c_x
         w_c = _gathered_chunk(_block(w_chunks, c), dtype)
-        if per_chunk is not None:
-            carry = per_chunk(carry, c, w_c)
         inner = lambda carry, i_x: body(carry, (c * chunk + i_x[0], _block(w_c, i_x[0]), i_x[1]))
         return jax.lax.scan(inner, carry, (jnp.arange(chunk), x_c))
 
@@ -235,7 +232,7 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = F
 
     The input gradient sum_v softmax_v · W[:, v] - W[:, target] is accumulated as the logits are: per
     token and shard, sum_v exp(z_v - m) · W[:, v] rescaled by exp(m_old - m_new) as the running max
-    moves (as the sum of exponentials is), and each token's target row taken from its gathered chunk;
+    moves (as the sum of exponentials is), and each token's target row taken from its gathered block;
     so the backward needs no gathered head (the head is gathered once per step)."""
     w_blocks = _blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
@@ -249,37 +246,47 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = F
         e = jnp.exp(z - m_new[:, :, None])
         s = s * scale + e.sum(axis=2)
         tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
+        rows = carry[4]
         if input_grad:
             acc = acc * scale[:, :, None] + _dot("nsv,dsv->nsd", e.astype(x_ND.dtype), w)
             acc = constrain(acc, ("batch", "vocab", None))
+            rows = rows + target_rows(j, w)
         # kept in the compute dtype: a bf16 matmul's logits are bf16 values, so nothing is lost (half the bytes)
-        return (m_new, s, tgt, acc, carry[4]), (z.astype(x_ND.dtype) if plan.keep_logits else None)
+        return (m_new, s, tgt, acc, rows), (_to_bits(z.astype(x_ND.dtype)) if plan.keep_logits else None)
 
-    def target_rows(carry, c, w_c):
-        """Add the target rows W[:, target] (N, S, D) of the tokens whose target lies in chunk c (a
-        local gather from its gathered copy, on the token's vocab shard)."""
-        k = w_c.shape[2]
+    def target_rows(j, w):
+        """The target rows W[:, target] (N, S, D) of the tokens whose target lies in block j, else 0 (a
+        local gather from the block's gathered copy, on the token's vocab shard)."""
         s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
-        rows = jnp.take(w_c.reshape(D, shards, k * vb), r % (k * vb), axis=2)  # (D, S, N)
+        rows = jnp.take(w, r % vb, axis=2)  # (D, S, N)
         rows = constrain(jnp.transpose(rows, (2, 1, 0)).astype(jnp.float32), ("batch", "vocab", None))
         s_iota = jax.lax.broadcasted_iota(jnp.int32, (N, shards), 1)
-        hit = ((r // (k * vb)) == c)[:, None] & (s_iota == s_y[:, None])
-        return (*carry[:4], carry[4] + jnp.where(hit[:, :, None], rows, 0.0))
+        hit = ((r // vb) == j)[:, None] & (s_iota == s_y[:, None])
+        return jnp.where(hit[:, :, None], rows, 0.0)
 
     stat = lambda v: constrain(jnp.full((N, shards), v, jnp.float32), ("batch", "vocab"))
     vec = lambda: constrain(
         jnp.zeros((N, shards, D) if input_grad else (), jnp.float32), ("batch", "vocab", None) if input_grad else ()
     )
     init = (stat(-jnp.inf), stat(0.0), stat(0.0), vec(), vec())
-    (m, s, tgt, acc, rows), zs = _scan_blocks(
-        w_blocks, x_ND.dtype, plan.chunk, body, init, None, target_rows if input_grad else None
-    )
+    (m, s, tgt, acc, rows), zs = _scan_blocks(w_blocks, x_ND.dtype, plan.chunk, body, init, None)
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
     dx = None
     if input_grad:  # softmax_v = exp(z_v - m_s) · exp(m_s - lse) on shard s: one tp all-reduce of (N, D)
         dx = ((acc * jnp.exp(m - lse[:, None])[:, :, None]) - rows).sum(axis=1)
     return lse - tgt.sum(axis=1), lse, zs, dx
+
+
+def _to_bits(z):
+    """16-bit logits kept as their bits (uint16): XLA:CPU runs a bf16 stack's slicing in float32 and
+    converts the whole kept stack to float32 around the loops (two float32 copies of it in temp); the
+    integer stack it slices as is. Any other dtype as is."""
+    return jax.lax.bitcast_convert_type(z, jnp.uint16) if jnp.dtype(z.dtype).itemsize == 2 else z
+
+
+def _from_bits(z, dtype):
+    return jax.lax.bitcast_convert_type(z, dtype) if z.dtype == jnp.uint16 else z
 
 
 def _blockwise(x_ND, w_DV, targets_N, shards, vb, rules, plan: Plan):
@@ -320,7 +327,7 @@ def _head_grad(res, g_N, shards, vb, w_shape, w_dtype):
 
     def body(dw_blocks, j_z):
         j, z = j_z
-        z = z.astype(jnp.float32)
+        z = _from_bits(z, x.dtype).astype(jnp.float32)
         p = jnp.exp(z - lse[:, None, None])
         dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         dw = matmul.weight_grad(

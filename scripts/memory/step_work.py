@@ -27,6 +27,7 @@ DEFAULT = [
 
 def measure(cfg, mesh_text: str, hlo_path: str | None = None) -> dict:
     import jax
+    import jax.numpy as jnp
 
     from jaxdist.analysis import measure as m
     from jaxdist.distributed import hlo, hlo_work
@@ -46,6 +47,12 @@ def measure(cfg, mesh_text: str, hlo_path: str | None = None) -> dict:
     model = flops.flops_per_token(cfg.model) * tokens
     mm = hlo_work.matmul_flops(text)
     colls = hlo.summarize(hlo.collectives(text))
+    # XLA:CPU runs a bf16 all-gather in float32 (converts around a float32 gather; a bitcast to uint16 or
+    # a uint32 pair is folded back into it): the weights gathered in the compute dtype (the layers'
+    # weight_gather and the head's head_gather scopes) would send half these bytes on a GPU.
+    size = jnp.dtype(cfg.model.compute_dtype).itemsize
+    weights = [c for c in hlo.per_step(hlo.collectives(text)) if c.kind == "all-gather" and _weight(c.line)]
+    cpu_f32 = sum(c.sent_bytes * c.count for c in weights if "= f32[" in c.line)
     mem = metrics.compiled_memory(compiled) or {}
     return {
         "layers": cfg.model.num_layers,
@@ -55,9 +62,17 @@ def measure(cfg, mesh_text: str, hlo_path: str | None = None) -> dict:
         "model_flops": model,
         "ratio": mm / model,
         "collectives": {k: {"count": int(v["count"]), "bytes": v["bytes"]} for k, v in colls.items()},
+        # the compute-dtype weights' gathers at their dtype's size (float32 on XLA:CPU): computed, not measured
+        "gather_bytes_gpu": colls.get("all-gather", {}).get("bytes", 0.0) - cpu_f32 * (1 - size / 4),
         "temp": mem.get("temp"),
         "arguments": mem.get("arguments"),
     }
+
+
+def _weight(line: str) -> bool:
+    from jaxdist.parallel import loss, matmul
+
+    return f"/{loss.HEAD_GATHER}/" in line or f"/{matmul.WEIGHT_GATHER}/" in line
 
 
 def row(r: dict) -> str:
@@ -67,6 +82,7 @@ def row(r: dict) -> str:
     rc, rb = sum(x["count"] for x in red), sum(x["bytes"] for x in red)
     return (
         f"| {r['layers']} | {r['matmul_flops']:.3e} ({r['ratio']:.2f}x) | {ag['count']}, {ag['bytes'] / 1e9:.2f} GB"
+        f" ({r['gather_bytes_gpu'] / 1e9:.2f} GB in the compute dtype)"
         f" | {rc}, {rb / 1e9:.2f} GB | {r['temp'] / 1e9:.2f} GB |"
     )
 
@@ -86,7 +102,9 @@ def main(argv=None) -> int:
 
     setup_platform(8)
     if not args.json:
-        print("| layers | matmul FLOPs (x model) | all-gathers | all-reduce + reduce-scatter | temp |")
+        print(
+            "| layers | matmul FLOPs (x model) | all-gathers (CPU bytes; weights at the compute dtype's size) | all-reduce + reduce-scatter | temp |"
+        )
         print("|---|---|---|---|---|")
     for n in args.layers:
         defaults = DEFAULT if args.config == "llama3-8b" else []
