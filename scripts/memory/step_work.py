@@ -65,8 +65,25 @@ def measure(cfg, mesh_text: str, hlo_path: str | None = None) -> dict:
         # the compute-dtype weights' gathers at their dtype's size (float32 on XLA:CPU): computed, not measured
         "gather_bytes_gpu": colls.get("all-gather", {}).get("bytes", 0.0) - cpu_f32 * (1 - size / 4),
         "temp": mem.get("temp"),
+        **planned(cfg, mesh_text, len(devices)),
         "arguments": mem.get("arguments"),
     }
+
+
+def planned(cfg, mesh_text: str, n: int) -> dict:
+    """The planner's all-gather launches and bytes for this step: on CPU (to compare with the compiled
+    program) and on an H100 (bf16 gathers: to compare with gather_bytes_gpu)."""
+    from jaxdist.distributed.mesh import parse_mesh
+    from jaxdist.planner import comms, hardware
+    from jaxdist.planner.layout import Layout
+    from jaxdist.planner.traffic import by_kind
+
+    out = {}
+    for name, key in (("cpu", "planner_gather_bytes"), ("h100-80gb", "planner_gather_bytes_gpu")):
+        traffic = comms.step_traffic(Layout(cfg, parse_mesh(mesh_text, n), hardware.get(name)))
+        out[key] = by_kind(traffic).get("all-gather", 0.0)
+        out["planner_gathers"] = sum(t.count for t in traffic if t.kind == "all-gather")
+    return out
 
 
 def _weight(line: str) -> bool:
@@ -82,7 +99,8 @@ def row(r: dict) -> str:
     rc, rb = sum(x["count"] for x in red), sum(x["bytes"] for x in red)
     return (
         f"| {r['layers']} | {r['matmul_flops']:.3e} ({r['ratio']:.2f}x) | {ag['count']}, {ag['bytes'] / 1e9:.2f} GB"
-        f" ({r['gather_bytes_gpu'] / 1e9:.2f} GB in the compute dtype)"
+        f" ({r['gather_bytes_gpu'] / 1e9:.2f} GB in the compute dtype; planner {r['planner_gathers']},"
+        f" {r['planner_gather_bytes'] / 1e9:.2f} / {r['planner_gather_bytes_gpu'] / 1e9:.2f} GB)"
         f" | {rc}, {rb / 1e9:.2f} GB | {r['temp'] / 1e9:.2f} GB |"
     )
 
