@@ -154,7 +154,7 @@ def write_config(tmp_path, **edit):
 @pytest.mark.parametrize(
     "edit, named",
     [
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4-quantised .*Mxfp4Config\\(dequantize=True\\)"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes-quantised .*Mxfp4Config"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}}, "attention_factor"),
         ({"attention_bias": False}, "attention_bias"),
@@ -194,18 +194,14 @@ PUBLISHED_20B = {  # https://huggingface.co/openai/gpt-oss-20b/raw/main/config.j
 }  # fmt: skip
 
 
-def test_published_20b_folder_is_refused_naming_the_dequantisation_and_maps_to_the_shipped_config(tmp_path):
-    """The real gpt-oss-20b config.json (MXFP4 experts): one line naming the fix; the same file without
-    quantization_config (what the dequantised save writes) maps onto configs/gpt-oss-20b.yaml's model."""
-    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_20B))
-    with pytest.raises(JaxdistError, match="mxfp4-quantised.*Mxfp4Config\\(dequantize=True\\)") as e:
-        mapping.model_fields(tmp_path)
-    assert "\n" not in str(e.value)
-    (tmp_path / "config.json").write_text(
-        json.dumps({k: v for k, v in PUBLISHED_20B.items() if k != "quantization_config"})
-    )
-    fields, shipped = mapping.model_fields(tmp_path), config.load("configs/gpt-oss-20b.yaml").model
-    assert {k: v for k, v in fields.items() if getattr(shipped, k) != v} == {}
+def test_published_20b_config_maps_to_the_shipped_config(tmp_path):
+    """The real gpt-oss-20b config.json (MXFP4 experts, de-quantised on import) and the same file without
+    quantization_config (what a de-quantised save writes) both map onto configs/gpt-oss-20b.yaml's model."""
+    shipped = config.load("configs/gpt-oss-20b.yaml").model
+    for raw in (PUBLISHED_20B, {k: v for k, v in PUBLISHED_20B.items() if k != "quantization_config"}):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        fields = mapping.model_fields(tmp_path)
+        assert {k: v for k, v in fields.items() if getattr(shipped, k) != v} == {}
 
 
 def test_gpt_oss_20b_config_has_the_published_count():
@@ -330,3 +326,41 @@ def test_mxfp4_dequantisation_is_transformers():
         assert not np.array_equal(mxfp4.dequantize(swapped, scales), ref[name])
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         mxfp4.dequantize(ref["down_proj_blocks"][..., :8], ref["down_proj_scales"])
+
+
+def test_mxfp4_checkpoint_imports_as_its_dequantised_twin(tmp_path, sharded):
+    """A tiny MXFP4 checkpoint (the fixture with each layer's experts.gate_up_proj stored as random
+    `_blocks` / `_scales`, quantization_config mxfp4) imports on fsdp=2,ep=2,tp=2 to exactly the parameters
+    of its bfloat16 twin (the same tensors de-quantised by hf/mxfp4.py, which equals transformers'): so
+    the same logits (one program, the same inputs: 0 difference). down_proj stays dense here (its
+    contraction dim F=16 is under one 32-wide block); its transpose is checked by the fixture test."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxdist.hf import mxfp4
+
+    mesh = sharded[1]
+    raw, conf = load_file(str(FIXTURE / "model.safetensors")), json.loads((FIXTURE / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    packed, dense = dict(raw), dict(raw)
+    for i in range(conf["num_hidden_layers"]):
+        name = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        E, D, G2 = raw[name].shape
+        blocks = rng.integers(0, 256, (E, G2, D // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 126, (E, G2, D // 32), dtype=np.uint8)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        dense[name] = mxfp4.dequantize(blocks, scales).astype(raw[name].dtype)
+        assert dense[name].shape == raw[name].shape
+    out = {}
+    for kind, tensors_, extra in (("mxfp4", packed, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                  ("dense", dense, {})):  # fmt: skip
+        d = tmp_path / kind
+        d.mkdir()
+        save_file(tensors_, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**conf, **extra}))
+        out[kind] = flat(tensors.import_params(d, mapping.hf_config(None, [], d, SHARDED), mesh)[0])
+    assert sorted(out["mxfp4"]) == sorted(out["dense"])
+    for k, v in out["dense"].items():
+        np.testing.assert_array_equal(out["mxfp4"][k], v, err_msg=k)
+    moved = [k for k in out["dense"] if "w_gate_up" in k]
+    assert moved and not np.array_equal(out["dense"][moved[0]], flat(sharded[2])[moved[0]])  # not the fixture's

@@ -25,7 +25,7 @@ from jaxdist.checkpoint import Restored
 from jaxdist.config import ModelConfig
 from jaxdist.distributed import sharding
 from jaxdist.errors import JaxdistError
-from jaxdist.hf import mapping
+from jaxdist.hf import mapping, mxfp4
 from jaxdist.models.resolve import resolve
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -86,6 +86,39 @@ class Weights:
                 "pass a Hugging Face model directory with safetensors weights"
             )
 
+        # MXFP4 (gpt-oss's published experts): `X_blocks` + `X_scales` stand for `X`, de-quantised on read.
+        self.mxfp4: dict[str, tuple[str, str]] = {}
+        for key in [k for k in self.map if k.endswith("_blocks")]:
+            name = key[: -len("_blocks")]
+            if name + "_scales" in self.map and name not in self.map:
+                self.mxfp4[name] = (key, name + "_scales")
+        for name, (blocks, scales) in self.mxfp4.items():
+            self.map[name] = self.map.pop(blocks)
+            self.map.pop(scales)
+
+    def _mxfp4_checked(self, name: str, shape: tuple[int, ...]) -> bool:
+        """True for an MXFP4 tensor whose de-quantised shape is `shape`; a one-line error for another shape."""
+        if name not in self.mxfp4:
+            return False
+        if self.mxfp4_shape(name) != shape:
+            raise JaxdistError(
+                f"{name} (MXFP4 blocks) de-quantises to {self.mxfp4_shape(name)} but config.json implies {shape}; "
+                "is config.json from the same model?"
+            )
+        return True
+
+    def mxfp4_shape(self, name: str) -> tuple[int, ...]:
+        with self.open(self.map[name]) as f:
+            E, R, G, _ = f.get_slice(self.mxfp4[name][0]).get_shape()
+        return (E, G * 32, R)
+
+    def mxfp4_read(self, name: str, idx: tuple) -> np.ndarray:
+        """Entries `idx` of the de-quantised (E, G*32, R) tensor: the experts idx[0] de-quantised, then sliced."""
+        blocks_name, scales_name = self.mxfp4[name]
+        with self.open(self.map[name]) as f:
+            blocks, scales = f.get_slice(blocks_name)[idx[0]], f.get_slice(scales_name)[idx[0]]
+        return mxfp4.dequantize(blocks, scales)[(slice(None), *idx[1:])]
+
     def open(self, file: str):
         try:
             return safe_open(str(self.dir / file), framework="np")
@@ -121,6 +154,8 @@ class Weights:
             with self.open(file) as f:
                 present = set(f.keys())
                 for name in wanted:
+                    if self._mxfp4_checked(name, expected[name]):
+                        continue
                     if name not in present:
                         raise JaxdistError(
                             f"shard {self.dir / file} lacks tensor {name} that the index names "
@@ -210,6 +245,9 @@ def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: 
                 for i in group:
                     for e in experts:
                         name = file_names[i * per + e]
+                        if name in weights.mxfp4 and t.n_in == 0:
+                            out.append(weights.mxfp4_read(name, per_layer))
+                            continue
                         with weights.open(weights.map[name]) as f:
                             sl = f.get_slice(name)
                             out.append(np.asarray(read_block(sl, per_layer, shape, t.n_in), np.float32))

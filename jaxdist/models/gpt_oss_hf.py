@@ -4,9 +4,10 @@ table (q/k/v/o with biases, per-head sinks, router with bias, the experts' fused
 tensors with biases, stored as transformers stores them), the refusals of a whole config and the
 attention term of FLOPs per token.
 
-Refused in one line each: MXFP4-quantised experts (`quantization_config`, the published checkpoints:
-dequantise with transformers first), a `layer_types` other than alternating sliding/full, YaRN with
-an explicit attention_factor / mscale, pp and cp meshes, LoRA.
+MXFP4 experts (`quantization_config` mxfp4, the published checkpoints) are de-quantised on import
+(hf/mxfp4.py). Refused in one line each: another quantisation method, a `layer_types` other than
+alternating sliding/full, YaRN with an explicit attention_factor / mscale, pp and cp meshes, LoRA on
+anything but q/k/v/o.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _read(get, where) -> dict:
     if get("quantization_config") is not None:
         q = get("quantization_config")
         method = q.get("quant_method") if isinstance(q, dict) else q
-        raise JaxdistError(f"{where}: the experts are {method}-quantised (quantization_config); {DEQUANTISE}")
+        if method != "mxfp4":  # MXFP4's *_blocks / *_scales are de-quantised on import (hf/tensors.py)
+            raise JaxdistError(f"{where}: the experts are {method}-quantised (quantization_config); {DEQUANTISE}")
     window, layers = get("sliding_window"), int(get("num_hidden_layers"))
     if not isinstance(window, int) or window < 1:
         raise JaxdistError(f"{where}: sliding_window={window!r} must be a positive integer")
