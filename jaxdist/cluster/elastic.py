@@ -66,9 +66,9 @@ def parse_shape(text: str) -> dict[str, int]:
 
 def fit(old: dict[str, int], devices: int, micro_batch: int) -> str | None:
     """The mesh for `devices` devices re-planned from `old` (see the module's docstring), None if none fits."""
-    kept = {a: old.get(a, 1) for a in MODEL_AXES}
+    kept: dict[str, int] = {a: old.get(a, 1) for a in MODEL_AXES}
     if devices % math.prod(kept.values()):
-        kept = dict.fromkeys(MODEL_AXES, 1)  # the model axes no longer divide: all data parallel
+        kept = {a: 1 for a in MODEL_AXES}  # the model axes no longer divide: all data parallel
     rest = devices // math.prod(kept.values())
     ep = old.get("ep", 1) if rest % old.get("ep", 1) == 0 else 1
     batch_axis = "fsdp" if old.get("fsdp", 1) > 1 else "dp"

@@ -43,7 +43,7 @@ def ask(addr: str, port: int, msg: dict, timeout: float | None = None) -> dict |
         return None
 
 
-def each(peers: list[dict], fn) -> list:
+def each(peers: list, fn) -> list:
     if not peers:
         return []
     with ThreadPoolExecutor(min(32, len(peers))) as pool:

@@ -122,9 +122,10 @@ class Supervisor:
                 if self.cause is None:
                     break
                 self.phase = "waiting"
-                argv, code = regroup.regroup(self, argv)
-                if not argv:
+                again, code = regroup.regroup(self, argv)
+                if not again:
                     break
+                argv = again
             self.phase = "leaving"
             if self.recorder is not None:
                 self.recorder.join(timeout=2)
