@@ -4,6 +4,7 @@ markdown table with each FP8 run's relative gap to bf16 at the same seed, beside
 
     python scripts/studies/fp8_study.py                     # 3 modes x 2 seeds, ~15 min on 2 idle cores
     python scripts/studies/fp8_study.py --steps 120 --out /tmp/fp8s
+    python scripts/studies/fp8_study.py --moe --modes off,rowwise --out /tmp/fp8moe   # the same with experts
 
 The runs are ordinary `python -m jaxdist.train` runs (each its own --run-dir under --out); nothing here
 is timed. The numbers say how much FP8's rounding moves a small model's loss, not its speed (XLA:CPU
@@ -21,6 +22,8 @@ from pathlib import Path
 
 MODEL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2"]
 MODEL += ["model.head_dim=32", "model.mlp_dim=512", "model.seq_len=128", "model.compute_dtype=bfloat16"]
+# --moe: every layer's MLP replaced by 4 routed experts of 256 (top-2, dropless) and one shared expert
+MOE = ["model.moe_experts=4", "model.moe_topk=2", "model.moe_mlp_dim=256", "model.moe_shared_experts=1"]
 
 
 def final_eval(run: Path) -> float:
@@ -37,6 +40,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--modes", default="off,tensorwise,rowwise")
     ap.add_argument("--out", default="runs/fp8_study")
+    ap.add_argument("--moe", action="store_true", help="the model with experts (MOE) instead of dense MLPs")
     args = ap.parse_args()
     out = Path(args.out)
     env = {**os.environ, "TQDM_DISABLE": "1"}
@@ -44,7 +48,8 @@ def main() -> int:
     for seed in map(int, args.seeds.split(",")):
         for mode in args.modes.split(","):
             run = out / f"{mode}-seed{seed}"
-            argv = [sys.executable, "-m", "jaxdist.train", "--run-dir", str(run), *MODEL, f"model.fp8={mode}"]
+            model = MODEL + (MOE if args.moe else [])
+            argv = [sys.executable, "-m", "jaxdist.train", "--run-dir", str(run), *model, f"model.fp8={mode}"]
             argv += [f"train.seed={seed}", f"train.steps={args.steps}", f"train.eval_every={args.steps}"]
             argv += ["checkpoint.every=0", "train.trackers=[]"]
             if not (run / "metrics.jsonl").is_file() or "eval_loss" not in (run / "metrics.jsonl").read_text():
