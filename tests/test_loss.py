@@ -20,7 +20,7 @@ import pytest
 from jaxdist.distributed import hlo
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import loss, pipeline
+from jaxdist.parallel import loss, loss_blocks, pipeline
 from jaxdist.training import step
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
@@ -72,7 +72,7 @@ def test_blockwise_matches_optax_on_arrays(chunk, keep, shards):
     x, w = rng.normal(size=(2, 6, 8)).astype(np.float32), rng.normal(size=(8, 64)).astype(np.float32)
     t = np.array([[0, 15, 16, 31, 32, 63], [47, 1, 17, 33, 5, 48]], np.int32)
     g = rng.uniform(0.5, 2, size=t.shape).astype(np.float32)
-    plan = loss.Plan(chunk, keep)
+    plan = loss_blocks.Plan(chunk, keep)
 
     def ours(x, w):
         return loss._blockwise(x.reshape(12, 8), w, t.reshape(12), shards, 16 // shards, None, plan).reshape(2, 6)
@@ -115,12 +115,12 @@ def test_loss_curve_matches_naive(cfg, batches, naive):
 
 
 def test_block_rows_and_errors():
-    assert loss.block_rows(128256, 1, 2048, 4096) == 128256 // 64  # 2004 rows x 4096 x 4 B < 32 MiB
-    assert loss.block_rows(128256, 2, 8192, 4096) == 1002  # tokens bound it: 1002 x 8192 x 4 B < 32 MiB
-    assert loss.block_rows(256, 2, 128, 64) == 128  # small: one block per device
-    assert loss.block_rows(256, 2, 128, 64, block=32) == 32
+    assert loss_blocks.block_rows(128256, 1, 2048, 4096) == 128256 // 64  # 2004 rows x 4096 x 4 B < 32 MiB
+    assert loss_blocks.block_rows(128256, 2, 8192, 4096) == 1002  # tokens bound it: 1002 x 8192 x 4 B < 32 MiB
+    assert loss_blocks.block_rows(256, 2, 128, 64) == 128  # small: one block per device
+    assert loss_blocks.block_rows(256, 2, 128, 64, block=32) == 32
     with pytest.raises(JaxdistError, match="model.loss_block=48 must divide"):
-        loss.block_rows(256, 2, 128, 64, block=48)
+        loss_blocks.block_rows(256, 2, 128, 64, block=48)
     from jaxdist import config
 
     with pytest.raises(JaxdistError, match="loss_impl"):

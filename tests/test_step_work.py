@@ -11,7 +11,7 @@ import pytest
 from jaxdist.analysis import measure
 from jaxdist.distributed import hlo, hlo_work
 from jaxdist.distributed import mesh as mesh_mod
-from jaxdist.parallel import loss, matmul
+from jaxdist.parallel import loss_blocks, matmul
 
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 STEP = dict(compute_dtype="bfloat16", remat="full", loss_block=64)  # 4 blocks of the 256-row vocab
@@ -81,7 +81,7 @@ def gathers(text: str) -> dict[str, int]:
     for c in hlo.per_step(hlo.collectives(text)):
         if c.kind != "all-gather":
             continue
-        what = next((s for s in (loss.HEAD_GATHER, matmul.WEIGHT_GATHER) if f"/{s}/" in c.line), "other")
+        what = next((s for s in (loss_blocks.HEAD_GATHER, matmul.WEIGHT_GATHER) if f"/{s}/" in c.line), "other")
         when = "backward" if re.search(r'op_name="[^"]*transpose\(', c.line) else "forward"
         out[f"{what} {when}"] = out.get(f"{what} {when}", 0) + c.count
     return out
@@ -95,10 +95,10 @@ def test_one_gather_per_weight_per_pass(small_cfg, programs):
     gathers it again); the norm scales are replicated (mesh rule `norm`), so nothing gathers them."""
     L = small_cfg.model.num_layers
     got = gathers(programs["keep"])
-    assert got.pop(f"{loss.HEAD_GATHER} forward") == 1
-    assert f"{loss.HEAD_GATHER} backward" not in got
+    assert got.pop(f"{loss_blocks.HEAD_GATHER} forward") == 1
+    assert f"{loss_blocks.HEAD_GATHER} backward" not in got
     recompute = gathers(programs["recompute"])
-    assert recompute[f"{loss.HEAD_GATHER} forward"] == recompute[f"{loss.HEAD_GATHER} backward"] == 1
+    assert recompute[f"{loss_blocks.HEAD_GATHER} forward"] == recompute[f"{loss_blocks.HEAD_GATHER} backward"] == 1
     assert got.pop(f"{matmul.WEIGHT_GATHER} forward") == got.pop(f"{matmul.WEIGHT_GATHER} backward") == 7 * L
     # what is left: the token ids' gather (the embedding lookup), once
     assert got == {"other forward": 1}

@@ -31,19 +31,28 @@ head's unreduced gradient (D x V float32 per device, 2.1 GB for Llama 3 8B).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.distributed.sharding import Rules, constrain, current_rules, use_rules
-from jaxdist.errors import JaxdistError
+from jaxdist.distributed.sharding import constrain, current_rules, use_rules
 from jaxdist.parallel import context, matmul
+from jaxdist.parallel.loss_blocks import (
+    Plan,
+    batch_shards,
+    block_logits,
+    block_rows,
+    dot,
+    head_blocks,
+    plan_for,
+    scan_blocks,
+    target_mask,
+    token_rules,
+    vocab_shards,
+)
 
 IMPLS = ("blockwise", "naive")
-HEAD_GATHER = "head_gather"  # the jax scope of the head's all-gathers (tests count them in the HLO)
-BLOCK_BYTES = 32 * 2**20  # auto block: one block's float32 logits, weight, gradient per device under this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,136 +103,6 @@ def cross_entropy(head: Head, targets_BT) -> jax.Array:
     return losses.reshape(B, T)
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How the blockwise loss spends memory to save work. The head is all-gathered `chunk` blocks at a
-    time (one collective per chunk and pass, each block then sliced locally from it); `keep_logits`
-    keeps each block's float32 logits from the forward for the backward, which then does no second
-    matmul over the vocabulary (the forward's logits, the input and the weight gradients: 3 passes,
-    not 4)."""
-
-    chunk: int
-    keep_logits: bool
-
-
-def plan_for(tokens: int, vb: int, nb: int, d_model: int, dtype, gather_mib: int, keep_mib: int) -> Plan:
-    """Per device: the most blocks (a divisor of nb, at least 1) whose gathered head (d_model x blocks·vb
-    in `dtype`) takes at most `gather_mib` MiB; keep the logits when all of them (tokens x nb·vb in
-    `dtype`, the compute dtype they are kept in) take at most `keep_mib` MiB."""
-    size = jnp.dtype(dtype).itemsize
-    chunk = max(
-        k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * vb * d_model * size <= gather_mib * 2**20)
-    )
-    return Plan(chunk, 0 < tokens * nb * vb * size <= keep_mib * 2**20)
-
-
-def token_rules(rules: Rules | None) -> Rules | None:
-    """Rules for the flattened (B·T) token dim, named "batch" here: when cp splits the sequence, the
-    flattened dim is split over the batch axes and then cp (row-major), so each device keeps its own
-    tokens — not an all-gather of the sequence."""
-    if rules is None or not context.splits_sequence():
-        return rules
-    return {**rules, "batch": tuple(rules["batch"]) + tuple(rules["seq"])}
-
-
-def _mesh_size(rules, name: str) -> int:
-    """Devices the logical axis `name` is split over here (manual axes of an enclosing shard_map excluded)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if rules is None or mesh.empty:
-        return 1
-    return math.prod(mesh.shape[a] for a in rules[name] if a not in mesh.manual_axes)
-
-
-def vocab_shards(rules) -> int:
-    return _mesh_size(rules, "vocab")
-
-
-def batch_shards(rules) -> int:
-    return _mesh_size(rules, "batch")
-
-
-def block_rows(vocab: int, shards: int, tokens: int, d_model: int, block: int = 0) -> int:
-    """Vocab rows per block on each device: `block` if given (it must divide V / shards), else the
-    largest divisor of V / shards whose float32 block of logits (tokens x rows) and of gathered weight
-    or its unreduced gradient (d_model x rows) each stay under BLOCK_BYTES."""
-    local = vocab // shards
-    if block:
-        if local % block:
-            raise JaxdistError(
-                f"model.loss_block={block} must divide the vocab rows per device, "
-                f"model.vocab_size={vocab} / {shards} vocab shards = {local}; "
-                f"use a divisor of {local} or 0 (automatic)"
-            )
-        return block
-    limit = max(1, BLOCK_BYTES // (4 * max(tokens, d_model, 1)))
-    return max(d for d in range(1, min(local, limit) + 1) if local % d == 0)
-
-
-def _blocks(w_DV, shards: int, vb: int):
-    """(D, V) -> (D, S, nb, vb), a reshape (no copy): [:, s, j] holds rows s·V/S + j·vb + k, so block j
-    is vb rows of every shard s."""
-    D, V = w_DV.shape
-    return constrain(w_DV.reshape(D, shards, V // (shards * vb), vb), ("embed", "vocab", None, None))
-
-
-def _block(w_DSnv, j):
-    """Block j (D, S, vb), sliced on the unsharded block axis (local on every device)."""
-    return jax.lax.dynamic_index_in_dim(w_DSnv, j, axis=2, keepdims=False)
-
-
-def _dot(spec: str, a, b):
-    """einsum in the operands' dtype, then float32 (as the naive head: bf16 matmuls give bf16; XLA:CPU
-    cannot run a stand-alone bf16 x bf16 -> f32 dot)."""
-    return jnp.einsum(spec, a, b).astype(jnp.float32)
-
-
-def _gathered_chunk(w_DSkv, dtype):
-    """A chunk of blocks (D, S, k, vb) in the compute dtype, cast on its shard and then all-gathered
-    over fsdp in one collective, for every matmul of its blocks."""
-    with jax.named_scope(HEAD_GATHER):
-        w = constrain(w_DSkv.astype(dtype), ("embed", "vocab", None, None))
-        return constrain(w, (None, "vocab", None, None))
-
-
-def _block_logits(x_ND, w_DSv):
-    """One block's float32 logits (N, S, vb) from its gathered weight."""
-    out = _dot("nd,dsv->nsv", x_ND, w_DSv)
-    return constrain(out, ("batch", "vocab", None))
-
-
-def _target_mask(targets_N, j, shape, nb: int):
-    """Where block j's logits (N, S, vb) hold each token's target (all False for a target elsewhere)."""
-    vb = shape[2]
-    s_y, r = targets_N // (nb * vb), targets_N % (nb * vb)
-    hit_N = r // vb == j
-    s_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    v_iota = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
-    return hit_N[:, None, None] & (s_iota == s_y[:, None, None]) & (v_iota == (r % vb)[:, None, None])
-
-
-def _chunks(w_DSnv, chunk: int):
-    """(D, S, nb, vb) -> (D, S, nc, chunk, vb): chunk c holds blocks c·chunk .. c·chunk + chunk - 1."""
-    D, S, nb, vb = w_DSnv.shape
-    return constrain(w_DSnv.reshape(D, S, nb // chunk, chunk, vb), ("embed", "vocab", None, None, None))
-
-
-def _scan_blocks(w_blocks, dtype, chunk: int, body, carry, xs):
-    """scan `body(carry, (j, w_j, x_j))` over the head's blocks j, each block's gathered weight
-    w_j (D, S, vb) sliced from its chunk's copy, which is all-gathered once (an outer scan over chunks)."""
-    nb = w_blocks.shape[2]
-    w_chunks = _chunks(w_blocks, chunk)
-    split = lambda a: None if a is None else a.reshape(nb // chunk, chunk, *a.shape[1:])
-
-    def outer(carry, c_x):
-        c, x_c = c_x
-        w_c = _gathered_chunk(_block(w_chunks, c), dtype)
-        inner = lambda carry, i_x: body(carry, (c * chunk + i_x[0], _block(w_c, i_x[0]), i_x[1]))
-        return jax.lax.scan(inner, carry, (jnp.arange(chunk), x_c))
-
-    carry, ys = jax.lax.scan(outer, carry, (jnp.arange(nb // chunk), split(xs)))
-    return carry, None if ys is None else ys.reshape(nb, *ys.shape[2:])
-
-
 def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = False):
     """Losses (N,), log-sum-exps (N,), the blocks' logits (nb, N, S, vb) in the compute dtype if
     `plan.keep_logits` (else None) and, if `input_grad`, each loss's gradient with respect to its
@@ -234,21 +113,21 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = F
     token and shard, sum_v exp(z_v - m) · W[:, v] rescaled by exp(m_old - m_new) as the running max
     moves (as the sum of exponentials is), and each token's target row taken from its gathered block;
     so the backward needs no gathered head (the head is gathered once per step)."""
-    w_blocks = _blocks(w_DV, shards, vb)
+    w_blocks = head_blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
     N, D = x_ND.shape
 
     def body(carry, j_w):
         (m, s, tgt, acc, _), (j, w, _) = carry, j_w
-        z = _block_logits(x_ND, w)
+        z = block_logits(x_ND, w)
         m_new = jnp.maximum(m, z.max(axis=2))
         scale = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new[:, :, None])
         s = s * scale + e.sum(axis=2)
-        tgt = tgt + jnp.where(_target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
+        tgt = tgt + jnp.where(target_mask(targets_N, j, z.shape, nb), z, 0.0).sum(axis=2)
         rows = carry[4]
         if input_grad:
-            acc = acc * scale[:, :, None] + _dot("nsv,dsv->nsd", e.astype(x_ND.dtype), w)
+            acc = acc * scale[:, :, None] + dot("nsv,dsv->nsd", e.astype(x_ND.dtype), w)
             acc = constrain(acc, ("batch", "vocab", None))
             rows = rows + target_rows(j, w)
         # kept in the compute dtype: a bf16 matmul's logits are bf16 values, so nothing is lost (half the bytes)
@@ -269,7 +148,7 @@ def _forward(x_ND, w_DV, targets_N, shards, vb, plan: Plan, input_grad: bool = F
         jnp.zeros((N, shards, D) if input_grad else (), jnp.float32), ("batch", "vocab", None) if input_grad else ()
     )
     init = (stat(-jnp.inf), stat(0.0), stat(0.0), vec(), vec())
-    (m, s, tgt, acc, rows), zs = _scan_blocks(w_blocks, x_ND.dtype, plan.chunk, body, init, None)
+    (m, s, tgt, acc, rows), zs = scan_blocks(w_blocks, x_ND.dtype, plan.chunk, body, init, None)
     top = m.max(axis=1)
     lse = top + jnp.log((s * jnp.exp(m - top[:, None])).sum(axis=1))
     dx = None
@@ -322,14 +201,14 @@ def _head_grad(res, g_N, shards, vb, w_shape, w_dtype):
     softmax gradient from its kept logits and the saved log-sum-exps gives that block's head gradient;
     the input gradient is the forward's scaled by each token's cotangent. No head, no gather."""
     x, _, t, lse, zs, dx_ND = res
-    dw_blocks = _blocks(jnp.zeros(w_shape, w_dtype), shards, vb)
+    dw_blocks = head_blocks(jnp.zeros(w_shape, w_dtype), shards, vb)
     nb = dw_blocks.shape[2]
 
     def body(dw_blocks, j_z):
         j, z = j_z
         z = _from_bits(z, x.dtype).astype(jnp.float32)
         p = jnp.exp(z - lse[:, None, None])
-        dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
+        dz = ((p - target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         dw = matmul.weight_grad(
             x,
             dz.reshape(dz.shape[0], -1),
@@ -347,16 +226,16 @@ def _backward(res, g_N, shards, vb, chunk: int):
     """Each block's softmax gradient from its logits (kept by the forward, else recomputed) and the
     saved log-sum-exps: gradients of x and of the weight."""
     x, w_DV, t, lse, zs = res
-    w_blocks = _blocks(w_DV, shards, vb)
+    w_blocks = head_blocks(w_DV, shards, vb)
     nb = w_blocks.shape[2]
 
     def body(carry, j_w_z):
         (dx, dw_blocks), (j, w, z) = carry, j_w_z
-        z = _block_logits(x, w) if z is None else z.astype(jnp.float32)
+        z = block_logits(x, w) if z is None else z.astype(jnp.float32)
         p = jnp.exp(z - lse[:, None, None])
-        dz = ((p - _target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
+        dz = ((p - target_mask(t, j, z.shape, nb)) * g_N[:, None, None]).astype(x.dtype)
         # Per vocab shard (N, S, D), summed once after the scan: one tp all-reduce, not one per block.
-        dx = dx + _dot("nsv,dsv->nsd", dz, w)
+        dx = dx + dot("nsv,dsv->nsd", dz, w)
         # The weight gradient leaves its matmul in float32 (or bf16 under reduce.dtype=bfloat16), the
         # dtype its reduction over the batch runs in.
         dw = matmul.weight_grad(
@@ -367,5 +246,5 @@ def _backward(res, g_N, shards, vb, chunk: int):
         return (dx, dw_blocks), None
 
     dx0 = constrain(jnp.zeros((x.shape[0], shards, x.shape[1]), jnp.float32), ("batch", "vocab", None))
-    (dx, dw_blocks), _ = _scan_blocks(w_blocks, x.dtype, chunk, body, (dx0, jnp.zeros_like(w_blocks)), zs)
+    (dx, dw_blocks), _ = scan_blocks(w_blocks, x.dtype, chunk, body, (dx0, jnp.zeros_like(w_blocks)), zs)
     return dx.sum(axis=1).astype(x.dtype), dw_blocks.reshape(w_DV.shape), None

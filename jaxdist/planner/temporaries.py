@@ -12,7 +12,7 @@ first copies the old moments (the non-finite guard's select still reads them), a
 
 from __future__ import annotations
 
-from jaxdist.parallel.loss import block_rows, plan_for
+from jaxdist.parallel.loss_blocks import block_rows, plan_for
 from jaxdist.planner import lora, residuals
 from jaxdist.planner.activations import dropless_tier_bytes, flattened_group, saved_per_token_layer
 from jaxdist.planner.layout import PARAM_BYTES, Layout
@@ -74,7 +74,7 @@ def loss_bytes(lay: Layout) -> float:
     naive: float32 logits, their exponential and the softmax gradient over the vocab shard
     (3 x tokens x V/tp) and the gathered head weight; blockwise (jaxdist.parallel.loss): a block of logits (the
     probabilities and their gradient are fused into its consumers), or all of them where the forward
-    keeps them for the backward (loss.Plan), the gathered chunk of blocks twice (the forward's gather
+    keeps them for the backward (loss_blocks.Plan), the gathered chunk of blocks twice (the forward's gather
     is still live when the backward gathers it again; with the logits kept the backward gathers nothing,
     yet the compiled temp stayed within 0.01% at V=8192 on fsdp=8 and fsdp=4,tp=2, so the term stays:
     what holds those bytes at the peak instead was not traced) and the input-gradient sum. The head weight's gradients are not live yet: the peak comes before them."""
@@ -98,7 +98,7 @@ def loss_bytes(lay: Layout) -> float:
 
 
 def loss_plan(lay: Layout, tokens: int, rows: int):
-    """The blockwise loss's jaxdist.parallel.loss.Plan for these per-device tokens and vocab rows per block."""
+    """The blockwise loss's jaxdist.parallel.loss_blocks.Plan for these per-device tokens and vocab rows per block."""
     m = lay.cfg.model
     nb = m.vocab_size // (lay.mesh["tp"] * rows)
     return plan_for(tokens, rows, nb, m.d_model, lay.compute_dtype, m.loss_gather_mib, m.loss_keep_mib)

@@ -87,9 +87,9 @@ def planned(cfg, mesh_text: str, n: int) -> dict:
 
 
 def _weight(line: str) -> bool:
-    from jaxdist.parallel import loss, matmul
+    from jaxdist.parallel import loss_blocks, matmul
 
-    return f"/{loss.HEAD_GATHER}/" in line or f"/{matmul.WEIGHT_GATHER}/" in line
+    return f"/{loss_blocks.HEAD_GATHER}/" in line or f"/{matmul.WEIGHT_GATHER}/" in line
 
 
 def row(r: dict) -> str:
