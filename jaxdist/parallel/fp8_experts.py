@@ -36,7 +36,8 @@ def forward(x, w_op, mode: str):
     if mode == "off":
         return x @ w_op
     xq, sx = fp8.quantize(x, fp8.E4M3, 1 if mode == "rowwise" else None)
-    return fp8.scaled_dot(xq, sx, *w_op, FWD).astype(x.dtype)
+    wq, sw = w_op
+    return fp8.scaled_dot(xq, sx, wq, sw, FWD).astype(x.dtype)
 
 
 def input_grad(g, w_op, mode: str):
@@ -44,7 +45,8 @@ def input_grad(g, w_op, mode: str):
     if mode == "off":
         return g @ w_op.T
     gq, sg = fp8.quantize(g, fp8.E5M2, 1 if mode == "rowwise" else None)
-    return fp8.scaled_dot(gq, sg, *w_op, DX).astype(g.dtype)
+    wq, sw = w_op
+    return fp8.scaled_dot(gq, sg, wq, sw, DX).astype(g.dtype)
 
 
 def weight_grad(a, g, mode: str):

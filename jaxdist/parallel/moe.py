@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -116,10 +116,13 @@ def select_tier(fullest, tiers):
     return jnp.sum(fullest > jnp.asarray(tiers[:-1]))
 
 
-def _swiglu(x_RD, w_gate_DF, w_up_DF, w_down_FD, fp8="off"):
+def _swiglu(x_RD, w_gate_DF, w_up_DF, w_down_FD, fp8="off") -> jax.Array:
     """One expert over its rows; with `fp8` (tensorwise, rowwise) each matmul is `fp8_experts.dot`."""
     dt = x_RD.dtype
-    mm = (lambda a, w: a @ w.astype(dt)) if fp8 == "off" else (lambda a, w: fp8_experts.dot(a, w.astype(dt), fp8))
+
+    def mm(a, w) -> jax.Array:
+        return a @ w.astype(dt) if fp8 == "off" else fp8_experts.dot(a, w.astype(dt), fp8)
+
     h = jax.nn.silu(mm(x_RD, w_gate_DF)) * mm(x_RD, w_up_DF)
     return mm(h, w_down_FD)
 
@@ -268,7 +271,9 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
     `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
     experts = w_gate_EDF.shape[0]
     mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
-    kw = dict(route=route, experts=experts, factor=factor, fp8=fp8_mode())  # model.fp8, set around the layer scan
+    kw: dict[str, Any] = dict(
+        route=route, experts=experts, factor=factor, fp8=fp8_mode()
+    )  # model.fp8: set around the scan
     if rules is None or mesh.empty:
         return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
     done = set(mesh.manual_axes)
