@@ -285,3 +285,37 @@ def assert_same_greedy(tokens, ref_tokens, gaps, tol: float, what: str = "greedy
         f"{what}: {checked} of {tokens.size} positions checked (margin {margin:g}); smallest top-2 gap {smallest:.4g}"
     )
     return checked
+
+
+def peft_lora_reference(fixture: Path, peft_fixture: Path, overrides: list[str], mesh_text: str) -> dict:
+    """A peft-written adapter (`peft_fixture`: adapter files + reference.npz) read onto the Hugging Face
+    base `fixture` imported on `mesh_text`: the LoRA program's logits, loss and adapter gradients on the
+    reference's sequences in one compile (the families' LoRA-vs-peft tests share it)."""
+    import jax.numpy as jnp
+
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.parallel.loss import logits as head_logits
+    from jaxdist.training import step
+
+    plain_cfg = mapping.hf_config(None, overrides, fixture, mesh_text)
+    lora, blocks = peft.read(peft_fixture, plain_cfg.model)
+    cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(mesh_text)
+    prog = step.build_program(cfg, mesh)
+    base, model = tensors.import_params(fixture, plain_cfg, mesh)
+    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
+    params = adapters.combine(read, adapters.frozen(prog.state_from_params(base).params))
+    ref = dict(np.load(peft_fixture / "reference.npz"))
+
+    def loss(trained, frozen, tokens):
+        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens)[0])
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
+
+    with prog.activate():
+        (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+            adapters.trainable(params), adapters.frozen(params), jnp.asarray(ref["sequences"])
+        )
+    return dict(cfg=cfg, params=params, ref=ref, loss=float(value), logits=np.asarray(logits), grads=grads,
+                model=model, mesh=mesh, base=base)  # fmt: skip

@@ -27,6 +27,7 @@ from conftest import (
     assert_generation_matches_fixture,
     assert_refused_in_one_line,
     flat_params,
+    peft_lora_reference,
 )
 from flax import nnx
 
@@ -230,34 +231,12 @@ PEFT_FIXTURE = FIXTURE.parent / "lora_peft_gpt_oss"  # scripts/fixtures/make_lor
 @pytest.fixture(scope="module")
 def lora_peft():
     """peft's adapter (random A and B on q/k/v/o_proj, r=4) read onto the imported float32 base on the
-    sharded mesh; the LoRA program's logits, loss and adapter gradients in one compile."""
-    from jaxdist.adapters import peft
+    sharded mesh; the LoRA program's logits, loss and adapter gradients in one compile; the merged weights."""
     from jaxdist.adapters import tree as adapters
-    from jaxdist.parallel.loss import logits as head_logits
-    from jaxdist.training import step
 
-    plain_cfg = mapping.hf_config(None, [], FIXTURE, SHARDED)
-    lora, blocks = peft.read(PEFT_FIXTURE, plain_cfg.model)
-    cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(SHARDED)
-    prog = step.build_program(cfg, mesh)
-    base, model = tensors.import_params(FIXTURE, plain_cfg, mesh)
-    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
-    params = adapters.combine(read, adapters.frozen(prog.state_from_params(base).params))
-    ref = dict(np.load(PEFT_FIXTURE / "reference.npz"))
-
-    def loss(trained, frozen, tokens):
-        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens)[0])
-        logp = jax.nn.log_softmax(logits[:, :-1])
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
-
-    with prog.activate():
-        (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-            adapters.trainable(params), adapters.frozen(params), jnp.asarray(ref["sequences"])
-        )
-    merged = jax.jit(lambda p: adapters.merge(p, cfg.lora))(params)
-    merged = jax.device_put(merged, jax.tree.map(lambda a: a.sharding, base))
-    return dict(cfg=cfg, params=params, ref=ref, loss=float(value), logits=np.asarray(logits), grads=grads,
-                merged=merged, model=model, mesh=mesh, base=base)  # fmt: skip
+    got = peft_lora_reference(FIXTURE, PEFT_FIXTURE, [], SHARDED)
+    merged = jax.jit(lambda p: adapters.merge(p, got["cfg"].lora))(got["params"])
+    return dict(got, merged=jax.device_put(merged, jax.tree.map(lambda a: a.sharding, got["base"])))
 
 
 def test_lora_on_peft_adapter_matches_peft(lora_peft):

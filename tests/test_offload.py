@@ -95,14 +95,15 @@ def test_state_is_placed_in_host_memory(runs, init_shardings):
     assert kinds(state.opt_state) == {host}
 
 
-def assert_same_run(seen, plain_seen, state, plain_state, rtol, atol):
+def assert_same_run(seen, plain_seen, state, plain_state, rtol, atol, state_atol=None):
     """Two differently compiled programs' runs: every step's (loss, gradient norm) and every leaf of the
-    final state within the tolerance (never ==: a fusion XLA may choose differently rounds differently)."""
+    final state within the tolerance (never ==: a fusion XLA may choose differently rounds differently);
+    `state_atol` (default `atol`) for the state's leaves."""
     assert len(seen) == len(plain_seen)
     np.testing.assert_allclose(np.asarray(seen, float), np.asarray(plain_seen, float), rtol=rtol, atol=atol)
     leaves = zip(jax.tree.leaves(jax.device_get(plain_state)), jax.tree.leaves(jax.device_get(state)), strict=True)
     for a, b in leaves:
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol if state_atol is None else state_atol)
 
 
 def entry_layout(compiled) -> str:
@@ -170,9 +171,12 @@ def test_compiled_memory_reports_the_state_as_host_bytes(runs):
 def test_activation_offload_is_close_to_no_remat(runs):
     _, _, plain, plain_seen = runs["none"]
     _, _, offloaded, seen = runs["activations"]
-    # Recomputation rounds differently: every step's loss and gradient norm, and the final state, to
-    # 1e-6 abs + 1e-4 rel (measured: 4.2e-7 abs, 2.8e-5 rel at most; once 4.8e-7 on a step's loss).
-    assert_same_run(seen, plain_seen, offloaded, plain, rtol=1e-4, atol=1e-6)
+    # Recomputation rounds differently: every step's loss and gradient norm to 1e-6 abs + 1e-4 rel
+    # (measured: 4.2e-7 abs, 2.8e-5 rel at most; once 4.8e-7 on a step's loss); the final state to
+    # 1e-5 abs + 1e-4 rel: Adam divides a near-zero gradient entry by its own root mean square, so a
+    # rounding difference there moves the parameter by a share of the learning rate (measured once in
+    # CI: 2.4e-6 on one of 16,384 entries of a 3-step run at lr up to 3e-3).
+    assert_same_run(seen, plain_seen, offloaded, plain, rtol=1e-4, atol=1e-6, state_atol=1e-5)
 
 
 def test_params_live_in_host_memory_between_steps(runs):

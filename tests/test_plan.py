@@ -694,7 +694,7 @@ def test_every_candidate_and_the_command_pass_the_trainers_validation(argv):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--config", "tiny-moe", "lora.rank=4"], "LoRA on mixture-of-experts layers is not supported"),
+        (["--config", "tiny-moe", "lora.rank=4"], "names gate, up, down, which this model's layers do not have"),
         (["--config", "tiny", "--mesh", "fsdp=4,cp=2", "lora.rank=4"], "LoRA is not supported with context"),
         (["--config", "tiny", "--mesh", "pp=2,fsdp=4", "offload.params=host"], "offload.params=host"),
         (["--config", "tiny", "lora.rank=4", "lora.base_dtype=nf4", "lora.block_size=7"], "lora.block_size=8 fits"),

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, assert_refused_in_one_line, assert_same_greedy
+from conftest import assert_export_round_trip, assert_refused_in_one_line, assert_same_greedy, peft_lora_reference
 from flax import nnx
 
 from jaxdist import config
@@ -208,32 +208,7 @@ PEFT_FIXTURE = FIXTURE.parent / "lora_peft_qwen3_next"  # scripts/fixtures/make_
 def lora_peft():
     """peft's adapter (random A and B on the full-attention layer's q/k/v/o_proj, r=4) read onto the imported
     float32 base on the sharded mesh: the LoRA program's logits, loss and adapter gradients in one compile."""
-    import jax.numpy as jnp
-
-    from jaxdist.adapters import peft
-    from jaxdist.adapters import tree as adapters
-    from jaxdist.parallel.loss import logits as head_logits
-    from jaxdist.training import step
-
-    plain_cfg = mapping.hf_config(None, DISPATCH, FIXTURE, SHARDED)
-    lora, blocks = peft.read(PEFT_FIXTURE, plain_cfg.model)
-    cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(SHARDED)
-    prog = step.build_program(cfg, mesh)
-    base, _ = tensors.import_params(FIXTURE, plain_cfg, mesh)
-    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
-    params = adapters.combine(read, adapters.frozen(prog.state_from_params(base).params))
-    ref = dict(np.load(PEFT_FIXTURE / "reference.npz"))
-
-    def loss(trained, frozen, tokens):
-        logits = head_logits(prog.apply_fn(adapters.combine(trained, frozen), tokens)[0])
-        logp = jax.nn.log_softmax(logits[:, :-1])
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean(), logits
-
-    with prog.activate():
-        (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-            adapters.trainable(params), adapters.frozen(params), jnp.asarray(ref["sequences"])
-        )
-    return dict(cfg=cfg, params=params, ref=ref, loss=float(value), logits=np.asarray(logits), grads=grads)
+    return peft_lora_reference(FIXTURE, PEFT_FIXTURE, DISPATCH, SHARDED)
 
 
 def test_lora_on_peft_adapter_matches_peft(lora_peft, tmp_path):

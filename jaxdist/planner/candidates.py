@@ -17,7 +17,7 @@ from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout
 
 
-def _powers_of_two(limit: int, start: int = 1) -> list[int]:
+def powers_of_two(limit: int, start: int = 1) -> list[int]:
     out, n = [], start
     while n <= limit:
         out.append(n)
@@ -31,12 +31,12 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     what fits when one sequence's activations do not). Sizes are powers of two that divide the device
     count."""
     node = min(hw.devices_per_node, devices)
-    tps = [t for t in _powers_of_two(min(8, node), 2) if devices % t == 0]
-    pps = [p for p in _powers_of_two(min(16, devices), 2) if devices % p == 0 and cfg.model.num_layers % p == 0]
+    tps = [t for t in powers_of_two(min(8, node), 2) if devices % t == 0]
+    pps = [p for p in powers_of_two(min(16, devices), 2) if devices % p == 0 and cfg.model.num_layers % p == 0]
     out = [("DP", dict(dp=devices)), ("FSDP", dict(fsdp=devices))]
     out += [
         ("HSDP", dict(dp=devices // f, fsdp=f))
-        for f in _powers_of_two(devices // 2, 2)
+        for f in powers_of_two(devices // 2, 2)
         if devices % f == 0 and f >= node // 2
     ]
     out += [("TPxFSDP", dict(tp=t, fsdp=devices // t)) for t in tps]
@@ -46,13 +46,13 @@ def candidate_meshes(cfg: Config, devices: int, hw: Hardware) -> list[tuple[str,
     ]
     out += [
         ("CPxFSDP", dict(cp=c, fsdp=devices // c))
-        for c in _powers_of_two(node, 2)
+        for c in powers_of_two(node, 2)
         if devices % c == 0 and cfg.model.seq_len % (2 * c) == 0 and not cfg.model.sliding_window
     ]
     if cfg.model.moe_experts:  # expert parallelism: experts over ep (inside a node), fsdp or tp beside it
         eps = [
             e
-            for e in _powers_of_two(min(cfg.model.moe_experts, node), 2)
+            for e in powers_of_two(min(cfg.model.moe_experts, node), 2)
             if devices % e == 0 and cfg.model.moe_experts % e == 0
         ]
         out = [(n, m) for n, m in out if not m.get("pp")]  # MoE runs without a pipeline (parallel/moe.py)
@@ -89,8 +89,8 @@ def best_for_mesh(cfg: Config, mesh: dict[str, int], hw: Hardware, family: str) 
     memory. None if the mesh cannot run this model and batch at all."""
     found = []
     local = cfg.train.global_batch // max(1, math.prod(mesh[a] for a in ("dp", "fsdp", "ep")))
-    pipe = _powers_of_two(max(local, 1), mesh["pp"]) if mesh["pp"] > 1 else [0]
-    for accum in _powers_of_two(max(local, 1)):
+    pipe = powers_of_two(max(local, 1), mesh["pp"]) if mesh["pp"] > 1 else [0]
+    for accum in powers_of_two(max(local, 1)):
         trials = []
         for pm in pipe:
             try:

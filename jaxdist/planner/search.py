@@ -20,7 +20,7 @@ from jaxdist.config import Config
 from jaxdist.distributed.mesh import AXES, format_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import memory
-from jaxdist.planner.candidates import architecture_takes, schedule_variants, with_batch
+from jaxdist.planner.candidates import architecture_takes, powers_of_two, schedule_variants, with_batch
 from jaxdist.planner.estimate import Estimate, estimate
 from jaxdist.planner.hardware import Hardware
 from jaxdist.planner.layout import Layout
@@ -55,14 +55,6 @@ def mesh_shapes(devices: int) -> list[dict[str, int]]:
                 fill(i + 1, left // d, [*sizes, d])
 
     fill(0, devices, [])
-    return out
-
-
-def _powers_of_two(limit: int, start: int = 1) -> list[int]:
-    out, n = [], start
-    while n <= limit:
-        out.append(n)
-        n *= 2
     return out
 
 
@@ -108,8 +100,8 @@ def settings(cfg: Config, mesh: dict[str, int]) -> list[Config]:
     for remat in REMATS:
         base = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
         for variant in schedule_variants(base, mesh):
-            for accum in _powers_of_two(local):
-                pipes = _powers_of_two(local // accum, mesh["pp"]) if mesh["pp"] > 1 else [0]
+            for accum in powers_of_two(local):
+                pipes = powers_of_two(local // accum, mesh["pp"]) if mesh["pp"] > 1 else [0]
                 out += [with_batch(variant, accum=accum, pipe_micro=pm) for pm in pipes]
     return out
 

@@ -94,7 +94,11 @@ def loss_bytes(lay: Layout) -> float:
     if plan.keep_logits:  # the forward's logits of every block, kept for the backward (the block among them)
         logits = max(logits, tokens * m.vocab_size // shards * lay.act_bytes)  # kept in the compute dtype
     gathered = 2 * m.d_model * rows * plan.chunk * lay.act_bytes  # a chunk of blocks (one per pass)
-    return logits + gathered + tokens * m.d_model * 4
+    # The input-gradient sum (tokens x d_model float32); after a circular pipeline three are live at the
+    # peak (circular M=16, d_model 128: +1.08 MB over one, 2.06 sums; not traced buffer by buffer; the
+    # GPipe pairs stay within their bound with one)
+    sums = 3 if lay.mesh["pp"] > 1 and lay.table is None and lay.repeats > 1 else 1
+    return logits + gathered + sums * tokens * m.d_model * 4
 
 
 def loss_plan(lay: Layout, tokens: int, rows: int):
