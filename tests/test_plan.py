@@ -2,15 +2,17 @@
 
 Compiler checks lower and compile each (model, mesh) once, never run it: predicted per-device
 parameter + optimizer (+ token batch) bytes must equal memory_analysis() argument bytes within 1%, and
-predicted bytes per collective kind must match hlo.summarize within 5%. Checked pairs (remat policies,
-a circular pipeline, a large vocabulary with either loss, bf16, accumulation — the memory model's terms
-were revised after reading these programs' buffer assignments, so they are checks, not held-out data):
-arguments within 1%, collectives within 5%, temp and total bytes within 10% — except the pairs in
-KNOWN_OFF, held to the bound there, for the reason given. FRESH pairs were compiled once, after the
-model was final, and not used to change it, except that the tp=4 pair's heap trace was then read and
-its sliced residuals modelled, and the GPipe pair's (one layer per stage, like the circular pair) with
-the circular pair's when one-layer pipeline groups were (the d_model 128 pair's was read, not
-modelled): the same tolerances.
+predicted bytes per collective kind must match hlo.summarize within 5%. Under XLA:CPU's default fusion,
+one pair per distinct term of the memory model (a circular pipeline, GPipe's one-layer groups and its
+many micro-batches, a table schedule, a large vocabulary with either loss, tp=2 and tp=4, remat with
+accumulation, bf16, dropless MoE, QLoRA): temp and total bytes within 10% too. The issue's pairs were
+read (buffer assignments) while the terms were revised, so they are checks, not held-out data; FRESH
+pairs were compiled once, after the model was final, and not used to change it, except that the tp=4
+pair's heap trace was then read and its sliced residuals modelled, and the GPipe pair's with the
+circular pair's when one-layer pipeline groups were. The rest of docs/planner.md's accuracy table
+(other remat policies, accumulation alone, bf16 with tp, the d_model 128 pair held to 12%, interleaved
+1F1B, circular at M=16, LoRA over a float32 base) is `python scripts/memory/plan_check.py --check`,
+with the same bounds.
 """
 
 import functools
@@ -42,88 +44,51 @@ PAIRS = [  # (config, mesh, overrides): dp / fsdp / tp / pp mixes, accumulation,
     ("configs/125m.yaml", "dp=2,fsdp=2,tp=2", SMALL_125M),
     ("configs/125m.yaml", "dp=2,tp=4", SMALL_125M),
 ]
-OUT_OF_SAMPLE = [  # the issue's pairs; read (buffer assignments) while revising the memory model
-    (None, "fsdp=8", ["model.remat=full"]),
-    (None, "fsdp=8", ["model.remat=dots_saveable"]),
+# Compiled with XLA:CPU's default fusion, one pair per distinct term of the planner's memory model (the
+# rest of docs/planner.md's accuracy table, with the same bounds: python scripts/memory/plan_check.py
+# --check). Arguments within 1%, temp and total within 10%, both ways, collectives within 5%.
+# The issue's pairs (read, buffer assignments, while revising the memory model, so checks, not held out):
+OUT_OF_SAMPLE = [
     (None, "pp=2,fsdp=4", ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=2"]),
-    (None, "fsdp=8", ["model.vocab_size=8192"]),
-    (None, "fsdp=8", ["model.vocab_size=8192", "model.loss_impl=naive"]),
-    (None, "fsdp=4,tp=2", ["model.vocab_size=8192"]),
-    (None, "fsdp=4,tp=2", ["model.compute_dtype=bfloat16"]),
-    (None, "fsdp=8", ["train.grad_accum_steps=2", "train.global_batch=16"]),
-    (None, "dp=2,fsdp=4", ["model.remat=full", "train.grad_accum_steps=2", "train.global_batch=16"]),
-    (None, "fsdp=8", ["model.loss_impl=naive"]),
+    (None, "fsdp=8", ["model.vocab_size=8192", "model.loss_impl=naive"]),  # the naive loss (8.7% packing waste)
+    (None, "fsdp=4,tp=2", ["model.vocab_size=8192"]),  # tp, the blockwise loss's moment copies at V=8192
+    (
+        None,
+        "dp=2,fsdp=4",
+        ["model.remat=full", "train.grad_accum_steps=2", "train.global_batch=16"],
+    ),  # remat, accumulation
 ]
-FRESH = [  # compiled once after the model was final: a new shape, GPipe with accumulation, tp=4, bf16 + remat
-    (None, "fsdp=8", ["model.num_layers=2", "model.d_model=128", "model.mlp_dim=512", "model.seq_len=64"]),
+FRESH = [  # compiled once after the model was final: GPipe's one-layer groups with accumulation, tp=4, bf16 + remat
     (
         None,
         "pp=2,fsdp=4",
         ["model.num_layers=2", "pipeline.microbatches=2", "train.grad_accum_steps=2", "train.global_batch=16"],
     ),
-    (None, "fsdp=2,tp=4", ["model.num_layers=2", "model.num_kv_heads=4"]),
-    (None, "fsdp=8", ["model.compute_dtype=bfloat16", "model.remat=full"]),
+    (None, "fsdp=2,tp=4", ["model.num_layers=2", "model.num_kv_heads=4"]),  # tp=4's sliced residuals
+    (None, "fsdp=8", ["model.compute_dtype=bfloat16", "model.remat=full"]),  # still held out
 ]
 # Dropless MoE over ep (its tiers' saved buffers and recompute were modelled from this program's heap
 # trace, so it is a check, not held out; the one-device tiny-moe pair is plan_check.py's: -7.2% temp)
 MOE = [("configs/tiny-moe.yaml", "ep=8", [])]
-# Table schedules (issue 32: jaxdist.parallel.pipeline_1f1b) and LoRA / QLoRA (issue 30), compiled once
-# each after their terms were written (the LoRA terms after reading the two LoRA pairs' heap traces):
-# arguments within 1%, temp and total within 10%, both ways; collectives within 5% (the table
-# schedules' per slot of their table, schedule_traffic.schedule_table_traffic, written after reading these two
-# pairs' HLO: exact on both; 60 / 89 MB of all-reduce / all-gather on the 1f1b pair before, of 122).
+# Table schedules (issue 32: jaxdist.parallel.pipeline_1f1b) and QLoRA (issue 30), compiled once each
+# after their terms were written (the LoRA terms after reading the LoRA pairs' heap traces); the
+# table schedules' collectives per slot of their table (schedule_traffic.schedule_table_traffic,
+# written after reading this pair's and interleaved_1f1b's HLO: exact on both).
 TABLE_SCHEDULES = [
     (None, "pp=2,fsdp=4", ["pipeline.schedule=1f1b", "pipeline.microbatches=4", "train.global_batch=16"]),
-    (
-        None,
-        "pp=2,fsdp=4",
-        [
-            "pipeline.schedule=interleaved_1f1b",
-            "pipeline.repeats=2",
-            "pipeline.microbatches=4",
-            "train.global_batch=16",
-        ],
-    ),
 ]
-# GPipe / circular at many micro-batches (pp=4, 8 layers, d_model 128, seq 64: pipeline_bench.py
-# --schedules' shape): the loss then runs over M micro-batches after the pipeline, and its peak (3
-# logits blocks, the output buffer and its pp all-reduce) outgrows the backward's. Before
-# activations.loss_side_bytes and carried_cotangents: -13.7% and -31.6%.
+# GPipe at many micro-batches (pp=4, 8 layers, d_model 128, seq 64: pipeline_bench.py --schedules'
+# shape): the loss then runs over M micro-batches after the pipeline, and its peak (3 logits blocks,
+# the output buffer and its pp all-reduce, the carried cotangents) outgrows the backward's. Before
+# activations.loss_side_bytes and carried_cotangents: -13.7% (circular at M=16: plan_check.py --check).
 SMALL_PP4 = ["model.num_layers=8", "model.d_model=128", "model.mlp_dim=512", "model.head_dim=32", "model.seq_len=64"]
 MANY_MICRO = [
     (None, "pp=4,fsdp=2", [*SMALL_PP4, "pipeline.microbatches=16", "train.global_batch=32"]),
-    (
-        None,
-        "pp=4,fsdp=2",
-        [
-            *SMALL_PP4,
-            "pipeline.schedule=circular",
-            "pipeline.repeats=2",
-            "pipeline.microbatches=16",
-            "train.global_batch=32",
-        ],
-    ),
 ]
-LORA = [
-    (None, "fsdp=8", ["lora.rank=8"]),
+LORA = [  # NF4: the adapters' terms and the quantised base's (codes and scales gathered)
     (None, "fsdp=8", ["lora.rank=8", "lora.base_dtype=nf4", "lora.block_size=32"]),
 ]
 CPU = hardware.get("cpu")
-# Pairs the model does not meet at 10% temp / 5% collectives: (temp, collectives) bounds and why.
-# XLA's heap simulator wastes little in packing temp (jaxdist.planner.heap replays its trace; "waste"
-# is temp over the simulator's peak - 1, plan_check.py --dump), so these are buffers the model
-# misses or over-counts (docs/planner.md's table lists every pair):
-KNOWN_OFF = {
-    # FRESH pair (-11.5% on its one check, -10.4% after the slicing and loss revision), waste 0.0%:
-    # XLA combines all of a layer's gradient all-reduces into one, so its peak holds the whole
-    # layer's gradient unreduced and reduced (2.4 MB), not the larger group's (1.6 MB modelled).
-    # Counting the whole layer puts remat=full at +15%: there XLA places the attention's gradients, a
-    # gradient stack and a moment copy in the donated moment buffers the copies free, outside temp
-    # (plan_check --dump: donated_live). What goes there follows XLA's assignment order, not the
-    # shapes: 0-82% of the copies' bytes live there at the peak on 18 traced programs (here 0.43 of
-    # 0.66 MB, forward residual stacks, none of the layer's gradient).
-    "tiny-fsdp=8-model.num_layers=2-model.d_model=128-model.mlp_dim=512-model.seq_len=64": (0.12, 0.05),
-}
 
 
 @functools.cache  # small results (no executable): a second test on a pair reuses them
@@ -144,21 +109,15 @@ def pair_id(pair):
     return "-".join([name, mesh, *(o for o in overrides if o not in SMALL_125M)])
 
 
-def check_collectives(lay, measured, rel=0.05):
-    kinds = by_kind(comms.step_traffic(lay))
-    total = sum(v["bytes"] for v in measured.values())
-    for kind in set(kinds) | set(measured):
-        got = measured.get(kind, {"bytes": 0.0})["bytes"]
-        if got < 0.001 * total and kinds.get(kind, 0.0) < 0.001 * total:
-            continue  # a few scalars (loss, norms) — not worth modelling
-        assert kinds.get(kind, 0.0) == pytest.approx(got, rel=rel), kind
+def check_collectives(lay, mem, measured):
+    """Arguments within 1% and each collective kind within 5% (temp needs the default emitters)."""
+    assert not plan_check.bound_misses(lay, mem, measured, temp_rel=None)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
 def test_memory_and_collectives_match_compiler(pair):
     lay, mem, measured = compile_pair(*pair, default_fusion=False)
-    assert memory.estimate(lay).arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
-    check_collectives(lay, measured)
+    check_collectives(lay, mem, measured)
     if pair[1] == "fsdp=8":  # launches, per kind, exactly (125m fsdp=8: 196 all-gathers, 20 all-reduces, 2 all-to-alls)
         launches = {}
         for t in comms.step_traffic(lay):
@@ -189,25 +148,13 @@ def test_launch_latency_per_interconnect():
 
 @pytest.mark.parametrize("pair", OUT_OF_SAMPLE + FRESH + MOE, ids=pair_id)
 def test_memory_out_of_sample(pair):
-    lay, mem, measured = compile_pair(*pair)
-    temp_rel, comm_rel = KNOWN_OFF.get(pair_id(pair), (0.10, 0.05))
-    predicted = memory.estimate(lay)
-    assert predicted.arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
-    assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=temp_rel)
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    assert predicted.total == pytest.approx(total, rel=temp_rel)
-    check_collectives(lay, measured, rel=comm_rel)
+    assert not plan_check.bound_misses(*compile_pair(*pair))  # arguments 1%, temp and total 10%, collectives 5%
 
 
 @pytest.mark.parametrize("pair", TABLE_SCHEDULES + MANY_MICRO + LORA, ids=pair_id)
 def test_schedules_and_lora_match_compiler(pair):
-    lay, mem, measured = compile_pair(*pair)
-    predicted = memory.estimate(lay)
-    assert predicted.arguments == pytest.approx(mem.argument_size_in_bytes, rel=0.01)
-    assert predicted.compiled_temp == pytest.approx(mem.temp_size_in_bytes, rel=0.10)
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    assert predicted.total == pytest.approx(total, rel=0.10)
-    check_collectives(lay, measured)  # LoRA: no base gradient is reduced; QLoRA gathers codes and scales
+    # QLoRA: no base gradient is reduced, codes and scales are gathered
+    assert not plan_check.bound_misses(*compile_pair(*pair))  # arguments 1%, temp and total 10%, collectives 5%
 
 
 def test_table_schedules_activations_flat_in_microbatches():
