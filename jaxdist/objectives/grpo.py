@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -34,7 +33,7 @@ import numpy as np
 
 from jaxdist.data import loss_mask
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel.loss import cross_entropy
+from jaxdist.parallel.loss import ApplyFn, cross_entropy
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -86,7 +85,7 @@ def advantages(rewards_N, group_size: int, scale: str = "group") -> np.ndarray:
     return np.nan_to_num(adv, nan=0.0).astype(np.float32)
 
 
-def token_logps(apply_fn: Callable, params, rows_NW, temperature: float = 1.0, aux: dict | None = None):
+def token_logps(apply_fn: ApplyFn, params, rows_NW, temperature: float = 1.0, aux: dict | None = None):
     """(log-probs (N, W-1) of each row's next tokens under logits / temperature, completion weights (N, W-1)).
     `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs = loss_mask.split(rows_NW[:, :-1])[0]
@@ -136,7 +135,7 @@ def token_terms(logps_NT, old_NT, ref_NT, adv_N, mask_NT, g: GRPO):
     return loss, stats
 
 
-def loss_sums(apply_fn, params, rows_NW, adv_N, old_NT, ref_NT, w_NT, g: GRPO, aux_weight: float = 0.0):
+def loss_sums(apply_fn: ApplyFn, params, rows_NW, adv_N, old_NT, ref_NT, w_NT, g: GRPO, aux_weight: float = 0.0):
     """(this slice's share of the batch loss, {statistic: masked token sum}). `old_NT` None: on-policy
     (the ratio is 1 with the gradient of logp, as TRL's detach); `w_NT`: `weights` of the whole batch.
     `aux_weight`: a MoE policy's auxiliary objective enters times this (1 / the batch's routed positions:

@@ -26,6 +26,7 @@ import numpy as np
 from jaxdist.adapters import tree as adapters
 from jaxdist.data import loss_mask
 from jaxdist.objectives import grpo
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.reduce.gradients import GradientStage
 
@@ -52,7 +53,7 @@ def reference_of(lora: bool, trained, fixed, copy):
     return copy
 
 
-def grpo_stage(apply_fn: Callable, cfg, g: grpo.GRPO) -> GradientStage:
+def grpo_stage(apply_fn: ApplyFn, cfg, g: grpo.GRPO) -> GradientStage:
     """The stage for `g` on `cfg` (its LoRA setting and `train.grad_accum_steps`)."""
     lora, M = bool(cfg.lora.rank), cfg.train.grad_accum_steps
     keeps_copy = g.beta > 0 and not lora
@@ -108,6 +109,6 @@ def grpo_stage(apply_fn: Callable, cfg, g: grpo.GRPO) -> GradientStage:
     )
 
 
-def old_logps_fn(apply_fn: Callable, temperature: float) -> Callable:
+def old_logps_fn(apply_fn: ApplyFn, temperature: float) -> Callable:
     """`(params, rows_NW) -> per-token log-probs (N, W - 1)` of the sampling policy (for iterations > 1)."""
     return lambda params, rows: grpo.token_logps(apply_fn, params, rows, temperature)[0]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxdist.adapters import tree as adapters
 from jaxdist.data import loss_mask
-from jaxdist.parallel.loss import cross_entropy
+from jaxdist.parallel.loss import ApplyFn, cross_entropy
 from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.reduce.gradients import GradientStage
 
@@ -37,7 +37,7 @@ def as_rows(tokens_BR):
     return tokens_BR.reshape(2 * B, R // 2)
 
 
-def sequence_logps(apply_fn: Callable, params, rows_NW, aux: dict | None = None):
+def sequence_logps(apply_fn: ApplyFn, params, rows_NW, aux: dict | None = None):
     """(summed log-probs of the completion tokens, their count), per row (N,): the targets the loss mask keeps.
     `aux`: filled with the model's auxiliary outputs (MoE: `objective`, the balance and z losses' sum)."""
     inputs_NT = loss_mask.split(rows_NW[:, :-1])[0]
@@ -54,7 +54,7 @@ def chosen_tokens(tokens_BR):
     return loss_mask.split(as_rows(tokens_BR)[0::2, 1:])[1].sum()
 
 
-def pair_sums(apply_fn: Callable, loss: Callable, obj, params, reference, tokens_BR, per_token, with_aux=False):
+def pair_sums(apply_fn: ApplyFn, loss: Callable, obj, params, reference, tokens_BR, per_token, with_aux=False):
     """(summed loss over the pairs, {statistic: sum over the pairs}). `reference`: the reference's
     parameters, or None for a reference-free objective. `per_token`: pairs / chosen completion tokens of
     the whole batch, the weight of a term TRL averages over tokens (so the sum / pairs is its token mean).
@@ -86,7 +86,7 @@ def summed(terms, per_token):
     return total, stats
 
 
-def pair_stage(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -> GradientStage:
+def pair_stage(apply_fn: ApplyFn, cfg, loss: Callable, needs_reference: bool) -> GradientStage:
     """The stage (`jaxdist.reduce.gradients.GradientStage`) for a pairwise objective under the implicit
     data-parallel reduction. State: the frozen reference copy (full fine-tuning with a reference), else ()."""
     lora, M, obj = bool(cfg.lora.rank), cfg.train.grad_accum_steps, cfg.objective
@@ -132,7 +132,7 @@ def pair_stage(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -
     )
 
 
-def pair_eval(apply_fn: Callable, cfg, loss: Callable, needs_reference: bool) -> Callable:
+def pair_eval(apply_fn: ApplyFn, cfg, loss: Callable, needs_reference: bool) -> Callable:
     """`eval_step(params, reference_state, tokens) -> (loss_sum, pairs, {statistic: sum})` on held-out pairs."""
     lora, obj = bool(cfg.lora.rank), cfg.objective
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.objectives import grpo, grpo_stage, losses, pairs
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import registry as reduce_registry
 from jaxdist.reduce.gradients import GradientStage
 
@@ -76,14 +77,14 @@ def _pair_loss(o: Objective) -> Callable:
     return o.loss
 
 
-def stage(apply_fn, cfg: Config) -> GradientStage:
+def stage(apply_fn: ApplyFn, cfg: Config) -> GradientStage:
     o = objective(cfg)
     if o.rollouts:
         return grpo_stage.grpo_stage(apply_fn, cfg, grpo_settings(cfg))
     return pairs.pair_stage(apply_fn, cfg, _pair_loss(o), o.needs_reference)
 
 
-def eval_step(apply_fn, cfg: Config) -> Callable | None:
+def eval_step(apply_fn: ApplyFn, cfg: Config) -> Callable | None:
     """The held-out pairs' sums; None for GRPO (its evaluation samples held-out prompts: the reward)."""
     o = objective(cfg)
     return None if o.rollouts else pairs.pair_eval(apply_fn, cfg, _pair_loss(o), o.needs_reference)

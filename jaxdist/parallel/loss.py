@@ -31,6 +31,7 @@ head's unreduced gradient (D x V float32 per device, 2.1 GB for Llama 3 8B).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,15 @@ class Head:
 jax.tree_util.register_dataclass(
     Head, data_fields=["x_BTD", "w_DV"], meta_fields=["impl", "block", "gather_mib", "keep_mib"]
 )
+
+
+class ApplyFn(Protocol):
+    """The model's training forward, as the gradient stages and objectives call it: `(params, tokens_BT)
+    -> (Head, aux)`, aux the MoE layers' load-balance sums (an empty dict for a dense model). Made by
+    `jaxdist.training.step.model_apply` (the model's `loss_head`) or, with pp > 1,
+    `jaxdist.parallel.pipeline.pipelined_apply` (a `PipelinedApply`)."""
+
+    def __call__(self, params: Any, tokens_BT: jax.Array, /) -> tuple[Head, dict]: ...
 
 
 def logits(head: Head) -> jax.Array:

@@ -36,6 +36,7 @@ from jaxdist.distributed import sharding
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedule_registry, schedules
+from jaxdist.parallel.loss import Head
 from jaxdist.parallel.microbatch import split_microbatches
 
 AXIS = "pp"
@@ -267,7 +268,7 @@ def layer_order(x_SVG, pl: Plan):
     return x.reshape(pl.repeats * pl.stages * pl.layers_per_group, *x.shape[3:])
 
 
-def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> Callable:
+def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> PipelinedApply:
     """apply_fn(params, tokens_BT) -> (loss.Head, aux), as the model's `loss_head`, with the layer stack run as a
     pipeline. `params` are staged (`to_stages`). Call under `jax.set_mesh(mesh)`. `positions_T`: the tokens'
     positions when not 0..T-1 (context parallelism). MoE models return (out, aux) like the plain model:
@@ -325,5 +326,5 @@ class PipelinedApply:
     forward: Callable
     objective: Callable | None = None
 
-    def __call__(self, params, tokens_BT):
+    def __call__(self, params, tokens_BT, /) -> tuple[Head, dict]:
         return self.forward(params, tokens_BT)

@@ -31,6 +31,7 @@ from jaxdist.models.moe import metrics_from_sums
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.optim.adamw import schedule
 from jaxdist.parallel import context
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import compress
 from jaxdist.reduce.explicit import per_replica_apply
 from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats
@@ -117,7 +118,7 @@ def replica_update(cfg: Config, batch_dims_tree, lr_schedule):
     return update
 
 
-def demo_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def demo_gradients(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     axis = cfg.reduce.axis
     replicas, order_T = mesh.shape[axis], context.sequence_order(cfg, mesh)  # cp > 1: load-balanced order
     lr = schedule(cfg.optim, cfg.optim.schedule_steps or cfg.train.steps, cfg.train.global_batch)

@@ -51,6 +51,7 @@ from jaxdist.config import Config
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import compress, explicit
 from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats, aux_scale
 
@@ -188,7 +189,7 @@ def reducer(cfg: Config, replicas: int) -> explicit.Reducer:
     return explicit.Reducer(init=init, update=update, state_specs=state_specs)
 
 
-def dgc_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def dgc_gradients(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     axis = cfg.reduce.axis
     replicas, order_T = mesh.shape[axis], context.sequence_order(cfg, mesh)  # cp > 1: load-balanced order
     red = reducer(cfg, replicas)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.config import Config
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.optim import registry as optimizers
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import explicit
 from jaxdist.reduce.gradients import GradientStage, accumulate_gradients
 
@@ -49,7 +50,7 @@ def outer_optimizer() -> optax.GradientTransformation:
     return optax.sgd(1.0)
 
 
-def diloco_gradients(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: explicit.Reducer):
+def diloco_gradients(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel, exchange: explicit.Reducer):
     """`exchange`: sums the pseudo-gradient Δ over replicas (dense, or `reduce.diloco.outer_codec`)."""
     r, axis = cfg.reduce, cfg.reduce.axis
     replicas, H = mesh.shape[axis], r.diloco.sync_every

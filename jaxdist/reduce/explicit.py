@@ -32,6 +32,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.models.resolve import ResolvedModel
 from jaxdist.parallel import context
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import compress
 from jaxdist.reduce.gradients import GradientStage, accumulate_with_stats, aux_scale
 
@@ -170,7 +171,7 @@ def per_replica_apply(per_replica: Callable, mesh: Mesh, axis: str) -> Callable:
     return apply
 
 
-def explicit_gradients(apply_fn: Callable, cfg: Config, mesh: Mesh, model: ResolvedModel, reducer: Reducer):
+def explicit_gradients(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel, reducer: Reducer):
     """Per-replica loss/gradients in a shard_map manual over `reduce.axis`, accumulated over
     `train.grad_accum_steps` (token-weighted), then reduced once by `reducer` (`registry.reducer`).
     Activation constraints drop the manual axis (sharding.constrain), so `apply_fn` runs unchanged inside."""

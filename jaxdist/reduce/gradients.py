@@ -17,12 +17,12 @@ from jaxdist.data import loss_mask
 from jaxdist.distributed import offload
 from jaxdist.models.moe import metrics_from_sums
 from jaxdist.parallel import pipeline
-from jaxdist.parallel.loss import cross_entropy
+from jaxdist.parallel.loss import ApplyFn, cross_entropy
 from jaxdist.parallel.matmul import reduce_in
 from jaxdist.parallel.microbatch import split_microbatches
 
 
-def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
+def token_loss_sums(apply_fn: ApplyFn, params, tokens_BT1, order_T=None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and the token count (token-weighted, so sums of micro-batches
     divide into exactly the full-batch mean). Only the targets the loss mask keeps count, in both
     (`jaxdist.data.loss_mask`; data without a mask: every target). `apply_fn(params, tokens) -> (head, aux)`
@@ -34,7 +34,7 @@ def token_loss_sums(apply_fn: Callable, params, tokens_BT1, order_T=None) -> tup
     return sums
 
 
-def _loss_sums_and_aux(apply_fn: Callable, params, tokens_BT1, order_T) -> tuple[tuple[jax.Array, jax.Array], dict]:
+def _loss_sums_and_aux(apply_fn: ApplyFn, params, tokens_BT1, order_T) -> tuple[tuple[jax.Array, jax.Array], dict]:
     """(`token_loss_sums`, the model's aux) from one forward."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     if order_T is not None:
@@ -63,7 +63,7 @@ def aux_scale(tokens_BT1):
     return kept / (tokens_BT1.shape[0] * (tokens_BT1.shape[1] - 1))
 
 
-def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale: float | Callable[[], Any] = 1.0):
+def objective_sums(apply_fn: ApplyFn, params, tokens_BT1, order_T=None, scale: float | Callable[[], Any] = 1.0):
     """The training objective: `token_loss_sums` plus the model's auxiliary objective times `scale`
     (`aux_scale` of the whole batch the sums are divided over; a callable is called only when the model
     has an aux objective, so a dense model's program holds none of it). Returns (objective_sum,
@@ -82,7 +82,7 @@ def objective_sums(apply_fn: Callable, params, tokens_BT1, order_T=None, scale: 
 
 
 def on_device_gradients(
-    apply_fn: Callable, order_T=None, scale: float | Callable[[], Any] = 1.0, divide_by=None
+    apply_fn: ApplyFn, order_T=None, scale: float | Callable[[], Any] = 1.0, divide_by=None
 ) -> Callable:
     """`grad_fn(params, tokens)` for host-resident parameters: differentiated with respect to zeros in
     device memory added to the fetched copies (`offload.differentiable`), so the gradients are device
@@ -101,14 +101,14 @@ def on_device_gradients(
     return on_device
 
 
-def accumulate_gradients(apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None):
+def accumulate_gradients(apply_fn: ApplyFn, params, tokens_BT1, microbatches: int, order_T=None):
     """Sum of loss and gradients over micro-batches (a scan: one compiled forward/backward).
     Returns (grad_sum, loss_sum, token_count)."""
     return accumulate_with_stats(apply_fn, params, tokens_BT1, microbatches, order_T)[:3]
 
 
 def accumulate_with_stats(
-    apply_fn: Callable, params, tokens_BT1, microbatches: int, order_T=None, scale=None, divide_by=None
+    apply_fn: ApplyFn, params, tokens_BT1, microbatches: int, order_T=None, scale=None, divide_by=None
 ):
     """`accumulate_gradients` plus the model's summed statistics (MoE: aux losses, loads, drops).
     Gradients are of the objective (loss + auxiliary objective); loss_sum is the cross-entropy.
@@ -160,7 +160,7 @@ class GradientStage:
     name: str = "implicit"
 
 
-def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None, reduce_dtype="float32") -> GradientStage:
+def implicit_gradients(apply_fn: ApplyFn, microbatches: int, order_T=None, reduce_dtype="float32") -> GradientStage:
     """Plain jit: XLA partitions the batch and inserts the gradient reduction itself, in `reduce_dtype`
     for the bf16 weight gradients of the layers' matrices and the head (`jaxdist.parallel.matmul.reduce_in`;
     the embedding's and the norms' stay float32)."""
@@ -180,7 +180,7 @@ def implicit_gradients(apply_fn: Callable, microbatches: int, order_T=None, redu
     return GradientStage(init=lambda params: (), apply=apply)
 
 
-def partial_gradients(apply_fn: Callable, microbatches: int, split: Callable, combine: Callable, order_T=None):
+def partial_gradients(apply_fn: ApplyFn, microbatches: int, split: Callable, combine: Callable, order_T=None):
     """The implicit stage over part of the parameters (LoRA: the adapters). `split(params) -> (trained,
     frozen)`, `combine(trained, frozen) -> params`: gradients, and their accumulation buffers, exist for
     `trained` only; the frozen part is a constant of the differentiated function (no gradient computed)."""

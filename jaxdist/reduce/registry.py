@@ -25,6 +25,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.models.resolve import ResolvedModel, compute_dtype
 from jaxdist.parallel import context
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import compress, demo, dgc, diloco, explicit
 from jaxdist.reduce.gradients import GradientStage, implicit_gradients, partial_gradients
 
@@ -67,7 +68,7 @@ class Method:
 # The gradient stages (the reducer modules hold the algorithms; these wire them to a config).
 
 
-def _implicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def _implicit_stage(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     order_T = context.sequence_order(cfg, mesh)  # cp > 1: positions in the load-balanced order
     if cfg.lora.rank:  # gradients of the adapters only
         split = lambda p: (adapters.trainable(p), adapters.frozen(p))
@@ -75,13 +76,13 @@ def _implicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> 
     return implicit_gradients(apply_fn, cfg.train.grad_accum_steps, order_T, cfg.reduce.dtype)
 
 
-def _explicit_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def _explicit_stage(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     return explicit.explicit_gradients(
         apply_fn, cfg, mesh, model, reducer(cfg, mesh, model.abstract, model.stacked_dims)
     )
 
 
-def _diloco_stage(apply_fn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
+def _diloco_stage(apply_fn: ApplyFn, cfg: Config, mesh: Mesh, model: ResolvedModel) -> GradientStage:
     # The pseudo-gradient crosses the axis dense or through a codec, with error feedback and no warm-up
     # (Δ is not Adam's input).
     outer = cfg.replace(reduce=dict(method=cfg.reduce.diloco.outer_codec, start_step=0, warmup_fraction=0.0))

@@ -34,6 +34,7 @@ from jaxdist.objectives.refusals import check  # the trainer's start-up refusals
 from jaxdist.optim import registry as optimizers
 from jaxdist.optim.adamw import decay_mask
 from jaxdist.parallel import context, pipeline
+from jaxdist.parallel.loss import ApplyFn
 from jaxdist.reduce import registry
 from jaxdist.reduce.gradients import GradientStage, token_loss_sums
 
@@ -72,7 +73,7 @@ class Program:
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_step: Callable  # (params, tokens) -> (loss_sum, count); pair objectives: (params, reducer_state, tokens) -> (loss_sum, pairs, stats)
     abstract_state: TrainState
-    apply_fn: Callable  # (params, tokens_BT) -> (loss.Head, aux dict); pipelined when pp > 1 (then trace it under jax.set_mesh)
+    apply_fn: ApplyFn  # (params, tokens_BT) -> (loss.Head, aux dict); pipelined when pp > 1 (then trace it under jax.set_mesh)
     model: ResolvedModel  # names, specs, shapes and pipeline plan of the parameters
 
     @property
@@ -180,7 +181,7 @@ def trained_part(cfg: Config, tree):
     return adapters.trainable(tree) if cfg.lora.rank else tree
 
 
-def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None = None) -> Callable:
+def model_apply(cfg: Config, model: ResolvedModel, order_T, eos_id: int | None = None) -> ApplyFn:
     """`apply_fn(params, tokens_BT) -> (loss.Head, aux)`: the model's training forward (`loss_head`; pipelined
     when pp > 1); with
     `data.document_mask`, attention stays inside the documents that `eos_id` ends."""
