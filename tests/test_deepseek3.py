@@ -178,13 +178,17 @@ RATE, STEPS = 0.02, 6
 def bias_run(tmp_path_factory):
     """The fixture trained on one skewed batch (a few repeated tokens) on fsdp=4,ep=2 with a tiny learning
     rate (the weights hardly move; the selection biases do, by RATE per step): (program, compiled step,
-    states per step, load CV per step, batch)."""
+    states per step, load CV per step, batch). Capacity dispatch with room for every token (factor 8:
+    nothing dropped), not dropless: the bias update reads the router's per-expert load, the same either
+    way (load CV by step 0.991, 0.918, 0.827, 0.739, 0.654, 0.578 under both), and the program compiles
+    in 2.6 CPU-s instead of 4.1 (dropless's tiers are a lax.switch of expert programs)."""
     from jaxdist.training import step
 
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.bin"  # for the checkpoint's loader state
     np.tile(np.arange(128), 40).astype(np.uint16).tofile(tokens)
     overrides = [f"data.path={tokens}", "data.source=tokens", "model.seq_len=16", "train.global_batch=8", "optim.lr=1e-9", "optim.warmup_steps=0",
-                 f"model.moe_bias_rate={RATE}", "mesh.shape=fsdp=4,ep=2"]  # fmt: skip
+                 f"model.moe_bias_rate={RATE}", "mesh.shape=fsdp=4,ep=2", "model.moe_dispatch=capacity",
+                 "model.moe_capacity_factor=8.0"]  # fmt: skip
     cfg = mapping.apply(config.load(None, overrides), FIXTURE)
     prog = step.build_program(cfg, mesh_from_string("fsdp=4,ep=2"))
     params, _ = tensors.import_params(FIXTURE, cfg, prog.mesh, prog.rules)
