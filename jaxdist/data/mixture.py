@@ -196,6 +196,10 @@ class Mixture:
             if on and (docs := t.skipped_docs())  # type: ignore[attr-defined]  # a streamed source is stream.Streamed
         }
 
+    def skip_counts(self) -> dict[str, int]:
+        """{streamed source: documents skipped}: metrics.jsonl's summary `data_skipped` (training/finish.py)."""
+        return {name: len(docs) for name, docs in self.skipped().items()}
+
     def skip_note(self) -> str:
         """'' or '; streamed data skipped N document(s) ...': what a run's closing line adds."""
         got = self.skipped()

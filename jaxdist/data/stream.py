@@ -12,8 +12,10 @@ source has no val/ split.
 Window i is a function of i alone, so the mixture's rule holds unchanged: the same global batch at step s
 on any mesh or process count. The price of that rule: every process tokenizes the whole stream up to the
 windows its rows need (it cannot read only a share of the files, because which source window lands in
-which process's rows is decided by the mixture's interleaving, not by the files). Tokenizing runs in
-`data.stream_workers` processes (prepare's encoder pool) when more than one is asked for.
+which process's rows is decided by the mixture's interleaving, not by the files). With the source's
+`workers: N` > 1, tokenizing runs in N grain worker processes (jaxdist/data/stream_workers.py), chunk k
+in worker k mod N, the chunks coming back in input order: the windows are the same for any N, and the
+packing into windows stays here, in the reader.
 
 Resume: the loader's state records, per streamed source, where the file holding its next window starts
 (window index, file, the tokens carried over into it) and the pass length once known, so a resumed run
@@ -27,18 +29,28 @@ before it are saved first (training/stepping.py).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 
+from jaxdist.data import stream_workers
 from jaxdist.data import tokenizer as tokenizer_mod
-from jaxdist.data.documents import documents
-from jaxdist.data.encode import chunks, encoded
 from jaxdist.errors import JaxdistError
 
 CACHE_TOKENS = 1 << 22  # windows kept for out-of-order reads by grain's threads (~16 MB of int32)
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # sources with worker processes, stopped before grain's exit hooks run
+
+
+@atexit.register
+def _close_all() -> None:
+    for source in list(_OPEN):
+        source.close()
 
 
 class Streamed:
@@ -57,6 +69,8 @@ class Streamed:
         self.skipped: list[str] = []
         self.gen: Iterator[tuple[int, np.ndarray]] | None = None
         self.next = 0  # index of the window self.gen yields next
+        if workers > 1:
+            _OPEN.add(self)
 
     def __len__(self) -> int:  # unknown until read: grain is never asked (the mixture indexes directly)
         raise TypeError("a streamed source's length is known only once it was read")
@@ -109,11 +123,13 @@ class Streamed:
     def _windows(self, file: int, first: int, carry: list[int]) -> Iterator[tuple[int, np.ndarray]]:
         """(index, window) from the start of `file` on, to the end of the pass."""
         buf, k = np.asarray(carry, np.int64), first
-        for f in range(file, len(self.files)):
-            if f not in self.bookmarks:
-                self.bookmarks[f] = (k, [int(t) for t in buf])
-            tasks = chunks(documents([self.files[f]], self.fmt, self.field, self.skipped), 0.0)  # none held out
-            for ids, *_ in encoded(tasks, self.tok, self.tokenizer_path, self.workers):
+        self.bookmarks.setdefault(file, (k, [int(t) for t in buf]))
+        chunks = stream_workers.encoded(self.files, file, self.fmt, self.field, self.tokenizer_path, self.workers)
+        try:
+            for _, f, ids, skipped, error in chunks:
+                self.skipped += skipped
+                if f not in self.bookmarks:
+                    self.bookmarks[f] = (k, [int(t) for t in buf])
                 buf = np.concatenate([buf, ids])
                 n = max((len(buf) - 1) // (self.length - 1), 0)  # whole windows sharing one token
                 for w in range(n):
@@ -122,6 +138,17 @@ class Streamed:
                     yield k, buf[start : start + self.length].astype(np.int32)
                     k += 1
                 buf = buf[n * (self.length - 1) :]
+                if error:  # after the windows of the documents before the bad line
+                    raise JaxdistError(error)
+        finally:
+            chunks.close()  # type: ignore[attr-defined]  # stops grain's worker processes
+
+    def close(self) -> None:
+        """Stop reading (and grain's worker processes, with workers > 1); a later read starts again."""
+        with self.lock:
+            if self.gen is not None:
+                self.gen.close()  # type: ignore[attr-defined]
+            self.gen = None
 
     def state(self, window: int) -> dict:
         """What a resume needs to read window `window` without re-reading earlier files."""

@@ -53,9 +53,9 @@ def finish(run: RunState) -> RunResult:
     devices = local_devices(run.mesh)
     summary.update(report.memory_summary(run.compiled, run.predicted, metrics.device_memory(devices)))
     mix = run.loader.mixture if isinstance(run.loader, Loader) else None
-    skipped = mix.skipped() if mix is not None else {}
+    skipped = mix.skip_counts() if mix is not None else {}
     if skipped:  # documents a streamed source left out (not UTF-8), each counted once
-        summary["data_skipped"] = {name: len(docs) for name, docs in skipped.items()}
+        summary["data_skipped"] = skipped
     try:
         run.writer.write(summary)
         run.writer.close()
