@@ -398,7 +398,10 @@ def test_grpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(tiny
     -sum_n A_n len_n / sum_n len_n (the ratio is 1), plus the router's auxiliary objective as the LM
     objective adds it, its sum / the batch's routed positions (both 1e-6)."""
 
-    cfg = tiny_cfg.replace(model=dict(MICRO_MODEL, moe_experts=4, moe_topk=2), train=dict(global_batch=4))
+    # capacity dispatch with room for every token: the aux objective is the router's, whatever the
+    # dispatch, and its program compiles faster than dropless's lax.switch of tiers
+    moe = dict(moe_experts=4, moe_topk=2, moe_dispatch="capacity", moe_capacity_factor=8.0)
+    cfg = tiny_cfg.replace(model=dict(MICRO_MODEL, **moe), train=dict(global_batch=4))
     g = grpo.GRPO(group_size=2, beta=0.0, iterations=1, loss_type="dapo")
     mesh = mesh_from_string("dp=1", jax.devices()[:1])
     prog = step.build_program(cfg, mesh, lambda f, c, m, model: grpo_stage.grpo_stage(f, c, g))

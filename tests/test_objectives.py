@@ -358,7 +358,10 @@ def test_dpo_with_a_moe_model_adds_the_router_aux_loss_as_the_lm_objective(dpo_c
     mean over every position of the batch's rows). At step 0 the reference is the policy, so the DPO part is ln 2 and the
     loss is ln 2 + that aux term (1e-6); the term is > 0 and its gradient reaches the router."""
 
-    cfg = dpo_cfg.replace(model=dict(moe_experts=4, moe_topk=2), train=dict(global_batch=4))
+    # capacity dispatch with room for every token: the aux objective is the router's, whatever the
+    # dispatch, and its program compiles faster than dropless's lax.switch of tiers
+    moe = dict(moe_experts=4, moe_topk=2, moe_dispatch="capacity", moe_capacity_factor=8.0)
+    cfg = dpo_cfg.replace(model=moe, train=dict(global_batch=4))
     prog = step.build_program(cfg, mesh_from_string("dp=1", jax.devices()[:1]))
     state = prog.init_state(0)
     rng = np.random.default_rng(0)
