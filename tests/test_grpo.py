@@ -293,7 +293,7 @@ def grpo_train(tmp_path_factory, tiny_cfg):
             beta=0.1,
         ),
         train=dict(global_batch=8, steps=3, eval_every=3, eval_batches=1, log_every=1),
-        checkpoint=dict(every=1, keep=5, async_save=False),
+        checkpoint=dict(every=2, keep=5, async_save=False),  # step 2 (resumed from) and the last
         lora=dict(rank=4),
     )
     import jaxdist

@@ -336,7 +336,7 @@ def test_dpo_train_resumes_as_the_uninterrupted_run_and_the_planner_counts_its_r
         data=dict(source="tokens", path=str(tmp_path / "p")),
         objective=dict(method="dpo", beta=0.5),
         train=dict(global_batch=8, steps=3, eval_every=0, log_every=1),
-        checkpoint=dict(every=1, keep=5, async_save=False),
+        checkpoint=dict(every=2, keep=5, async_save=False),  # step 2 (resumed from) and the last
     )
     jaxdist.run(cfg, tmp_path / "a", log=lambda *a, **k: None)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
