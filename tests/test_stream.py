@@ -145,6 +145,59 @@ def test_grain_workers_give_the_same_windows_resume_exactly_and_carry_bad_input(
     resumed.close()
 
 
+def test_split_files_each_process_opens_only_its_files_and_resumes_exactly(docs, monkeypatch):
+    """split_files (opt-in): simulated process p of 2 (rows 4p..4p+3 of each batch of 8) opens only files
+    p, p+2 (file opens counted), the two open each file once between them, and a process's streamed rows
+    take its own stream's windows in turn (none skipped or repeated, so together they read the corpus
+    once per pass). Its resume is exact and refuses another process count; fewer files than processes
+    and split_files on a prepared source are one line."""
+    import functools
+
+    from jaxdist.data import documents, mixture
+
+    opened: list[str] = []
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(os.path.basename(path))
+        return open(path, *args, **kwargs)
+
+    web = {"name": "web", "path": f"{docs}/web.bin", "weight": 0.5}
+    split = {"name": "docs", "path": f"{docs}/jsonl", "weight": 0.5, "stream": True, "split_files": True}
+    cfg = stream_cfg(docs).replace(data=dict(sources=[web, split]))
+    files = sorted(map(str, (docs / "jsonl").iterdir()))
+    monkeypatch.setattr(documents, "open", counting_open, raising=False)
+    seen = []
+    for p in (0, 1):
+        opened.clear()
+        rows = (4 * p, 4 * p + 4)
+        mix = mixture.Mixture(cfg, functools.partial(loader_mod.read_source, process=(p, 2)), rows)
+        got = np.concatenate([loader_mod.mixed_batches(mix, 8, rows)[s] for s in range(20)])
+        seen.append(sorted(set(opened)))
+        mine = got[got[:, 0] < 250]  # the streamed rows, in row order
+        assert 36 <= len(mine) <= 44  # half of 80 rows, to within grain's interleaving
+        own = stream.Streamed(files[p::2], "auto", "text", f"{docs}/tok", SEQ + 1)
+        np.testing.assert_array_equal(mine, np.stack([own[i] for i in range(len(mine))]))
+    assert seen == [["part0.jsonl", "part2.jsonl"], ["part1.jsonl"]]
+
+    first = loader_mod.Loader(cfg, batch_sharding("dp=8"), process=(1, 2))
+    want = take(first, 20)
+    first = loader_mod.Loader(cfg, batch_sharding("dp=8"), process=(1, 2))
+    take(first, 7)
+    state = json.loads(json.dumps(first.get_state()))
+    assert state["streamed"]["docs"]["local"] == int((np.concatenate(want[:7])[:, 0] < 250).sum())
+    again = loader_mod.Loader(cfg, batch_sharding("fsdp=8"), process=(1, 2))
+    again.set_state(state)
+    for a, b in zip(want[7:], take(again, 13)):
+        np.testing.assert_array_equal(a, b)
+    other = loader_mod.Loader(cfg, batch_sharding("dp=8"), process=(0, 2))
+    with pytest.raises(JaxdistError, match=r"checkpoint was saved by process 1 of 2, but this is process 0 of 2"):
+        other.set_state(state)
+    with pytest.raises(JaxdistError, match=r"^data.sources docs: split_files gives each of the 4 processes its own"):
+        loader_mod.Loader(cfg, batch_sharding("dp=8"), process=(0, 4))
+    with pytest.raises(JaxdistError, match=r"sets split_files but is not streamed"):
+        stream_cfg(docs).replace(data=dict(sources=[{**web, "split_files": True}]))
+
+
 def test_bad_streamed_input(docs, tmp_path):
     """A line that is not UTF-8 is skipped and counted; a line that is not JSON stops with one line naming
     file and line, and the next read tries again (nothing is taken from elsewhere); config errors."""

@@ -188,6 +188,11 @@ def validate_mixture(d, steps: int) -> None:
             )
         if src.workers < 1:
             raise JaxdistError(f"data.sources[{i}].workers={src.workers} must be >= 1")
+        if src.split_files and not src.stream:
+            raise JaxdistError(
+                f"data.sources[{i}] ({src.name}) sets split_files but is not streamed; split_files applies to "
+                "stream: true sources (drop it, or set stream: true)"
+            )
         names.append(src.name)
     validate_stages(d.stages, names, steps)
 

@@ -20,7 +20,8 @@ class SourceConfig:
         False  # path holds raw documents (JSONL, Parquet, Arrow, text) tokenized while training (data/stream.py)
     )
     field: str = "text"  # stream: the JSONL / Parquet / Arrow field holding each document's text
-    workers: Positive = 1  # stream: tokenizing processes (1: in the loader's reader thread)
+    workers: Positive = 1  # stream: tokenizing grain worker processes (1: in the loader's reader thread)
+    split_files: bool = False  # stream: process p of P reads only files p, p+P, ...; batches then depend on P
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ tokens, evaluation is off with one start-up warning saying why (never windows ta
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, cast
@@ -116,8 +117,9 @@ def load_windows(cfg: Config) -> tuple[Subset, Subset]:
     return Subset(windows, 0, n - n_eval, what), Subset(windows, n - n_eval, n, tail)
 
 
-def read_source(cfg: Config, src) -> tuple[Subset | stream.Streamed, Subset]:
-    """One mixture source's (train, eval) windows, read as data.path would be."""
+def read_source(cfg: Config, src, process: tuple[int, int] = (0, 1)) -> tuple[Subset | stream.Streamed, Subset]:
+    """One mixture source's (train, eval) windows, read as data.path would be; `process` (index, count)
+    matters only to a streamed source with split_files."""
     if prefprep.paired(cfg):
         raise JaxdistError(
             f"objective.method={cfg.objective.method} trains on preference pairs, which data.sources does not mix; "
@@ -125,21 +127,33 @@ def read_source(cfg: Config, src) -> tuple[Subset | stream.Streamed, Subset]:
         )
     try:
         if src.stream:
-            return streamed_source(cfg, src)
+            return streamed_source(cfg, src, process)
         return load_windows(source_config(cfg, src))
     except JaxdistError as e:
         raise JaxdistError(f"data.sources {src.name}: {e}") from None
 
 
-def streamed_source(cfg: Config, src) -> tuple[stream.Streamed, Subset]:
-    """A `stream: true` source: its documents tokenized while training (jaxdist/data/stream.py); no held-out split."""
+def streamed_source(cfg: Config, src, process: tuple[int, int] = (0, 1)) -> tuple[stream.Streamed, Subset]:
+    """A `stream: true` source: its documents tokenized while training (jaxdist/data/stream.py); no held-out
+    split. With split_files, process p of P reads only files p, p+P, ... of the sorted list."""
     tok = tokenizer.load(cfg.data.tokenizer)
     tokenizer.check_vocab(tok, cfg.model.vocab_size, f"data.tokenizer={cfg.data.tokenizer}")
     files = expand_path(src.path)
+    share = ""
+    if src.split_files:
+        p, count = process
+        if len(files) < count:
+            raise JaxdistError(
+                f"split_files gives each of the {count} processes its own files, but {src.path} holds "
+                f"{len(files)}; split the documents into at least {count} files, or drop split_files"
+            )
+        share = f", this process's share: files {p}, {p + count}, ... of {len(files):,} (process {p} of {count})"
+        files = files[p::count]
     train = stream.Streamed(files, "auto", src.field, cfg.data.tokenizer, cfg.model.seq_len + 1, src.workers)
+    train.process = process if src.split_files else (0, 1)
     train.label = (
         f"{len(files):,} file{'s' if len(files) != 1 else ''} streamed ({src.path}, field {src.field!r}), "
-        f"tokenizer {cfg.data.tokenizer}, in file order"
+        f"tokenizer {cfg.data.tokenizer}, in file order{share}"
     )
     return train, Subset(Windows([], cfg.model.seq_len + 1), 0, 0, "none (a streamed source)")
 
@@ -203,15 +217,18 @@ def test_poison_step() -> int:
 class Loader:
     """Training batches as global sharded arrays, prefetched by grain threads; checkpointable."""
 
-    def __init__(self, cfg: Config, batch_sharding: jax.sharding.NamedSharding):
+    def __init__(self, cfg: Config, batch_sharding: jax.sharding.NamedSharding, process: tuple[int, int] | None = None):
+        """`process` (index, count): this process's place, for split_files (default: JAX's; tests simulate)."""
         self.sharding = batch_sharding
+        self.process = process or (jax.process_index(), jax.process_count())
         self.global_shape = (cfg.train.global_batch, row_width(cfg))
         self.rows = local_rows(batch_sharding, *self.global_shape)
         self.options = grain.ReadOptions(num_threads=cfg.data.prefetch, prefetch_buffer_size=cfg.data.prefetch)
         self.mixture = None
         self.eval_names: list[str] = []  # with data.sources: the source of each eval batch
         if cfg.data.sources:
-            self.mixture = mixture.Mixture(cfg, read_source)
+            read = functools.partial(read_source, process=self.process)
+            self.mixture = mixture.Mixture(cfg, read, self.rows)
             self._eval = []
             for name, held in zip(self.mixture.names, self.mixture.held_out):
                 got = eval_batches(held, cfg.train.global_batch, cfg.train.eval_batches, self.rows)
@@ -249,9 +266,10 @@ class Loader:
         """grain's iterator state (the next step); with data.sources also each source's windows read."""
         state = self.iterator.get_state()
         if self.mixture is not None:
-            mix, read = self.mixture, self.mixture.read(int(state["next_index"]))
+            mix, step = self.mixture, int(state["next_index"])
+            read = mix.read(step)
             state = {**state, "sources": read}
-            streamed = {n: t.state(read[n]) for n, t, on in zip(mix.names, mix.train, mix.streamed) if on}
+            streamed = {n: mix.stream_state(j, step) for j, n in enumerate(mix.names) if mix.streamed[j]}
             if streamed:  # where each streamed source's next window is read from (data/stream.py)
                 state["streamed"] = streamed
         return state
@@ -264,11 +282,12 @@ class Loader:
         if self.mixture is not None and "sources" in state:
             state = dict(state)
             read = state.pop("sources")
-            for name, saved in state.pop("streamed", {}).items():
+            saved = state.pop("streamed", {})
+            self.mixture.resume(int(state["next_index"]), read)
+            for name, got in saved.items():
                 j = self.mixture.names.index(name) if name in self.mixture.names else -1
                 if j >= 0 and self.mixture.streamed[j]:
-                    self.mixture.train[j].restore(saved)
-            self.mixture.resume(int(state["next_index"]), read)
+                    self.mixture.restore_stream(j, int(state["next_index"]), got)
             self.iterator = self._mixed_iterator()
         self.iterator.set_state(state)
 

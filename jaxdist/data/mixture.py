@@ -22,8 +22,9 @@ source and the step where it would run out.
 from __future__ import annotations
 
 import bisect
+import threading
 import zlib
-from typing import cast
+from typing import Any, cast
 
 import grain
 import numpy as np
@@ -101,7 +102,10 @@ class Stream:
 
     def read(self, step: int) -> list[int]:
         """Windows each source gave to steps 0 .. step-1."""
-        g = step * self.global_batch
+        return self.count(step * self.global_batch)
+
+    def count(self, g: int) -> list[int]:
+        """Windows each source gave to global rows 0 .. g-1."""
         k = bisect.bisect_right(self.starts, g) - 1
         active, props, offsets, _ = self.stages[k]
         out = list(offsets)
@@ -129,8 +133,9 @@ class Mixture:
     """The sources of `data.sources` (each a (train, held-out) pair of window sources) and the step-indexed
     stream that draws from them."""
 
-    def __init__(self, cfg: Config, read_source):
-        """`read_source(cfg, source) -> (train, held_out)`: how one source is read (loader.read_source)."""
+    def __init__(self, cfg: Config, read_source, rows: tuple[int, int] | None = None):
+        """`read_source(cfg, source) -> (train, held_out)`: how one source is read (loader.read_source);
+        `rows`: this process's rows of each global batch (default all), which a split_files source counts."""
         d = cfg.data
         self.names = [s.name for s in d.sources]
         self.weights = schedule(d)
@@ -146,12 +151,64 @@ class Mixture:
             for t, n, streamed in zip(self.train, self.names, self.streamed)
         ]
         self.stream = Stream(self.weights, self.global_batch, len(self.names))
+        # split_files: this process reads only its files, so its rows take that stream's windows in turn:
+        # window i of such a source is the i-th row of it among this process's rows (`local`)
+        self.split = [src.stream and src.split_files for src in d.sources]
+        self.rows = rows or (0, self.global_batch)
+        self.lock = threading.Lock()
+        self.local: dict[int, list[int]] = {0: [0] * len(self.names)}  # step -> split windows read before it
+        self.anchor = 0  # the earliest step of `local` (a resume's)
         if d.on_exhausted == "stop":
             self.check_enough(cfg.train.steps)
 
     def window(self, g: int) -> np.ndarray:
         j, i = self.stream[g]
+        if self.split[j]:
+            step, lo = g // self.global_batch, g // self.global_batch * self.global_batch + self.rows[0]
+            i = self.local_read(step)[j] + self.stream.count(g)[j] - self.stream.count(lo)[j]
         return cast(np.ndarray, self.streams[j][i])  # a grain dataset's item is typed optional; no filter: never None
+
+    def local_read(self, step: int) -> list[int]:
+        """Windows each source gave to this process's rows of steps before `step` (for split_files)."""
+        with self.lock:
+            if step not in self.local:
+                if step < self.anchor:
+                    raise JaxdistError(f"step {step} is before this run's resumed step {self.anchor}")
+                start = max(k for k in self.local if k <= step)
+                got, (lo, hi), b = self.local[start], self.rows, self.global_batch
+                for t in range(start, step):
+                    first, last = self.stream.count(t * b + lo), self.stream.count(t * b + hi)
+                    got = [c + y - x for c, x, y in zip(got, first, last)]
+                self.local[step] = got
+                for k in [k for k in self.local if self.anchor < k < step - 4096]:  # bounded: reads move forward
+                    del self.local[k]
+            return self.local[step]
+
+    def stream_state(self, j: int, step: int) -> dict:
+        """Streamed source j's resume state at `step` (where its next window is read from)."""
+        source = cast(Any, self.train[j])  # a stream.Streamed
+        if not self.split[j]:
+            return source.state(self.stream.read(step)[j])
+        local = self.local_read(step)[j]
+        return {**source.state(local), "local": local, "process": list(source.process)}
+
+    def restore_stream(self, j: int, step: int, saved: dict) -> None:
+        """Continue streamed source j from a checkpoint's state (`stream_state`)."""
+        source = cast(Any, self.train[j])
+        if self.split[j]:
+            (p, count), was = source.process, saved.get("process")
+            if "local" not in saved or was is None or list(was) != [p, count]:
+                by = f"by process {was[0]} of {was[1]}" if was else "without split_files"
+                raise JaxdistError(
+                    f"data.sources {self.names[j]} has split_files and the checkpoint was saved {by}, but this is "
+                    f"process {p} of {count}: each process's files would change; resume on the same process count, "
+                    "or start a new run"
+                )
+            with self.lock:
+                if self.anchor != step or step not in self.local:
+                    self.local, self.anchor = {step: [0] * len(self.names)}, step
+                self.local[step][j] = int(saved["local"])
+        source.restore(saved)
 
     def read(self, step: int) -> dict[str, int]:
         """{source: windows read by steps 0 .. step-1}: the per-source iterator state."""

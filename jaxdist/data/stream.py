@@ -12,7 +12,9 @@ source has no val/ split.
 Window i is a function of i alone, so the mixture's rule holds unchanged: the same global batch at step s
 on any mesh or process count. The price of that rule: every process tokenizes the whole stream up to the
 windows its rows need (it cannot read only a share of the files, because which source window lands in
-which process's rows is decided by the mixture's interleaving, not by the files). With the source's
+which process's rows is decided by the mixture's interleaving, not by the files). The opt-in
+`split_files` trades that rule for reading less: process p of P streams only files p, p+P, ...
+(loader.streamed_source) and its rows take those windows in turn (mixture.Mixture.local_read). With the source's
 `workers: N` > 1, tokenizing runs in N grain worker processes (jaxdist/data/stream_workers.py), chunk k
 in worker k mod N, the chunks coming back in input order: the windows are the same for any N, and the
 packing into windows stays here, in the reader.
@@ -69,6 +71,10 @@ class Streamed:
         self.skipped: list[str] = []
         self.gen: Iterator[tuple[int, np.ndarray]] | None = None
         self.next = 0  # index of the window self.gen yields next
+        self.process: tuple[int, int] = (
+            0,
+            1,
+        )  # (index, count) whose share of the files this is (split_files; loader.py)
         if workers > 1:
             _OPEN.add(self)
 
