@@ -24,10 +24,13 @@ def test_table_invariants(name, P, M, V):
     the bubble and the inputs each stage keeps: 1F1B (P-1)/(M+P-1) idle with at most P - s micro-batches
     in flight at stage s; interleaved (P-1)/(V M+P-1); GPipe keeps all M; zb_h1 every F, B and W once
     (no F on the last stage), at most P + 1 micro-batches between F and W, and less than 1F1B's
-    bubble at M >= P (at most a third of it where M >= 2P, P=4)."""
+    bubble at M >= P (at most a third of it where M >= 2P, P=4); zb_v at most 2P chunk micro-batches.
+    The planner's buffer sizes (schedule_buffers.sizes, no placement) are the executor's (buffers)."""
     t = schedule_registry.get(name).table(P, M, V)
     schedules.check(t)
     flight = schedule_buffers.in_flight(t)
+    bufs = schedule_buffers.buffers(t)
+    assert schedule_buffers.sizes(t) == schedule_buffers.Sizes(bufs.x_size, bufs.g_size)
     if name == "1f1b":
         assert t.slots == 2 * (M + P - 1)
         assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
@@ -57,7 +60,9 @@ def test_table_invariants(name, P, M, V):
         np.testing.assert_array_equal(per(schedules.FWD), [M] + [2 * M] * (P - 1))  # no F at the loss chunk
         np.testing.assert_array_equal(per(schedules.BWD), 2 * M)
         np.testing.assert_array_equal(per(schedules.WGT), 2 * M)
-        assert (flight <= 2 * P + 1).all()  # chunk micro-batches (half a stage each): 1F1B's P stage ones, + 1
+        assert (flight <= 2 * P).all()  # chunk micro-batches (half a stage each): 1F1B's P stage ones
+        if M >= 2 * P:  # stage 0 fills its 2P, its loss chunk's B counted (it once ran 2P + 1)
+            assert flight[0] == 2 * P
         one = (P - 1) / (M + P - 1)
         assert t.bubble_fraction < one
         if P == 4 and M >= 2 * P:
@@ -133,15 +138,16 @@ def test_check_catches_a_broken_zb_table():
 def test_zb_v_at_p4_m8():
     """The bench point (P=4, M=8): 51 slots of half-stage actions; stage 0 runs 40 (F of chunk 0, B and W
     of both) and idles 3: bubble 3/51 = 0.059, 0.22x 1F1B's 6/22 and 0.76x zb_h1's 2/26. The V turns at
-    stage P-1 (its chunk 0 feeds its own chunk 1) and the loss is on stage 0. Its buffers keep 10 stage
-    inputs and 6 arrived gradients of half a stage's layers each (zb_h1: 5 and 4 of a whole stage)."""
+    stage P-1 (its chunk 0 feeds its own chunk 1) and the loss is on stage 0. Its buffers keep 9 stage
+    inputs and 6 arrived gradients of half a stage's layers each (zb_h1: 5 and 4 of a whole stage; 10
+    inputs before stage 0 kept one of its 2P for the loss chunk's B)."""
     t = schedule_registry.get("zb_v").table(4, 8)
     one = schedule_registry.get("1f1b").table(4, 8)
     assert t.slots == 51 and (t.kind != schedules.IDLE).sum(axis=(0, 2)).tolist() == [40, 48, 48, 48]
     assert t.bubble_fraction == pytest.approx(3 / 51)
     assert t.bubble_fraction / one.bubble_fraction == pytest.approx(0.216, abs=1e-3)
     bufs = schedule_buffers.buffers(t)
-    assert (bufs.x_size, bufs.g_size) == (10, 6)
+    assert (bufs.x_size, bufs.g_size) == (9, 6)
     assert (bufs.arrive[("x", "own")][:, 3] >= 0).sum() == 8  # the turn: stage 3's chunk 0 feeds its chunk 1
     assert (bufs.arrive[("x", "own")][:, :3] < 0).all() and (bufs.arrive[("x", "up")] >= 0).sum() == 3 * 8
     rows = t.render().splitlines()

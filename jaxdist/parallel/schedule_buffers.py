@@ -8,6 +8,7 @@ jaxdist/parallel/schedules.py.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import numpy as np
 
@@ -40,11 +41,53 @@ class Buffers:
 
 def _where(table: Table) -> dict[tuple, tuple[int, int]]:
     """(kind, stage, chunk, micro-batch) -> (slot, lane)."""
-    out = {}
-    for t, s, lane in zip(*np.nonzero(table.kind != IDLE)):
-        key = (int(table.kind[t, s, lane]), int(s), int(table.chunk[t, s, lane]), int(table.mb[t, s, lane]))
-        out[key] = (int(t), int(lane))
+    t, s, lane = np.nonzero(table.kind != IDLE)
+    keys = zip(
+        table.kind[t, s, lane].tolist(), s.tolist(), table.chunk[t, s, lane].tolist(), table.mb[t, s, lane].tolist()
+    )
+    return dict(zip(keys, zip(t.tolist(), lane.tolist())))
+
+
+def _intervals(table: Table, at: dict) -> dict[str, list[list[tuple]]]:
+    """Per pool ("x" activations, "g" gradients) and receiving stage, its arrivals as (slot it arrives,
+    slot of the receiver's last action on it, (chunk, micro-batch), source: "down" / "up" / "own")."""
+    P, V, where = table.stages, table.repeats, table.placement
+    last: dict[tuple, int] = {}  # (stage, chunk, micro-batch) -> the slot of its last action
+    for (_, s, v, i), (t, _) in at.items():
+        last[(s, v, i)] = max(t, last.get((s, v, i), -1))
+    nxt = {(s, v): next_virtual(s, v, P, V, where) for s in range(P) for v in range(V)}
+    prv = {(s, v): prev_virtual(s, v, P, where) for s in range(P) for v in range(V)}
+    # where an output arrives from: the stage itself (V's turn), else down / up the ring (sends_down)
+    source = {
+        (k, s, v): "own" if d[0] == s else ("down" if sends_down(k, v, where) else "up")
+        for (s, v) in nxt
+        for k, d in ((FWD, nxt[(s, v)]), (BWD, prv[(s, v)]))
+        if d is not None
+    }
+    out: dict[str, list[list[tuple]]] = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}
+    for (k, s, v, i), (t, _) in at.items():
+        if k == FWD and (dst := nxt[(s, v)]) is not None:
+            out["x"][dst[0]].append((t + 1, last[(*dst, i)], (dst[1], i), source[(k, s, v)]))
+        if k == BWD and (src := prv[(s, v)]) is not None:
+            out["g"][src[0]].append((t + 1, last[(*src, i)], (src[1], i), source[(k, s, v)]))
     return out
+
+
+def _first_fit(spans: list[tuple]) -> tuple[list[int], int]:
+    """Per (start, end, ...) span, in start order, the lowest-numbered buffer free at its start (free
+    from the slot after its holder's end); and how many buffers that took. A buffer freed stays free
+    until taken (starts only grow), so two heaps do it: in use as (free again from, buffer), and free."""
+    used: list[tuple[int, int]] = []
+    free: list[int] = []
+    out, count = [], 0
+    for start, end, *_ in spans:
+        while used and used[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(used)[1])
+        slot = heapq.heappop(free) if free else count
+        count = max(count, slot + 1)
+        heapq.heappush(used, (end + 1, slot))
+        out.append(slot)
+    return out, count
 
 
 def buffers(table: Table) -> Buffers:
@@ -52,37 +95,67 @@ def buffers(table: Table) -> Buffers:
     receiver's last action on it (B; W where the backward is split: the weight gradient needs the input);
     a gradient sent by B at t arrives at t + 1 and is kept until the receiver's B (and W). A buffer
     slot read in slot t is free from t + 1."""
-    P, V, where = table.stages, table.repeats, table.placement
     at = _where(table)
     arrive = {(n, src): np.full(table.kind.shape[:2], -1, np.int32) for n in "xg" for src in ("down", "up", "own")}
     x_read, g_read = (np.full(table.kind.shape, -1, np.int32) for _ in range(2))
-    intervals = {"x": [[] for _ in range(P)], "g": [[] for _ in range(P)]}  # (arrive, last use, key, source)
-    last_use = lambda s, v, i: max(at[(k, s, v, i)][0] for k in (FWD, BWD, WGT) if (k, s, v, i) in at)
-    source = lambda k, s, v, d: "own" if d == s else ("down" if sends_down(k, v, where) else "up")
-    for (k, s, v, i), (t, _) in at.items():
-        if k == FWD and (dst := next_virtual(s, v, P, V, where)) is not None:
-            intervals["x"][dst[0]].append((t + 1, last_use(dst[0], dst[1], i), (dst[1], i), source(k, s, v, dst[0])))
-        if k == BWD and (src := prev_virtual(s, v, P, where)) is not None:
-            intervals["g"][src[0]].append((t + 1, last_use(src[0], src[1], i), (src[1], i), source(k, s, v, src[0])))
     sizes = {}
-    for name, read in (("x", x_read), ("g", g_read)):
-        size = 0
-        for s in range(P):
-            free_from: list[int] = []  # per buffer slot: first slot it may be written again
-            for start, end, (v, i), src in sorted(intervals[name][s]):
-                slot = next((j for j, f in enumerate(free_from) if f <= start), len(free_from))
-                if slot == len(free_from):
-                    free_from.append(0)
-                free_from[slot] = end + 1
-                assert arrive[(name, src)][start, s] == -1, "two arrivals in one slot"
-                arrive[(name, src)][start, s] = slot
+    for name, per_stage in _intervals(table, at).items():
+        arrivals: list[tuple[str, int, int, int]] = []  # (source, slot, stage, buffer)
+        reads: list[tuple[int, int, int, int]] = []  # (slot, stage, lane, buffer)
+        sizes[name] = 1
+        for s, spans in enumerate(per_stage):
+            spans.sort()
+            slots, count = _first_fit(spans)
+            sizes[name] = max(sizes[name], count)
+            for (start, _, (v, i), src), slot in zip(spans, slots):
+                arrivals.append((src, start, s, slot))
                 for k in (FWD, BWD, WGT) if name == "x" else (BWD, WGT):  # F reads x; B and W x and g
                     if (k, s, v, i) in at:
-                        t2, lane = at[(k, s, v, i)]
-                        read[t2, s, lane] = slot
-            size = max(size, len(free_from))
-        sizes[name] = max(size, 1)
+                        reads.append((at[(k, s, v, i)][0], s, at[(k, s, v, i)][1], slot))
+        for src, t, s, slot in arrivals:
+            assert arrive[(name, src)][t, s] == -1, "two arrivals in one slot"
+            arrive[(name, src)][t, s] = slot
+        if reads:
+            t, st, lane, slot = np.array(reads).T
+            (x_read if name == "x" else g_read)[t, st, lane] = slot
     return Buffers(arrive, x_read, g_read, sizes["x"], sizes["g"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """`Buffers`' sizes alone: the most activations / gradients any stage holds at once."""
+
+    x_size: int
+    g_size: int
+
+
+def sizes(table: Table) -> Sizes:
+    """`buffers(table)`'s x_size and g_size without placing anything (what the planner reads; numpy over
+    the table, no per-action Python): per stage the most arrivals live at once, each from the slot after
+    its sender's action to its receiver's last action on it. `buffers` gives each arrival the
+    lowest-numbered buffer free at its slot, in slot order, and on intervals that uses exactly this
+    many (tests/test_pipeline_schedules.py checks both agree)."""
+    P, V, M, where = table.stages, table.repeats, table.microbatches, table.placement
+    t, s, lane = np.nonzero(table.kind != IDLE)
+    k, v, i = table.kind[t, s, lane], table.chunk[t, s, lane], table.mb[t, s, lane]
+    last = np.full((P, V, M), -1, np.int64)  # per (stage, chunk, micro-batch): its last action's slot
+    np.maximum.at(last, (s, v, i), t)
+    out = []
+    for kind, link in ((FWD, next_virtual), (BWD, lambda s, v, P, V, w: prev_virtual(s, v, P, w))):
+        to = np.full((P, V, 2), -1, np.int64)  # where (stage, chunk)'s output of this kind goes
+        for a in range(P):
+            for c in range(V):
+                d = link(a, c, P, V, where)
+                to[a, c] = d if d is not None else (-1, -1)
+        sel = k == kind
+        ds, dv = to[s[sel], v[sel], 0], to[s[sel], v[sel], 1]
+        keep = ds >= 0
+        start, ds, dv, mb = t[sel][keep] + 1, ds[keep], dv[keep], i[sel][keep]
+        live = np.zeros((table.slots + 2, P), np.int64)  # +1 at arrival, -1 the slot after its last use
+        np.add.at(live, (start, ds), 1)
+        np.add.at(live, (last[ds, dv, mb] + 1, ds), -1)
+        out.append(max(int(np.cumsum(live, axis=0).max()), 1))
+    return Sizes(*out)
 
 
 def in_flight(table: Table) -> np.ndarray:

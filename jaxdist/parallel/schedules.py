@@ -91,27 +91,29 @@ def zb_h1_orders(stages: int, microbatches: int, repeats: int = 1) -> Orders:
     if repeats != 1:
         raise JaxdistError(f"zb_h1 runs one chunk per stage (got pipeline.repeats={repeats}); set pipeline.repeats=1")
     limit = P + 1
-    done: dict[tuple, int] = {}  # (kind, stage, micro-batch) -> slot
+    never = 1 << 62
+    slot_f, slot_b = [[never] * M for _ in range(P)], [[never] * M for _ in range(P)]  # per stage, mb: its slot
     nf, nb, nw = [0] * P, [0] * P, [0] * P
     orders: Orders = [[] for _ in range(P)]
     t = 0
     while any(n < M for n in nw):
-        ready = lambda key: done.get(key, t) < t  # noqa: B023 (t is the current slot)
         ran = []
         for s in range(P):
             i, j, k = nb[s], nf[s], nw[s]
-            b_deps = [(FWD, s - 1, i)] if s == P - 1 else [(FWD, s, i), (BWD, s + 1, i)]
-            if i < M and all(ready(d) for d in b_deps):
+            if i < M and (slot_f[s - 1][i] < t if s == P - 1 else slot_f[s][i] < t and slot_b[s + 1][i] < t):
                 ran.append((BWD, s, i))
-            elif s < P - 1 and j < M and j - k < limit and (s == 0 or ready((FWD, s - 1, j))):
+            elif s < P - 1 and j < M and j - k < limit and (s == 0 or slot_f[s - 1][j] < t):
                 ran.append((FWD, s, j))
-            elif k < i and ready((BWD, s, k)):
+            elif k < i and slot_b[s][k] < t:
                 ran.append((WGT, s, k))
         for kind, s, i in ran:
-            done[(kind, s, i)] = t
             orders[s].append((kind, 0, i))
-            counter = {FWD: nf, BWD: nb, WGT: nw}[kind]
-            counter[s] += 1
+            if kind == FWD:
+                slot_f[s][i], nf[s] = t, nf[s] + 1
+            elif kind == BWD:
+                slot_b[s][i], nb[s] = t, nb[s] + 1
+            else:
+                nw[s] += 1
         if not ran:
             raise JaxdistError(f"zb_h1 list schedule stalls at slot {t} (P={P}, M={M})")
         t += 1
@@ -248,6 +250,36 @@ def _deps(
     return [(FWD, s, v, i)] + ([] if dst is None else [(BWD, dst[0], dst[1], i)])
 
 
+def _solve(streams: list, deps: dict, P: int, V: int, M: int) -> tuple[list[int], list[int], int | None]:
+    """`simulate`'s slots: per action key ((kind * P + stage) * V + chunk) * M + mb its slot (-1: never
+    placed), per stream its last slot, and the first slot of a stream left waiting (None: all placed).
+    A stream runs on until an input is not placed yet, and resumes when that input is."""
+    done = [-1] * (4 * P * V * M)
+    waiting: dict[int, list[int]] = {}  # an unplaced input -> the streams stopped on it
+    ptr, prev = [0] * len(streams), [-1] * len(streams)
+    ready = list(range(len(streams)))
+    while ready:
+        n = ready.pop()
+        s, _, acts = streams[n]
+        while ptr[n] < len(acts):
+            k, v, i = acts[ptr[n]]
+            base = ((k * P + s) * V + v) * M
+            t, missing = prev[n] + 1, -1
+            for d, lag in deps[base]:
+                if done[d + i] < 0:
+                    missing = d + i
+                    break
+                t = max(t, done[d + i] + lag)
+            if missing >= 0:
+                waiting.setdefault(missing, []).append(n)
+                break
+            done[base + i] = prev[n] = t
+            ptr[n] += 1
+            ready.extend(waiting.pop(base + i, ()))
+    left = [prev[n] + 1 for n, (_, _, acts) in enumerate(streams) if ptr[n] < len(acts)]
+    return done, prev, min(left) if left else None
+
+
 def simulate(
     order: list[list[tuple[int, int, int]]],
     stages: int,
@@ -259,39 +291,42 @@ def simulate(
     """Place per-stage orders on lock-step slots: each stage runs its actions in order, an action waiting
     until its inputs were produced in an earlier slot. lanes=2: forwards and backwards are two streams
     (each in order), at most one of each per slot, and a backward may follow its own stage's forward of
-    the same slot (lane 0 runs first)."""
+    the same slot (lane 0 runs first).
+
+    Each action's slot is the first after its stream's previous action and after its inputs' slots
+    (the same slot for a two-lane backward's first input, its forward): slots are solved action by
+    action, a stream waiting on an input resuming when that input is placed (linear in the actions; the
+    planner builds tables of thousands of slots per candidate shape)."""
     P, V = stages, repeats
     ls, lv = last_virtual(P, V, placement)
     no_last_f = not any(a[0] == FWD and a[1] == lv for a in order[ls])
-    streams = [[order[s]] if lanes == 1 else [[a for a in order[s] if a[0] == k] for k in (FWD, BWD)] for s in range(P)]
-    done: dict[tuple, int] = {}  # (kind, s, v, i) -> slot
-    ptr = [[0] * lanes for _ in range(P)]
-    rows = []
-    while any(ptr[s][lane] < len(streams[s][lane]) for s in range(P) for lane in range(lanes)):
-        t = len(rows)
-        row = [[(IDLE, 0, 0)] * lanes for _ in range(P)]
-        ran = []
-        for lane in range(lanes):
-            for s in range(P):
-                if ptr[s][lane] == len(streams[s][lane]):
-                    continue
-                k, v, i = streams[s][lane][ptr[s][lane]]
-                deps = _deps(k, s, v, i, P, V, no_last_f, placement)
-                same_slot_ok = lanes == 2 and k == BWD  # its own forward, run on lane 0 of this slot
-                if all(
-                    done.get(d, t + 1) < t or (same_slot_ok and j == 0 and done.get(d) == t) for j, d in enumerate(deps)
-                ):
-                    row[s][lane] = (k, v, i)
-                    ran.append((k, s, v, i, lane))
-            for k, s, v, i, ln in ran:  # lane 0's forwards are visible to lane 1 of the same slot
-                if ln == lane:
-                    done[(k, s, v, i)] = t
-        if not ran:
-            raise JaxdistError(f"pipeline schedule deadlocks at slot {t} (stage orders {order})")
-        for *_, s, _v, _i, lane in ran:
-            ptr[s][lane] += 1
-        rows.append(row)
-    a = np.array(rows, dtype=np.int32)  # (slots, P, lanes, 3)
+    streams = [
+        (s, lane, acts)
+        for s in range(P)
+        for lane, acts in enumerate(
+            [order[s]] if lanes == 1 else [[a for a in order[s] if a[0] == k] for k in (FWD, BWD)]
+        )
+    ]
+    # an action (kind, stage, chunk, micro-batch) as one integer: ((kind * P + stage) * V + chunk) * M + mb
+    M = max((i for acts in order for _, _, i in acts), default=-1) + 1
+    key = lambda k, s, v: ((k * P + s) * V + v) * M
+    # per (kind, stage, chunk): its inputs as (key of micro-batch 0, lag): slot >= the input's slot + lag
+    deps: dict[int, list[tuple[int, int]]] = {}
+    for s, _, acts in streams:
+        for k, v, _ in acts:
+            if key(k, s, v) not in deps:
+                same_ok = lanes == 2 and k == BWD
+                ds = _deps(k, s, v, 0, P, V, no_last_f, placement)
+                deps[key(k, s, v)] = [(key(*d[:3]), 0 if same_ok and j == 0 else 1) for j, d in enumerate(ds)]
+    done, prev, stuck = _solve(streams, deps, P, V, M)
+    if stuck is not None:
+        raise JaxdistError(f"pipeline schedule deadlocks at slot {stuck} (stage orders {order})")
+    a = np.zeros((max(prev) + 1 if streams else 0, P, lanes, 3), np.int32)  # (slots, P, lanes, (kind, chunk, mb))
+    slot_of = np.asarray(done)  # per action key: its slot
+    for s, lane, acts in streams:
+        if acts:
+            act = np.array(acts, np.int64)
+            a[slot_of[((act[:, 0] * P + s) * V + act[:, 1]) * M + act[:, 2]], s, lane] = act
     return Table(P, microbatches, V, a[..., 0], a[..., 1], a[..., 2], placement)
 
 

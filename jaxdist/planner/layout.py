@@ -29,9 +29,10 @@ PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 
 @functools.lru_cache(maxsize=256)
 def schedule_table(schedule: str, stages: int, microbatches: int, repeats: int):
-    """(Table, Buffers) of a table schedule, built once per shape (the candidates share them)."""
+    """(Table, buffer sizes: schedule_buffers.sizes) of a table schedule, built once per shape (the
+    candidates share them)."""
     table = schedule_registry.get(schedule).table(stages, microbatches, repeats)
-    return table, schedule_buffers.buffers(table)
+    return table, schedule_buffers.sizes(table)
 
 
 @dataclasses.dataclass(frozen=True)
