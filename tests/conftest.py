@@ -152,6 +152,23 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# Balance under `-n 2 --dist loadfile` (.ci/run): a file runs whole on one worker, so a heavy file handed
+# out last leaves the other worker idle until it ends. Files are queued heaviest first, by their summed
+# --durations seconds in tests/durations.json (scripts/checks/test_durations.py writes it from a
+# --durations=0 log); a file the table lacks goes first, as if heavy. xdist's own reordering (by test
+# count) is turned off so that this order is the queue's.
+FILE_SECONDS = json.loads((Path(__file__).parent / "durations.json").read_text())
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, float("inf")))  # stable: files stay whole
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
     """The skip count, after -rs's list of skips with their reasons and just above pytest's closing
