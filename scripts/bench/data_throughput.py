@@ -5,6 +5,12 @@ streamed JSONL source tokenized while it is read), with 1 and N grain threads or
     python scripts/bench/data_throughput.py --prepared data/stdlib --mixture data/stdlib data/tests data/docs
     python scripts/bench/data_throughput.py --prepared data/stdlib --stream-mb 20 --workers 1 2
     python scripts/bench/data_throughput.py --tokenizer tests/fixtures/chat/llama3 --prepare-mb 100 --workers 1 2
+    python scripts/bench/data_throughput.py --tokenizer tests/fixtures/chat/llama3 --stream-mb 20 --workers 1 2 \
+        --steps 2000 --threads 1 --trainer tiny --trainer-steps 40
+
+With --stream-mb and no --prepared, the same corpus is also prepared (1 worker) and read back as a
+prepared folder, so streamed and prepared tokens/s are measured on one corpus. --trainer CONFIG measures
+the tokens/s `python -m jaxdist.train --config CONFIG` trains at on this machine (its closing line).
 
 The loader is timed on one device (the batch as a global array, as the trainer takes it) after a
 warm-up, over --steps steps of --global-batch windows of --seq-len + 1 tokens; `prepare` is timed on a
@@ -86,6 +92,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="*", default=[1, 4], help="grain threads (data.prefetch)")
     p.add_argument("--prepare-mb", type=float, default=0, help="> 0: time prepare on a corpus this large")
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="prepare's / the streamed source's")
+    p.add_argument("--trainer", help="a config whose CPU training tokens/s to measure (e.g. tiny)")
+    p.add_argument("--trainer-steps", type=int, default=40)
     args = p.parse_args()
 
     from jaxdist.distributed.platform import setup_platform
@@ -118,6 +126,13 @@ def main() -> None:
                 streamed = f"data.sources=[{{name: web, path: {source}, stream: true, workers: {workers}}}]"
                 rate = loader_rate([*common, f"data.tokenizer={tokenizer}", streamed], args.steps, 1)
                 print(json.dumps({"loader": "streamed", "workers": workers, "tokens_per_s": round(rate)}), flush=True)
+            if not args.prepared:  # the same corpus through prepare, then read as a prepared folder
+                got = prepare_rate(tokenizer, source, 1, Path(tmp))
+                print(json.dumps({"prepare": got}), flush=True)
+                for threads in args.threads:
+                    rate = loader_rate([*common, f"data.path={tmp}/out-1"], args.steps, threads)
+                    row = {"loader": "prepared (same corpus)", "threads": threads, "tokens_per_s": round(rate)}
+                    print(json.dumps(row), flush=True)
     if args.prepare_mb > 0:
         with tempfile.TemporaryDirectory() as tmp:
             source = corpus(Path(tmp), args.prepare_mb)
@@ -125,6 +140,22 @@ def main() -> None:
                 got = prepare_rate(tokenizer, source, workers, Path(tmp))
                 got["MB/s per worker"] = got["MB/s"] / workers
                 print(json.dumps({"prepare": got}), flush=True)
+
+    if args.trainer:
+        print(json.dumps({"trainer": args.trainer, **trainer_rate(args.trainer, args.trainer_steps)}), flush=True)
+
+
+def trainer_rate(name: str, steps: int) -> dict:
+    """The tokens/s a CPU training run of config `name` reports in its closing line (compile excluded)."""
+    import re
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "jaxdist.train", "--config", name, "--steps", str(steps)]
+        command += ["train.eval_every=0", "train.plot=false", "--run-dir", f"{tmp}/run"]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    return {"steps": steps, "tokens_per_s": float(re.search(r"([\d,.]+) tokens/s", done)[1].replace(",", ""))}
 
 
 if __name__ == "__main__":
