@@ -152,28 +152,6 @@ def test_variants_under_explicit_dp_reduction_equal_reference(variant, batches):
     assert_matches(grads_and_curve(prog, jax.device_put(state0, prog.state_shardings), batches[:2])[0], ref)
 
 
-def test_table_schedule_with_experts_equals_single_device_reference(cfg, batches, reference):
-    """MoE under a table schedule (1f1b, parallel/pipeline_1f1b.py, issue 47), pp=2,ep=4, dropless, 2
-    micro-batches: loss (which includes the balance and z losses: without them it is ~2e-3 off) and every
-    gradient equal the reference. Each stage's VJP adds its layers' weighted aux objective; the dropless
-    tier's pmax no longer spans pp (inside the per-slot lax.switch the other pp rank runs another branch:
-    XLA:CPU aborted after 40 s waiting for it). zb_h1's split B / W share the same per-stage objective
-    (measured, not compiled here for time: docs/pipeline-schedules.md)."""
-    schedule = "1f1b"
-    from conftest import compiled_gradients
-
-    state0, (ref_loss, ref_grads, _) = reference
-    prog = step.build_program(
-        cfg.replace(pipeline=dict(schedule=schedule, microbatches=2)), mesh_mod.mesh_from_string("pp=2,ep=4")
-    )
-    params = jax.device_put(pipeline.to_stages(state0.params, prog.pipeline), prog.state_shardings.params)
-    grads, loss = compiled_gradients(prog)(params, jax.device_put(batches[0], prog.batch_sharding))
-    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
-    grads = pipeline.from_stages(jax.device_get(grads), prog.pipeline)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.abs(r).max()))
-
-
 def test_pipeline_with_experts_equals_single_device_reference(variant, batches):
     """MoE layers inside pipeline stages (pp=2,ep=4, 2 micro-batches: the expert shard_map nested in the
     pipeline's), with moe_every=2: each stage holds one dense+sparse pair (the pipeline cuts the stacked
