@@ -11,6 +11,7 @@ import pytest
 from jaxdist.analysis import measure
 from jaxdist.distributed import hlo, hlo_work
 from jaxdist.distributed import mesh as mesh_mod
+from jaxdist.models import flops
 from jaxdist.parallel import loss_blocks, matmul
 
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
@@ -57,6 +58,19 @@ def test_kept_logits_leave_no_second_pass_over_the_vocabulary(small_cfg, program
     flops = {k: hlo_work.matmul_flops(v) for k, v in programs.items()}
     assert flops["recompute"] - flops["keep"] == one_pass
     assert flops["keep"] == flops["naive"]
+
+
+def test_no_matmul_flops_beyond_full_remat(small_cfg, programs):
+    """The kept-logits step computes exactly full remat's matmuls (forward, backward, each layer's
+    recomputed forward less w_down, attention's four passes: models.flops.full_remat_flops_per_token):
+    no pass over the vocabulary or the layers beyond them; the recomputing loss adds one pass over V
+    (2·N·D·V per device, N its tokens) and nothing else. At the Llama-3-8B shape the same count is
+    scripts/memory/step_work.py's remat_flops (docs/performance.md)."""
+    m = small_cfg.replace(model=STEP).model
+    tokens = small_cfg.train.global_batch * m.seq_len // 8
+    remat = flops.full_remat_flops_per_token(m) * tokens
+    assert hlo_work.matmul_flops(programs["keep"]) == remat
+    assert hlo_work.matmul_flops(programs["recompute"]) == remat + 2 * tokens * m.d_model * m.vocab_size
 
 
 def test_kept_logits_are_kept_in_the_compute_dtype(small_cfg, programs):
