@@ -44,7 +44,8 @@ def main() -> None:
         params = checkpoint.load_params(run / "checkpoints" / str(STEPS))
     leaves = {f"param{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(OUT, args=np.array(json.dumps(ARGS)), loss=np.array([loss[s] for s in range(1, STEPS + 1)]), **leaves)
+    arrays = {"args": np.array(json.dumps(ARGS)), "loss": np.array([loss[s] for s in range(1, STEPS + 1)]), **leaves}
+    np.savez(OUT, **arrays)
     print(f"wrote {OUT.relative_to(ROOT)}: {STEPS} losses, {len(leaves)} parameter arrays")
 
 
