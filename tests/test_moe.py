@@ -157,7 +157,8 @@ def test_pipeline_with_experts_equals_single_device_reference(variant, batches):
     pipeline's), with moe_every=2: each stage holds one dense+sparse pair (the pipeline cuts the stacked
     groups, not single layers). Loss, gradients and 2 steps equal the reference; the aux sums leave the
     pipeline in layer order, so the objective (and with it every gradient) includes the balance and z
-    losses. (A stack of sparse layers only under a pipeline: the 1F1B test above, same reference.)"""
+    losses. (A stack of sparse layers only under a pipeline, against its one-device run:
+    test_pipeline_schedules.py::test_experts_under_table_schedules_equal_one_device, 1f1b and zb_h1.)"""
     cfg, state0, ref = variant
     prog = step.build_program(cfg.replace(pipeline=dict(microbatches=2)), mesh_mod.mesh_from_string("pp=2,ep=4"))
     assert (prog.pipeline.stages, prog.pipeline.layers_per_group) == (2, 1)
