@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,3 +187,41 @@ def test_a_killed_coordinator_leaves_the_run_to_the_survivor(tmp_path, reference
         except OSError:
             pass
     assert left == []  # every supervisor and training process of the run has ended
+
+
+def test_a_frozen_training_process_is_named_killed_and_its_supervisor_leaves(capsys):
+    """The SIGSTOP case without JAX: a supervisor whose training process is stopped answers its peers'
+    "status" with itself as the one gone ("leaving"), and once a peer tells it that the others regroup it
+    kills the stopped process within GRACE_S, names it, and ends (no regroup of its own): no orphan, no hang.
+    The real run of this case: scripts/cluster/elastic_times.py --cases frozen."""
+    from jaxdist.cluster import launch, peer_lines, supervisor
+
+    sup = supervisor.Supervisor(launch.Launch("127.0.0.1:1", 2, 1, "flags"), span=(1, 2))
+    sup.listener.phase = lambda: sup.phase
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        sup.proc = child
+        sup.listener.state = lambda: sup._stalled(sup.proc)
+        deadline = time.monotonic() + 5
+        while not supervisor.is_stopped(child.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        answer = peer_wire.ask("127.0.0.1", sup.listener.port, {"op": "status"})
+        assert answer["phase"] == "leaving" and "is stopped (SIGSTOP" in answer["gone"]["how"]
+        leader = {"index": 0, "host": "h", "pid": 7}
+        news = [peer_lines.death(leader, time.time(), "regrouping") | {"cause": 1}]
+        peer_wire.ask("127.0.0.1", sup.listener.port, {"op": "gone", "token": sup.listener.token, "records": news})
+        t0 = time.monotonic()
+        rc, stopped = sup._wait(child)
+        assert stopped and sup.was_stopped and rc == -signal.SIGKILL
+        assert time.monotonic() - t0 < supervisor.GRACE_S + 2
+        sup.peers = [{"index": 0, "host": "127.0.0.1", "port": free_port(), "token": "x"}]  # gone: tell skips it
+        sup._reader = threading.Thread(target=lambda: None)
+        sup._reader.start()
+        assert sup._after(rc, stopped, child.pid) == supervisor.PEER_DIED and sup.cause is None
+        assert f"its training process (pid {child.pid}) was stopped (SI" in capsys.readouterr().err
+    finally:
+        child.kill()
+        child.wait()
+        sup.listener.close(clean=True)
