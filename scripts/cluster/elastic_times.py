@@ -3,11 +3,14 @@ into its parts (docs/multi-host.md, "Elastic runs").
 
     python scripts/cluster/elastic_times.py                        # every case once
     python scripts/cluster/elastic_times.py --cases coordinator    # one case
+    python scripts/cluster/elastic_times.py --processes 4 --steps 20 --kill-at 7 --cases process  # issue 49's
 
 Two processes x 4 simulated CPU devices train the micro test model (fsdp=8, --elastic 1:2,
 --heartbeat-timeout 10, 40 steps, checkpoints every 5); once step 8 is logged one process is ended:
 `process` SIGKILLs process 1 (the pid its launcher started), `coordinator` process 0, `frozen` SIGSTOPs
-process 1's training process. The survivor must finish the 40 steps on 1 process x 4 devices. Each log
+process 1's training process. The survivor must finish the 40 steps on 1 process x 4 devices.
+`--processes 4` runs 4 processes x 2 devices instead (the issue's scenario, without the rejoin): 3 survive,
+3 x 2 devices cannot split the global batch of 8, so 2 go on (fsdp=4) and the third stops as a spare. Each log
 line is time-stamped as it appears; printed per case: detect (the kill to the survivor's "regroups"
 line), regroup (to its "continuing on" line), start (to the new training process's topology line: Python,
 imports, its JAX set-up), restore and compile (the training process's own figures), seconds_lost (its
@@ -32,14 +35,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "model.num_layers=1 model.d_model=32 model.num_heads=2 model.num_kv_heads=1 model.head_dim=16 model.mlp_dim=64 model.seq_len=16"
-STEPS, KILL_AT = 40, 8
 ARGS = [*MODEL.split(), "train.plot=false", "train.log_every=1", "train.eval_every=0", "optim.schedule=constant"]
-ARGS += ["optim.warmup_steps=2", "checkpoint.async_save=false", "checkpoint.every=5", "--steps", str(STEPS)]
+ARGS += ["optim.warmup_steps=2", "checkpoint.async_save=false", "checkpoint.every=5"]
+STEPS, KILL_AT, PROCS = 40, 8, 2  # set from the command line
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
 MARKS = {
     "regroups": "regroups with the survivors",
     "continuing": "continuing on ",
-    "up": re.compile(r"^process 0/1 on "),
+    "up": re.compile(r"^process 0/\d+ on "),
     "restored": re.compile(r"restored step \d+ from .* in ([\d.]+)s"),
     "compiled": re.compile(r"compiled in ([\d.]+)s"),
 }
@@ -63,7 +66,18 @@ def children(pid: int) -> list[int]:
 
 def reference(tmp: Path) -> dict[int, float]:
     run = tmp / "ref"
-    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "fsdp=8", "--run-dir", str(run), *ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.train",
+        "--mesh",
+        "fsdp=8",
+        "--run-dir",
+        str(run),
+        *ARGS,
+        "--steps",
+        str(STEPS),
+    ]
     subprocess.run(cmd, env={**ENV, "JAX_NUM_CPU_DEVICES": "8"}, cwd=ROOT, check=True, capture_output=True)
     return losses(run)
 
@@ -74,14 +88,14 @@ def case(tmp: Path, how: str, ref: dict[int, float]) -> dict:
         port = s.getsockname()[1]
     run = tmp / how / "run"
     run.parent.mkdir(parents=True)
-    procs, seen = [], [[], []]
-    for i in (0, 1):
-        cmd = [sys.executable, "-m", "jaxdist.train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-        cmd += ["--process-id", str(i), "--elastic", "1:2", "--heartbeat-timeout", "10", "--mesh", "fsdp=8"]
-        cmd += ["--run-dir", str(run), *ARGS]
+    procs, seen = [], [[] for _ in range(PROCS)]
+    for i in range(PROCS):
+        cmd = [sys.executable, "-m", "jaxdist.train", "--coordinator", f"127.0.0.1:{port}", "--num-processes"]
+        cmd += [str(PROCS), "--process-id", str(i), "--elastic", f"1:{PROCS}", "--heartbeat-timeout", "10"]
+        cmd += ["--mesh", "fsdp=8", "--run-dir", str(run), *ARGS, "--steps", str(STEPS)]
         p = subprocess.Popen(
             cmd,
-            env={**ENV, "JAX_NUM_CPU_DEVICES": "4"},
+            env={**ENV, "JAX_NUM_CPU_DEVICES": str(8 // PROCS)},
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -99,7 +113,7 @@ def case(tmp: Path, how: str, ref: dict[int, float]) -> dict:
         at = time.time()
         os.kill(target, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
         rc = procs[survivor].wait(timeout=600)
-        procs[victim].wait(timeout=60)
+        others = [p.wait(timeout=60) for p in procs if p is not procs[survivor]]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -122,7 +136,10 @@ def case(tmp: Path, how: str, ref: dict[int, float]) -> dict:
 
     return {
         "case": how,
+        "processes": PROCS,
         "rc": rc,
+        "others_rc": others,
+        "record": rec.get("elastic"),
         "detect_s": since("regroups"),
         "regroup_s": since("continuing"),
         "started_s": since("up"),
@@ -139,7 +156,12 @@ def case(tmp: Path, how: str, ref: dict[int, float]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="*", default=["process", "coordinator", "frozen"])
+    p.add_argument("--processes", type=int, default=2, choices=(2, 4), help="x 8/N CPU devices each")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=8, help="the step after which the process is ended")
     args = p.parse_args()
+    global STEPS, KILL_AT, PROCS
+    STEPS, KILL_AT, PROCS = args.steps, args.kill_at, args.processes
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ref = reference(tmp)
