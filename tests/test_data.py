@@ -1,10 +1,12 @@
 import numpy as np
 import pytest
 
+from jaxdist.data import corpus
 from jaxdist.data import loader as loader_mod
+from jaxdist.data.files import expand_path
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
-from jaxdist.training import step
+from jaxdist.training import rundir, step
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,24 @@ def test_bad_data_is_a_clear_error(tiny_cfg, token_file, tmp_path):
         loader_mod.load_windows(tiny_cfg.replace(data=dict(source="tokens", path=str(token_file))))
     with pytest.raises(JaxdistError, match="byte tokens"):
         loader_mod.load_windows(tiny_cfg.replace(model=dict(vocab_size=128)))
+
+
+def test_a_run_folder_inside_the_data_folder_is_not_data(tiny_cfg, tmp_path):
+    """A run folder (it holds the trainer's lock) under data.path is skipped: otherwise its growing files
+    would join the corpus and every resume would refuse a 'changed corpus'."""
+    (tmp_path / "a.txt").write_text("first document " * 40)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("second document " * 40)
+    cfg = tiny_cfg.replace(data=dict(path=str(tmp_path)))
+    before = corpus.fingerprint(cfg)
+    lock = rundir.RunLock(tmp_path / "runs" / "r1")
+    lock.acquire()
+    try:
+        (tmp_path / "runs" / "r1" / "metrics.jsonl").write_text('{"step": 1}\n')
+        (tmp_path / "runs" / "notes.txt").write_text("a file beside run folders is still data")
+        files = [p[len(str(tmp_path)) + 1 :] for p in expand_path(str(tmp_path))]
+        assert files == ["a.txt", "runs/notes.txt", "sub/b.txt"]
+        (tmp_path / "runs" / "notes.txt").unlink()
+        assert corpus.fingerprint(cfg) == before
+    finally:
+        lock.release()

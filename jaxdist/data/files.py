@@ -9,6 +9,11 @@ import sysconfig
 
 from jaxdist.errors import JaxdistError
 
+# training/rundir.py's lock file. A folder holding one is a run (checkpoints, metrics.jsonl, config.yaml),
+# never data: a run folder inside a data folder would otherwise join the corpus, and its growing files
+# would make every resume refuse a "changed corpus".
+RUN_LOCK = "jaxdist.lock"
+
 
 @functools.cache
 def stdlib_files() -> list[str]:
@@ -23,11 +28,14 @@ def stdlib_files() -> list[str]:
 
 
 def expand_path(pattern: str, what: str = "data.path") -> list[str]:
-    """A folder (every file under it, sorted, hidden ones skipped) or a glob -> sorted file list."""
+    """A folder (every file under it, sorted; hidden ones and run folders skipped) or a glob -> sorted file list."""
     path = os.path.expanduser(pattern)
     if os.path.isdir(path):
         files = []
         for root, dirs, names in os.walk(path):
+            if RUN_LOCK in names and root != path:  # a run folder below the data: not data
+                dirs[:] = []
+                continue
             dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .cache, ...
             files += [os.path.join(root, f) for f in names if not f.startswith(".")]
         files.sort()

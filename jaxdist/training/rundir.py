@@ -29,6 +29,7 @@ from pathlib import Path
 from jaxdist.checkpoint.compat import FREE_KEYS, OMITTED_AT_DEFAULT, check_allowed_keys, flat
 from jaxdist.checkpoint.storage import SUBDIR
 from jaxdist.config import REGROUPED, Config
+from jaxdist.data.files import RUN_LOCK as LOCK
 from jaxdist.errors import JaxdistError
 from jaxdist.models import registry
 
@@ -36,7 +37,6 @@ from jaxdist.models import registry
 # user's environment, not a bug: one line instead of a traceback.
 WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
 UNSTORABLE = {"*": "glob", "?": "glob", "[": "glob", "]": "glob", "\\": "path separator"}
-LOCK = "jaxdist.lock"
 
 
 def check_storable(path: Path, flag: str = "--run-dir") -> None:
