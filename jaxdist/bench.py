@@ -2,6 +2,7 @@
 
     python -m jaxdist.bench --mesh fsdp=1 --mesh fsdp=8 --mesh dp=8     # one JSON line per mesh
     python -m jaxdist.bench --compile-only --config llama3-8b --mesh fsdp=8 --hardware h100-80gb  # does it fit?
+    python -m jaxdist.bench --mesh auto --mesh-search-steps 2      # the layout train --mesh auto would choose
 
 Each mesh runs warm-up steps, then timed steps (each synchronised), on synthetic tokens of the
 configured shape. Memory and collectives come from the compiled program, so they are exact and
@@ -20,6 +21,7 @@ from jaxdist import config
 from jaxdist.distributed import xla_flags
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import ArgumentParser, JaxdistError, command
+from jaxdist.planner import hardware as hardware_mod
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +45,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="with --compile-only: the device to judge against (e.g. h100-80gb; see python -m jaxdist.plan "
         "--help): a verdict, fits or not, with the planner's and the compiler's bytes per device",
+    )
+    p.add_argument(
+        "--mesh-search-steps",
+        type=int,
+        default=0,
+        help="with --mesh auto: steps timed per candidate by the search (0: the planner decides)",
+    )
+    p.add_argument(
+        "--memory-budget", default=None, metavar="BYTES", help="with --mesh auto: usable memory per device, e.g. 300MB"
     )
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after flags
@@ -71,6 +82,12 @@ def main(argv=None) -> int:
         )
     if args.hardware and not args.compile_only:
         raise JaxdistError("--hardware judges a --compile-only compile against a device; add --compile-only")
+    meshes = args.mesh or [config.load(args.config, args.overrides).mesh.shape]
+    if (args.mesh_search_steps or args.memory_budget) and "auto" not in meshes:
+        raise JaxdistError("--mesh-search-steps and --memory-budget belong to --mesh auto; add it or drop them")
+    if "auto" in meshes and args.compile_only:
+        raise JaxdistError("--mesh auto measures the layout it chooses; drop --compile-only (or name the mesh)")
+    budget = hardware_mod.parse_bytes(args.memory_budget) if args.memory_budget else None
     cfg = config.load(args.config, args.overrides)
     _patient_cpu_collectives()
     setup_platform(args.cpu_devices)
@@ -83,8 +100,10 @@ def main(argv=None) -> int:
     if args.hardware:
         hardware.get(args.hardware)  # an unknown name fails before compiling
     records = []
-    for mesh_text in args.mesh or [cfg.mesh.shape]:
-        if args.compile_only:
+    for mesh_text in meshes:
+        if mesh_text == "auto":
+            record = measure_auto(cfg, args, budget)
+        elif args.compile_only:
             record = compile_only(cfg, mesh_text, args.hardware)
         else:
             record = measure(cfg, mesh_text, args.warmup, args.steps)
@@ -95,6 +114,21 @@ def main(argv=None) -> int:
     if args.table:
         print("\n" + table(records))
     return 0
+
+
+def measure_auto(cfg, args: argparse.Namespace, budget: float | None) -> dict:
+    """`--mesh auto`: the layout train --mesh auto would choose (mesh_search.run on the devices present),
+    then measured as any named mesh; the record names the choice (`auto`) and why."""
+    # deferred: the search compiles candidate layouts, after the platform set-up
+    from jaxdist.analysis import mesh_search
+    from jaxdist.analysis.bench import measure
+
+    hw = mesh_search.hardware_here(budget)
+    result = mesh_search.run(cfg, hw, steps=args.mesh_search_steps)
+    print(f"--mesh auto: {result.summary()}\n--mesh auto: {result.reason}", file=sys.stderr, flush=True)
+    chosen = result.cfg
+    record = measure(chosen, chosen.mesh.shape, args.warmup, args.steps)
+    return dict(record, auto=dict(chosen=result.chosen.name, reason=result.reason, search=result.summary()))
 
 
 if __name__ == "__main__":

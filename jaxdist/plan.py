@@ -68,6 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mesh-search-steps", type=int, default=0, help="with --search: steps timed per surviving layout (0: none)"
     )
     p.add_argument(
+        "--mesh-search-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --search: stop compiling and timing once this many seconds are spent (the first candidate is "
+        "always compiled); the candidates not reached are listed",
+    )
+    p.add_argument(
         "--memory-budget",
         default=None,
         metavar="BYTES",
@@ -146,7 +154,7 @@ def search(args: argparse.Namespace) -> int:
     if hw is None:
         raise JaxdistError(f"no hardware entry for {jax.devices()[0].device_kind}; name one with --hardware")
     hw = searching.with_budget(hw, budget)
-    out = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.mesh_search_steps)
+    out = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.mesh_search_steps, budget_s=args.mesh_search_budget)
     if args.json:
         print(json.dumps(dict(out.as_dict(), command=train_command(args, cfg, out.chosen.est))))
         return 0

@@ -47,6 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--mesh-search-steps", type=int, default=0, help="with --mesh auto: steps timed per candidate (0: planner)"
     )
     p.add_argument(
+        "--mesh-search-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --mesh auto: stop compiling and timing candidates once this many seconds are spent (the "
+        "first is always compiled); the candidates not reached are listed",
+    )
+    p.add_argument(
         "--memory-budget",
         default=None,
         metavar="BYTES",
@@ -157,10 +165,13 @@ def _search_flags(args: argparse.Namespace, cfg) -> tuple[bool, float | None]:
     anything starts."""
     auto = cfg.mesh.shape.strip() == "auto"
     budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
-    if (args.mesh_search_steps or budget or args.hardware) and not auto:
+    if (args.mesh_search_steps or budget or args.hardware or args.mesh_search_budget is not None) and not auto:
         raise JaxdistError(
-            "--mesh-search-steps, --memory-budget and --hardware belong to --mesh auto; add it or drop them"
+            "--mesh-search-steps, --mesh-search-budget, --memory-budget and --hardware belong to --mesh auto; "
+            "add it or drop them"
         )
+    if args.mesh_search_budget is not None and args.mesh_search_budget <= 0:
+        raise JaxdistError(f"--mesh-search-budget {args.mesh_search_budget:g}: give a positive number of seconds")
     if args.hardware:
         hardware.get(args.hardware)  # an unknown name or a bad file fails before anything starts
     if auto and args.print_config:
@@ -212,7 +223,14 @@ def _main(argv: list[str] | None, stopper) -> int:
             from jaxdist.analysis import mesh_search
 
             hw = mesh_search.hardware_here(budget, args.hardware)
-            cfg, changed = mesh_search.auto_layout(cfg, run_dir, hw, steps=args.mesh_search_steps)
+            cfg, changed = mesh_search.auto_layout(
+                cfg,
+                run_dir,
+                hw,
+                steps=args.mesh_search_steps,
+                budget_s=args.mesh_search_budget,
+                cache=mesh_search.cache_dir(),
+            )
             allowed |= changed
         origin = (
             "--run-dir"

@@ -6,6 +6,7 @@ import math
 import types
 
 import jax
+import numpy as np
 import pytest
 from conftest import MICRO_MODEL, SMALL_MODEL
 
@@ -152,6 +153,8 @@ def test_mesh_auto_resume_keeps_the_recorded_layout(tmp_path, monkeypatch):
         (["--mesh-search-steps", "2"], "belong to --mesh auto"),
         (["--mesh", "auto", "--print-config"], "--mesh auto is decided when training starts"),
         (["--mesh", "auto", "--memory-budget", "x"], "--memory-budget 'x'"),
+        (["--mesh-search-budget", "5"], "belong to --mesh auto"),
+        (["--mesh", "auto", "--mesh-search-budget", "0"], "--mesh-search-budget 0: give a positive number"),
     ],
 )
 def test_train_mesh_auto_flags_refused_in_one_line(argv, words, capsys):
@@ -160,3 +163,137 @@ def test_train_mesh_auto_flags_refused_in_one_line(argv, words, capsys):
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+class _Clock:
+    """mesh_search's clock: each fake compile or timing advances it by its stated seconds (no sleeping,
+    so a loaded machine cannot move the result)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _fake_compile(clock, seconds):
+    def compile_row(row, devices, capacity):
+        clock.now += seconds
+        row.compiled_bytes, row.compile_s = 1000, seconds
+        return "program", "compiled"
+
+    return compile_row
+
+
+def test_time_budget_stops_early_and_says_so(monkeypatch):
+    """A budget spent by the first compile leaves the rest uncompiled, each with a line; a budget spent
+    by the compiles leaves the timing undone; the first candidate is always compiled; no budget: all."""
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()])
+    clock = _Clock()
+    monkeypatch.setattr(mesh_search, "time", clock)
+    monkeypatch.setattr(mesh_search, "compile_row", _fake_compile(clock, 2.0))
+
+    def time_steps(prog, compiled, cfg, steps):
+        clock.now += 1.0 * steps
+        return 0.01 * steps
+
+    monkeypatch.setattr(mesh_search, "time_steps", time_steps)
+    meshes = ("dp=8", "fsdp=8", "dp=2,fsdp=4")
+
+    def rows():
+        return [_row(cfg, m, 1.0 + i, compiled=None) for i, m in enumerate(meshes)]
+
+    tight = rows()
+    compile_s, time_s = mesh_search.measure(tight, [], 1e9, steps=2, timed=3, budget_s=1.0)
+    assert [r.compiled_bytes for r in tight] == [1000, None, None]
+    assert [r.measured_s for r in tight] == [None] * 3  # the budget was spent before any timing
+    assert tight[0].not_reached.startswith("not timed: the 1 s budget")
+    assert all(r.not_reached.startswith("not reached: the 1 s budget") for r in tight[1:])
+    assert (compile_s, time_s) == (2.0, 0.0)
+    assert search.choose(tight)[0] is tight[0] and "not timed" in search.choose(tight)[1]
+    found = search.Enumeration([], [], [], 0)
+    result = mesh_search.Result(tight, tight[0], "r", found, 1e9, 0.0, compile_s, time_s, 1.0)
+    assert "(budget 1 s; 3 candidates not reached)" in result.summary()
+    assert result.as_dict()["not_reached"] == [r.name for r in tight]
+    assert "not reached: the 1 s budget" in search.table(tight, 1e9)
+    middle = rows()  # 3 compiles (6 s) and one timing (2 s) fit 7 s; the second timing is not reached
+    assert mesh_search.measure(middle, [], 1e9, steps=2, timed=3, budget_s=7.0) == (6.0, 2.0)
+    assert all(r.compiled_bytes == 1000 for r in middle) and middle[0].measured_s == 0.02
+    assert all("not timed: the 7 s budget" in r.not_reached for r in middle[1:])
+    free = rows()
+    assert mesh_search.measure(free, [], 1e9, steps=2, timed=2, budget_s=None) == (6.0, 4.0)
+    assert [r.measured_s for r in free] == [0.02, 0.02, None] and not any(r.not_reached for r in free)
+    with pytest.raises(JaxdistError, match="--mesh-search-budget 0: give a positive number"):
+        mesh_search.run(cfg, CPU, budget_s=0)
+
+
+def _fake_search(cfg, calls, chosen=0):
+    def run(c, hw, **kwargs):
+        calls.append(kwargs)
+        rows = [_row(cfg, m, 1.0 + i) for i, m in enumerate(("fsdp=4,tp=2", "dp=8"))]
+        found = search.Enumeration([], [], [], 0)
+        return mesh_search.Result(rows, rows[chosen], f"chose {rows[chosen].name}", found, 1e9, 0.0, 0.0, 0.0)
+
+    return run
+
+
+def test_second_start_reads_the_cached_decision(tmp_path, monkeypatch):
+    """The decision is cached by (config, devices): a second start of the same config in a new run dir
+    searches nothing; another config searches; a decision cached for other devices is re-made, saying so."""
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["mesh.shape=auto"])
+    calls, lines = [], []
+    monkeypatch.setattr(mesh_search, "run", _fake_search(cfg, calls))
+    cache = tmp_path / "cache"
+    first, _ = mesh_search.auto_layout(cfg, tmp_path / "a", CPU, log=lines.append, budget_s=5.0, cache=cache)
+    assert first.mesh.shape == "fsdp=4,tp=2" and len(calls) == 1 and calls[0]["budget_s"] == 5.0
+    again, changed = mesh_search.auto_layout(
+        cfg.replace(train=dict(steps=99)), tmp_path / "b", CPU, log=lines.append, budget_s=5.0, cache=cache
+    )
+    assert len(calls) == 1 and "cached in" in lines[-1] and "no search" in lines[-1]
+    assert (again.mesh.shape, again.model.remat, changed) == ("fsdp=4,tp=2", first.model.remat, frozenset())
+    mesh_search.auto_layout(cfg.replace(model=dict(d_model=48)), tmp_path / "c", CPU, log=lines.append, cache=cache)
+    assert len(calls) == 2  # another config: another key
+    monkeypatch.setattr(mesh_search, "devices_here", lambda: "4 x cpu in 1 process(es)")
+    mesh_search.auto_layout(cfg, tmp_path / "d", CPU, log=lines.append, budget_s=5.0, cache=cache)
+    assert len(calls) == 3 and any("8 x cpu in 1 process(es), 4 x cpu in 1 process(es) are present" in x for x in lines)
+    assert len(list(cache.glob("*.json"))) == 2 and not list(cache.glob("*.tmp"))
+
+
+def test_two_processes_take_process_zeros_choice(tmp_path, monkeypatch):
+    """Several processes: the index process 0 broadcasts is the layout every process trains (whatever its
+    own timings chose), and no process reads or writes the decision cache."""
+    from jax.experimental import multihost_utils
+
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["mesh.shape=auto"])
+    calls, sent = [], []
+    monkeypatch.setattr(mesh_search, "run", _fake_search(cfg, calls, chosen=0))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def broadcast(x):
+        sent.append(int(x))
+        return np.int32(1)  # process 0 chose row 1
+
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+    got, _ = mesh_search.auto_layout(cfg, tmp_path, CPU, log=lambda line: None, cache=mesh_search.cache_dir())
+    assert sent == [0] and got.mesh.shape == "dp=8" and mesh_search.cache_dir() is None
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert mesh_search.auto_layout(cfg, tmp_path / "one", CPU, log=lambda line: None)[0].mesh.shape == "fsdp=4,tp=2"
+
+
+def test_bench_mesh_auto_measures_the_choice(monkeypatch, capsys):
+    """`bench --mesh auto` measures the layout the search chose and names it in the record; its search
+    flags without --mesh auto are one line."""
+    from jaxdist import bench
+    from jaxdist.analysis import bench as measuring
+
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()])
+    calls, measured = [], []
+    monkeypatch.setattr(mesh_search, "run", _fake_search(cfg, calls, chosen=1))
+    monkeypatch.setattr(measuring, "measure", lambda c, m, w, s: measured.append((m, w, s)) or dict(mesh=m))
+    assert bench.main(["--mesh", "auto", "--steps", "2", "--warmup", "1", "--mesh-search-steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out.splitlines()[0])
+    assert measured == [("dp=8", 1, 2)] and calls[0]["steps"] == 3
+    assert record["mesh"] == "dp=8" and record["auto"]["chosen"].startswith("dp=8") and "--mesh auto: chose" in err
+    assert bench.main(["--mesh", "dp=8", "--mesh-search-steps", "2"]) == 2
+    assert "belong to --mesh auto" in capsys.readouterr().err

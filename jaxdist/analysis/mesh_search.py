@@ -3,12 +3,18 @@
 read from `compiled.memory_analysis()` and dropped, with a line naming the planner's miss, where it does
 not fit the budget by the compiler's count; then `steps` measured steps of the first `timed` survivors
 (the same compiled executable: nothing is compiled twice);
-then planner/search.choose picks. Time-boxed by K and `steps`; the seconds it spent are reported."""
+then planner/search.choose picks. Time-boxed by K, `steps` and, with `budget_s`, seconds: once the
+compiling and timing have spent the budget, the candidates not reached are marked so (the first is always
+compiled: training needs one). `auto_layout` caches each decision by (config, devices) beside the
+persistent compilation cache, so the second start of the same config on the same devices searches nothing."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -40,6 +46,7 @@ class Result:
     plan_s: float  # seconds enumerating and sizing
     compile_s: float  # seconds compiling the top K
     time_s: float  # seconds timing steps
+    budget_s: float | None = None  # seconds the compiling and timing were held to; None: K and steps only
 
     @property
     def cfg(self) -> Config:
@@ -74,15 +81,21 @@ class Result:
             plan_s=self.plan_s,
             compile_s=self.compile_s,
             time_s=self.time_s,
+            budget_s=self.budget_s,
+            not_reached=[r.name for r in self.rows if r.not_reached],
         )
 
     def summary(self) -> str:
         e = self.enumeration
+        skipped = sum(bool(r.not_reached) for r in self.rows)
+        budget = "" if self.budget_s is None else f" (budget {self.budget_s:g} s"
+        if budget:
+            budget += f"; {skipped} candidates not reached)" if skipped else "; all reached)"
         return (
             f"searched {len(e.meshes)} mesh shapes, {len(e.sized)} layouts sized, {len(e.fitting)} fit the planner's "
             f"budget; compiled {sum(r.compiled_bytes is not None for r in self.rows)}, timed "
             f"{sum(r.measured_s is not None for r in self.rows)}; {self.plan_s:.1f} s planning, "
-            f"{self.compile_s:.1f} s compiling, {self.time_s:.1f} s timing"
+            f"{self.compile_s:.1f} s compiling, {self.time_s:.1f} s timing{budget}"
         )
 
 
@@ -140,11 +153,22 @@ def shortlist(fitting: list, top_k: int) -> list:
     return out
 
 
-def run(cfg: Config, hw: Hardware, top_k: int = 3, steps: int = 0, timed: int = 3, devices=None) -> Result:
-    """Enumerate, rank, compile the top `top_k` (one per mesh and schedule), time `steps` steps of the first `timed` that fit, choose."""
+def run(
+    cfg: Config,
+    hw: Hardware,
+    top_k: int = 3,
+    steps: int = 0,
+    timed: int = 3,
+    devices=None,
+    budget_s: float | None = None,
+) -> Result:
+    """Enumerate, rank, compile the top `top_k` (one per mesh and schedule), time `steps` steps of the first
+    `timed` that fit, choose; compiling and timing stop once `budget_s` seconds are spent (see measure)."""
     devices = list(jax.devices() if devices is None else devices)
     if top_k < 1 or steps < 0:
         raise JaxdistError(f"--top-k {top_k} must be >= 1 and --mesh-search-steps {steps} >= 0")
+    if budget_s is not None and budget_s <= 0:
+        raise JaxdistError(f"--mesh-search-budget {budget_s:g}: give a positive number of seconds")
     t0 = time.perf_counter()
     found = search.enumerate_layouts(cfg, len(devices), hw)
     plan_s = time.perf_counter() - t0
@@ -157,17 +181,39 @@ def run(cfg: Config, hw: Hardware, top_k: int = 3, steps: int = 0, timed: int = 
         )
     capacity = found.fitting[0].memory.capacity
     rows = [search.Row(e) for e in shortlist(found.fitting, top_k)]
-    t0 = time.perf_counter()
-    programs = [compile_row(row, devices, capacity) for row in rows]
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    compile_s, time_s = measure(rows, devices, capacity, steps, timed, budget_s)
+    chosen, reason = search.choose(rows)
+    return Result(rows, chosen, reason, found, capacity, plan_s, compile_s, time_s, budget_s)
+
+
+def measure(
+    rows: list[search.Row], devices: list, capacity: float, steps: int, timed: int, budget_s: float | None
+) -> tuple[float, float]:
+    """Compile `rows` in order, then time `steps` steps of the first `timed` that fit; (compile s, time s).
+    With `budget_s`, a row is compiled or timed only while the seconds spent so far are under it (the
+    first row is always compiled, so there is a layout to train); a row skipped for the budget says so in
+    `not_reached`. A candidate's own compile or timing is not cut short, so the overrun is at most one."""
+    start = time.perf_counter()
+
+    def spent() -> bool:
+        return budget_s is not None and time.perf_counter() - start >= budget_s
+
+    programs = []
+    for i, row in enumerate(rows):
+        if i and spent():
+            row.not_reached = f"not reached: the {budget_s:g} s budget was spent before compiling it"
+            programs.append(None)
+            continue
+        programs.append(compile_row(row, devices, capacity))
+    compile_s = time.perf_counter() - start
     if steps:
         alive = [(r, p) for r, p in zip(rows, programs) if p is not None and not r.dropped]
         for row, (prog, compiled) in alive[:timed]:
+            if spent():
+                row.not_reached = f"not timed: the {budget_s:g} s budget was spent before timing it"
+                continue
             row.measured_s = time_steps(prog, compiled, row.est.layout.cfg, steps)
-    time_s = time.perf_counter() - t0
-    chosen, reason = search.choose(rows)
-    return Result(rows, chosen, reason, found, capacity, plan_s, compile_s, time_s)
+    return compile_s, time.perf_counter() - start - compile_s
 
 
 # What `--mesh auto` decides, recorded in the run's config.yaml and read back on resume.
@@ -204,12 +250,21 @@ def _mesh_devices(shape: str) -> int:
 
 
 def auto_layout(
-    cfg: Config, run_dir: Path, hw: Hardware, steps: int = 0, top_k: int = 3, log=print
+    cfg: Config,
+    run_dir: Path,
+    hw: Hardware,
+    steps: int = 0,
+    top_k: int = 3,
+    log=print,
+    budget_s: float | None = None,
+    cache: Path | None = None,
 ) -> tuple[Config, frozenset[str]]:
     """`--mesh auto`: the layout recorded in `run_dir` when its device count is the present one (a resume
-    keeps its layout), else a search. Returns the config with the layout set and the layout keys a resume
-    may now see changed (when it re-decided over a recorded layout). Several processes: every process
-    compiles and times the same candidates in lock-step; process 0's choice is broadcast to all."""
+    keeps its layout), else the decision cached in `cache` for this config on these devices (see
+    cache_file), else a search (then cached). Returns the config with the layout set and the layout keys a
+    resume may now see changed (when it re-decided over a recorded layout). Several processes: every
+    process compiles and times the same candidates in lock-step; process 0's choice is broadcast to all
+    (the cache is read by one process only: it is off for several, see cache_dir)."""
     present = jax.device_count()
     rec = recorded_layout(run_dir)
     if rec is not None:
@@ -222,7 +277,16 @@ def auto_layout(
             )
             return chosen, frozenset()
         log(f"--mesh auto: {run_dir} recorded a layout for {was} devices, {present} are present: searching again")
-    result = run(cfg, hw, top_k=top_k, steps=steps)
+    changed = frozenset(f"{s}.{k}" for s, k in LAYOUT_KEYS) if rec is not None else frozenset()
+    here = devices_here()
+    path = cache_file(cache, cfg, hw, steps, top_k, budget_s) if cache is not None else None
+    hit = _read_cache(path)
+    if hit is not None and hit.get("devices") == here:
+        log(f"--mesh auto: the decision cached in {path} for this config on {here}, no search: {hit['reason']}")
+        return cfg.replace(**_sections(hit["layout"])), changed
+    if hit is not None:
+        log(f"--mesh auto: {path} cached a decision for {hit.get('devices')}, {here} are present: searching again")
+    result = run(cfg, hw, top_k=top_k, steps=steps, budget_s=budget_s)
     index = result.rows.index(result.chosen)
     if jax.process_count() > 1:  # timings differ per process: process 0's choice is everyone's
         from jax.experimental import multihost_utils  # deferred: only multi-process runs broadcast
@@ -233,8 +297,53 @@ def auto_layout(
     log(search.table(result.rows, result.budget_bytes))
     log(f"--mesh auto: {result.reason}")
     chosen = result.cfg
-    changed = frozenset(f"{s}.{k}" for s, k in LAYOUT_KEYS) if rec is not None else frozenset()
+    if path is not None:
+        layout = {f"{s}.{k}": getattr(getattr(chosen, s), k) for s, k in LAYOUT_KEYS}
+        _write_cache(path, dict(devices=here, layout=layout, reason=result.reason))
     return chosen, changed
+
+
+def devices_here() -> str:
+    """'8 x cpu in 1 process': what a cached decision was made on."""
+    return f"{jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es)"
+
+
+def cache_dir() -> Path | None:
+    """Where `train --mesh auto` caches decisions: `mesh_search/` in JAX's persistent compilation cache
+    folder (enable_compilation_cache in jaxdist/distributed/platform.py), whose compiled candidates a repeated
+    search would load; None where that cache is off (several CPU processes)."""
+    folder = getattr(jax.config, "jax_compilation_cache_dir", None)
+    return Path(folder) / "mesh_search" if folder and jax.process_count() == 1 else None
+
+
+def cache_file(folder: Path, cfg: Config, hw: Hardware, steps: int, top_k: int, budget_s: float | None) -> Path:
+    """The decision's file: keyed by the config with its layout keys and train.steps left out (they do
+    not change the search), the hardware entry and the search's settings. The devices are checked
+    inside, so a decision for other devices is seen, and replaced, rather than missed."""
+    blank = {s: {k: None for ss, k in LAYOUT_KEYS if ss == s} for s, _ in LAYOUT_KEYS}
+    raw = dataclasses.asdict(cfg)
+    for section, keys in blank.items():
+        raw[section] = {**raw[section], **keys}
+    raw["train"] = {**raw["train"], "steps": None}
+    key = json.dumps([raw, dataclasses.asdict(hw), steps, top_k, budget_s], sort_keys=True, default=str)
+    return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _read_cache(path: Path | None) -> dict | None:
+    try:
+        doc = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: search (and write a fresh one)
+    ok = isinstance(doc, dict) and isinstance(doc.get("layout"), dict) and "reason" in doc
+    return doc if ok else None
+
+
+def _write_cache(path: Path, doc: dict) -> None:
+    """Whole or not at all: written beside, then renamed over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
 
 
 def _sections(flat: dict) -> dict:

@@ -142,6 +142,7 @@ class Row:
     compile_s: float | None = None
     measured_s: float | None = None  # median measured step time; None: not timed
     dropped: str = ""  # why the compiler's count ruled it out
+    not_reached: str = ""  # why the search's time budget left it uncompiled or untimed
 
     @property
     def name(self) -> str:
@@ -185,7 +186,7 @@ def table(rows: list[Row], budget_bytes: float) -> str:
         meas = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.2f}"
         lines.append(
             f"{i:>3}  {r.name:<44} {r.est.memory.total / 1e6:>9.2f} {comp:>11} {r.est.step_s * 1e3:>9.2f} "
-            f"{meas:>11}  {r.dropped}"
+            f"{meas:>11}  {r.dropped or r.not_reached}"
         )
     lines.append(f"(budget {budget_bytes / 1e6:.2f} MB usable per device)")
     return "\n".join(lines)
