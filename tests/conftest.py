@@ -321,8 +321,11 @@ def peft_lora_reference(fixture: Path, peft_fixture: Path, overrides: list[str],
     cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(mesh_text)
     prog = step.build_program(cfg, mesh)
     base, model = tensors.import_params(fixture, plain_cfg, mesh)
+    # peft's adapter covers every adapted matrix and a float32 base is stored as imported: the LoRA
+    # parameters are the two trees side by side (no compile of the state's initialisation)
     read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
-    params = adapters.combine(read, adapters.frozen(prog.state_from_params(base).params))
+    params = adapters.combine(read, base)
+    assert jax.tree.structure(params) == jax.tree.structure(prog.abstract_state.params)
     ref = dict(np.load(peft_fixture / "reference.npz"))
 
     def loss(trained, frozen, tokens):
@@ -336,3 +339,77 @@ def peft_lora_reference(fixture: Path, peft_fixture: Path, overrides: list[str],
         )
     return dict(cfg=cfg, params=params, ref=ref, loss=float(value), logits=np.asarray(logits), grads=grads,
                 model=model, mesh=mesh, base=base)  # fmt: skip
+
+
+def assert_lora_matches_peft(got: dict, base_logits, m=None) -> dict:
+    """`peft_lora_reference`'s run against peft's reference.npz: the adapter moves the logits (by over 1000x
+    the bound), the logits equal peft's to 1e-5 of the largest, the mean next-token cross-entropy to a
+    relative 1e-5, and each adapter tensor's gradient has torch's norm (relative 1e-5) and torch's dot
+    product with the tensor (1e-5 of the largest), under peft's key names. -> jaxdist's adapters as peft's
+    tensors (`m`: the model config, for grouped layers)."""
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+
+    ref, lora = got["ref"], got["cfg"].lora
+    tol = 1e-5 * np.abs(ref["logits"]).max()
+    assert np.abs(ref["logits"] - base_logits).max() > 1000 * tol  # the adapter matters
+    np.testing.assert_allclose(got["logits"], ref["logits"], atol=tol, rtol=0)
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    g = peft.adapter_tensors(jax.device_get(got["grads"])["blocks"], lora, m=m)
+    w = peft.adapter_tensors(jax.device_get(adapters.trainable(got["params"]))["blocks"], lora, m=m)
+    keys = [str(k) for k in ref["grad_keys"]]
+    assert sorted(g) == keys and ref["grad_norm"].min() > 0
+    np.testing.assert_allclose([np.linalg.norm(g[k]) for k in keys], ref["grad_norm"], rtol=1e-5)
+    dot = np.array([(g[k].astype(np.float64) * w[k]).sum() for k in keys])
+    np.testing.assert_allclose(dot, ref["grad_dot"], rtol=0, atol=1e-5 * np.abs(ref["grad_dot"]).max())
+    return w
+
+
+def assert_qlora_trains(fixture: Path, peft_fixture: Path, overrides: list[str], mesh_text: str, steps: int = 4):
+    """QLoRA (an NF4 base, r=4 on the architecture's attention) from the Hugging Face base `fixture` on
+    `mesh_text`, one compiled train step run `steps` times on learnable rows: the loss falls; every adapted
+    matrix is stored as packed NF4 codes (uint8, half the entries) with float32 scales, everything else
+    frozen in bfloat16 (experts included) and bit-identical after training; only the adapters moved; the
+    trained adapters export to exactly the keys, shapes and dtype of the peft-made adapter of the same
+    targets (`peft_fixture`), i.e. the structure of the float-base LoRA's export."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.adapters.lora import SCALE
+    from jaxdist.distributed.mesh import mesh_from_string
+    from jaxdist.training import step
+
+    lora = ["lora.rank=4", "lora.alpha=8", "lora.targets=[q,k,v,o]", "lora.base_dtype=nf4", "lora.block_size=8"]
+    train = ["train.global_batch=8", "optim.lr=0.02", "optim.warmup_steps=0", f"optim.schedule_steps={steps}"]
+    cfg = mapping.hf_config(None, [*overrides, *lora, *train], fixture, mesh_text)
+    mesh = mesh_from_string(mesh_text)
+    prog = step.build_program(cfg, mesh)
+    base, _ = tensors.import_params(fixture, cfg.replace(lora=dict(rank=0, base_dtype="float32")), mesh)
+    state = prog.state_from_params(base)
+    flat = flat_params(state.params)
+    codes = {k: v for k, v in flat.items() if k[:-2] + f"{SCALE}']" in flat}
+    assert {k.split("'")[-2] for k in codes} == {"wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD"}
+    assert all(v.dtype == np.uint8 for v in codes.values())
+    named = flat_params(base)
+    assert all(named[k].size == 2 * v.size for k, v in codes.items())  # two NF4 codes per byte
+    rest = [v for k, v in flat.items() if k not in codes and "lora" not in k and SCALE not in k]
+    assert rest and all(v.dtype == jnp.bfloat16 for v in rest)  # experts, norms, embedding, head
+    frozen_before = jax.device_get(adapters.frozen(state.params))
+    adapters_before = flat_params(adapters.trainable(state.params))
+    losses = []
+    with prog.activate():
+        for tokens in learnable_batches(cfg, steps):
+            state, metrics = prog.train_step(state, jax.device_put(tokens, prog.batch_sharding))
+            losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.05, losses
+    after = jax.device_get(state.params)
+    for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(adapters.frozen(after))):
+        np.testing.assert_array_equal(a, b)
+    moved = flat_params(adapters.trainable(after))
+    assert all(not np.array_equal(moved[k], v) for k, v in adapters_before.items() if k.endswith("_lora_b']"))
+    written = peft.adapter_tensors(adapters.trainable(after)["blocks"], cfg.lora, m=cfg.model)
+    original = load_file(str(peft_fixture / "adapter_model.safetensors"))
+    assert {k: (v.shape, v.dtype) for k, v in written.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
+    return losses

@@ -20,7 +20,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import assert_export_round_trip, assert_refused_in_one_line, assert_same_greedy, peft_lora_reference
+from conftest import (
+    assert_export_round_trip,
+    assert_lora_matches_peft,
+    assert_refused_in_one_line,
+    assert_same_greedy,
+    peft_lora_reference,
+)
 from flax import nnx
 
 from jaxdist import config
@@ -222,21 +228,10 @@ def test_lora_on_peft_adapter_matches_peft(lora_peft, tmp_path):
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
 
-    f, ref = lora_peft, lora_peft["ref"]
-    tol = 1e-5 * np.abs(ref["logits"]).max()
-    assert np.abs(ref["logits"] - REF["logits"]).max() > 1000 * tol  # the adapter matters
-    np.testing.assert_allclose(f["logits"], ref["logits"], atol=tol, rtol=0)
-    np.testing.assert_allclose(f["loss"], ref["loss"], rtol=1e-5)
+    f = lora_peft
     m = f["cfg"].model
-    g = peft.adapter_tensors(jax.device_get(f["grads"])["blocks"], f["cfg"].lora, m=m)
+    assert_lora_matches_peft(f, REF["logits"], m=m)
     own = jax.device_get(adapters.trainable(f["params"]))["blocks"]
-    w = peft.adapter_tensors(own, f["cfg"].lora, m=m)
-    keys = [str(k) for k in ref["grad_keys"]]
-    assert sorted(g) == keys
-    assert ref["grad_norm"].min() > 0
-    np.testing.assert_allclose([np.linalg.norm(g[k]) for k in keys], ref["grad_norm"], rtol=1e-5)
-    dot = np.array([(g[k].astype(np.float64) * w[k]).sum() for k in keys])
-    np.testing.assert_allclose(dot, ref["grad_dot"], rtol=0, atol=1e-5 * np.abs(ref["grad_dot"]).max())
     peft.write(tmp_path, own, f["cfg"].lora, m=m)
     written = load_file(str(tmp_path / "adapter_model.safetensors"))
     original = load_file(str(PEFT_FIXTURE / "adapter_model.safetensors"))
