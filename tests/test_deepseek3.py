@@ -160,7 +160,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=deepseek_v3"),
+        (["mesh.shape=pp=2,fsdp=4", "pipeline.schedule=zb_h1"], "pipeline.schedule=zb_h1 does not run .*dense first"),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=deepseek_v3"),
         (["lora.rank=4"], "lora.rank"),
         (["model.moe_groups=3"], "moe_groups=3"),

@@ -172,7 +172,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=gpt_oss"),
+        (["mesh.shape=pp=2,fsdp=4", "pipeline.schedule=1f1b"], "pipeline.schedule=1f1b does not carry .*gpipe"),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=gpt_oss"),
         (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
     ],
@@ -217,14 +217,15 @@ def test_gpt_oss_20b_config_has_the_published_count():
     assert round((counts["active"] - counts["embed"]) / 1e9, 2) == 3.61
 
 
-def test_the_planner_offers_gpt_oss_20b_no_pp_or_cp_mesh():
-    """The registry entry's refusals are the planner's candidate filter too."""
+def test_the_planner_offers_gpt_oss_20b_pp_but_no_cp_mesh():
+    """The registry entry's refusals are the planner's candidate filter too (pp under gpipe:
+    tests/test_arch_pipeline.py)."""
     from jaxdist.planner.candidates import architecture_takes
 
     cfg = config.load("configs/gpt-oss-20b.yaml")
     base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     assert architecture_takes(cfg, base) and architecture_takes(cfg, {**base, "ep": 2})
-    assert not architecture_takes(cfg, {**base, "pp": 2}) and not architecture_takes(cfg, {**base, "cp": 2})
+    assert architecture_takes(cfg, {**base, "pp": 2}) and not architecture_takes(cfg, {**base, "cp": 2})
 
 
 PEFT_FIXTURE = FIXTURE.parent / "lora_peft_gpt_oss"  # scripts/fixtures/make_lora_peft_moe_fixture.py (peft 0.21.2)

@@ -158,7 +158,6 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (["mesh.shape=pp=2,fsdp=4"], "mesh pp=2 is not supported by model.family=qwen3_next"),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=qwen3_next"),
         (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
         (["model.full_attention_interval=3"], "full_attention_interval=3"),

@@ -119,8 +119,19 @@ class ModelConfig:
 
     @property
     def stack_depth(self) -> int:
-        """Length of the stacked layer axis: num_layers, or num_layers / moe_every dense+sparse groups."""
+        """Length of the stacked layer axis: num_layers, or num_layers / moe_every dense+sparse groups, or
+        num_layers / full_attention_interval (qwen3_next's groups of DeltaNet layers and one full layer)."""
+        if self.full_attention_interval:
+            return self.num_layers // self.full_attention_interval
         return self.num_layers // self.moe_every if self.moe_experts and self.moe_every > 1 else self.num_layers
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Length of the stack a pipeline splits into stages: stack_depth, less deepseek_v3's dense first
+        layers (`dense_layers`: a second stack, run before the pipeline)."""
+        if self.moe_experts and self.dense_layers:
+            return self.stack_depth - min(self.dense_layers, self.num_layers)
+        return self.stack_depth
 
 
 # The ModelConfig fields that decide the parameters' shapes (a checkpoint of another value is another model).

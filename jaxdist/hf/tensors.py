@@ -239,7 +239,7 @@ def load(hf_dir: Path, m: ModelConfig, abstract: dict, shardings: dict, stages: 
             per_layer, stack = idx[lead:], [range(s.start, s.stop) for s in idx[:lead]]
             # Per-expert tensors: the last stacking dim is the expert; a device reads only its experts.
             experts = stack.pop() if t.experts else range(1)
-            layers = [[0]] if not stack else _layer_ids(stack, m.stack_depth, stages, repeats)
+            layers = [[0]] if not stack else _layer_ids(stack, m.pipeline_depth, stages, repeats)
             per, out = (m.moe_experts if t.experts else 1), []
             for group in layers:
                 for i in group:

@@ -183,9 +183,9 @@ class MoE(moe.MoE):
     def __call__(self, x_BTD):
         groups, topk_groups, scale = self.groups
         bias_E = jax.lax.stop_gradient(self.e_bias_E[...]).astype(jnp.float32)
-        fn = functools.partial(route, bias_E=bias_E, topk=self.topk, groups=groups, topk_groups=topk_groups,
+        fn = functools.partial(route, topk=self.topk, groups=groups, topk_groups=topk_groups,
                                scale=scale, norm=self.norm_topk)  # fmt: skip
-        return super().__call__(x_BTD, route_fn=fn)
+        return super().__call__(x_BTD, route_fn=fn, route_args=(bias_E,))
 
 
 class Block(decoder_layers.Block):
@@ -227,10 +227,17 @@ class DeepseekV3(llama.Llama):
             return Block, cfg.num_layers
         return (lambda c, g: Block(c, g, sparse=True)), cfg.num_layers - dense_count(cfg)
 
-    def run_layers_aux(self, x_BTD, blocks=None, segment_ids_BT=None, positions_T=None):
+    def run_layers_aux(self, x_BTD, blocks=None, segment_ids_BT=None, positions_T=None, consts=None):
         if blocks is None and self.dense_blocks is not None:
             x_BTD = super().run_layers_aux(x_BTD, self.dense_blocks, segment_ids_BT, positions_T)[0]
-        return super().run_layers_aux(x_BTD, blocks, segment_ids_BT, positions_T)
+        return super().run_layers_aux(x_BTD, blocks, segment_ids_BT, positions_T, consts)
+
+    def pre_layers(self, x_BTD, positions_T=None):
+        """The dense first layers: under pp they run before the pipeline, on every pp rank (as the
+        embedding does; their weights replicated over pp), and the stages split the MoE stack."""
+        if self.dense_blocks is None:
+            return x_BTD
+        return super().run_layers_aux(x_BTD, self.dense_blocks, positions_T=positions_T)[0]
 
     def empty_cache(self, batch: int, slots: int, dtype):
         """The latent cache: (L, B, S, kv_rank) normed latents and (L, B, S, rope_dim) rotated keys."""

@@ -57,14 +57,16 @@ def check(cfg, sizes: dict) -> None:
     _routing(m)
     if cfg.lora.rank:
         raise JaxdistError("lora.rank>0 is not supported by model.family=deepseek_v3 yet; train it fully (lora.rank=0)")
-    for axis, why in (
-        ("pp", "its dense and MoE layers are two stacks"),
-        ("cp", "MLA has no context-parallel attention"),
-    ):
-        if sizes.get(axis, 1) > 1:
-            raise JaxdistError(
-                f"mesh {axis}={sizes[axis]} is not supported by model.family=deepseek_v3 ({why}); use {axis}=1"
-            )
+    if sizes.get("pp", 1) > 1 and m.dense_layers and cfg.pipeline.schedule not in ("gpipe", "circular"):
+        raise JaxdistError(
+            f"pipeline.schedule={cfg.pipeline.schedule} does not run model.family=deepseek_v3's dense first layers "
+            f"before the stages (gpipe and circular do); set pipeline.schedule=gpipe"
+        )
+    if sizes.get("cp", 1) > 1:
+        raise JaxdistError(
+            f"mesh cp={sizes['cp']} is not supported by model.family=deepseek_v3 (MLA has no context-parallel "
+            f"attention); use cp=1"
+        )
 
 
 def after_step(m: ModelConfig, params, load_LE):

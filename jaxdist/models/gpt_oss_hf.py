@@ -224,12 +224,16 @@ def check(cfg, sizes: dict) -> None:
             f"lora.targets names {', '.join(extra)}: gpt-oss's feed-forward is all experts, which take no "
             f"adapters (peft's target_modules reach q/k/v/o_proj only); set lora.targets=[q,k,v,o]"
         )
-    for axis, why in (("pp", "its per-layer window is scanned over the whole stack"),
-                      ("cp", "context parallelism has no attention sinks")):  # fmt: skip
-        if sizes.get(axis, 1) > 1:
-            raise JaxdistError(
-                f"mesh {axis}={sizes[axis]} is not supported by model.family=gpt_oss ({why}); use {axis}=1"
-            )
+    if sizes.get("pp", 1) > 1 and cfg.pipeline.schedule not in ("gpipe", "circular"):
+        raise JaxdistError(
+            f"pipeline.schedule={cfg.pipeline.schedule} does not carry model.family=gpt_oss's per-layer windows "
+            f"(gpipe and circular do); set pipeline.schedule=gpipe"
+        )
+    if sizes.get("cp", 1) > 1:
+        raise JaxdistError(
+            f"mesh cp={sizes['cp']} is not supported by model.family=gpt_oss (context parallelism has no "
+            f"attention sinks); use cp=1"
+        )
 
 
 def yarn_frequencies(m: ModelConfig) -> tuple[list[float], float]:

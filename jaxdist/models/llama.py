@@ -78,11 +78,17 @@ class Llama(nnx.Module):
         """Per-layer constants (leading axis: the stacked layers) passed to each unit as `consts`; None here."""
         return None
 
-    def _consts(self, blocks):
+    def _consts(self, blocks, consts=None):
+        if consts is not None:  # a part of the stack with its rows of `layer_consts` (the pipeline's stages)
+            return consts
         consts = self.layer_consts()
         if consts is not None and blocks is not None:
-            raise NotImplementedError("layers with per-layer constants run as one whole stack")
+            raise NotImplementedError("layers with per-layer constants run as one whole stack or with their consts")
         return consts
+
+    def pre_layers(self, x_BTD, positions_T=None):
+        """Layers run before the scanned stack (outside a pipeline's stages); none here."""
+        return x_BTD
 
     def embed(self, tokens_BT):
         # A lookup inside a small shard_map over the table's sharded axes: the table is never gathered.
@@ -101,9 +107,10 @@ class Llama(nnx.Module):
         `positions_T`: the tokens' positions (default 0..T-1; context parallelism's reordered ones)."""
         return self.run_layers_aux(x_BTD, blocks, segment_ids_BT, positions_T)[0]
 
-    def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None):
-        """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense)."""
-        consts = self._consts(blocks)
+    def run_layers_aux(self, x_BTD, blocks: Block | None = None, segment_ids_BT=None, positions_T=None, consts=None):
+        """run_layers, also returning the sparse layers' aux losses stacked over layers (None if dense).
+        `consts`: `blocks`' rows of `layer_consts` when `blocks` is a part of the stack (a pipeline stage)."""
+        consts = self._consts(blocks, consts)
         graphdef, stacked = nnx.split(self.blocks if blocks is None else blocks)
         if segment_ids_BT is not None:
             segment_ids_BT = constrain(segment_ids_BT, ("batch", "seq"))

@@ -105,9 +105,10 @@ class MoE(nnx.Module):
         self.factor = None if cfg.moe_dispatch == "dropless" else cfg.moe_capacity_factor
         self.weights = (cfg.moe_aux_weight, cfg.moe_z_weight)
 
-    def __call__(self, x_BTD, route_fn=None):
+    def __call__(self, x_BTD, route_fn=None, route_args=()):
         """-> (y_BTD, aux): aux sums over this call's tokens (see `combine_layers`). `route_fn`: another
-        router's (logits_BTE -> (ids, gates)), e.g. DeepSeek-V3's group-limited one (models/deepseek3.py)."""
+        router's (logits_BTE, *route_args -> (ids, gates)), e.g. DeepSeek-V3's group-limited one with its
+        selection bias as `route_args` (models/deepseek3.py)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
         route_fn = route_fn or functools.partial(route, topk=self.topk, router=self.router, norm=self.norm_topk)
         y_BTD, dropped_B, counts_BE = expert_ffn(
@@ -119,6 +120,7 @@ class MoE(nnx.Module):
             EXPERT_NAMES,
             self.factor,
             route_fn,
+            *((route_args,) if route_args else ()),  # only when given: tests swap in a reference expert_ffn
         )
         if self.shared:
             up = ("embed", "mlp")

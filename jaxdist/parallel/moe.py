@@ -237,10 +237,11 @@ def _local(
     seq_axes=(),
     all_axes=(),
     fp8="off",
+    route_args=(),
 ):
     """The per-device program (or the whole program without a mesh: ep_axes = ()). Top-K runs here,
     on local tokens: left to the automatic partitioner it all-gathers the router scores."""
-    idx_BTK, gate_BTK = route(logits_BTE)
+    idx_BTK, gate_BTK = route(logits_BTE, *route_args)
     B, T, D = x_BTD.shape
     K = idx_BTK.shape[-1]
     N = B * T
@@ -264,18 +265,23 @@ def _local(
     return y_ND.reshape(B, T, D), dropped_B, counts_BE
 
 
-def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, factor: float | None, route):
+def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, factor: float | None, route, route_args=()):
     """Route tokens by their router logits and apply the experts. Returns y_BTD, dropped assignments
     per sequence (B,) and assignments per sequence and expert (B, E).
     `names`: the logical names of w_gate (('expert', 'embed', 'mlp')); `factor` None = dropless;
-    `route(logits_BTE) -> (expert ids, gates)`, each (B, T, K)."""
+    `route(logits_BTE, *route_args) -> (expert ids, gates)`, each (B, T, K); `route_args`: small arrays it
+    reads (DeepSeek-V3's selection bias), passed in replicated (captured instead, under an outer shard_map
+    over pp they would carry that context's mesh into this one)."""
     experts = w_gate_EDF.shape[0]
     mesh, rules = jax.sharding.get_abstract_mesh(), current_rules()
     kw: dict[str, Any] = dict(
         route=route, experts=experts, factor=factor, fp8=fp8_mode()
     )  # model.fp8: set around the scan
     if rules is None or mesh.empty:
-        return _local(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(), **kw)
+        return _local(
+            x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, ep_axes=(), gather=(), inner_axes=(),
+            route_args=tuple(route_args), **kw,
+        )  # fmt: skip
     done = set(mesh.manual_axes)
     manual = frozenset(a for a in mesh.axis_names if a not in done)
     spec = lambda n: drop_axes(logical_to_spec(n, rules, "moe"), done)
@@ -289,17 +295,19 @@ def expert_ffn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, names, facto
     # the other pp ranks run other branches, so a pmax over pp would wait for them (XLA:CPU aborts after
     # 40 s); the ep groups never span pp ranks, so the tier need not agree across them.
     every = tuple(a for a in mesh.axis_names if a not in done)
+    n = len(route_args)
     body = lambda *a: _local(
-        *a, ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, all_axes=every, **kw
-    )
+        *a[:5], ep_axes=used(0), gather=gather, inner_axes=used(2), seq_axes=seq_axes, all_axes=every,
+        route_args=a[5:], **kw,
+    )  # fmt: skip
     # check_vma off: a size-1 cp axis still appears in x_spec; the per-sequence counts are summed over
     # the axes that really split the sequence (seq_axes) and replicated over the rest.
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec),
+        in_specs=(x_spec, x_spec, w_spec, w_spec, down_spec) + (P(),) * n,
         out_specs=(x_spec, P(x_spec[0]), P(x_spec[0])),
         axis_names=manual,
         check_vma=False,
     )
-    return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return fn(x_BTD, logits_BTE, w_gate_EDF, w_up_EDF, w_down_EFD, *route_args)

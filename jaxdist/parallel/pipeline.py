@@ -78,8 +78,8 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
     stages = mesh.shape.get(AXIS, 1)
     if stages == 1:
         return None
-    p, layers, units = cfg.pipeline, cfg.model.num_layers, cfg.model.stack_depth
-    per_unit = layers // units  # model.moe_every when the scanned unit is a dense+sparse group
+    p, layers, units = cfg.pipeline, cfg.model.num_layers, cfg.model.pipeline_depth
+    per_unit = layers // cfg.model.stack_depth  # moe_every / full_attention_interval when the scanned unit is a group
     if p.microbatches < 0:
         raise JaxdistError(f"pipeline.microbatches={p.microbatches} must be >= 0 (0 means pp={stages})")
     entry = schedule_registry.get(p.schedule)
@@ -97,10 +97,14 @@ def plan(cfg: Config, mesh, rules) -> Plan | None:
             for d in range(2, units + 1)
             if units % (d * repeats) == 0
         ]
-        groups = f" ({units} group{'s' * (units > 1)} of model.moe_every={per_unit} layers)" if per_unit > 1 else ""
+        what = "model.moe_every" if cfg.model.moe_every > 1 else "model.full_attention_interval"
+        groups = f" ({units} group{'s' * (units > 1)} of {what}={per_unit} layers)" if per_unit > 1 else ""
+        if units < cfg.model.stack_depth:
+            groups = f" ({units} MoE layers after model.dense_layers={cfg.model.stack_depth - units})"
         raise JaxdistError(
             f"model.num_layers={layers}{groups} cannot be split into pp={stages} stages x {repeats} repeats; "
-            f"use num_layers divisible by {stages * repeats * per_unit}" + (f", or {' / '.join(fits)}" if fits else "")
+            f"use {'MoE layers' if units < cfg.model.stack_depth else 'num_layers'} divisible by "
+            f"{stages * repeats * per_unit}" + (f", or {' / '.join(fits)}" if fits else "")
         )
     if repeats > 1 and micro < stages:
         raise JaxdistError(
@@ -285,14 +289,19 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> PipelinedApply:
         blocks_def, _ = nnx.split(model.blocks)
         sparse = bool(model.cfg.moe_experts)
 
-        def stage_fn(group_params, x):
-            out, aux = model.run_layers_aux(x, nnx.merge(blocks_def, group_params), positions_T=positions_T)
+        # Per-layer constants (gpt-oss's windows) travel with their layers' weights, staged the same way.
+        consts = model.layer_consts()
+        stack = params[STACK] if consts is None else (params[STACK], to_stages({STACK: consts}, pl)[STACK])
+
+        def stage_fn(group, x):
+            group_params, c = group if consts is not None else (group, None)
+            out, aux = model.run_layers_aux(x, nnx.merge(blocks_def, group_params), positions_T=positions_T, consts=c)
             return (out, aux) if sparse else out
 
-        x_MbTD = split_microbatches(model.embed(tokens_BT), pl.microbatches)
+        x_MbTD = split_microbatches(model.pre_layers(model.embed(tokens_BT), positions_T), pl.microbatches)
         aux_like = None
         if sparse:  # shapes of one group's per-layer aux sums
-            group = jax.tree.map(lambda a: a[0, : pl.layers_per_group], params[STACK])
+            group = jax.tree.map(lambda a: a[0, : pl.layers_per_group], stack)
             aux_like = jax.eval_shape(lambda g, x: stage_fn(g, x)[1], group, x_MbTD[0])
 
         def per_rank(stage_params, x_MbTD):
@@ -300,13 +309,13 @@ def pipelined_apply(graphdef, pl: Plan, positions_T=None) -> PipelinedApply:
             res = run_schedule(stage_fn, local, x_MbTD, pl, aux_like)
             return jax.tree.map(lambda a: a[None], res)
 
-        params_spec = jax.tree.map(lambda _: P(AXIS), params[STACK])
+        params_spec = jax.tree.map(lambda _: P(AXIS), stack)
         # check_vma off: a MoE layer's expert shard_map nests inside this one, and with the varying-axes
         # check on, jax 0.10.2 gives the inner one's backward residuals a spec naming pp (outer-manual)
         # after inner-manual axes, which Shardy's verifier rejects. Nothing here relies on the check.
         res = jax.shard_map(
             per_rank, in_specs=(params_spec, P()), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False
-        )(params[STACK], x_MbTD)
+        )(stack, x_MbTD)
         out_SMbTD, aux_S = res if sparse else (res, None)
         x_BTD = from_microbatches(out_SMbTD[pl.stages - 1])
         if not sparse:

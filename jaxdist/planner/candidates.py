@@ -146,6 +146,7 @@ def candidates(cfg: Config, devices: int, hw: Hardware) -> list[Estimate]:
         for name, mesh in candidate_meshes(cfg, devices, hw)
         if architecture_takes(cfg, mesh)
         for variant in schedule_variants(with_cp_weights(cfg) if mesh["cp"] > 1 else cfg, mesh)
+        if architecture_takes(variant, mesh)  # gpt-oss / DeepSeek-V3 take gpipe and circular only
         if (e := best_for_mesh(variant, mesh, hw, name))
     ]
     return sorted(out, key=lambda e: (not e.memory.fits, e.step_s if e.memory.fits else e.memory.total))

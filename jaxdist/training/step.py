@@ -133,7 +133,7 @@ def build_program(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )
     batch_sharding, scalar = NamedSharding(mesh, sharding.batch_spec(rules)), NamedSharding(mesh, P())
-    train_step = make_train_step(cfg, tx, lr_schedule, stage, on_device)
+    train_step = make_train_step(cfg, tx, lr_schedule, stage, on_device, model.pipeline)
 
     def eval_step(params, tokens):
         return token_loss_sums(apply_fn, params, tokens, order_T)  # eval: cross-entropy only
@@ -236,10 +236,13 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     return shardings, on_device
 
 
-def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_device: dict) -> Callable:
+def make_train_step(
+    cfg: Config, tx, lr_schedule, stage: GradientStage, on_device: dict, plan: pipeline.Plan | None = None
+) -> Callable:
     """`train_step(state, tokens) -> (state, metrics)`: gradients, then clip + AdamW, behind the
     non-finite guard (a poisoned step leaves params, optimizer and reducer state untouched).
-    `on_device`: the device shardings of the opt_state and params that offload keeps in host memory."""
+    `on_device`: the device shardings of the opt_state and params that offload keeps in host memory.
+    `plan`: the pipeline (pp > 1), whose staged layer stack the after-step update sees."""
 
     def train_step(state: TrainState, tokens):
         grads, loss, reducer_state, extra = stage.apply(state.params, tokens, state.reducer_state, state.step)
@@ -255,6 +258,8 @@ def make_train_step(cfg: Config, tx, lr_schedule, stage: GradientStage, on_devic
         params = optax.apply_updates(trained, updates)
         after = models_registry.of(cfg.model).after_step
         if after is not None and load_LE is not None:  # a non-gradient update (DeepSeek-V3's balancing bias)
+            if plan:  # the loads in the staged stack's layout, as the biases are stored
+                load_LE = pipeline.to_stages({pipeline.STACK: load_LE}, plan)[pipeline.STACK]
             params = after(cfg.model, params, load_LE)
         if cfg.lora.rank:
             params = adapters.combine(cast(dict, params), adapters.frozen(state.params))  # the nested dict in

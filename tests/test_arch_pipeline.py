@@ -1,0 +1,78 @@
+"""Pipeline parallelism (pp=2, gpipe, 2 micro-batches) on the architectures whose layers are not one
+uniform stack: gpt-oss (sliding/full windows alternate: each stage gets its layers' windows, staged
+beside the weights), DeepSeek-V3 (the dense first layers run before the pipeline, the stages split the
+MoE stack) and Qwen3-Next (the stages split its scanned DeltaNet+full-attention groups). Each is
+compared with the one-device run of the same weights (the transformers fixture's, imported): loss and
+every gradient, test_pipeline.py's tolerance (fp32 on CPU, only the order of reductions differs: each
+gradient tensor to 1e-5 of its largest entry, the loss to a relative 1e-5; Qwen3-Next's to 3e-5 of it:
+its short convolution's weight gradient sums the chunked delta rule's terms in another order, measured
+1.1e-5 of its largest entry at pp=2). One step, the smallest
+fixture models; each architecture compiles its one-device and its pipelined gradient program once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import compiled_gradients, learnable_batches
+
+from jaxdist import config
+from jaxdist.distributed.mesh import mesh_from_string
+from jaxdist.hf import mapping, tensors
+from jaxdist.parallel import pipeline
+from jaxdist.training import step
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# arch: (fixture, model overrides, pipelined mesh, devices, gradient tolerance (of the largest entry))
+ARCHS = {
+    "gpt_oss": ("hf_gpt_oss", {}, "pp=2,ep=2", 4, 1e-5),  # 2 layers: stage 0 sliding (window 4 < 16), stage 1 full
+    "deepseek_v3": ("hf_deepseek_v3", {}, "pp=2,ep=2", 4, 1e-5),  # 1 dense layer before, 2 MoE layers in 2 stages
+    "qwen3_next": ("hf_qwen3_next", {"num_layers": 4}, "pp=2,ep=2", 4, 3e-5),  # 2 groups of (DeltaNet, full)
+}
+RUN = ["train.global_batch=8", "train.steps=1", "pipeline.microbatches=2", "train.eval_every=0"]
+
+
+def _program(arch: str, mesh_text: str, devices: int):
+    fixture, model, *_ = ARCHS[arch]
+    cfg = mapping.apply(config.load(None, RUN), FIXTURES / fixture)
+    cfg = cfg.replace(model={**model, "seq_len": 16})
+    prog = step.build_program(cfg, mesh_from_string(mesh_text, jax.devices()[:devices]))
+    return cfg, prog
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """arch -> (fixture params in the model's layout, batch, loss, gradients) on one device; memoised."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cfg, prog = _program(arch, "fsdp=1", 1)
+            if cfg.model.num_layers != mapping.model_fields(FIXTURES / ARCHS[arch][0])["num_layers"]:
+                params = jax.device_get(prog.init_state(0).params)  # more layers than the fixture: random ones
+            else:
+                params = jax.device_get(tensors.import_params(FIXTURES / ARCHS[arch][0], cfg, prog.mesh)[0])
+            batch = learnable_batches(cfg, 1)[0]
+            grads, loss = compiled_gradients(prog)(params, batch)
+            cache[arch] = params, batch, float(loss), jax.device_get(grads)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_pp2_matches_one_device(arch, one_device):
+    params, batch, ref_loss, ref_grads = one_device(arch)
+    _, _, mesh_text, n, tol = ARCHS[arch]
+    _, prog = _program(arch, mesh_text, n)
+    assert prog.pipeline is not None and prog.pipeline.stages == 2 and prog.pipeline.microbatches == 2
+    staged = jax.device_put(pipeline.to_stages(params, prog.pipeline), prog.state_shardings.params)
+    grads, loss = compiled_gradients(prog)(staged, jax.device_put(batch, prog.batch_sharding))
+    grads = pipeline.from_stages(jax.device_get(grads), prog.pipeline)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, atol=tol * np.abs(r).max(), rtol=0, err_msg=jax.tree_util.keystr(path))
