@@ -76,3 +76,19 @@ def test_pp2_matches_one_device(arch, one_device):
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, atol=tol * np.abs(r).max(), rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])  # Qwen3-Next's fixture is one group: no pp=2
+def test_hf_import_onto_the_pipeline_layout(arch):
+    """--restore hf: onto pp=2,ep=2 fills the staged stack (DeepSeek-V3: the MoE stack; its dense layer
+    replicated) with exactly the one-device import's tensors."""
+    fixture, _, mesh_text, n, _ = ARCHS[arch]
+    cfg = mapping.apply(config.load(None, RUN), FIXTURES / fixture)
+    flat = lambda p: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(p)}
+    one = flat(
+        jax.device_get(tensors.import_params(FIXTURES / fixture, cfg, mesh_from_string("fsdp=1", jax.devices()[:1]))[0])
+    )
+    staged, model = tensors.import_params(FIXTURES / fixture, cfg, mesh_from_string(mesh_text, jax.devices()[:n]))
+    assert model.pipeline is not None
+    two = flat(pipeline.from_stages(jax.device_get(staged), model.pipeline))
+    assert sorted(one) == sorted(two) and all(np.array_equal(one[k], two[k]) for k in one)
