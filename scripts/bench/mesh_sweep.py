@@ -1,0 +1,171 @@
+"""The layout search against an exhaustive measured sweep (issue 48): for each config, every layout that
+fits the planner's budget on 8 CPU devices is compiled and timed, and `--mesh auto`'s choice (the search
+with `--mesh-search-steps`) is compared with the sweep's best.
+
+    python scripts/bench/mesh_sweep.py                                  # the four configs, see CONFIGS
+    python scripts/bench/mesh_sweep.py --configs tiny --rounds 3 --steps 2 --json out.jsonl
+
+Per config: the planner's fitting layouts, one per (mesh, pipeline schedule) in the planner's order (the
+remat and accumulation settings of one mesh are the search's own business: the one the planner ranks
+first stands for its mesh; `--max-layouts N` keeps the first N where the machine's time is short, and the
+output says so). Each is compiled once (compiled.memory_analysis() over the budget: dropped, as the
+search does), then timed in interleaved rounds (every layout once per round: a fresh state, one untimed
+step, `--steps` timed steps; its median counts, the best round's is kept), so load from other processes
+hits all layouts alike. `--mesh auto`'s choice is timed in the same rounds (added if the sweep has it
+under another remat/accumulation). Printed: the table of layouts (planner's predicted ms with the `cpu`
+entry and with the entry `plan --calibrate` measures here, measured ms, tokens/s), then one line per
+config: best, chosen, chosen/best tokens/s, Spearman rank correlation of each model with the measured
+times, the search's seconds, and the load average before and after.
+
+CONFIGS: tiny (2 layers); tiny-moe (2 layers); deep-narrow (8 layers of d_model 64, seq_len 1024: cp or
+pp should pay); too-big (tiny at d_model 512, under a memory budget half the replicated (dp=8) layout's
+planned bytes, so no layout that replicates the weights fits). Takes about (layouts x (compile + rounds x
+(steps + 2) steps)); tiny-sized layouts compile in 5-60 s each on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TINY_SMALL = ["model.num_layers=2"]
+CONFIGS = {
+    "tiny": ("tiny", TINY_SMALL, None),
+    "tiny-moe": ("tiny-moe", TINY_SMALL, None),
+    "deep-narrow": (
+        "tiny",
+        [
+            "model.num_layers=8",
+            "model.d_model=64",
+            "model.num_heads=2",
+            "model.num_kv_heads=1",
+            "model.head_dim=32",
+            "model.mlp_dim=256",
+            "model.seq_len=1024",
+        ],
+        None,
+    ),
+    "too-big": ("tiny", ["model.num_layers=2", "model.d_model=512", "model.mlp_dim=2048"], 0.5),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per layout per round")
+    p.add_argument("--search-steps", type=int, default=2, help="--mesh-search-steps of the search compared")
+    p.add_argument("--top-k", type=int, default=3, help="the search's --top-k")
+    p.add_argument("--max-layouts", type=int, default=0, help="sweep only the planner's first N (0: all)")
+    p.add_argument("--json", default="", help="also append the records here, one JSON object a line")
+    args = p.parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jaxdist import config
+    from jaxdist.analysis import bench, calibrate, mesh_search
+    from jaxdist.distributed.mesh import AXES
+    from jaxdist.planner import hardware, memory, search
+    from jaxdist.planner.estimate import estimate
+    from jaxdist.planner.layout import Layout
+
+    devices = jax.devices()
+    cpu = hardware.get("cpu")
+    for name in args.configs.split(","):
+        base, overrides, budget_fraction = CONFIGS[name]
+        load0 = os.getloadavg()[0]
+        cfg = config.load(base, overrides)
+        hw = cpu
+        if budget_fraction is not None:  # a --memory-budget under which the replicated layout does not fit
+            replicated = estimate(Layout(cfg, {**{a: 1 for a in AXES}, "dp": 8}, cpu), "search")
+            hw = search.with_budget(cpu, budget_fraction * replicated.memory.total)
+        budget = hw.hbm_bytes * memory.USABLE_FRACTION
+        t0 = time.perf_counter()
+        auto = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.search_steps, devices=devices)
+        search_s = time.perf_counter() - t0
+        print(f"{name}: --mesh auto {auto.summary()}; {search_s:.0f} s in all\n  {auto.reason}", flush=True)
+
+        found = mesh_search.shortlist(auto.enumeration.fitting, len(auto.enumeration.fitting))
+        capped = bool(args.max_layouts) and len(found) > args.max_layouts
+        found = found[: args.max_layouts] if capped else found
+        chosen = auto.chosen.est
+        if all(search.describe(e.layout) != auto.chosen.name for e in found):
+            found.append(chosen)
+        rows = [search.Row(e) for e in found]
+        progs = [mesh_search.compile_row(r, devices, budget) for r in rows]
+        alive = [(r, p) for r, p in zip(rows, progs) if p is not None and not r.dropped]
+        print(f"  sweeping {len(alive)} of {len(rows)} layouts{' (capped)' if capped else ''}", flush=True)
+        best: dict[str, float] = {}
+        for _ in range(args.rounds):
+            for row, (prog, compiled) in alive:
+                lay_cfg = row.est.layout.cfg
+                tokens = bench.random_batch(prog, lay_cfg)
+                state, m = compiled(prog.init_state(lay_cfg.train.seed), tokens)
+                jax.block_until_ready(m)
+                t = statistics.median(bench.step_times(compiled, state, tokens, args.steps)[2])
+                best[row.name] = min(best.get(row.name, float("inf")), t)
+        for row, _ in alive:
+            row.measured_s = best[row.name]
+        measured = [r for r, _ in alive]
+        cal = calibrate.entry(cpu, calibrate.measure(cfg, devices), "here")
+        cal = dataclasses.replace(cal, hbm_bytes=hw.hbm_bytes)
+        after = [estimate(dataclasses.replace(r.est.layout, hw=cal), "search").step_s for r in measured]
+        before = [r.est.step_s for r in measured]
+        times = [r.measured_s for r in measured]
+        tok = cfg.train.global_batch * cfg.model.seq_len
+        top = min(measured, key=lambda r: r.measured_s or 0.0)
+        pick = next(r for r in measured if r.name == auto.chosen.name)
+        head = f"  {'layout':<46} {'plan ms':>9} {'calibrated ms':>13} {'measured ms':>11} {'tokens/s':>9}"
+        print(head)
+        for r, a in sorted(zip(measured, after), key=lambda x: x[0].measured_s or 0.0):
+            mark = " <- auto" if r is pick else ""
+            print(
+                f"  {r.name:<46} {r.est.step_s * 1e3:>9.2f} {a * 1e3:>13.2f} {(r.measured_s or 0) * 1e3:>11.2f} "
+                f"{tok / (r.measured_s or 1):>9.0f}{mark}"
+            )
+        for r in rows:
+            if r.dropped:
+                print(f"  {r.name:<46} {r.dropped}")
+        record = dict(
+            config=name,
+            overrides=overrides,
+            budget_mb=budget / 1e6,
+            swept=len(measured),
+            capped=capped,
+            best=top.name,
+            best_tokens_s=tok / (top.measured_s or 1),
+            chosen=pick.name,
+            chosen_tokens_s=tok / (pick.measured_s or 1),
+            ratio=(top.measured_s or 0) / (pick.measured_s or 1),
+            spearman_cpu_entry=calibrate.rank_correlation(before, times),
+            spearman_calibrated=calibrate.rank_correlation(after, times),
+            search_s=search_s,
+            load_before=load0,
+            load_after=os.getloadavg()[0],
+            rounds=args.rounds,
+            steps=args.steps,
+            search_steps=args.search_steps,
+        )
+        print(
+            f"  {name}: best {record['best']} {record['best_tokens_s']:.0f} tok/s; chosen {record['chosen']} "
+            f"{record['chosen_tokens_s']:.0f} tok/s; chosen/best {record['ratio']:.2f}; Spearman cpu entry "
+            f"{record['spearman_cpu_entry']:.2f}, calibrated {record['spearman_calibrated']:.2f}; load "
+            f"{load0:.1f} -> {record['load_after']:.1f}",
+            flush=True,
+        )
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
