@@ -4,9 +4,11 @@ costs in memory. Equivalence with the single-device run is in test_pipeline.py."
 import jax
 import numpy as np
 import pytest
-from conftest import compiled_gradients
+from conftest import MICRO_ARGS, compiled_gradients
 
-from jaxdist import checkpoint
+from jaxdist import checkpoint, config
+from jaxdist.checkpoint import restage
+from jaxdist.data import loader as loader_mod
 from jaxdist.distributed import mesh as mesh_mod
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedule_buffers, schedule_registry, schedules
@@ -285,25 +287,78 @@ def test_errors_name_the_combination(tiny_cfg, overrides, message):
 
 def test_checkpoints_move_between_schedules(tiny_cfg):
     """The staged layout is the same for gpipe and 1f1b, and for circular and interleaved_1f1b at the same
-    repeats, so a resume may change pipeline.schedule freely (the config-drift check lets it through);
-    zb_v's V placement puts other layers on each stage at the same shapes, so a change into or out of it
-    is refused in one line."""
+    repeats, so those resume as they are; another chunk placement at the same pp (gpipe <-> circular <->
+    zb_v) stores the same shapes with other layers on each stage, and restage moves every row to its
+    place (any pair, both ways)."""
     stack = {"blocks": {"w": np.arange(8)}}
     for a, b, V in (("gpipe", "1f1b", 1), ("circular", "interleaved_1f1b", 2)):
         staged = [pipeline.to_stages(stack, pipeline.Plan(n, 2, 4, V, 8 // (2 * V))) for n in (a, b)]
         np.testing.assert_array_equal(staged[0]["blocks"]["w"], staged[1]["blocks"]["w"])
+        assert (
+            restage.permutation(pipeline.Plan(a, 2, 4, V, 8 // (2 * V)), pipeline.Plan(b, 2, 4, V, 8 // (2 * V)))
+            is None
+        )
     saved = {"config": tiny_cfg.replace(pipeline=dict(schedule="gpipe")).to_dict()}
-    now = tiny_cfg.replace(pipeline=dict(schedule="1f1b"))
-    assert checkpoint.check_config_drift(saved, now, "ckpt") == {"pipeline.schedule": ("gpipe", "1f1b")}
+    now = tiny_cfg.replace(pipeline=dict(schedule="zb_v"))
+    assert checkpoint.check_config_drift(saved, now, "ckpt") == {"pipeline.schedule": ("gpipe", "zb_v")}
     v = pipeline.to_stages(stack, pipeline.Plan("zb_v", 2, 4, 2, 2))["blocks"]["w"]
     np.testing.assert_array_equal(v, [[0, 1, 6, 7], [2, 3, 4, 5]])  # stage s: groups s and 2P-1-s
-    np.testing.assert_array_equal(
-        pipeline.from_stages({"blocks": {"w": v}}, pipeline.Plan("zb_v", 2, 4, 2, 2))["blocks"]["w"], np.arange(8)
-    )
-    for a, b in (("circular", "zb_v"), ("zb_v", "1f1b")):
-        saved = {"config": tiny_cfg.replace(pipeline=dict(schedule=a)).to_dict()}
-        with pytest.raises(JaxdistError, match=f"saved under {a} .* resume with pipeline.schedule={a}"):
-            checkpoint.check_config_drift(saved, tiny_cfg.replace(pipeline=dict(schedule=b)), "ckpt")
+    plans = [
+        pipeline.Plan("gpipe", 2, 4, 1, 4),
+        pipeline.Plan("circular", 2, 4, 2, 2),
+        pipeline.Plan("zb_v", 2, 4, 2, 2),
+    ]
+    for a in plans:
+        for b in plans:
+            tree = {
+                "blocks": {"w": jax.numpy.asarray(pipeline.to_stages(stack, a)["blocks"]["w"])},
+                "step": np.int32(3),
+            }
+            moved = restage.restage(tree, a, b, "ckpt")
+            np.testing.assert_array_equal(moved["blocks"]["w"], pipeline.to_stages(stack, b)["blocks"]["w"])
+
+
+def test_a_checkpoint_saved_under_circular_resumes_under_gpipe_with_every_layer_in_place(tmp_path):
+    """The restore path end to end: parameters and AdamW moments (distinct per row) saved under circular
+    (V=2) on pp=2,fsdp=4, restored under gpipe and under zb_v, hold each layer's values where that
+    schedule's stages expect them. Before restage this resume was let through and mixed layers up."""
+
+    def program(schedule, repeats):
+        args = [a for a in MICRO_ARGS if not a.startswith("model.num_layers=")]
+        cfg = config.load(
+            None, args + ["model.num_layers=4", f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"]
+        )
+        return cfg, step.build_program(cfg, mesh_mod.mesh_from_string("pp=2,fsdp=4"))
+
+    cfg, prog = program("circular", 2)
+    distinct = lambda a: jax.numpy.arange(a.size, dtype=a.dtype).reshape(a.shape) if a.ndim and a.size > 1 else a
+    state = jax.jit(lambda s: jax.tree.map(distinct, s), out_shardings=prog.state_shardings)(prog.init_state(0))
+    saver = checkpoint.Saver(tmp_path, cfg, log=lambda *a: None)
+    loader = loader_mod.Loader(cfg, prog.batch_sharding)
+    saver.save(state, 1, loader)
+    saver.close()
+
+    def layers(state, plan):  # every leaf stored under the stack's key, in the model's layer order
+        flat = jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
+        on_stack = lambda path: any(getattr(k, "key", None) == pipeline.STACK for k in path)
+        return {
+            jax.tree_util.keystr(p): np.asarray(pipeline.from_stages({"blocks": a}, plan)["blocks"])
+            for p, a in flat
+            if on_stack(p)
+        }
+
+    want = layers(state, prog.pipeline)
+    assert len(want) >= 3 * len(jax.tree.leaves(state.params["blocks"]))  # parameters and both AdamW moments
+    for schedule, repeats in (("gpipe", 1), ("zb_v", 2)):
+        cfg2, prog2 = program(schedule, repeats)
+        allowed = frozenset({"pipeline.repeats"})  # as --allow-config-change pipeline.repeats
+        got = layers(
+            checkpoint.restore(tmp_path, prog2, loader, cfg2, log=lambda *a: None, allowed=allowed).state,
+            prog2.pipeline,
+        )
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{schedule} {k}")
 
 
 def test_registry_covers_exactly_the_schedules_config_accepts():

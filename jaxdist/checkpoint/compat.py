@@ -27,7 +27,6 @@ from jaxdist.config.model_section import SHAPE_FIELDS
 from jaxdist.config.schema import flatten as flat
 from jaxdist.data.corpus import ALLOW
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import schedule_registry
 
 # Keys that may differ from the checkpoint's config without a flag: how long and how the run is
 # driven, not what it computes (the mesh may change: arrays are resharded on restore).
@@ -45,8 +44,8 @@ FREE_KEYS = frozenset(
         "train.grad_accum_steps",
         "pipeline.microbatches",
         # The parameter layout depends on pp, pipeline.repeats and the schedule's chunk placement only
-        # (parallel/pipeline.to_stages), so a run saved under gpipe resumes under 1f1b (circular under
-        # interleaved_1f1b) as it is; a change of placement (zb_v's V) is refused by check_config_drift.
+        # (parallel/pipeline.to_stages); a resume under another placement at the same pp (gpipe <-> circular
+        # <-> zb_v) has its staged rows moved by checkpoint/restage.py.
         "pipeline.schedule",
         "optim.schedule_steps",
         # The WSD decay's placement and shape change the LR schedule only, like schedule_steps: a
@@ -268,14 +267,6 @@ def check_config_drift(meta: dict, cfg: Config, where: Path, allowed: frozenset[
     """Refuse a resume whose config differs from the checkpoint's in keys neither free nor allowed.
     Returns every changed key (free ones included) -> (saved, now), for the run's config history."""
     changes = changed_keys(meta.get("config", {}), cfg)
-    if "pipeline.schedule" in changes:  # same shapes, other layers on each stage: the restore would mix them up
-        before, now = (schedule_registry.SCHEDULES.get(n) for n in changes["pipeline.schedule"])
-        if before and now and before.placement != now.placement:
-            raise JaxdistError(
-                f"resuming {where} under pipeline.schedule={now.name} ({now.placement} chunk placement) but it "
-                f"was saved under {before.name} ({before.placement} placement): the stages hold other layers; "
-                f"resume with pipeline.schedule={before.name} (moving a checkpoint across placements is not supported yet)"
-            )
     refused = [k for k in changes if k not in FREE_KEYS and k not in allowed]
     if refused:
         listing = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)

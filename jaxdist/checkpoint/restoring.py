@@ -17,7 +17,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from jaxdist.checkpoint import compat, integrity
+from jaxdist.checkpoint import compat, integrity, restage
 from jaxdist.checkpoint.agree import all_agree
 from jaxdist.checkpoint.saving import train_part
 from jaxdist.checkpoint.storage import checkpoint_dir, open_manager
@@ -89,6 +89,9 @@ def _restore_step(
     if not params_only:
         items["train"] = ocp.args.StandardRestore(train_part(abstract))
     restored = manager.restore(step, args=ocp.args.Composite(**items))
+    if prog.pipeline is not None and meta.get("config"):  # saved under another chunk placement: move the rows
+        plans = restage.saved_plan(meta["config"], prog.pipeline), prog.pipeline
+        restored = restage.restage({k: restored[k] for k in items}, *plans, where)  # (orbax's result: not a pytree)
     if params_only:
         fresh = prog.init_state(cfg.train.seed)  # new optimizer, step 0: fine-tuning starts here
         return dataclasses.replace(fresh, params=restored["params"]), changes, None
