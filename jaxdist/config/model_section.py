@@ -133,6 +133,20 @@ class ModelConfig:
             return self.stack_depth - min(self.dense_layers, self.num_layers)
         return self.stack_depth
 
+    @property
+    def decoder_dims(self) -> tuple[int, int, int, int, int, int, int]:
+        """(D, N, K, H, F, V, L): d_model, heads, kv heads, head_dim, mlp_dim, vocab_size, num_layers, the
+        letters the parameter and FLOP counts are written in."""
+        return (
+            self.d_model,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlp_dim,
+            self.vocab_size,
+            self.num_layers,
+        )
+
 
 # The ModelConfig fields that decide the parameters' shapes (a checkpoint of another value is another model).
 SHAPE_FIELDS = (

@@ -36,15 +36,7 @@ def full_remat_flops_per_token(cfg: ModelConfig) -> float:
     Equal to the compiled count (tests/test_step_work.py::test_no_matmul_flops_beyond_full_remat)."""
     if cfg.moe_experts or registry.of(cfg).name != "decoder":
         raise ValueError("full_remat_flops_per_token counts a dense decoder's matmuls only")
-    D, N, K, H, F, V, L = (
-        cfg.d_model,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.mlp_dim,
-        cfg.vocab_size,
-        cfg.num_layers,
-    )
+    D, N, K, H, F, V, L = cfg.decoder_dims
     layer = 2 * D * N * H + 2 * D * K * H + 3 * D * F
     attention = 4 * cfg.seq_len * N * H * L
     return 6.0 * (L * layer + D * V) + 2.0 * L * (layer - D * F) + 4.0 * attention

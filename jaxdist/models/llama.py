@@ -210,15 +210,7 @@ class Llama(nnx.Module):
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts by group, from the config alone."""
-    D, N, K, H, F, V, L = (
-        cfg.d_model,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.mlp_dim,
-        cfg.vocab_size,
-        cfg.num_layers,
-    )
+    D, N, K, H, F, V, L = cfg.decoder_dims
     per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm
     embed = V * D
