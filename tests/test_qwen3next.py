@@ -15,6 +15,7 @@ random. torch is not needed here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -35,6 +36,7 @@ from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import mapping, tensors
 from jaxdist.inference import decode
+from jaxdist.models import delta_rule
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_qwen3_next"
 SHARDED = "fsdp=2,ep=2,tp=2"
@@ -237,3 +239,23 @@ def test_lora_on_peft_adapter_matches_peft(lora_peft, tmp_path):
     assert sorted(written) == sorted(original)
     for k, v in original.items():
         np.testing.assert_array_equal(written[k], v)
+
+
+def test_the_delta_rule_is_matmuls_without_lapack():
+    """The chunk's unit-lower-triangular solve is (I + N)^-1 by matmuls (delta_rule.unit_lower_inverse),
+    not XLA:CPU's batched LAPACK trsm, whose threads, started from the 8 simulated devices at once,
+    deadlocked the train step (a Qwen3-Next run on fsdp=8 hung after compiling, at 0% CPU). Checked:
+    the inverse against numpy's at the chunk size, and no LAPACK call in the forward or backward."""
+    rng = np.random.default_rng(0)
+    n = np.tril(rng.normal(size=(3, delta_rule.CHUNK, delta_rule.CHUNK)), -1).astype(np.float32) * 0.3
+    want = np.linalg.inv(np.eye(delta_rule.CHUNK) + n.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(delta_rule.unit_lower_inverse(jax.numpy.asarray(n))), want, atol=1e-4)
+    B, T, V, K, D = 1, 80, 2, 8, 8
+    q, k = (jax.numpy.asarray(rng.normal(size=(B, T, V, K)), jax.numpy.float32) for _ in range(2))
+    v = jax.numpy.asarray(rng.normal(size=(B, T, V, D)), jax.numpy.float32)
+    g, beta = -jax.numpy.ones((B, T, V)) * 0.1, jax.numpy.full((B, T, V), 0.5)
+    state = jax.numpy.zeros((B, V, K, D))
+    loss = lambda q: delta_rule.chunked_delta_rule(q, k, v, g, beta, state)[0].sum()
+    text = jax.jit(jax.value_and_grad(loss)).lower(q).compile().as_text()
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert not [t for t in targets if "lapack" in t.lower() or "trsm" in t.lower()], targets

@@ -40,6 +40,19 @@ def gated_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD):
 CHUNK = 64  # transformers' chunk_size
 
 
+def unit_lower_inverse(n_CC):
+    """(I + N)^-1 for a strictly lower-triangular N (..., C, C), by matmuls alone: N is nilpotent
+    (N^C = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... up to the power that reaches C. Not
+    `lax.linalg.triangular_solve`: on XLA:CPU it is a batched LAPACK call whose threads, started from
+    every simulated device at once, deadlocked the train step (Qwen3-Next's LoRA step hung at 0% CPU)."""
+    eye = jnp.eye(n_CC.shape[-1], dtype=n_CC.dtype)
+    inverse, power = eye - n_CC, n_CC @ n_CC
+    for _ in range(max(n_CC.shape[-1] - 1, 1).bit_length() - 1):
+        inverse = inverse @ (eye + power)
+        power = power @ power
+    return inverse
+
+
 def chunked_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD, chunk: int = CHUNK):
     """`gated_delta_rule` by chunks (transformers' `torch_chunk_gated_delta_rule`, the same sum in another
     order): within a chunk the delta rule's updates are one unit-lower-triangular solve (the UT transform),
@@ -60,10 +73,8 @@ def chunked_delta_rule(q_BTVK, k_BTVK, v_BTVD, g_BTV, beta_BTV, state_BVKD, chun
     lower = jnp.tril(jnp.ones((C, C), bool))
     decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))
     ut = jnp.where(lower & ~jnp.eye(C, dtype=bool), (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
-    solve = lambda b: jax.lax.linalg.triangular_solve(
-        ut + jnp.eye(C), b, left_side=True, lower=True, unit_diagonal=True
-    )
-    new_v, k_cum = solve(v_beta), solve(k_beta * jnp.exp(G)[..., None])
+    inverse = unit_lower_inverse(ut)
+    new_v, k_cum = inverse @ v_beta, inverse @ (k_beta * jnp.exp(G)[..., None])
     intra = (q @ k.swapaxes(-1, -2)) * decay
     q_dec = q * jnp.exp(G)[..., None]
     k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
