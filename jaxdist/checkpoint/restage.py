@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import pipeline, schedule_registry
 
@@ -23,10 +24,10 @@ from jaxdist.parallel import pipeline, schedule_registry
 def saved_plan(saved_config: dict, now: pipeline.Plan) -> pipeline.Plan:
     """The plan the checkpoint's stack was staged with: this run's pp and layer count, the saved
     schedule and its chunks per stage (read from the saved config's two keys alone, so a config an
-    older jaxdist wrote is read too; absent keys are their defaults, gpipe and 1)."""
-    section = saved_config.get("pipeline") or {}
-    entry = schedule_registry.get(section.get("schedule", "gpipe"))
-    repeats = entry.repeats(int(section.get("repeats", 1)))
+    older jaxdist wrote is read too; absent keys are their defaults)."""
+    section, default = saved_config.get("pipeline") or {}, Config().pipeline
+    entry = schedule_registry.get(section.get("schedule", default.schedule))
+    repeats = entry.repeats(int(section.get("repeats", default.repeats)))
     units = now.stages * now.repeats * now.layers_per_group
     return dataclasses.replace(
         now, schedule=entry.name, repeats=repeats, layers_per_group=units // (now.stages * repeats)

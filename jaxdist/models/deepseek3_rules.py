@@ -57,7 +57,11 @@ def check(cfg, sizes: dict) -> None:
     _routing(m)
     if cfg.lora.rank:
         raise JaxdistError("lora.rank>0 is not supported by model.family=deepseek_v3 yet; train it fully (lora.rank=0)")
-    if sizes.get("pp", 1) > 1 and m.dense_layers and cfg.pipeline.schedule not in ("gpipe", "circular"):
+    # this check is read with the HF mapping at start-up, and parallel/'s schedule registry imports jax
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    from jaxdist.parallel import schedule_registry
+
+    if sizes.get("pp", 1) > 1 and m.dense_layers and schedule_registry.get(cfg.pipeline.schedule).tabled:
         raise JaxdistError(
             f"pipeline.schedule={cfg.pipeline.schedule} does not run model.family=deepseek_v3's dense first layers "
             f"before the stages (gpipe and circular do); set pipeline.schedule=gpipe"

@@ -224,7 +224,11 @@ def check(cfg, sizes: dict) -> None:
             f"lora.targets names {', '.join(extra)}: gpt-oss's feed-forward is all experts, which take no "
             f"adapters (peft's target_modules reach q/k/v/o_proj only); set lora.targets=[q,k,v,o]"
         )
-    if sizes.get("pp", 1) > 1 and cfg.pipeline.schedule not in ("gpipe", "circular"):
+    # this check is read with the HF mapping at start-up, and parallel/'s schedule registry imports jax
+    # deferred: jax loads on first use, not when python -m jaxdist.train starts
+    from jaxdist.parallel import schedule_registry
+
+    if sizes.get("pp", 1) > 1 and schedule_registry.get(cfg.pipeline.schedule).tabled:
         raise JaxdistError(
             f"pipeline.schedule={cfg.pipeline.schedule} does not carry model.family=gpt_oss's per-layer windows "
             f"(gpipe and circular do); set pipeline.schedule=gpipe"
