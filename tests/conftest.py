@@ -278,7 +278,7 @@ def assert_refused_in_one_line(fixture: Path, overrides: list[str], named: str) 
     cfg = cfg.replace(model=mapping.model_overrides(overrides))
     mesh = mesh_from_string(cfg.mesh.shape)
     with pytest.raises(JaxdistError, match=named) as e:
-        registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})
+        registry.of(cfg.model).validate(cfg, {a: int(n) for a, n in mesh.shape.items()})
     assert "\n" not in str(e.value)
 
 

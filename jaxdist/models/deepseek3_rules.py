@@ -57,20 +57,11 @@ def check(cfg, sizes: dict) -> None:
     _routing(m)
     if cfg.lora.rank:
         raise JaxdistError("lora.rank>0 is not supported by model.family=deepseek_v3 yet; train it fully (lora.rank=0)")
-    # this check is read with the HF mapping at start-up, and parallel/'s schedule registry imports jax
-    # deferred: jax loads on first use, not when python -m jaxdist.train starts
-    from jaxdist.parallel import schedule_registry
 
-    if sizes.get("pp", 1) > 1 and m.dense_layers and schedule_registry.get(cfg.pipeline.schedule).tabled:
-        raise JaxdistError(
-            f"pipeline.schedule={cfg.pipeline.schedule} does not run model.family=deepseek_v3's dense first layers "
-            f"before the stages (gpipe and circular do); set pipeline.schedule=gpipe"
-        )
-    if sizes.get("cp", 1) > 1:
-        raise JaxdistError(
-            f"mesh cp={sizes['cp']} is not supported by model.family=deepseek_v3 (MLA has no context-parallel "
-            f"attention); use cp=1"
-        )
+
+def tabled_pp(m: ModelConfig) -> str:
+    """Why a table pipeline schedule cannot run this config: its dense first layers run before the stages."""
+    return "its dense first layers run before the stages" if m.dense_layers else ""
 
 
 def after_step(m: ModelConfig, params, load_LE):

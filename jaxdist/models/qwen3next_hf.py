@@ -276,8 +276,3 @@ def check(cfg, sizes: dict) -> None:
             f"lora.targets names {', '.join(extra)}: Qwen3-Next takes adapters on its full-attention layers' "
             f"q/k/v/o only here (not the experts, shared expert or DeltaNet projections); set lora.targets=[q,k,v,o]"
         )
-    if sizes.get("cp", 1) > 1:
-        raise JaxdistError(
-            f"mesh cp={sizes['cp']} is not supported by model.family=qwen3_next (the linear-attention recurrence "
-            f"runs over the whole sequence on one device); use cp=1"
-        )

@@ -13,7 +13,9 @@ An entry names, as torchtitan's `ModelSpec` does for its models:
 - `axes`: the logical axis names its parameters carry (the default rules place them; no placement code);
 - `count_params` and `attention_flops`: the parameter count and the attention term of FLOPs per token
   (`models/flops.py` adds 6 per matmul parameter);
-- `check`: its refusals of a whole config (a mesh axis its layers cannot meet), one line each.
+- `refused_axes`: the mesh axes its layers cannot meet, each with why; `tabled_pp`: why a table pipeline
+  schedule (1F1B and its kin) cannot run a config of it, empty when one can; `check`: its other refusals of a whole
+  config, one line each. `validate` applies all three (the trainer's start and the planner's candidates).
 """
 
 from __future__ import annotations
@@ -44,9 +46,31 @@ class Architecture:
     hf_layer: Callable  # (ModelConfig, sparse) -> [(path in the unit, HF name with {i}/{e}, n_in, per expert)]
     attention_flops: Callable  # ModelConfig -> attention FLOPs per token, forward + backward
     check: Callable = _no_check  # (Config, mesh axis sizes) -> None, or a one-line JaxdistError
+    refused_axes: tuple[tuple[str, str], ...] = ()  # (mesh axis, why its layers cannot meet it)
+    tabled_pp: Callable | None = None  # ModelConfig -> why a table pipeline schedule cannot run it ("" if one can)
     hf_tensors: Callable | None = None  # ModelConfig -> every tensor (hf.mapping.Tensor fields); None: from hf_layer
     # (ModelConfig, params, expert loads (L, E)) -> params: a non-gradient update after the optimizer's
     after_step: Callable | None = None
+
+    def validate(self, cfg, sizes: dict) -> None:
+        """Every refusal of (config, mesh axis sizes) this architecture makes, as a one-line JaxdistError."""
+        fam = cfg.model.family
+        for axis, why in self.refused_axes:
+            if sizes.get(axis, 1) > 1:
+                raise JaxdistError(
+                    f"mesh {axis}={sizes[axis]} is not supported by model.family={fam} ({why}); use {axis}=1"
+                )
+        why = self.tabled_pp(cfg.model) if self.tabled_pp else ""
+        if why and sizes.get("pp", 1) > 1:
+            # deferred: the registry is read at the commands' start, and the schedule registry imports jax
+            from jaxdist.parallel import schedule_registry
+
+            if schedule_registry.get(cfg.pipeline.schedule).tabled:
+                raise JaxdistError(
+                    f"pipeline.schedule={cfg.pipeline.schedule} does not run model.family={fam}: {why} "
+                    f"(gpipe and circular do); set pipeline.schedule=gpipe"
+                )
+        self.check(cfg, sizes)
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -102,19 +126,12 @@ def _gemma3_attention_flops(m: ModelConfig) -> float:
 
 
 def _gemma3_check(cfg, sizes: dict) -> None:
-    """Gemma 3's layers carry per-layer constants through one scan of the whole stack, and the
-    decoder's switches have no Gemma form."""
+    """The decoder's switches have no Gemma form."""
     m = cfg.model
     for field, ok in (("qkv_bias", False), ("moe_experts", 0), ("embed_scale", 1.0)):
         if getattr(m, field) != ok:
             raise JaxdistError(
                 f"model.{field}={getattr(m, field)!r} has no Gemma 3 form (model.family=gemma3); remove it"
-            )
-    for axis, why in (("pp", "its per-layer window/rotary pattern is scanned over the whole stack"),
-                      ("cp", "context parallelism has no per-layer window yet")):  # fmt: skip
-        if sizes.get(axis, 1) > 1:
-            raise JaxdistError(
-                f"mesh {axis}={sizes[axis]} is not supported by model.family=gemma3 ({why}); use {axis}=1"
             )
 
 
@@ -127,6 +144,10 @@ GEMMA3 = Architecture(
     hf_layer=gemma3_hf.layer_tensors,
     attention_flops=_gemma3_attention_flops,
     check=_gemma3_check,
+    refused_axes=(
+        ("pp", "its per-layer window/rotary pattern is scanned over the whole stack"),
+        ("cp", "context parallelism has no per-layer window yet"),
+    ),
 )
 
 
@@ -153,6 +174,8 @@ DEEPSEEK_V3 = Architecture(
     hf_layer=deepseek3_hf.layer_tensors,
     attention_flops=deepseek3_rules.attention_flops,
     check=deepseek3_rules.check,
+    refused_axes=(("cp", "MLA has no context-parallel attention"),),
+    tabled_pp=deepseek3_rules.tabled_pp,
     hf_tensors=deepseek3_hf.tensors,
     after_step=deepseek3_rules.after_step,
 )
@@ -166,6 +189,8 @@ GPT_OSS = Architecture(
     hf_layer=gpt_oss_hf.layer_tensors,
     attention_flops=gpt_oss_hf.attention_flops,
     check=gpt_oss_hf.check,
+    refused_axes=(("cp", "context parallelism has no attention sinks"),),
+    tabled_pp=gpt_oss_hf.tabled_pp,
     hf_tensors=gpt_oss_hf.tensors,
 )
 
@@ -187,6 +212,7 @@ QWEN3_NEXT = Architecture(
     hf_layer=qwen3next_hf.layer_tensors,
     attention_flops=qwen3next_hf.attention_flops,
     check=qwen3next_hf.check,
+    refused_axes=(("cp", "the linear-attention recurrence runs over the whole sequence on one device"),),
     hf_tensors=qwen3next_hf.tensors,
 )
 

@@ -69,7 +69,7 @@ class ResolvedModel:
 
 
 def resolve(cfg: Config, mesh: Mesh, rules) -> ResolvedModel:
-    registry.of(cfg.model).check(cfg, {a: int(n) for a, n in mesh.shape.items()})  # the architecture's refusals
+    registry.of(cfg.model).validate(cfg, {a: int(n) for a, n in mesh.shape.items()})  # the architecture's refusals
     abstract_model = nnx.eval_shape(lambda: make_model(cfg))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(abstract_params))

@@ -117,7 +117,7 @@ def with_cp_weights(cfg: Config) -> Config:
 def architecture_takes(cfg: Config, mesh: dict) -> bool:
     """False for a mesh the model's architecture refuses (its registry entry's `check`: Gemma 3 on pp)."""
     try:
-        registry.of(cfg.model).check(cfg, mesh)
+        registry.of(cfg.model).validate(cfg, mesh)
     except JaxdistError:
         return False
     return True
