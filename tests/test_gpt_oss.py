@@ -172,7 +172,10 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (["mesh.shape=pp=2,fsdp=4", "pipeline.schedule=1f1b"], "pipeline.schedule=1f1b does not run model.family=gpt_oss: .*gpipe"),
+        (
+            ["mesh.shape=pp=2,fsdp=4", "pipeline.schedule=1f1b"],
+            "pipeline.schedule=1f1b does not run model.family=gpt_oss: .*gpipe",
+        ),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=gpt_oss"),
         (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
     ],
