@@ -12,7 +12,7 @@ from conftest import MICRO_MODEL, SMALL_MODEL
 
 from jaxdist import config, plan
 from jaxdist.analysis import mesh_search
-from jaxdist.distributed.mesh import AXES, parse_mesh
+from jaxdist.distributed.mesh import AXES, format_mesh, parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedule_registry
 from jaxdist.planner import hardware, memory, search
@@ -39,6 +39,20 @@ def test_enumeration_counts_every_axis_combination():
     assert len(pp) == 3 * len(schedule_registry.SCHEDULES) * len(search.REMATS)
     assert {c.pipeline.schedule for c in pp} == set(schedule_registry.SCHEDULES)
     assert all(c.train.global_batch == 8 for c in pp)
+
+
+def test_deep_narrow_offers_cp_and_pp_to_the_timing_phase(monkeypatch):
+    """A deep narrow model at a long seq_len (scripts/bench/mesh_sweep.py's deep-narrow): the enumeration
+    offers cp and pp meshes that fit, and the shortlist of 3 holds one of each beside the dp/fsdp best
+    (remat none only: each policy is a trace of its own, and the meshes offered do not depend on it)."""
+    monkeypatch.setattr(search, "REMATS", ("none",))
+    deep = dict(num_layers=8, d_model=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=256, seq_len=1024)
+    cfg = config.load("tiny", [f"model.{k}={v}" for k, v in deep.items()])
+    found = search.enumerate_layouts(cfg, 8, CPU)
+    fits = {tuple(a for a in AXES if e.layout.mesh[a] > 1) for e in found.fitting}
+    assert {("cp",), ("dp", "cp"), ("pp",), ("dp", "pp"), ("pp", "fsdp")} <= fits
+    assert len(found.meshes) == 30 and len(search.per_mesh(found.fitting)) == 87  # measured: a change says so
+    assert [search.family(e.layout) for e in search.shortlist(found.fitting, 3)] == [(), ("cp",), ("pp",)]
 
 
 def _row(cfg, mesh, step_s, measured=None, compiled=1000, dropped=""):
@@ -297,3 +311,62 @@ def test_bench_mesh_auto_measures_the_choice(monkeypatch, capsys):
     assert record["mesh"] == "dp=8" and record["auto"]["chosen"].startswith("dp=8") and "--mesh auto: chose" in err
     assert bench.main(["--mesh", "dp=8", "--mesh-search-steps", "2"]) == 2
     assert "belong to --mesh auto" in capsys.readouterr().err
+
+
+def _est(cfg, mesh, step_s):
+    lay = Layout(cfg, parse_mesh(mesh, 8), CPU)
+    memory = types.SimpleNamespace(total=900, fits=True, capacity=1e9)
+    return types.SimpleNamespace(layout=lay, step_s=step_s, memory=memory)
+
+
+# A too-big-like ranking (docs/planner.md's sweep): the pure dp/fsdp layouts predicted fastest and within
+# a few percent of the tp ones, a pp layout well outside PREDICTION_SPREAD.
+_RANKING = (
+    ("dp=2,fsdp=4", 1.00),
+    ("fsdp=8", 1.001),
+    ("dp=4,fsdp=2", 1.002),
+    ("fsdp=4,cp=2", 1.01),
+    ("dp=4,tp=2", 1.03),
+    ("fsdp=4,tp=2", 1.04),
+    ("dp=2,fsdp=2,tp=2", 1.05),
+    ("pp=2,fsdp=4", 2.5),
+)
+
+
+def test_search_times_a_family_outside_the_predicted_top_k(monkeypatch):
+    """Predictions the planner cannot order (within PREDICTION_SPREAD): the shortlist holds the best of each
+    axis family, not the K nearest; the timed winner's family is searched deeper (refine), so the layout
+    measured fastest, ranked 6th by predicted time, is timed and chosen; the choice is a function of the
+    timings, and with several processes the family refined is process 0's."""
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()])
+    fitting = [_est(cfg, m, s) for m, s in _RANKING]
+    names = [format_mesh(e.layout.mesh) for e in search.shortlist(fitting, 3)]
+    assert names == ["dp=2,fsdp=4", "fsdp=4,cp=2", "dp=4,tp=2"]  # the K nearest were dp/fsdp only
+    assert search.family(fitting[3].layout) == ("cp",) and search.family(fitting[-1].layout) == ("pp",)
+    five = [format_mesh(e.layout.mesh) for e in search.shortlist(fitting, 5)]  # the families, then by rank
+    assert five == ["dp=2,fsdp=4", "fsdp=8", "dp=4,fsdp=2", "fsdp=4,cp=2", "dp=4,tp=2"]
+    measured = {"dp=2,fsdp=4": 0.030, "fsdp=8": 0.031, "dp=4,fsdp=2": 0.033, "fsdp=4,cp=2": 0.05}
+    measured.update({"dp=4,tp=2": 0.020, "fsdp=4,tp=2": 0.012, "dp=2,fsdp=2,tp=2": 0.016, "pp=2,fsdp=4": 0.01})
+    compiled = []
+
+    def compile_row(row, devices, capacity):
+        compiled.append(format_mesh(row.est.layout.mesh))
+        row.compiled_bytes, row.compile_s = 1000, 1.0
+        return compiled[-1], "compiled"
+
+    monkeypatch.setattr(mesh_search, "compile_row", compile_row)
+    monkeypatch.setattr(mesh_search, "time_steps", lambda prog, c, cfg, steps: measured[prog])
+    monkeypatch.setattr(search, "enumerate_layouts", lambda c, n, hw: search.Enumeration([], fitting, fitting, 0))
+    result = mesh_search.run(cfg, CPU, top_k=3, steps=1, devices=[None] * 8)
+    assert compiled == ["dp=2,fsdp=4", "fsdp=4,cp=2", "dp=4,tp=2", "fsdp=4,tp=2", "dp=2,fsdp=2,tp=2"]
+    assert result.chosen.name.startswith("fsdp=4,tp=2") and "planner ranked it #4" in result.reason
+    assert [format_mesh(r.est.layout.mesh) for r in result.rows] == compiled  # rank order, as choose reads it
+    again = mesh_search.run(cfg, CPU, top_k=3, steps=1, devices=[None] * 8)
+    assert (again.chosen.name, again.reason) == (result.chosen.name, result.reason)
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.int32(0))  # process 0: dp/fsdp won
+    compiled.clear()
+    mesh_search.run(cfg, CPU, top_k=3, steps=1, devices=[None] * 8)
+    assert compiled[3:] == ["fsdp=8", "dp=4,fsdp=2"]  # process 0's winner's family, whatever ours timed

@@ -138,21 +138,6 @@ def time_steps(prog, compiled, cfg: Config, steps: int) -> float:
     return statistics.median(bench.step_times(compiled, state, tokens, steps)[2])
 
 
-def shortlist(fitting: list, top_k: int) -> list:
-    """The first `top_k` of the ranking with one layout per (mesh, schedule): the remat and accumulation
-    settings of one mesh tie in the planner's seconds more often than meshes do, and K compiles of one
-    mesh would tell the search little."""
-    seen, out = set(), []
-    for e in fitting:
-        key = (tuple(e.layout.mesh.values()), e.layout.schedule)
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-        if len(out) == top_k:
-            break
-    return out
-
-
 def run(
     cfg: Config,
     hw: Hardware,
@@ -162,8 +147,10 @@ def run(
     devices=None,
     budget_s: float | None = None,
 ) -> Result:
-    """Enumerate, rank, compile the top `top_k` (one per mesh and schedule), time `steps` steps of the first
-    `timed` that fit, choose; compiling and timing stop once `budget_s` seconds are spent (see measure)."""
+    """Enumerate, rank, compile the shortlist's `top_k` (search.shortlist: one per axis family the planner
+    cannot order, then by rank), time `steps` steps of the first `timed` that fit; with timings, compile and
+    time up to `top_k` - 1 more of the fastest one's family (search.refine); choose. Compiling and timing
+    stop once `budget_s` seconds are spent in all (see measure)."""
     devices = list(jax.devices() if devices is None else devices)
     if top_k < 1 or steps < 0:
         raise JaxdistError(f"--top-k {top_k} must be >= 1 and --mesh-search-steps {steps} >= 0")
@@ -180,19 +167,45 @@ def run(
             f"add devices or lower train.global_batch"
         )
     capacity = found.fitting[0].memory.capacity
-    rows = [search.Row(e) for e in shortlist(found.fitting, top_k)]
+    rows = [search.Row(e) for e in search.shortlist(found.fitting, top_k)]
     compile_s, time_s = measure(rows, devices, capacity, steps, timed, budget_s)
+    lead = search.choose(rows)[0]
+    if steps and lead.measured_s is not None and top_k > 1:
+        lead = rows[agree(rows.index(lead))]  # several processes: all refine process 0's winner
+        deeper = [search.Row(e) for e in search.refine(found.fitting, rows, lead, top_k - 1)]
+        left = None if budget_s is None else budget_s - compile_s - time_s
+        if deeper and (left is None or left > 0):
+            more_c, more_t = measure(deeper, devices, capacity, steps, len(deeper), left, first_free=False)
+            compile_s, time_s = compile_s + more_c, time_s + more_t
+            rank = {id(e): i for i, e in enumerate(found.fitting)}
+            rows = sorted(rows + deeper, key=lambda r: rank[id(r.est)])
     chosen, reason = search.choose(rows)
     return Result(rows, chosen, reason, found, capacity, plan_s, compile_s, time_s, budget_s)
 
 
+def agree(index: int) -> int:
+    """`index` as process 0 has it: the timings differ per process, the candidates compiled may not."""
+    if jax.process_count() == 1:
+        return index
+    from jax.experimental import multihost_utils  # deferred: only multi-process runs broadcast
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(index)))
+
+
 def measure(
-    rows: list[search.Row], devices: list, capacity: float, steps: int, timed: int, budget_s: float | None
+    rows: list[search.Row],
+    devices: list,
+    capacity: float,
+    steps: int,
+    timed: int,
+    budget_s: float | None,
+    first_free: bool = True,
 ) -> tuple[float, float]:
     """Compile `rows` in order, then time `steps` steps of the first `timed` that fit; (compile s, time s).
-    With `budget_s`, a row is compiled or timed only while the seconds spent so far are under it (the
-    first row is always compiled, so there is a layout to train); a row skipped for the budget says so in
-    `not_reached`. A candidate's own compile or timing is not cut short, so the overrun is at most one."""
+    With `budget_s`, a row is compiled or timed only while the seconds spent so far are under it (with
+    `first_free` the first row is always compiled, so there is a layout to train); a row skipped for the
+    budget says so in `not_reached`. A candidate's own compile or timing is not cut short, so the overrun
+    is at most one."""
     start = time.perf_counter()
 
     def spent() -> bool:
@@ -200,7 +213,7 @@ def measure(
 
     programs = []
     for i, row in enumerate(rows):
-        if i and spent():
+        if (i or not first_free) and spent():
             row.not_reached = f"not reached: the {budget_s:g} s budget was spent before compiling it"
             programs.append(None)
             continue
@@ -287,12 +300,8 @@ def auto_layout(
     if hit is not None:
         log(f"--mesh auto: {path} cached a decision for {hit.get('devices')}, {here} are present: searching again")
     result = run(cfg, hw, top_k=top_k, steps=steps, budget_s=budget_s)
-    index = result.rows.index(result.chosen)
     if jax.process_count() > 1:  # timings differ per process: process 0's choice is everyone's
-        from jax.experimental import multihost_utils  # deferred: only multi-process runs broadcast
-
-        index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
-        result.chosen = result.rows[index]
+        result.chosen = result.rows[agree(result.rows.index(result.chosen))]
     log(f"--mesh auto: {result.summary()}")
     log(search.table(result.rows, result.budget_bytes))
     log(f"--mesh auto: {result.reason}")

@@ -23,7 +23,7 @@ from jaxdist.planner import memory
 from jaxdist.planner.candidates import architecture_takes, powers_of_two, schedule_variants, with_batch
 from jaxdist.planner.estimate import Estimate, estimate
 from jaxdist.planner.hardware import Hardware
-from jaxdist.planner.layout import Layout
+from jaxdist.planner.layout import Layout, param_table
 
 # Remat policies searched, cheapest recompute first (offload_dots moves residuals to the host: a
 # choice for a user with host memory to spare, not one the search makes for them).
@@ -31,6 +31,11 @@ REMATS = ("none", "dots_saveable", "full")
 # Measured step times within this fraction of the fastest are a tie: the one ranked higher by the
 # planner wins (a shared 2-core machine's timings move by a few percent from run to run).
 MEASURED_TIE = 0.03
+# Predicted step times within this factor of the fastest are ones the planner cannot order: on 8
+# simulated CPU devices layouts it predicted within 5% of each other measured 2-3x apart, and the order
+# did not follow (docs/planner.md's sweep: rank correlation -0.6 to 0.4). Within the band the shortlist
+# spreads over axis families (see shortlist) instead of taking the K nearest.
+PREDICTION_SPREAD = 2.0
 
 
 def with_budget(hw: Hardware, budget_bytes: float | None) -> Hardware:
@@ -131,6 +136,56 @@ def enumerate_layouts(cfg: Config, devices: int, hw: Hardware) -> Enumeration:
             meshes.append(mesh)
     fitting = sorted((e for e in sized if e.memory.fits), key=rank_key)
     return Enumeration(meshes, sized, fitting, refused)
+
+
+def family(lay: Layout) -> tuple[str, ...]:
+    """The model-parallel axes a layout splits over (tp, ep, cp, pp of size > 1; ep only for a model with
+    expert weights: elsewhere it is one more batch axis): () is the data-parallel family (dp and fsdp)."""
+    experts = any("expert" in g.names for g in param_table(lay.cfg.model))
+    return tuple(a for a in ("tp", "ep", "cp", "pp") if lay.mesh[a] > 1 and (a != "ep" or experts))
+
+
+def _mesh_key(e: Estimate) -> tuple:
+    return tuple(e.layout.mesh.values()), e.layout.schedule
+
+
+def per_mesh(fitting: list[Estimate]) -> list[Estimate]:
+    """The ranking with one layout per (mesh, schedule), its best-ranked: the remat and accumulation
+    settings of one mesh tie in the planner's seconds more often than meshes do."""
+    seen, out = set(), []
+    for e in fitting:
+        key = _mesh_key(e)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def shortlist(fitting: list[Estimate], top_k: int) -> list[Estimate]:
+    """The `top_k` layouts the search compiles, in rank order, one per (mesh, schedule): first the
+    best-ranked layout of each axis family (see family) predicted within PREDICTION_SPREAD of the fastest,
+    families in the order of their best, then the rest by rank. The planner's seconds do not order
+    layouts that close (PREDICTION_SPREAD), so K nearest ones of one family would tell the search less
+    than one of each; the timing phase orders them, and refine then looks deeper into the winner's family."""
+    ranked = per_mesh(fitting)
+    if not ranked:
+        return []
+    band = [e for e in ranked if e.step_s <= ranked[0].step_s * PREDICTION_SPREAD]
+    heads: dict[tuple[str, ...], Estimate] = {}
+    for e in band:
+        heads.setdefault(family(e.layout), e)
+    picked = list(heads.values())[:top_k]
+    picked += [e for e in ranked if all(e is not p for p in picked)][: top_k - len(picked)]
+    return sorted(picked, key=lambda e: next(i for i, r in enumerate(ranked) if r is e))
+
+
+def refine(fitting: list[Estimate], rows: list[Row], lead: Row, n: int) -> list[Estimate]:
+    """After the shortlist's timing: the next `n` layouts (one per mesh and schedule, in rank order) of the
+    family of `lead`, the fastest measured, that the shortlist did not hold. A pure function of the
+    ranking and the timings' winner, so every process given the same winner compiles the same ones."""
+    fam, held = family(lead.est.layout), {_mesh_key(r.est) for r in rows}
+    deeper = [e for e in per_mesh(fitting) if _mesh_key(e) not in held and family(e.layout) == fam]
+    return deeper[:n]
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@ with `--mesh-search-steps`) is compared with the sweep's best.
     python scripts/bench/mesh_sweep.py                                  # the four configs, see CONFIGS
     python scripts/bench/mesh_sweep.py --configs tiny --rounds 3 --steps 2 --json out.jsonl
 
-Per config: the planner's fitting layouts, one per (mesh, pipeline schedule) in the planner's order (the
-remat and accumulation settings of one mesh are the search's own business: the one the planner ranks
+Per config: the planner's fitting layouts, one per mesh in the planner's order (the remat, accumulation
+and, on pp meshes, schedule settings of one mesh are the search's own business: the one the planner ranks
 first stands for its mesh; `--max-layouts N` keeps the first N where the machine's time is short, and the
 output says so). Each is compiled once (compiled.memory_analysis() over the budget: dropped, as the
 search does), then timed in interleaved rounds (every layout once per round: a fresh state, one untimed
@@ -56,6 +56,17 @@ CONFIGS = {
 }
 
 
+def one_per_mesh(ranked: list) -> list:
+    """The planner's best-ranked layout of each mesh (on pp meshes, the schedule it ranks first)."""
+    seen, out = set(), []
+    for e in ranked:
+        key = tuple(e.layout.mesh.values())
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
@@ -70,6 +81,9 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    from jaxdist.distributed import platform
+
+    platform.enable_compilation_cache()  # the sweep's compile of a layout the search compiled loads it
     from jaxdist import config
     from jaxdist.analysis import bench, calibrate, mesh_search
     from jaxdist.distributed.mesh import AXES
@@ -93,7 +107,7 @@ def main(argv=None) -> int:
         search_s = time.perf_counter() - t0
         print(f"{name}: --mesh auto {auto.summary()}; {search_s:.0f} s in all\n  {auto.reason}", flush=True)
 
-        found = mesh_search.shortlist(auto.enumeration.fitting, len(auto.enumeration.fitting))
+        found = one_per_mesh(search.per_mesh(auto.enumeration.fitting))
         capped = bool(args.max_layouts) and len(found) > args.max_layouts
         found = found[: args.max_layouts] if capped else found
         chosen = auto.chosen.est
@@ -148,6 +162,19 @@ def main(argv=None) -> int:
             spearman_cpu_entry=calibrate.rank_correlation(before, times),
             spearman_calibrated=calibrate.rank_correlation(after, times),
             search_s=search_s,
+            search_compiled=sum(r.compiled_bytes is not None for r in auto.rows),
+            search_timed=sum(r.measured_s is not None for r in auto.rows),
+            top_k=args.top_k,
+            layouts=[
+                dict(
+                    layout=r.name,
+                    planned_ms=r.est.step_s * 1e3,
+                    calibrated_ms=a * 1e3,
+                    measured_ms=(r.measured_s or 0) * 1e3,
+                )
+                for r, a in zip(measured, after)
+            ],
+            dropped=[dict(layout=r.name, why=r.dropped) for r in rows if r.dropped],
             load_before=load0,
             load_after=os.getloadavg()[0],
             rounds=args.rounds,
