@@ -247,9 +247,9 @@ def moe_reference(tiny_cfg):
     return cfg, params, tokens, float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["zb_h1"])  # 1f1b's fused B+W is the same engine: by hand (the docs)
 def test_experts_under_table_schedules_equal_one_device(moe_reference, schedule):
-    """MoE with ep under the table schedules (issue 47), pp=2,ep=4, dropless, 2 micro-batches: the loss
+    """MoE with ep under a table schedule (issue 47), pp=2,ep=4, dropless, 2 micro-batches: the loss
     (with the balance and z losses: each stage's VJP adds its layers' weighted aux objective) and every
     gradient equal the one-device run's, fp32, to 1e-5 (relative; gradients of each tensor's largest
     entry). zb_h1's B (input gradient) and W (weight gradient) run apart, each with its own expert
