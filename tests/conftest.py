@@ -317,13 +317,13 @@ def peft_lora_reference(fixture: Path, peft_fixture: Path, overrides: list[str],
     from jaxdist.training import step
 
     plain_cfg = mapping.hf_config(None, overrides, fixture, mesh_text)
-    lora, blocks = peft.read(peft_fixture, plain_cfg.model)
+    lora, read = peft.read_tree(peft_fixture, plain_cfg.model)
     cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(mesh_text)
     prog = step.build_program(cfg, mesh)
     base, model = tensors.import_params(fixture, plain_cfg, mesh)
     # peft's adapter covers every adapted matrix and a float32 base is stored as imported: the LoRA
     # parameters are the two trees side by side (no compile of the state's initialisation)
-    read = jax.device_put({"blocks": blocks}, adapters.trainable(prog.state_shardings.params))
+    read = jax.device_put(read, adapters.trainable(prog.state_shardings.params))
     params = adapters.combine(read, base)
     assert jax.tree.structure(params) == jax.tree.structure(prog.abstract_state.params)
     ref = dict(np.load(peft_fixture / "reference.npz"))
@@ -355,8 +355,8 @@ def assert_lora_matches_peft(got: dict, base_logits, m=None) -> dict:
     assert np.abs(ref["logits"] - base_logits).max() > 1000 * tol  # the adapter matters
     np.testing.assert_allclose(got["logits"], ref["logits"], atol=tol, rtol=0)
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
-    g = peft.adapter_tensors(jax.device_get(got["grads"])["blocks"], lora, m=m)
-    w = peft.adapter_tensors(jax.device_get(adapters.trainable(got["params"]))["blocks"], lora, m=m)
+    g = peft.tree_tensors(jax.device_get(got["grads"]), lora, m=m)
+    w = peft.tree_tensors(jax.device_get(adapters.trainable(got["params"])), lora, m=m)
     keys = [str(k) for k in ref["grad_keys"]]
     assert sorted(g) == keys and ref["grad_norm"].min() > 0
     np.testing.assert_allclose([np.linalg.norm(g[k]) for k in keys], ref["grad_norm"], rtol=1e-5)
@@ -365,8 +365,16 @@ def assert_lora_matches_peft(got: dict, base_logits, m=None) -> dict:
     return w
 
 
-def assert_qlora_trains(fixture: Path, peft_fixture: Path, overrides: list[str], mesh_text: str, steps: int = 4):
-    """QLoRA (an NF4 base, r=4 on the architecture's attention) from the Hugging Face base `fixture` on
+def assert_qlora_trains(
+    fixture: Path,
+    peft_fixture: Path,
+    overrides: list[str],
+    mesh_text: str,
+    steps: int = 4,
+    targets: str = "q,k,v,o",
+    block_size: int = 8,
+):
+    """QLoRA (an NF4 base, r=4 on the architecture's attention `targets`) from the Hugging Face base `fixture` on
     `mesh_text`, one compiled train step run `steps` times on learnable rows: the loss falls; every adapted
     matrix is stored as packed NF4 codes (uint8, half the entries) with float32 scales, everything else
     frozen in bfloat16 (experts included) and bit-identical after training; only the adapters moved; the
@@ -377,11 +385,17 @@ def assert_qlora_trains(fixture: Path, peft_fixture: Path, overrides: list[str],
 
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
-    from jaxdist.adapters.lora import SCALE
+    from jaxdist.adapters.lora import SCALE, TARGETS
     from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.training import step
 
-    lora = ["lora.rank=4", "lora.alpha=8", "lora.targets=[q,k,v,o]", "lora.base_dtype=nf4", "lora.block_size=8"]
+    lora = [
+        "lora.rank=4",
+        "lora.alpha=8",
+        f"lora.targets=[{targets}]",
+        "lora.base_dtype=nf4",
+        f"lora.block_size={block_size}",
+    ]
     train = ["train.global_batch=8", "optim.lr=0.02", "optim.warmup_steps=0", f"optim.schedule_steps={steps}"]
     cfg = mapping.hf_config(None, [*overrides, *lora, *train], fixture, mesh_text)
     mesh = mesh_from_string(mesh_text)
@@ -390,7 +404,7 @@ def assert_qlora_trains(fixture: Path, peft_fixture: Path, overrides: list[str],
     state = prog.state_from_params(base)
     flat = flat_params(state.params)
     codes = {k: v for k, v in flat.items() if k[:-2] + f"{SCALE}']" in flat}
-    assert {k.split("'")[-2] for k in codes} == {"wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD"}
+    assert {k.split("'")[-2] for k in codes} == {TARGETS[t][1] for t in targets.split(",")}
     assert all(v.dtype == np.uint8 for v in codes.values())
     named = flat_params(base)
     assert all(named[k].size == 2 * v.size for k, v in codes.items())  # two NF4 codes per byte
@@ -409,7 +423,7 @@ def assert_qlora_trains(fixture: Path, peft_fixture: Path, overrides: list[str],
         np.testing.assert_array_equal(a, b)
     moved = flat_params(adapters.trainable(after))
     assert all(not np.array_equal(moved[k], v) for k, v in adapters_before.items() if k.endswith("_lora_b']"))
-    written = peft.adapter_tensors(adapters.trainable(after)["blocks"], cfg.lora, m=cfg.model)
+    written = peft.tree_tensors(adapters.trainable(after), cfg.lora, m=cfg.model)
     original = load_file(str(peft_fixture / "adapter_model.safetensors"))
     assert {k: (v.shape, v.dtype) for k, v in written.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
     return losses

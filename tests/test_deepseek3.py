@@ -9,7 +9,10 @@ needed here.
   (conftest.assert_same_greedy);
 - export -> the fixture's files bit for bit, and import of the export bit for bit;
 - the selection bias and the group limit are not vacuous; what is not supported is one line each;
-- the auxiliary-loss-free bias update moves load toward balance (a flipped sign does not).
+- the auxiliary-loss-free bias update moves load toward balance (a flipped sign does not);
+- LoRA on MLA's projections (q_a, q_b, kv_a, kv_b, o; the dense first layer and the MoE ones) equals peft's
+  (`tests/fixtures/lora_peft_deepseek_v3`, scripts/fixtures/make_lora_peft_moe_fixture.py), and its PEFT
+  export is peft's file.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import pytest
 from conftest import (
     assert_export_round_trip,
     assert_generation_matches_fixture,
+    assert_lora_matches_peft,
     assert_refused_in_one_line,
     flat_params,
+    peft_lora_reference,
 )
 from flax import nnx
 
@@ -162,7 +167,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
     [
         (["mesh.shape=pp=2,fsdp=4", "pipeline.schedule=zb_h1"], "pipeline.schedule=zb_h1 does not run .*dense first"),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=deepseek_v3"),
-        (["lora.rank=4"], "lora.rank"),
+        (["lora.rank=4", "lora.targets=[o]", "model.moe_bias_rate=0.01"], "moe_bias_rate=0.01 with lora.rank>0"),
         (["model.moe_groups=3"], "moe_groups=3"),
         (["model.rope_scaling=llama3"], "rope_scaling"),
     ],
@@ -256,3 +261,82 @@ def test_shipped_config_has_the_published_parameter_count():
     c = count_params(m)
     assert c["total"] == 671_026_419_200 and round(c["total"] / 1e9) == 671 and int(c["active"] / 1e9) == 37
     assert cache_bytes_per_token(m, 2) == (61 * 576 * 2, 61 * 128 * 320 * 2)  # bf16: 70,272 vs 4,997,120 B
+
+
+PEFT_FIXTURE = FIXTURE.parent / "lora_peft_deepseek_v3"  # scripts/fixtures/make_lora_peft_moe_fixture.py (peft 0.21.2)
+
+
+@pytest.fixture(scope="module")
+def lora_peft():
+    """peft's adapter (random A and B on q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj of all 3 layers, r=4) read
+    onto the imported float32 base on fsdp=2,ep=2,tp=2: the LoRA program's logits, loss and adapter
+    gradients in one compile; the merged weights."""
+    from jaxdist.adapters import tree as adapters
+
+    got = peft_lora_reference(FIXTURE, PEFT_FIXTURE, [], SHARDED)
+    merged = jax.jit(lambda p: adapters.merge(p, got["cfg"].lora))(got["params"])
+    return dict(got, merged=jax.device_put(merged, jax.tree.map(lambda a: a.sharding, got["base"])))
+
+
+def test_lora_on_peft_adapter_matches_peft(lora_peft):
+    """A peft-written adapter on MLA's five projections, in the dense first layer (`dense_blocks`, HF layer 0)
+    and the MoE ones (`blocks`, HF layers 1-2), read onto the base on fsdp=2,ep=2,tp=2: logits equal peft's
+    to 1e-5 of the largest (conftest.assert_lora_matches_peft; the adapter moves them by 4.9), the mean
+    next-token cross-entropy to a relative 1e-5, each adapter tensor's gradient norm (relative 1e-5) and
+    gradient . tensor (1e-5 of the largest) torch's, under peft's key names for both stacks; the merged
+    parameters run by the plain model give merge_and_unload()'s logits."""
+    f = lora_peft
+    m = f["cfg"].model
+    w = assert_lora_matches_peft(f, REF["logits"], m)
+    assert {k.split(".")[4] for k in w} == {"0", "1", "2"}  # the dense layer's adapters are HF layer 0
+    tol = 1e-5 * np.abs(f["ref"]["logits"]).max()
+    merged = forward(f["model"], f["merged"], f["mesh"], f["ref"]["sequences"])[:1]
+    np.testing.assert_allclose(merged, f["ref"]["merged_logits"], atol=tol, rtol=0)
+    got = np.abs(f["logits"] - f["ref"]["logits"]).max()
+    print(f"deepseek_v3 LoRA vs peft: logits {got:.2g} (largest {np.abs(f['ref']['logits']).max():.2g})")
+
+
+@pytest.mark.parametrize(
+    "targets, named",
+    [
+        (
+            "q,k,v,o,gate,up,down",
+            "names q, k, v, gate, up, down, .*routed experts.* set lora.targets=\\[q_a,q_b,kv_a,kv_b,o\\]",
+        ),
+        ("q_a,q_b,kv_a,kv_b,o,gate,up", "names gate, up, .*fused parameters"),
+    ],
+)
+def test_lora_targets_it_lacks_are_one_line(targets, named):
+    """The trainer's and planner's start-up check (objectives/refusals.py) names the targets DeepSeek-V3's
+    layers do not carry (k and v: MLA has none; q: the q rank splits it; gate/up/down: see docs/lora.md)."""
+    from jaxdist.objectives import refusals
+
+    cfg = mapping.hf_config(None, ["lora.rank=4", f"lora.targets=[{targets}]"], FIXTURE, SHARDED)
+    with pytest.raises(JaxdistError, match=named) as e:
+        refusals.check_sizes(cfg, {"fsdp": 2, "ep": 2, "tp": 2})
+    assert "\n" not in str(e.value)
+
+
+def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
+    """jaxdist's PEFT export of the adapters it read (both stacks) is peft's file key for key, bit for bit,
+    with peft's target_modules; peft loads that export onto transformers' DeepSeek-V3 to the fixture's
+    logits (`make_lora_peft_moe_fixture.py --load DIR deepseek_v3`)."""
+    from safetensors.numpy import load_file
+
+    from jaxdist.adapters import peft
+    from jaxdist.adapters import tree as adapters
+
+    f = lora_peft
+    trained = jax.device_get(adapters.trainable(f["params"]))
+    peft.write(tmp_path, trained["blocks"], f["cfg"].lora, m=f["cfg"].model, dense=trained["dense_blocks"])
+    written, original = (
+        load_file(str(tmp_path / "adapter_model.safetensors")),
+        load_file(str(PEFT_FIXTURE / "adapter_model.safetensors")),
+    )
+    assert sorted(written) == sorted(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(written[k], v)
+    ours = json.loads((tmp_path / "adapter_config.json").read_text())
+    theirs = json.loads((PEFT_FIXTURE / "adapter_config.json").read_text())
+    assert sorted(ours["target_modules"]) == theirs["target_modules"]
+    assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])

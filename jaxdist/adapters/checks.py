@@ -10,6 +10,26 @@ from jaxdist.distributed.mesh import axis_size
 from jaxdist.distributed.sharding import logical_to_spec
 from jaxdist.errors import JaxdistError
 
+# why a model's layers lack a target lora.targets names
+WHY = {
+    "deepseek_v3": "DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o; gate/up/down: peft "
+    "0.21.2 on transformers 5.25 maps them to the routed experts' fused parameters, which take no adapters here",
+    "moe": "its feed-forward is mixture-of-experts, whose experts take no adapters",
+}
+NAMES = {  # each LoRA-able matrix's logical axes (as the models declare them)
+    "wq_DNH": ("embed", "heads", "head_dim"),
+    "wk_DKH": ("embed", "kv_heads", "head_dim"),
+    "wv_DKH": ("embed", "kv_heads", "head_dim"),
+    "wo_NHD": ("heads", "head_dim", "embed"),
+    "w_gate_DF": ("embed", "mlp"),
+    "w_up_DF": ("embed", "mlp"),
+    "w_down_FD": ("mlp", "embed"),
+    "wq_a_DR": ("embed", None),
+    "wq_b_RNH": (None, "heads", "head_dim"),
+    "wkv_a_DC": ("embed", None),
+    "wkv_b_CNH": (None, "heads", "head_dim"),
+}
+
 
 def check(cfg, mesh, rules) -> None:
     lo, m = cfg.lora, cfg.model
@@ -23,8 +43,7 @@ def check(cfg, mesh, rules) -> None:
     if [t for t in lo.targets if t not in have]:
         raise JaxdistError(
             f"lora.targets={list(lo.targets)} names {', '.join(t for t in lo.targets if t not in have)}, which "
-            f"this model's layers do not have (its feed-forward is mixture-of-experts, whose experts take no adapters); "
-            f"set lora.targets=[{','.join(have)}]"
+            f"this model's layers do not have ({WHY.get(m.family, WHY['moe'])}); set lora.targets=[{','.join(have)}]"
         )
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(
@@ -43,20 +62,11 @@ def check(cfg, mesh, rules) -> None:
         )
     if lo.base_dtype not in quant.KINDS:
         return
-    names = {
-        "wq_DNH": ("embed", "heads", "head_dim"),
-        "wk_DKH": ("embed", "kv_heads", "head_dim"),
-        "wv_DKH": ("embed", "kv_heads", "head_dim"),
-        "wo_NHD": ("heads", "head_dim", "embed"),
-        "w_gate_DF": ("embed", "mlp"),
-        "w_up_DF": ("embed", "mlp"),
-        "w_down_FD": ("mlp", "embed"),
-    }
     dims = []  # (weight, its block dimension, the shards that dimension is split over)
     for _, weight, _ in (TARGETS[t] for t in have):
         shape = shapes[weight]
         axis = block_axis(weight) % len(shape)
-        dims.append((weight, shape[axis], axis_size(mesh, logical_to_spec(names[weight], rules)[axis])))
+        dims.append((weight, shape[axis], axis_size(mesh, logical_to_spec(NAMES[weight], rules)[axis])))
 
     def fits(b: int) -> bool:
         return (lo.base_dtype != "nf4" or b % 2 == 0) and all(n % b == 0 and (n // b) % k == 0 for _, n, k in dims)

@@ -29,9 +29,16 @@ TARGETS = {
     "gate": ("mlp", "w_gate_DF", 1),
     "up": ("mlp", "w_up_DF", 1),
     "down": ("mlp", "w_down_FD", 1),
+    # DeepSeek-V3's multi-head latent attention (models/deepseek3.py): q's low-rank pair, the compressed
+    # kv (latent + shared rotary key) and its per-head expansion
+    "q_a": ("attn", "wq_a_DR", 1),
+    "q_b": ("attn", "wq_b_RNH", 1),
+    "kv_a": ("attn", "wkv_a_DC", 1),
+    "kv_b": ("attn", "wkv_b_CNH", 1),
 }
 IN_DIMS = {w: n for _, w, n in TARGETS.values()}
 ATTENTION = ("q", "k", "v", "o")
+MLA = ("q_a", "q_b", "kv_a", "kv_b", "o")
 A, B, SCALE = "_lora_a", "_lora_b", "_scale"
 RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
 
@@ -39,7 +46,7 @@ RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
 def block_axis(weight: str) -> int:
     """The axis (from the end of the per-layer shape) that int8 / NF4 blocks run along: the weight's
     last input dim (D for wq/wk/wv/gate/up, H for wo, F for down)."""
-    per_layer = {"wq_DNH": 3, "wk_DKH": 3, "wv_DKH": 3, "wo_NHD": 3}.get(weight, 2)
+    per_layer = {"wq_DNH": 3, "wk_DKH": 3, "wv_DKH": 3, "wo_NHD": 3, "wq_b_RNH": 3, "wkv_b_CNH": 3}.get(weight, 2)
     return IN_DIMS[weight] - 1 - per_layer
 
 
@@ -50,9 +57,12 @@ def scaling(lora) -> float:
 
 
 def carried(m) -> tuple[str, ...]:
-    """The targets a model's layers carry: all seven, or the attention's four where the feed-forward is
-    experts (gpt-oss: every layer MoE; the experts take no adapters)."""
-    return ATTENTION if m.moe_experts else tuple(TARGETS)
+    """The targets a model's layers carry: the seven, or the attention's four where the feed-forward is
+    experts (gpt-oss: every layer MoE; the experts take no adapters); DeepSeek-V3: MLA's projections
+    (q_a and q_b, or q without a q rank; kv_a, kv_b, o)."""
+    if m.family == "deepseek_v3":
+        return MLA if m.mla_q_rank else ("q", *MLA[2:])
+    return ATTENTION if m.moe_experts else tuple(t for t in TARGETS if t not in MLA[:4])
 
 
 def attach(block, lora, rngs: nnx.Rngs) -> None:
@@ -123,7 +133,7 @@ KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
 
 
 def count_adapter_params(m, lora) -> int:
-    """Adapter parameters of a dense model: rank x (fan-in + fan-out) per targeted matrix and layer."""
+    """Adapter parameters: rank x (fan-in + fan-out) per targeted matrix and layer."""
     shapes = per_layer_shapes(m)
     total = 0
     for target in lora.targets:
@@ -141,6 +151,8 @@ def adapted_layers(m) -> int:
 
 def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
     D, N, K, H, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    if m.family == "deepseek_v3":
+        return mla_shapes(m)
     gate = 2 if m.family == "qwen3_next" else 1  # Qwen3-Next's gated attention: q_proj gives q and a gate per head
     return {
         "wq_DNH": (D, N, gate * H),
@@ -151,6 +163,14 @@ def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
         "w_up_DF": (D, F),
         "w_down_FD": (F, D),
     }
+
+
+def mla_shapes(m) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's LoRA-able matrices per layer (models/deepseek3.py): MLA's projections."""
+    D, N, R, C = m.d_model, m.num_heads, m.mla_q_rank, m.mla_kv_rank
+    Hn, P, Hv = m.mla_nope_dim, m.mla_rope_dim, m.mla_v_dim
+    q = {"wq_a_DR": (D, R), "wq_b_RNH": (R, N, Hn + P)} if R else {"wq_DNH": (D, N, Hn + P)}
+    return {**q, "wkv_a_DC": (D, C + P), "wkv_b_CNH": (C, N, Hn + Hv), "wo_NHD": (N, Hv, D)}
 
 
 def gathered_names(names: tuple) -> tuple:

@@ -17,10 +17,10 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from jaxdist.adapters.lora import TARGETS, A, B, per_layer_shapes
+from jaxdist.adapters.lora import IN_DIMS, TARGETS, A, B, per_layer_shapes
 from jaxdist.errors import JaxdistError
 
-MODULES = {
+MODULES = {  # lora.targets name -> the HF module path (its last part: peft's target_modules entry)
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
     "v": "self_attn.v_proj",
@@ -28,31 +28,69 @@ MODULES = {
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
+    "q_a": "self_attn.q_a_proj",
+    "q_b": "self_attn.q_b_proj",
+    "kv_a": "self_attn.kv_a_proj_with_mqa",
+    "kv_b": "self_attn.kv_b_proj",
 }
+WEIGHT_MODULES = {w: MODULES[t] for t, (_, w, _) in TARGETS.items()}  # each adapted matrix's HF module
 
 
-def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None) -> dict[str, np.ndarray]:
+def dense_offset(m) -> int:
+    """HF's number of the MoE stack's first layer: DeepSeek-V3's `dense_layers` (its dense first layers are
+    the `dense_blocks` stack, HF layers 0..k-1), else 0."""
+    if m is None or m.family != "deepseek_v3" or not m.moe_experts:
+        return 0
+    return min(m.dense_layers, m.num_layers)
+
+
+def tree_tensors(trainable: dict, lora, dtype=np.float32, m=None) -> dict[str, np.ndarray]:
+    """`adapter_tensors` of a whole (host, unstaged) trainable tree: `blocks` and, for DeepSeek-V3, `dense_blocks`."""
+    return adapter_tensors(trainable["blocks"], lora, dtype, m, trainable.get("dense_blocks"))
+
+
+def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None, dense: dict | None = None) -> dict[str, np.ndarray]:
     """PEFT's tensors from the (host, unstaged) `params['blocks']` of a LoRA run. A stack of layer groups
     (Qwen3-Next: `blocks['layers'][j]`, the group's j-th layer) needs the model config `m` for the
-    group size: HF layer g * n + j."""
+    group size: HF layer g * n + j. `dense`: DeepSeek-V3's `params['dense_blocks']` (HF layers 0..k-1;
+    `blocks` then starts at HF layer k, which `m` gives)."""
     if "layers" in blocks:
         if m is None:
             raise ValueError("adapter_tensors of grouped layers needs the model config")
-        units = [(m.full_attention_interval, int(j), unit) for j, unit in blocks["layers"].items()]
+        units = [(0, m.full_attention_interval, int(j), unit) for j, unit in blocks["layers"].items()]
     else:
-        units = [(1, 0, blocks)]
+        if dense is not None and m is None:
+            raise ValueError("adapter_tensors of a dense stack needs the model config")
+        units = [(0, 1, 0, dense)] if dense is not None else []
+        units.append((dense_offset(m), 1, 0, blocks))
     out = {}
     for target in lora.targets:
         part, weight, _ = TARGETS[target]
-        for n, j, unit in units:
+        for first, n, j, unit in units:
             if weight + A not in unit.get(part, {}):
                 continue
             a, b = np.asarray(unit[part][weight + A]), np.asarray(unit[part][weight + B])
             r = a.shape[-1]
             for g in range(a.shape[0]):
-                name = f"base_model.model.model.layers.{g * n + j}.{MODULES[target]}"
+                name = f"base_model.model.model.layers.{first + g * n + j}.{MODULES[target]}"
                 out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[g].reshape(-1, r).T.astype(dtype))
                 out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[g].reshape(r, -1).T.astype(dtype))
+    return out
+
+
+def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
+    """(stack, submodule, weight, HF layers) of every adapted matrix `targets` give this model, in the order
+    of `targets`: DeepSeek-V3's MLA in its dense first layers (`dense_blocks`, HF 0..k-1) and its MoE ones
+    (`blocks`, HF k..); Qwen3-Next's attention in its full-attention layers; every other family's in every layer."""
+    k = dense_offset(m)
+    out = []
+    for target in targets:
+        part, weight, _ = TARGETS[target]
+        if m.family != "deepseek_v3":
+            out.append(("blocks", part, weight, carriers(m)))
+            continue
+        out += [("dense_blocks", part, weight, list(range(k)))] if k else []
+        out.append(("blocks", part, weight, list(range(k, m.num_layers))))
     return out
 
 
@@ -87,11 +125,20 @@ def adapter_config(lora, base_model: str = "", revision: str | None = None) -> d
 
 
 def write(
-    out_dir: Path, blocks: dict, lora, base_model: str = "", dtype=np.float32, revision: str | None = None, m=None
+    out_dir: Path,
+    blocks: dict,
+    lora,
+    base_model: str = "",
+    dtype=np.float32,
+    revision: str | None = None,
+    m=None,
+    dense: dict | None = None,
 ) -> list[Path]:
+    """The adapter files of `blocks` (and DeepSeek-V3's `dense` first layers) in `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_tensors(blocks, lora, dtype, m), str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
+    tensors = adapter_tensors(blocks, lora, dtype, m, dense)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
     config = adapter_config(lora, base_model, revision)
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return [out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"]
@@ -99,7 +146,18 @@ def write(
 
 def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     """A PEFT LoRA adapter directory -> (lora config overrides {rank, alpha, targets[, rslora]}, `blocks` adapters in
-    jaxdist's stacked layout, numpy float32), the inverse of `adapter_tensors`."""
+    jaxdist's stacked layout, numpy float32), the inverse of `adapter_tensors` (DeepSeek-V3's dense first
+    layers: `read_tree`)."""
+    lora, tree = read_tree(adapter_dir, m)
+    if "dense_blocks" in tree:
+        raise ValueError("this model has a dense_blocks stack: use read_tree")
+    return lora, tree["blocks"]
+
+
+def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
+    """A PEFT LoRA adapter directory -> (lora config overrides {rank, alpha, targets[, rslora]}, the trainable
+    tree {'blocks': ...[, 'dense_blocks': ...]} in jaxdist's stacked layout, numpy float32), the inverse of
+    `tree_tensors`."""
 
     adapter_dir = Path(adapter_dir)
     conf = _config(adapter_dir)
@@ -119,6 +177,7 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
             "modules_to_save",
             "lora_bias",
             "exclude_modules",
+            "target_parameters",
         )
         if conf.get(k)
     ]
@@ -131,25 +190,27 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
     targets = [t for t in MODULES if MODULES[t].split(".")[-1] in modules]
     r = int(conf["r"])
     tensors = _tensors(adapter_dir / "adapter_model.safetensors")
-    layers = carriers(m)
+    placed = placements(m, targets)
     expected = {
-        f"base_model.model.model.layers.{i}.{MODULES[t]}.lora_{x}.weight" for t in targets for i in layers for x in "AB"
+        f"base_model.model.model.layers.{i}.{WEIGHT_MODULES[w]}.lora_{x}.weight"
+        for _, _, w, layers in placed
+        for i in layers
+        for x in "AB"
     }
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise JaxdistError(
             f"{adapter_dir}/adapter_model.safetensors does not hold exactly the A and B tensors of "
-            f"{len(targets)} module(s) x {len(layers)} layers: missing {missing[:2]}, unexpected {extra[:2]} "
+            f"{len(targets)} module(s) over this model's layers: missing {missing[:2]}, unexpected {extra[:2]} "
             f"({len(missing)} / {len(extra)} in all); is it an adapter for this base model?"
         )
     shapes = per_layer_shapes(m)
-    blocks: dict = {}
-    for target in targets:
-        part, weight, n_in = TARGETS[target]
-        shape = shapes[weight]
+    tree: dict = {}
+    for stack, part, weight, layers in placed:
+        n_in, shape = IN_DIMS[weight], shapes[weight]
         a, b = [], []
         for i in layers:
-            name = f"base_model.model.model.layers.{i}.{MODULES[target]}"
+            name = f"base_model.model.model.layers.{i}.{WEIGHT_MODULES[weight]}"
             ta, tb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
             want = ((r, math.prod(shape[:n_in])), (math.prod(shape[n_in:]), r))
             if (ta.shape, tb.shape) != want:
@@ -159,13 +220,13 @@ def read(adapter_dir: Path, m) -> tuple[dict, dict]:
                 )
             a.append(ta.T.reshape(*shape[:n_in], r))
             b.append(tb.T.reshape(r, *shape[n_in:]))
-        unit = blocks
+        unit = tree.setdefault(stack, {})
         if m.family == "qwen3_next":  # the group's full-attention layer
-            unit = blocks.setdefault("layers", {}).setdefault(m.full_attention_interval - 1, {})
+            unit = unit.setdefault("layers", {}).setdefault(m.full_attention_interval - 1, {})
         unit.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
         unit[part][weight + B] = np.stack(b).astype(np.float32)
     lora = {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}
-    return lora | ({"rslora": True} if conf.get("use_rslora") else {}), blocks
+    return lora | ({"rslora": True} if conf.get("use_rslora") else {}), tree
 
 
 def _config(adapter_dir: Path) -> dict:

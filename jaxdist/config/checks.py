@@ -102,7 +102,8 @@ def validate_reduce(r) -> None:
         )
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections lora.targets names
+LORA_DEFAULT = ("q", "k", "v", "o", "gate", "up", "down")  # lora.targets' default: a decoder's seven projections
+LORA_TARGETS = (*LORA_DEFAULT, "q_a", "q_b", "kv_a", "kv_b")  # what it may name (DeepSeek-V3's MLA: the last four)
 
 
 def validate_lora(lo) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from jaxdist.config.checks import LORA_TARGETS
+from jaxdist.config.checks import LORA_DEFAULT
 from jaxdist.config.types import NonNegative, NonNegativeFloat, Positive, PositiveFloat, Range
 
 
@@ -21,8 +21,8 @@ class LoraConfig:
         0.0  # dropout on the adapters' input (only 0 is supported yet)
     )
     targets: list[str] = dataclasses.field(
-        default_factory=lambda: list(LORA_TARGETS)
-    )  # projections that get adapters, among q, k, v, o, gate, up, down
+        default_factory=lambda: list(LORA_DEFAULT)
+    )  # projections that get adapters, among q, k, v, o, gate, up, down; DeepSeek-V3: q_a, q_b (q without a q rank), kv_a, kv_b, o, gate, up, down (gate/up/down: dense layers' MLP and shared experts)
     base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] = (
         "float32"  # how the frozen base is stored: int8 / nf4 (QLoRA) layer matrices with per-block scales
     )

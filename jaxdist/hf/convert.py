@@ -146,7 +146,8 @@ def _write_peft(path, out: Path, cfg, params, source, dtype: str, log, allow_bas
                 "reproduces the trained model, or pass --allow-base-mismatch to write the adapter anyway"
             )
         log(f"warning: {base_difference(params, cfg, export.origin(source), mesh)}")
-    blocks = jax.device_get(adapters.trainable(params))["blocks"]
+    trained = jax.device_get(adapters.trainable(params))
+    blocks, dense = trained["blocks"], trained.get("dense_blocks")  # dense: DeepSeek-V3's first layers
     came_from = export.origin(source)
     base, revision = came_from.get("base_model_name_or_path", ""), came_from.get("revision")
     if not base:
@@ -158,7 +159,9 @@ def _write_peft(path, out: Path, cfg, params, source, dtype: str, log, allow_bas
         return []
     files = _write_whole(
         out,
-        lambda tmp: peft_format.write(tmp, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype], revision, cfg.model),
+        lambda tmp: peft_format.write(
+            tmp, blocks, cfg.lora, base, export.EXPORT_DTYPES[dtype], revision, cfg.model, dense
+        ),
         log,
     )
     log(f"wrote the PEFT adapter (rank {cfg.lora.rank}, {', '.join(cfg.lora.targets)}) for {base or '?'} to {out}")

@@ -216,7 +216,10 @@ class DeepseekV3(llama.Llama):
 
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_dense(key):
-                return Block(cfg, nnx.Rngs(params=key))
+                block = Block(cfg, nnx.Rngs(params=key))
+                if lora is not None:  # adapters on the dense layers' MLA, as on the MoE stack's
+                    lora_mod.attach(block, lora, nnx.Rngs(params=jax.random.fold_in(key, 1)))
+                return block
 
             self.dense_blocks = make_dense(jax.random.split(rngs.params(), k))
         else:

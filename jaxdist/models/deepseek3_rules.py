@@ -55,8 +55,11 @@ def check(cfg, sizes: dict) -> None:
     if m.mla_rope_dim % 2:
         raise JaxdistError(f"model.mla_rope_dim={m.mla_rope_dim} must be even (rotary pairs)")
     _routing(m)
-    if cfg.lora.rank:
-        raise JaxdistError("lora.rank>0 is not supported by model.family=deepseek_v3 yet; train it fully (lora.rank=0)")
+    if cfg.lora.rank and m.moe_bias_rate:
+        raise JaxdistError(
+            f"model.moe_bias_rate={m.moe_bias_rate} with lora.rank>0: the selection bias is part of the frozen "
+            "base under LoRA; set model.moe_bias_rate=0 (or train fully, lora.rank=0)"
+        )
 
 
 def tabled_pp(m: ModelConfig) -> str:
