@@ -72,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="with --search: stop compiling and timing once this many seconds are spent (the first candidate is "
-        "always compiled); the candidates not reached are listed",
+        help="with --search (or --calibrate and --mesh-search-steps): stop compiling and timing once this many "
+        "seconds are spent (the first candidate is always compiled); the candidates not reached are listed",
     )
     p.add_argument(
         "--memory-budget",
@@ -174,6 +174,8 @@ def calibrate(args: argparse.Namespace) -> int:
     path = Path(args.calibrate)
     if path.suffix != ".json" or not path.parent.is_dir():
         raise JaxdistError(f"--calibrate {path}: give a FILE.json in an existing folder")
+    if args.mesh_search_budget is not None and args.mesh_search_budget <= 0:  # before anything is measured
+        raise JaxdistError(f"--mesh-search-budget {args.mesh_search_budget:g}: give a positive number of seconds")
     budget = hardware.parse_bytes(args.memory_budget) if args.memory_budget else None
     setup_platform(args.cpu_devices)
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
@@ -197,7 +199,12 @@ def calibrate(args: argparse.Namespace) -> int:
     doc: dict = dict(hardware=str(path), entry=dataclasses.asdict(hw), lines=measured.lines())
     if args.mesh_search_steps:
         out = mesh_search.run(
-            cfg, searching.with_budget(hw, budget), top_k=args.top_k, steps=args.mesh_search_steps, timed=args.top_k
+            cfg,
+            searching.with_budget(hw, budget),
+            top_k=args.top_k,
+            steps=args.mesh_search_steps,
+            timed=args.top_k,
+            budget_s=args.mesh_search_budget,
         )
         found = calibration.compare(out.rows, base)
         doc.update(

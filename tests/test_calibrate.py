@@ -87,9 +87,29 @@ def test_bad_hardware_files_and_flags_are_one_line(measured, tmp_path, capsys):
         (["--calibrate", str(tmp_path / "no" / "x.json")], "give a FILE.json in an existing folder"),
         (["--calibrate", str(tmp_path / "x.json"), "--mesh", "dp=8"], "--calibrate measures the devices present"),
         (["--hardware", "h200"], "or a FILE.json from plan --calibrate"),
+        (["--calibrate", str(tmp_path / "b.json"), "--mesh-search-budget", "0"], "--mesh-search-budget 0: give a"),
     ]:
         assert plan.main(argv) == 2
         assert message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()  # refused before anything was measured or written
+
+
+def test_calibrate_holds_the_search_to_its_budget(measured, tmp_path, monkeypatch):
+    """`plan --calibrate F --mesh-search-steps N --mesh-search-budget S`: the search it runs is held to S."""
+    from jaxdist.analysis import mesh_search
+
+    fake = calibrate.Calibration(8, (1, 1, 1), {"float32": 1e9, "bfloat16": 1e9}, ((1e3, 1e-3),), 1e-5, 1e9)
+    monkeypatch.setattr(calibrate, "measure", lambda cfg, devices: fake)
+    calls = []
+
+    def run(cfg, hw, **kwargs):
+        calls.append(kwargs)
+        raise JaxdistError("stop here")
+
+    monkeypatch.setattr(mesh_search, "run", run)
+    argv = ["--calibrate", str(tmp_path / "c.json"), "--mesh-search-steps", "2", "--mesh-search-budget", "7.5"]
+    assert plan.main(argv) == 2
+    assert calls == [dict(top_k=3, steps=2, timed=3, budget_s=7.5)]
 
 
 def test_compare_estimates_the_timed_layouts_under_both_entries(measured):

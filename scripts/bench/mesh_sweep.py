@@ -34,6 +34,12 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU aborts the process when a collective's rendezvous waits over 40 s, which a loaded machine
+# reaches (the first uncapped run died so at too-big's first timed round); bench.py raises it likewise.
+if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_call_terminate_timeout_seconds=1800"
+    ).strip()
 
 TINY_SMALL = ["model.num_layers=2"]
 CONFIGS = {
