@@ -127,8 +127,9 @@ def main(argv=None) -> int:
     if out["command"]:
         print(f"run it with:\n  {out['command']}")
     print(f"({STEP_TIME_NOTE})")
-    if out["objective_note"]:
-        print(f"({out['objective_note']})")
+    for note in (out["objective_note"], out["model_note"]):
+        if note:
+            print(f"({note})")
     if out["scaling"]:
         print()
         print(scaling_table(out["scaling"]))

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxdist import config
 from jaxdist.analysis import measure
 from jaxdist.distributed import hlo
 from jaxdist.distributed.mesh import mesh_from_string, parse_mesh
-from jaxdist.planner import comms, hardware, memory
+from jaxdist.planner import comms, hardware, memory, plans
 from jaxdist.planner.layout import Layout
 from jaxdist.planner.traffic import by_kind
 
@@ -19,11 +18,12 @@ DEFAULT_FUSION = {"xla_cpu_use_fusion_emitters": True}
 
 
 def compile_pair(path: str | None, mesh: str, overrides: list[str], default_fusion: bool = True):
-    """(Layout on the CPU hardware entry, memory_analysis(), hlo.summarize of the collectives).
+    """(Layout on the CPU hardware entry, memory_analysis(), hlo.summarize of the collectives); `path` as
+    plan's --config (a YAML path or shipped name, or hf:DIR).
     default_fusion=False compiles with whatever XLA_FLAGS says (the tests' faster emitters): the same
     arguments and collectives (checked on test_plan's in-sample pairs), not the same temp bytes."""
 
-    cfg = config.load(path, ["train.steps=10", *overrides])
+    cfg = plans.load_config(path, ["train.steps=10", *overrides])  # a YAML, or a Hugging Face model (hf:DIR)
     # XLA:CPU's default fusion, whatever XLA_FLAGS says: the tests turn its fusion emitters off to
     # compile faster, and that changes buffer assignment (circular pp=2 temp 15.27 -> 14.88 MB).
     compiled = measure.compile_train_step(cfg, mesh_from_string(mesh), DEFAULT_FUSION if default_fusion else None)

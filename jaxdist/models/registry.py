@@ -16,6 +16,8 @@ An entry names, as torchtitan's `ModelSpec` does for its models:
 - `refused_axes`: the mesh axes its layers cannot meet, each with why; `tabled_pp`: why a table pipeline
   schedule (1F1B and its kin) cannot run a config of it, empty when one can; `check`: its other refusals of a whole
   config, one line each. `validate` applies all three (the trainer's start and the planner's candidates).
+- `planner_gap`: what the planner (`jaxdist/planner/`) does not model for it, its measured miss in
+  docs/planner.md; `python -m jaxdist.plan` prints it beside its figures (empty: modelled and checked).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Architecture:
     check: Callable = _no_check  # (Config, mesh axis sizes) -> None, or a one-line JaxdistError
     refused_axes: tuple[tuple[str, str], ...] = ()  # (mesh axis, why its layers cannot meet it)
     tabled_pp: Callable | None = None  # ModelConfig -> why a table pipeline schedule cannot run it ("" if one can)
+    planner_gap: str = ""  # what the planner does not model for it (plan prints it); "" when it does
     hf_tensors: Callable | None = None  # ModelConfig -> every tensor (hf.mapping.Tensor fields); None: from hf_layer
     # (ModelConfig, params, expert loads (L, E)) -> params: a non-gradient update after the optimizer's
     after_step: Callable | None = None
@@ -176,6 +179,10 @@ DEEPSEEK_V3 = Architecture(
     check=deepseek3_rules.check,
     refused_axes=(("cp", "MLA has no context-parallel attention"),),
     tabled_pp=deepseek3_rules.tabled_pp,
+    planner_gap=(
+        "model.family=deepseek_v3's dense first layers and shared experts are sized as routed MoE layers by the "
+        "planner: its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over (docs/planner.md)"
+    ),
     hf_tensors=deepseek3_hf.tensors,
     after_step=deepseek3_rules.after_step,
 )
@@ -191,6 +198,10 @@ GPT_OSS = Architecture(
     check=gpt_oss_hf.check,
     refused_axes=(("cp", "context parallelism has no attention sinks"),),
     tabled_pp=gpt_oss_hf.tabled_pp,
+    planner_gap=(
+        "model.family=gpt_oss runs every token through every expert, and the planner sizes token dispatch: "
+        "its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over (docs/planner.md)"
+    ),
     hf_tensors=gpt_oss_hf.tensors,
 )
 
@@ -213,6 +224,10 @@ QWEN3_NEXT = Architecture(
     attention_flops=qwen3next_hf.attention_flops,
     check=qwen3next_hf.check,
     refused_axes=(("cp", "the linear-attention recurrence runs over the whole sequence on one device"),),
+    planner_gap=(
+        "model.family=qwen3_next's gated DeltaNet chunk activations are not in the planner's memory model: "
+        "its temp bytes are under (docs/planner.md)"
+    ),
     hf_tensors=qwen3next_hf.tensors,
 )
 

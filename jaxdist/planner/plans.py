@@ -16,6 +16,7 @@ from jaxdist import config
 from jaxdist.distributed.mesh import format_mesh, parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import hub, mapping
+from jaxdist.models import registry
 from jaxdist.objectives import refusals
 from jaxdist.objectives import registry as objectives
 from jaxdist.planner import hardware
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": command_line,
         "step_time_note": STEP_TIME_NOTE,
         "objective_note": objectives.plan_note(cfg),  # what the figures leave out for a non-lm objective
+        "model_note": registry.of(cfg.model).planner_gap or None,  # what they leave out for this architecture
         "scaling": curves,
         "offload": offload,
     }
