@@ -116,3 +116,45 @@ def compression_ratio_run(cfg: Config, mesh: Mesh, compiled_hlo_text: str | None
     text = compiled_hlo_text or compile_train_step(cfg, mesh).as_text()
     steady, run = run_bytes_per_step(cfg, mesh, text)
     return compression_ratio(cfg, mesh, steady) * steady / run
+
+
+# The vocabulary check's shapes: V=8192 against V=256, the head gathered block by block (loss_gather_mib=0)
+VOCAB_SHAPES = dict(seq_len=128, vocab_size=8192, loss_block=256, loss_gather_mib=0)
+
+
+def vocabulary_temp_misses(cfg: Config, mesh: Mesh) -> tuple[dict, list[str]]:
+    """(figures, misses) of the blockwise loss's vocabulary-attributable temp, temp(V=8192) - temp(V=256),
+    same shapes, four compiles of `cfg`'s step on `mesh`. Recomputing the logits in the backward: at least
+    the float32 gradients of the embedding and the head (each V·D/devices: they exist before the optimizer),
+    at most those plus 8 logits blocks (local tokens x 256 rows x 4 B); keeping them (the default at this
+    size): at least the kept logits (local tokens x V/tp x 4 B), at most those on top; the naive loss's
+    logits above that (what the bounds catch). misses is empty when every bound holds.
+    tests/test_loss.py checks tp=2,fsdp=4, scripts/memory/vocab_temp_check.py any mesh (fsdp=8)."""
+
+    def temp(**model) -> int:
+        return compile_train_step(cfg.replace(model=model), mesh).memory_analysis().temp_size_in_bytes
+
+    n, shards = mesh.devices.size, mesh.shape.get("tp", 1)
+    tokens = cfg.train.global_batch // (n // shards) * VOCAB_SHAPES["seq_len"]
+    f = dict(
+        grads=2 * VOCAB_SHAPES["vocab_size"] * cfg.model.d_model * 4 / n,
+        block=tokens * VOCAB_SHAPES["loss_block"] * 4,
+        logits=tokens * VOCAB_SHAPES["vocab_size"] / shards * 4,
+    )
+    base = temp(**{**VOCAB_SHAPES, "vocab_size": 256, "loss_block": 0})
+    f["recompute"] = temp(**VOCAB_SHAPES, loss_keep_mib=0) - base
+    f["keep"] = temp(**VOCAB_SHAPES) - base
+    f["naive"] = temp(**VOCAB_SHAPES, loss_impl="naive") - base
+    top = f["grads"] + 8 * f["block"]
+    misses = [
+        f"{what}: {f}"
+        for what, ok in [
+            ("recompute outside [grads, grads + 8 blocks]", f["grads"] <= f["recompute"] <= top),
+            ("the logits do not exceed grads + 8 blocks", f["logits"] > top),
+            # (the embedding's gradient can reuse the kept logits' memory once the loss is done with them)
+            ("keep outside [logits, grads + logits + 8 blocks]", f["logits"] <= f["keep"] <= top + f["logits"]),
+            ("naive within grads + logits + 8 blocks", f["naive"] > top + f["logits"]),
+        ]
+        if not ok
+    ]
+    return f, misses
