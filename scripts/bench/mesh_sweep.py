@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU aborts the process when a collective's rendezvous waits over 40 s, which a loaded machine
@@ -73,6 +74,47 @@ def one_per_mesh(ranked: list) -> list:
     return out
 
 
+DENSE = ("tiny", "deep-narrow", "too-big")  # ep is one more batch axis there (config/axes.py: batch rule)
+
+
+def twins(layouts: list[dict]) -> list[tuple[str, str, float]]:
+    """Pairs of swept layouts of a dense model that are the same program up to the name of a batch axis
+    (dp=4,fsdp=2 and fsdp=2,ep=4: ep holds no weights there), with the ratio of their measured times:
+    what the machine's noise alone does to a measured step time, beside the 10% the issue asks for."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in layouts:
+        mesh, _, rest = row["layout"].partition(" ")
+        sizes = dict(part.split("=") for part in mesh.split(","))
+        batch = int(sizes.pop("dp", 1)) * int(sizes.pop("ep", 1))
+        groups.setdefault((batch, tuple(sorted(sizes.items())), rest), []).append(row)
+    out = []
+    for rows in groups.values():
+        if len(rows) > 1:
+            fast, slow = min(rows, key=lambda r: r["measured_ms"]), max(rows, key=lambda r: r["measured_ms"])
+            out.append((fast["layout"], slow["layout"], slow["measured_ms"] / fast["measured_ms"]))
+    return sorted(out, key=lambda t: t[2])
+
+
+def summarize(path: str) -> None:
+    """The docs table's rows from a --json file, and each dense config's twin spread (see twins)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for r in records:
+        print(
+            f"| {r['config']} | {r['swept']} | {r['best'].split(' ')[0]} ({r['best_tokens_s']:.0f}) | "
+            f"{r['chosen'].split(' ')[0]} ({r['chosen_tokens_s']:.0f}) | {r['ratio']:.2f} | "
+            f"{r['spearman_cpu_entry']:.2f} / {r['spearman_calibrated']:.2f} | {r['search_s']:.0f} "
+            f"({r['search_compiled']} compiled, {r['search_timed']} timed) | {r['load_before']:.1f} -> {r['load_after']:.1f} |"
+        )
+    for r in records:
+        if r["config"] in DENSE:
+            pairs = twins(r["layouts"])
+            ratios = sorted(t[2] for t in pairs)
+            print(
+                f"{r['config']}: {len(pairs)} twin pairs, measured-time ratio median "
+                f"{statistics.median(ratios):.2f}, max {ratios[-1]:.2f} ({pairs[-1][0]} vs {pairs[-1][1]})"
+            )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
@@ -82,7 +124,11 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=3, help="the search's --top-k")
     p.add_argument("--max-layouts", type=int, default=0, help="sweep only the planner's first N (0: all)")
     p.add_argument("--json", default="", help="also append the records here, one JSON object a line")
+    p.add_argument("--summarize", default="", help="print the docs table from this --json file and stop")
     args = p.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+        return 0
 
     import jax
 
