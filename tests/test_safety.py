@@ -176,30 +176,29 @@ def test_config_drift_is_refused_listing_keys_and_allowed_by_name(saved, tmp_pat
 
 
 def test_second_trainer_on_a_run_dir_is_refused(saved, tmp_path, capsys):
+    """The lock is a flock on its own open file: the kernel keeps two opens of one file apart whether they
+    are in two processes or one, so this process holds it (RunLock.acquire, as a trainer does) and the
+    trainer run next opens it anew and is refused, naming the holder. A holder's death is the kernel
+    closing its file: closing the descriptor without release() leaves the lock stale, and the next trainer
+    takes it over and says whose it was."""
+    import os
+
     run_dir = tmp_path / "run"
     shutil.copytree(saved, run_dir)
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from jaxdist.training.rundir import RunLock; "
-            f"RunLock({str(run_dir)!r}).acquire(); print('locked', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+    holder = rundir.RunLock(run_dir)
+    assert holder.acquire() is None
     try:
-        assert holder.stdout.readline().strip() == "locked"
         before = snapshot(run_dir)
         assert main(["--run-dir", str(run_dir), *SMALL, "train.steps=2"]) == 2
         line = one_error_line(capsys)
-        assert re.search(rf"run dir .* is in use by another trainer \(pid {holder.pid} on host ", line), line
+        assert re.search(rf"run dir .* is in use by another trainer \(pid {os.getpid()} on host ", line), line
         assert snapshot(run_dir) == before
     finally:
-        holder.kill()
-        holder.wait()
-    rundir.RunLock(run_dir).check()  # the holder died: its lock is stale by construction
+        os.close(holder.fd)  # as at the holder's death: its record stays, its flock goes
+    rundir.RunLock(run_dir).check()  # stale by construction
+    taker = rundir.RunLock(run_dir)
+    assert re.fullmatch(rf"took over the stale lock of pid {os.getpid()} on host .*", taker.acquire() or "")
+    taker.release()
 
 
 # ---- data ----------------------------------------------------------------------------------------------
