@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import math
 import typing
+from pathlib import Path
 
 import jax
 import pytest
+import yaml
 from flax import nnx
 
 from jaxdist.config import ModelConfig
@@ -133,3 +135,42 @@ def test_the_planner_offers_only_meshes_the_architecture_takes():
     base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     assert architecture_takes(gemma, base) and architecture_takes(llama, {**base, "pp": 2})
     assert not architecture_takes(gemma, {**base, "pp": 2}) and not architecture_takes(gemma, {**base, "cp": 2})
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# architecture: (transformers fixture, the fields its config.json sets, the shipped real-shape config)
+PRINTED = {
+    "gemma3": ("hf_gemma3", {"num_layers": 4, "sliding_window": 4, "sliding_window_pattern": 2, "tie_embeddings": True}, "gemma3-12b"),
+    "gpt_oss": ("hf_gpt_oss", {"sliding_window": 4, "swiglu_alpha": 1.702, "swiglu_limit": 1.0, "moe_experts": 4}, "gpt-oss-20b"),
+    "deepseek_v3": (
+        "hf_deepseek_v3",
+        {"mla_q_rank": 24, "mla_kv_rank": 16, "mla_nope_dim": 8, "mla_rope_dim": 4, "mla_v_dim": 6, "dense_layers": 1,
+         "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scale": 2.5},
+        "deepseek-v3",
+    ),
+    "qwen3_next": (
+        "hf_qwen3_next",
+        {"linear_key_heads": 2, "linear_value_heads": 4, "linear_key_dim": 8, "linear_value_dim": 6,
+         "linear_conv_kernel": 4, "moe_shared_dim": 24},
+        "qwen3-next-80b-a3b",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PRINTED))
+def test_print_config_of_each_architecture(family, tmp_path, capsys):
+    """`train --restore hf:DIR --print-config` prints the architecture's resolved config (its own fields read
+    from config.json) without compiling anything, the printed YAML given back as --config prints itself,
+    and the shipped real-shape config prints under the same family."""
+    from jaxdist import train
+
+    fixture, fields, shipped = PRINTED[family]
+    assert train.main(["--restore", f"hf:{FIXTURES / fixture}", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    model = yaml.safe_load(text)["model"]
+    assert model["family"] == family and {k: model[k] for k in fields} == fields
+    (tmp_path / "printed.yaml").write_text(text)
+    assert train.main(["--config", str(tmp_path / "printed.yaml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == text
+    assert train.main(["--config", shipped, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["family"] == family

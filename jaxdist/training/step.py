@@ -236,6 +236,19 @@ def state_shardings(cfg: Config, mesh: Mesh, tx, stage: GradientStage, model: Re
     return shardings, on_device
 
 
+def after_step_update(cfg: Config, params, load_LE, plan: pipeline.Plan | None = None):
+    """The architecture's non-gradient update after the optimizer's (DeepSeek-V3's balancing bias) from
+    the step's per-layer expert loads `load_LE` (summed over every micro-batch); `params` unchanged
+    where the architecture has none or the step reported no loads. `plan`: the pipeline, whose staged
+    stack stores the biases by stage, so the loads are staged the same way."""
+    after = models_registry.of(cfg.model).after_step
+    if after is None or load_LE is None:
+        return params
+    if plan:
+        load_LE = pipeline.to_stages({pipeline.STACK: load_LE}, plan)[pipeline.STACK]
+    return after(cfg.model, params, load_LE)
+
+
 def make_train_step(
     cfg: Config, tx, lr_schedule, stage: GradientStage, on_device: dict, plan: pipeline.Plan | None = None
 ) -> Callable:
@@ -256,11 +269,7 @@ def make_train_step(
         trained = trained_part(cfg, state.params)  # LoRA: the adapters; the frozen base passes through
         updates, opt_state = tx.update(grads, state.opt_state, trained)
         params = optax.apply_updates(trained, updates)
-        after = models_registry.of(cfg.model).after_step
-        if after is not None and load_LE is not None:  # a non-gradient update (DeepSeek-V3's balancing bias)
-            if plan:  # the loads in the staged stack's layout, as the biases are stored
-                load_LE = pipeline.to_stages({pipeline.STACK: load_LE}, plan)[pipeline.STACK]
-            params = after(cfg.model, params, load_LE)
+        params = after_step_update(cfg, params, load_LE, plan)
         if cfg.lora.rank:
             params = adapters.combine(cast(dict, params), adapters.frozen(state.params))  # the nested dict in
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
