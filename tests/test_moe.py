@@ -42,7 +42,10 @@ SMALL = dict(
     moe_topk=2,
     moe_mlp_dim=32,
 )
-MESHES = ["ep=8", "ep=4,fsdp=2", "ep=2,tp=2,fsdp=2"]
+# The dropless train step: one expert a device (ep=8), and several a device with fsdp and tp beside ep
+# (ep=2,tp=2,fsdp=2). ep=4,fsdp=2 (several a device, fsdp) is a part of the second; the capacity dispatch's
+# tests below run on it.
+MESHES = ["ep=8", "ep=2,tp=2,fsdp=2"]
 STEPS = 10
 
 
