@@ -107,6 +107,57 @@ def test_command_is_rewritten_for_the_new_place():
     ]
 
 
+def test_a_joiner_is_refused_in_one_line_placed_or_gives_up(tmp_path, monkeypatch, capsys):
+    """grow.py without JAX: a leader of a regrouped run publishes leader.json; a supervisor started later asks
+    it to join and is refused in one line (another command, more than MAX, the run finished), or admitted
+    and then gives up after JOIN_S when never placed; with the leader gone the file is stale and the command
+    starts as launched. The real rejoin: the coordinator-kill test above."""
+    from jaxdist.cluster import grow, launch, supervisor
+
+    (tmp_path / "config.yaml").write_text("mesh: {shape: 'fsdp=8'}\ntrain: {global_batch: 8, grad_accum_steps: 1}\n")
+    base = ["--mesh", "fsdp=8", "--run-dir", str(tmp_path), "--steps", "9", "--elastic", "1:2"]
+    launched = [*base, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
+    lead = supervisor.Supervisor(launch.Launch("127.0.0.1:1", 2, 1, "flags"), span=(1, 2))
+    lead.gen, lead.index, lead.n, lead.run_dir = 1, 0, 1, str(tmp_path)
+    lead.argv = elastic.rewrite(launched, 1, 0, "127.0.0.1:2", "fsdp=4", str(tmp_path))
+    assert grow.config_hash(lead.argv) == grow.config_hash(launched)
+    lead.listener.phase = lambda: lead.phase
+    lead.listener.join = lambda msg: grow.admit(lead, lead.argv, msg)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    joiner = supervisor.Supervisor(launch.Launch("127.0.0.1:1", 2, 1, "flags"), span=(1, 2))
+    try:
+        grow.publish(lead, lead.argv)
+        lead.proc = sleeper
+        assert grow.join(joiner, [*launched, "optim.lr=1"], str(tmp_path)) == (None, 2)
+        lead.span = (1, 1)
+        assert grow.join(joiner, launched, str(tmp_path)) == (None, 2)
+        lead.span = (1, 2)
+        monkeypatch.setattr(grow, "JOIN_S", 0.3)
+        assert grow.join(joiner, launched, str(tmp_path)) == (None, 1)  # admitted, never placed
+        assert sleeper.wait(timeout=5) == -signal.SIGTERM and lead.listener.growing.is_set()  # stopped to grow
+        lead.listener.growing.clear()
+        lead.proc = subprocess.Popen(["true"])
+        lead.proc.wait()
+        lead.joiners = []
+        assert grow.join(joiner, launched, str(tmp_path)) == (None, 2)
+        err = capsys.readouterr().err
+        lead.listener.close(clean=True)
+        assert grow.join(joiner, launched, str(tmp_path)) == (None, 0)  # nobody answers: start as launched
+        grow.unpublish(lead)
+        assert not grow.leader_file(tmp_path).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        lead.listener.close(clean=True)
+        joiner.listener.close(clean=True)
+    where = f"error: elastic: cannot join the elastic run in {tmp_path}: "
+    assert f"{where}its command differs from the run's (config hash)" in err
+    assert f"{where}the run has 1 processes, --elastic's maximum is 1" in err
+    assert "elastic: joining the elastic run in" in err and "error: elastic: not placed within 0.3s by" in err
+    assert f"{where}the run already finished" in err
+    assert "names no live leader; starting as launched" in capsys.readouterr().err
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r and not r.get("summary")}
@@ -130,22 +181,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_killed_coordinator_leaves_the_run_to_the_survivor(tmp_path, reference):
+def test_a_killed_coordinator_leaves_the_run_to_the_survivor_and_the_restarted_process_joins_again(tmp_path, reference):
     """SIGKILL process 0 (the coordinator: the pid its launcher started) after step 6: process 1's supervisor
     leads, serves a new coordinator and restarts its training process as 1 process x 4 devices (fsdp=4)
-    from the checkpoint of step 4; it finishes with every step's loss and the final parameters equal to the
-    uninterrupted run's, one line and one metrics.jsonl record say what changed, no process is left behind,
-    and the whole scenario ends within WAIT seconds. A dead follower takes the same path (the lowest
-    surviving index leads; scripts/cluster/elastic_times.py measures both)."""
+    from the checkpoint of step 4. Then process 0 is started again with its same command: it finds the
+    leader in <run_dir>/elastic/leader.json and joins; the leader stops its training process at the next
+    step with a checkpoint and both go on as 2 processes x 4 devices (fsdp=8) from it. Every step's loss and
+    the final parameters equal the uninterrupted run's, one line and one metrics.jsonl record say what
+    changed each time (2 -> 1 -> 2), no process is left behind, and the whole scenario ends within WAIT
+    seconds. A dead follower takes the same path (the lowest surviving index leads;
+    scripts/cluster/elastic_times.py measures both)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "PYTHONUNBUFFERED": "1"}
     port, run = free_port(), tmp_path / "run"
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--elastic", "1:2", "--process-id"]
     cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "fsdp=8", "--run-dir", str(run), *COMMON, *flags]
-    logs = [tmp_path / f"p{i}.log" for i in (0, 1)]
-    procs = [
-        subprocess.Popen([*cmd, str(i)], env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        for i, log in enumerate(logs)
-    ]
+    logs = [tmp_path / f"p{i}.log" for i in (0, 1, 2)]
+
+    def start(i: int, log: Path) -> subprocess.Popen:
+        return subprocess.Popen([*cmd, str(i)], env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    procs = [start(0, logs[0]), start(1, logs[1])]
     victim, survivor = procs
     try:
         deadline = time.monotonic() + WAIT
@@ -154,15 +209,22 @@ def test_a_killed_coordinator_leaves_the_run_to_the_survivor(tmp_path, reference
             time.sleep(0.05)
         os.kill(victim.pid, signal.SIGKILL)
         t0 = time.monotonic()
+        while "continuing on 1 of 2" not in logs[1].read_text():  # leader.json is written before this line
+            assert survivor.poll() is None and time.monotonic() < deadline, logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        procs.append(joiner := start(0, logs[2]))  # the killed process's command, started again
         rc = survivor.wait(timeout=WAIT)
         took = time.monotonic() - t0
+        rc_joiner = joiner.wait(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    out = logs[1].read_text()
-    assert rc == 0, out[-3000:]
+    out, joined = logs[1].read_text(), logs[2].read_text()
+    assert rc == 0 and rc_joiner == 0, (out[-3000:], joined[-3000:])
     assert "elastic: process(es) 0 gone; continuing on 1 of 2 processes, mesh fsdp=8 -> fsdp=4, from checkpoint" in out
+    assert "elastic: 1 process(es) joined; continuing on 2 processes (was 1), mesh fsdp=4 -> fsdp=8, from" in out
+    assert "elastic: joining the elastic run in" in joined
     (want, want_params) = reference
     got = losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -176,9 +238,12 @@ def test_a_killed_coordinator_leaves_the_run_to_the_survivor(tmp_path, reference
     for k, v in leaves.items():
         np.testing.assert_allclose(v, want_params[k], rtol=0, atol=2e-4, err_msg=k)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    (rec,) = [r for r in rows if "elastic" in r]
-    assert rec["elastic"] == {"processes": [2, 1], "mesh": ["fsdp=8", "fsdp=4"], "lost": [0], "spares": []}
-    assert EVERY <= rec["step"] < STEPS and 0 < rec["seconds_lost"] < took + 5
+    shrink, grow = [r for r in rows if "elastic" in r]
+    assert shrink["elastic"] == {"processes": [2, 1], "mesh": ["fsdp=8", "fsdp=4"], "lost": [0], "spares": []}
+    assert grow["elastic"] == {"processes": [1, 2], "mesh": ["fsdp=4", "fsdp=8"], "lost": [], "joined": 1}
+    assert EVERY <= shrink["step"] < grow["step"] < STEPS, (shrink, grow)  # it trained on 1 process in between
+    assert 0 < shrink["seconds_lost"] < took + 5 and 0 < grow["seconds_lost"] < took
+    assert not (run / "elastic" / "leader.json").exists()  # the leader removed it when the run ended
     left = []
     for d in Path("/proc").iterdir():
         try:

@@ -78,12 +78,16 @@ def fit(old: dict[str, int], devices: int, micro_batch: int) -> str | None:
     return ",".join(f"{a}={shape[a]}" for a in AXES if shape[a] > 1) or "dp=1"
 
 
-def plan(run_dir: str | Path, old_n: int, survivors: int, span: tuple[int, int]) -> tuple[int, str, str] | str:
+def plan(
+    run_dir: str | Path, old_n: int, survivors: int, span: tuple[int, int], mesh: str | None = None
+) -> tuple[int, str, str] | str:
     """(processes, old mesh, new mesh) for the most processes in MIN..MAX that `survivors` allow and a mesh
-    fits, from the run's config.yaml; else the one-line reason why the run cannot continue."""
+    fits, from the run's config.yaml (`mesh`: the old mesh when it is known better, as while a restarted
+    training process has not yet written its config.yaml); else the one-line reason why the run cannot
+    continue."""
     try:
         cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-        old_text = cfg["mesh"]["shape"]
+        old_text = mesh or cfg["mesh"]["shape"]
         micro = cfg["train"]["global_batch"] // cfg["train"]["grad_accum_steps"]
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as e:
         return f"cannot read the run's mesh from {run_dir}/config.yaml ({type(e).__name__})"
@@ -122,6 +126,15 @@ def rewrite(argv: list[str], n: int, pid: int, coordinator: str, mesh: str, run_
         "--run-dir",
         run_dir,
     ]
+
+
+def mesh_of(argv: list[str]) -> str | None:
+    """The --mesh a rewritten command ends with (`rewrite`), None for a command as launched."""
+    found = None
+    for a, b in zip(argv, argv[1:]):
+        if a == "--mesh":
+            found = b
+    return found
 
 
 def free_port() -> int:

@@ -79,6 +79,8 @@ class Listener:
         self.phase: Callable[[], str] | None = None  # elastic runs: running, deciding, waiting or leaving (elastic.py)
         self.regroup: dict | None = None  # the leader's message of a new membership (elastic.py)
         self.regrouped = threading.Event()
+        self.growing = threading.Event()  # the leader stops the training processes to grow the run (grow.py)
+        self.join: Callable[[dict], dict] | None = None  # the leader's answer to a process that joins (grow.py)
         self.watchers: list[socket.socket] = []  # peers' connections held open to see this process end
         self._lock = threading.Lock()
         self.sock = socket.create_server(("", 0))
@@ -88,12 +90,14 @@ class Listener:
     def _serve(self) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, remote = self.sock.accept()
             except OSError:
                 return  # closed
             try:
                 conn.settimeout(ASK_S)
                 msg = json.loads(readline(conn))
+                if msg.get("op") == "join":
+                    msg["seen_from"] = remote[0]  # the joiner's address as this host reaches it
                 conn.sendall(json.dumps(self._answer(msg)).encode() + b"\n")
                 if msg.get("op") == "watch" and msg.get("token") == self.token:
                     self.watchers.append(conn)  # held open: it closes when this process ends, however
@@ -103,6 +107,8 @@ class Listener:
             conn.close()
 
     def _answer(self, msg: dict) -> dict:
+        if msg.get("op") == "join":  # no token: the joiner does not know one; the leader checks its command
+            return self.join(msg) if self.join else {"refuse": f"process {self.index} takes no joiners"}
         ours = msg.get("token") == self.token and msg.get("gen", 0) == self.gen  # news of an older membership: none
         if msg.get("op") == "gone" and ours:
             self.hear(msg["records"])
@@ -111,6 +117,8 @@ class Listener:
             return {"index": self.index, "gone": gone}
         phase = "leaving" if gone else self.phase()
         newer = msg.get("gen", 0) > self.gen and phase != "leaving"
+        if msg.get("op") == "grow" and ours and phase == "running":
+            self.growing.set()  # the training process's clean end is the run growing, not its end
         if msg.get("op") == "regroup" and msg.get("token") == self.token and newer:
             self.regroup = msg
             self.regrouped.set()

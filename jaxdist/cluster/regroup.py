@@ -51,7 +51,7 @@ def lead(sup, argv: list[str], now: dict[int, str]) -> tuple[list[str] | None, i
     for _ in range(TRIES):
         alive = sorted([sup.index] + [i for i, ph in now.items() if ph in TAKING_PART])
         gen = sup.gen + 1
-        result = elastic.plan(sup.run_dir or "", sup.n, len(alive), sup.span)
+        result = elastic.plan(sup.run_dir or "", sup.n, len(alive), sup.span, elastic.mesh_of(argv))
         if isinstance(result, str):
             _send(sup, [by_index[i] for i in alive[1:]], {"gen": gen, "stop": result})
             print(f"error: elastic: {result}; the run stops. {peer_lines.resume(sup.n, sup.run_dir)}", file=sys.stderr)
@@ -131,5 +131,6 @@ def _renumber(sup, gen: int, index: int, n: int) -> None:
     lst.gone.clear()
     lst.mine, lst.regroup = None, None
     lst.regrouped.clear()
+    lst.growing.clear()
     lst.news.clear()
     sup.phase = "running"

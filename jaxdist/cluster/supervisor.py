@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from jaxdist.cluster import elastic, peer_lines, peer_wire, regroup
+from jaxdist.cluster import elastic, grow, peer_lines, peer_wire, regroup
 from jaxdist.cluster import launch as launch_mod
 from jaxdist.errors import JaxdistError
 
@@ -90,17 +90,29 @@ class Supervisor:
         self.me = {"index": self.index, "host": socket.gethostname(), "pid": os.getpid()}
         self.run_dir: str | None = None
         self.was_stopped = False  # the training process was stopped (SIGSTOP) when it was killed
+        self.argv: list[str] = []  # the training process's command in this membership
+        self.joiners: list[dict] = []  # processes admitted to join at the next step (the leader; grow.py)
+        self.join_lock = threading.Lock()
+        self.published = None  # <run_dir>/elastic/leader.json, once this supervisor leads a regrouped run
 
     def run(self, argv: list[str]) -> int:
         if self.span is not None:
             self.listener.phase = lambda: self.phase
+            self.listener.join = lambda msg: grow.admit(self, self.argv, msg)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for s in FORWARDED:  # the child has its own process group: a terminal's Ctrl-C reaches it once, from here
                 previous[s] = signal.signal(s, lambda signum, _: self.proc and self.proc.send_signal(signum))
         rc = None
         try:
+            run_dir = run_dir_of(argv) if self.span is not None else None
+            if run_dir is not None:  # a live elastic run in this run dir: join it (grow.py)
+                again, code = grow.join(self, argv, run_dir)
+                if again is None and code:
+                    return code
+                argv = again or argv
             while True:
+                self.argv = argv
                 ours, theirs = socket.socketpair()
                 env = {**os.environ, CHILD: f"{theirs.fileno()} {self.listener.port} {self.listener.token}"}
                 self.proc = proc = subprocess.Popen(
@@ -119,10 +131,9 @@ class Supervisor:
                     code = self._after(rc, stopped, proc.pid)
                 finally:
                     ours.close()
-                if self.cause is None:
+                if self.cause is None and not (rc == 0 and self.listener.growing.is_set()):
                     break
-                self.phase = "waiting"
-                again, code = regroup.regroup(self, argv)
+                again, code = self._regroup(argv)
                 if not again:
                     break
                 argv = again
@@ -132,9 +143,21 @@ class Supervisor:
             return code
         finally:
             self.phase = "leaving"
+            grow.unpublish(self)
             for s, h in previous.items():
                 signal.signal(s, h)
             self.listener.close(clean=rc in (0, 2, 130))  # the ring watch hears of deaths only
+
+    def _regroup(self, argv: list[str]) -> tuple[list[str] | None, int]:
+        """The next membership's command after a peer's death (regroup.py) or after the leader stopped every
+        training process to take in joiners (grow.py); None and the exit status when this process stops."""
+        self.phase = "waiting"
+        if self.cause is None:
+            return grow.lead(self, argv) if self.index == 0 else regroup.follow(self, argv, 0)
+        again, code = regroup.regroup(self, argv)
+        if again and self.index == 0:
+            grow.publish(self, again)  # the new leader's address, for a process that joins later
+        return again, code
 
     def _table(self, ours: socket.socket) -> None:
         """The peers' table from the training process, then which of their supervisors we can reach."""
@@ -260,6 +283,15 @@ class Supervisor:
             if attempt + 1 < tries and not self.listener.gone:
                 time.sleep(0.5)
         return peer_lines.root(self.listener.gone)
+
+
+def run_dir_of(argv: list[str]) -> str | None:
+    p = _Flags(add_help=False)
+    p.add_argument("--run-dir")
+    try:
+        return p.parse_known_args(argv)[0].run_dir
+    except JaxdistError:
+        return None
 
 
 def is_stopped(pid: int) -> bool:
