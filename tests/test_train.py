@@ -1,5 +1,6 @@
 """The CLI end to end, as a user runs it: a real subprocess where the process matters (the full run's
-output, SIGTERM), `main([...])` in this process where it does not (each child costs ~5 CPU-s of imports)."""
+output to a pipe), `main([...])` in this process where it does not (each child costs ~5 CPU-s of
+imports; a SIGTERM is sent to this process, through the handler main installs)."""
 
 import json
 import subprocess
@@ -83,8 +84,9 @@ def test_overrides_may_come_before_and_after_flags():
 
 def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path, capsys, monkeypatch):
     """No --run-dir: the run dir is named by the config, so after SIGTERM the same command (same folder,
-    same arguments) resumes from the saved step instead of starting a new run at step 0. The first run is a
-    real process (SIGTERM); the same command again runs in this process, in the same working directory."""
+    same arguments) resumes from the saved step instead of starting a new run at step 0. Every run is
+    `train.main` in this process, in the same working directory; the first gets a real SIGTERM (os.kill
+    of this process, through the handler main installs) the moment it prints its step-2 checkpoint line."""
     import os
     import re
     import signal
@@ -110,17 +112,29 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path,
         NO_PLOT,
         f"data.path={sysconfig.get_paths()['stdlib']}/[a-c]*.py",  # 29 files: quicker to read than all 1,790
     ]
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines = []
-    for line in first.stdout:
-        lines.append(line)
-        if line.startswith("checkpoint step 2"):
-            first.send_signal(signal.SIGTERM)
-            break
-    rest, err = first.communicate(timeout=300)
-    text = "".join(lines) + rest
-    assert first.returncode == 0, text + err
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+
+    class SignalOnCheckpoint:  # stdout that sends SIGTERM once, as the step-2 checkpoint line is written
+        def __init__(self, out):
+            self.out, self.sent = out, False
+
+        def write(self, text):
+            n = self.out.write(text)
+            if not self.sent and "checkpoint step 2" in text:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self.out, name)
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", SignalOnCheckpoint(sys.stdout))
+        code = train.main(cmd[4:])  # after `python -u -m jaxdist.train`
+    text = capsys.readouterr().out
+    assert code == 0, text
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"tiny-[0-9a-f]{8}", run_dir.name), run_dir.name
     assert (
@@ -135,8 +149,6 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path,
     assert 2 <= stopped < 6
 
     assert "no loss plot (train.plot=false)" in text and not (run_dir / "loss.png").exists()
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TQDM_DISABLE", "1")
 
     def again(argv):  # the same command, in this process: (exit code, stdout)
         capsys.readouterr()
