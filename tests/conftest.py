@@ -373,13 +373,15 @@ def assert_qlora_trains(
     steps: int = 4,
     targets: str = "q,k,v,o",
     block_size: int = 8,
+    also: tuple[str, ...] = (),
 ):
     """QLoRA (an NF4 base, r=4 on the architecture's attention `targets`) from the Hugging Face base `fixture` on
     `mesh_text`, one compiled train step run `steps` times on learnable rows: the loss falls; every adapted
     matrix is stored as packed NF4 codes (uint8, half the entries) with float32 scales, everything else
     frozen in bfloat16 (experts included) and bit-identical after training; only the adapters moved; the
     trained adapters export to exactly the keys, shapes and dtype of the peft-made adapter of the same
-    targets (`peft_fixture`), i.e. the structure of the float-base LoRA's export."""
+    targets (`peft_fixture`), i.e. the structure of the float-base LoRA's export. `also`: matrices quantised
+    beside the targets' (DeepSeek-V3's dense MLP)."""
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
@@ -397,14 +399,14 @@ def assert_qlora_trains(
         f"lora.block_size={block_size}",
     ]
     train = ["train.global_batch=8", "optim.lr=0.02", "optim.warmup_steps=0", f"optim.schedule_steps={steps}"]
-    cfg = mapping.hf_config(None, [*overrides, *lora, *train], fixture, mesh_text)
+    cfg = mapping.hf_config(None, [*lora, *train, *overrides], fixture, mesh_text)  # overrides win
     mesh = mesh_from_string(mesh_text)
     prog = step.build_program(cfg, mesh)
     base, _ = tensors.import_params(fixture, cfg.replace(lora=dict(rank=0, base_dtype="float32")), mesh)
     state = prog.state_from_params(base)
     flat = flat_params(state.params)
     codes = {k: v for k, v in flat.items() if k[:-2] + f"{SCALE}']" in flat}
-    assert {k.split("'")[-2] for k in codes} == {TARGETS[t][1] for t in targets.split(",")}
+    assert {k.split("'")[-2] for k in codes} == {TARGETS[t][1] for t in targets.split(",")} | set(also)
     assert all(v.dtype == np.uint8 for v in codes.values())
     named = flat_params(base)
     assert all(named[k].size == 2 * v.size for k, v in codes.items())  # two NF4 codes per byte

@@ -29,6 +29,7 @@ from conftest import (
     assert_export_round_trip,
     assert_generation_matches_fixture,
     assert_lora_matches_peft,
+    assert_qlora_trains,
     assert_refused_in_one_line,
     flat_params,
     peft_lora_reference,
@@ -340,3 +341,12 @@ def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
     theirs = json.loads((PEFT_FIXTURE / "adapter_config.json").read_text())
     assert sorted(ours["target_modules"]) == theirs["target_modules"]
     assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])
+
+
+def test_qlora_nf4_base_trains():
+    """QLoRA on DeepSeek-V3 (NF4 MLA in every layer and the dense layer's MLP; experts, shared expert, router
+    and selection bias bfloat16) on fsdp=2,ep=2,tp=2, r=4 on q_a/q_b/kv_a/kv_b/o, block size 2 (o's 6-wide
+    v_head_dim takes no larger even block): conftest.assert_qlora_trains (the loss falls over 4 steps, the
+    base quantised and untouched, the export peft's structure, both stacks)."""
+    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, [], SHARDED, targets="q_a,q_b,kv_a,kv_b,o", block_size=2,
+                        also=("w_gate_DF", "w_up_DF", "w_down_FD"))  # fmt: skip

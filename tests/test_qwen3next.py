@@ -24,6 +24,7 @@ import pytest
 from conftest import (
     assert_export_round_trip,
     assert_lora_matches_peft,
+    assert_qlora_trains,
     assert_refused_in_one_line,
     assert_same_greedy,
     peft_lora_reference,
@@ -259,3 +260,11 @@ def test_the_delta_rule_is_matmuls_without_lapack():
     text = jax.jit(jax.value_and_grad(loss)).lower(q).compile().as_text()
     targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
     assert not [t for t in targets if "lapack" in t.lower() or "trsm" in t.lower()], targets
+
+
+def test_qlora_nf4_base_trains():
+    """QLoRA on Qwen3-Next (NF4 q/k/v/o of the full-attention layer; DeltaNet, experts and the gated shared
+    expert bfloat16) on fsdp=2,ep=2,tp=2: conftest.assert_qlora_trains (the loss falls over 4 steps, the
+    base quantised and untouched, the export peft's structure) — the train step that hung before the
+    delta rule's solve became matmuls."""
+    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, ["optim.lr=0.05"], SHARDED, steps=6)

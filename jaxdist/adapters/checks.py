@@ -63,7 +63,7 @@ def check(cfg, mesh, rules) -> None:
     if lo.base_dtype not in quant.KINDS:
         return
     dims = []  # (weight, its block dimension, the shards that dimension is split over)
-    for _, weight, _ in (TARGETS[t] for t in have):
+    for weight in quantised(m, have):
         shape = shapes[weight]
         axis = block_axis(weight) % len(shape)
         dims.append((weight, shape[axis], axis_size(mesh, logical_to_spec(NAMES[weight], rules)[axis])))
@@ -85,3 +85,12 @@ def check(cfg, mesh, rules) -> None:
         f"lora.block_size={lo.block_size} does not fit {weight}'s dimension {n} split over {shards} "
         f"device(s) ({n} / block_size blocks must divide by {shards}); {suggest}"
     )
+
+
+def quantised(m, have) -> list[str]:
+    """The layer matrices QLoRA stores as int8 / NF4 blocks: the carried targets' and DeepSeek-V3's dense
+    layers' MLP (it has scale slots like every matrix lora.TARGETS names)."""
+    out = [w for _, w, _ in (TARGETS[t] for t in have)]
+    if m.family == "deepseek_v3" and (m.dense_layers or not m.moe_experts):
+        out += ["w_gate_DF", "w_up_DF", "w_down_FD"]
+    return out

@@ -166,11 +166,13 @@ def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
 
 
 def mla_shapes(m) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-V3's LoRA-able matrices per layer (models/deepseek3.py): MLA's projections."""
-    D, N, R, C = m.d_model, m.num_heads, m.mla_q_rank, m.mla_kv_rank
+    """DeepSeek-V3's layer matrices per layer (models/deepseek3.py): MLA's projections (LoRA's targets) and the
+    dense first layers' MLP (no adapters; quantised with MLA under QLoRA)."""
+    D, N, R, C, F = m.d_model, m.num_heads, m.mla_q_rank, m.mla_kv_rank, m.mlp_dim
     Hn, P, Hv = m.mla_nope_dim, m.mla_rope_dim, m.mla_v_dim
     q = {"wq_a_DR": (D, R), "wq_b_RNH": (R, N, Hn + P)} if R else {"wq_DNH": (D, N, Hn + P)}
-    return {**q, "wkv_a_DC": (D, C + P), "wkv_b_CNH": (C, N, Hn + Hv), "wo_NHD": (N, Hv, D)}
+    mlp = {"w_gate_DF": (D, F), "w_up_DF": (D, F), "w_down_FD": (F, D)}
+    return {**q, "wkv_a_DC": (D, C + P), "wkv_b_CNH": (C, N, Hn + Hv), "wo_NHD": (N, Hv, D), **mlp}
 
 
 def gathered_names(names: tuple) -> tuple:

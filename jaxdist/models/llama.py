@@ -133,7 +133,9 @@ class Llama(nnx.Module):
             layer_state = jax.tree_util.tree_map_with_path(
                 lambda p, n, v: (
                     v.replace(cast_sharded(v[...], n, x.dtype))
-                    if len(n) > 1 and str(getattr(p[-1], "key", "")) not in WEIGHT_MATMUL | lora_mod.KEEP_DTYPE
+                    if len(n) > 1
+                    and str(getattr(p[-1], "key", "")) not in WEIGHT_MATMUL | lora_mod.KEEP_DTYPE
+                    and jnp.issubdtype(v[...].dtype, jnp.floating)  # never QLoRA's integer codes (DeepSeek-V3's MLA)
                     else v
                 ),
                 names,
