@@ -222,26 +222,37 @@ def test_token_ids_beyond_the_vocabulary_anywhere_in_a_file_are_refused(tmp_path
 
 
 @pytest.mark.slow
-def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path):
-    """SIGTERM as compilation starts (the process is inside `compile`; the handler runs once it returns)."""
+def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path, capsys, monkeypatch):
+    """SIGTERM as compilation starts (main is about to `compile`; the handler runs once it returns). main
+    runs in this process and a real SIGTERM is sent to it (os.kill) from stdout's write of the `mesh`
+    line, the summary printed just before compilation (a child cost ~5 CPU-s of imports)."""
+    import os
+
     sig = signal.SIGTERM
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "jaxdist.train", "--run-dir", str(run_dir), *SMALL, "train.steps=3"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out = []
-    for line in proc.stdout:  # the summary comes just before compilation
-        out.append(line)
-        if line.startswith("mesh "):
-            proc.send_signal(sig)
-            break
-    rest, err = proc.communicate(timeout=300)
-    text = "".join(out) + rest
-    assert proc.returncode == 0, text + err
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+
+    class SignalOnMesh:
+        def __init__(self, out):
+            self.out, self.sent = out, False
+
+        def write(self, text):
+            n = self.out.write(text)
+            if not self.sent and text.startswith("mesh "):
+                self.sent = True
+                os.kill(os.getpid(), sig)
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self.out, name)
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", SignalOnMesh(sys.stdout))
+        code = main(["--run-dir", str(run_dir), *SMALL, "train.steps=3"])
+    captured = capsys.readouterr()
+    text, err = captured.out, captured.err
+    assert code == 0, text + err
     assert f"stopped by {sig.name} during start-up: no step was taken and nothing was saved" in text
     assert "aborted" not in err and "Traceback" not in err, err
     assert not list((run_dir / "checkpoints").glob("[0-9]*")) if (run_dir / "checkpoints").exists() else True
