@@ -97,10 +97,20 @@ def unlisted(step_dir: Path) -> None:
 
 @pytest.mark.parametrize("damage", [flip_bit, ff_bytes, truncate, delete, unlisted], ids=lambda f: f.__name__)
 def test_damaged_latest_checkpoint_falls_back_and_ends_where_an_uninterrupted_run_does(reference, damage, tmp_path):
+    """Every damage: the reader all commands share (read_checkpoint, which train's restore calls) warns once
+    about step 6 and takes step 4. What follows a fallback does not depend on the damage, so one of them
+    (flip_bit) also trains on: the damaged step set aside, steps 5..8 bitwise those of the uninterrupted run."""
+    from jaxdist.checkpoint import restoring
+
     copy = tmp_path / "run"
     shutil.copytree(reference / "a", copy)
     damage(copy / "checkpoints" / "6")
     messages = []
+    if damage is not flip_bit:
+        got = restoring.read_checkpoint(copy, lambda manager, directory, step: step, log=messages.append)
+        assert got.step == 4 and got.path == copy / "checkpoints" / "4", (got, messages)
+        assert len(messages) == 1 and f"{copy}/checkpoints/6 could not be restored" in messages[0], messages
+        return
     run(config.load(None, SMALL + ["train.steps=8"]), copy, log=messages.append)
     warning = [m for m in messages if m.startswith("warning: checkpoint")]
     assert len(warning) == 1 and f"{copy}/checkpoints/6 could not be restored" in warning[0], messages
