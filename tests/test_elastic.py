@@ -131,10 +131,19 @@ def test_a_joiner_is_refused_in_one_line_placed_or_gives_up(tmp_path, monkeypatc
         assert grow.join(joiner, [*launched, "optim.lr=1"], str(tmp_path)) == (None, 2)
         lead.span = (1, 1)
         assert grow.join(joiner, launched, str(tmp_path)) == (None, 2)
-        lead.span = (1, 2)
+        lead.span, lead.n = (1, 4), 2  # 2 x 2 devices (fsdp=4) for a batch of 8: 3 x 2 does not fit, 4 x 2 does
+        lead.argv = elastic.rewrite(launched, 2, 0, "127.0.0.1:2", "fsdp=4", str(tmp_path))
         monkeypatch.setattr(grow, "JOIN_S", 0.3)
-        assert grow.join(joiner, launched, str(tmp_path)) == (None, 1)  # admitted, never placed
-        assert sleeper.wait(timeout=5) == -signal.SIGTERM and lead.listener.growing.is_set()  # stopped to grow
+        assert grow.join(joiner, launched, str(tmp_path)) == (None, 1)  # admitted to wait for one more; not placed
+        assert sleeper.poll() is None and not lead.listener.growing.is_set()  # 3 processes: no mesh, no stop
+        second = supervisor.Supervisor(launch.Launch("127.0.0.1:1", 2, 1, "flags"), span=(1, 4))
+        try:
+            assert grow.join(second, launched, str(tmp_path)) == (None, 1)  # 4 fit: the leader stops to grow
+        finally:
+            second.listener.close(clean=True)
+        assert sleeper.wait(timeout=5) == -signal.SIGTERM and lead.listener.growing.is_set()
+        assert [j["port"] for j in lead.joiners] == [joiner.listener.port, second.listener.port]
+        lead.span, lead.n, lead.stopping = (1, 2), 1, False
         lead.listener.growing.clear()
         lead.proc = subprocess.Popen(["true"])
         lead.proc.wait()
@@ -153,7 +162,8 @@ def test_a_joiner_is_refused_in_one_line_placed_or_gives_up(tmp_path, monkeypatc
     where = f"error: elastic: cannot join the elastic run in {tmp_path}: "
     assert f"{where}its command differs from the run's (config hash)" in err
     assert f"{where}the run has 1 processes, --elastic's maximum is 1" in err
-    assert "elastic: joining the elastic run in" in err and "error: elastic: not placed within 0.3s by" in err
+    assert "as its process 2; waiting for more processes (no mesh of 3..3 process(es) x 2 device(s)" in err
+    assert "as its process 3; waiting for its next step" in err and "error: elastic: not placed within 0.3s by" in err
     assert f"{where}the run already finished" in err
     assert "names no live leader; starting as launched" in capsys.readouterr().err
 

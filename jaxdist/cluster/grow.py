@@ -5,8 +5,9 @@
 - A supervisor started with `--elastic` and a `--run-dir` holding that file asks that leader to `join`
   instead of starting a run of its own (a file whose leader does not answer is stale: the command starts as
   launched). Refused in one line, exit 2: a command that differs from the run's (its hash without the flags
-  the supervisors manage), more than MAX processes, no mesh for that many, a run that already finished, a
-  run regrouping now. Admitted: it waits JOIN_S for its place, else gives up with a line (exit 1).
+  the supervisors manage), more than MAX processes, no mesh for MAX (a count below MAX that no mesh fits is admitted to wait for
+  more joiners: 3 x 2 devices cannot split a batch of 8, 4 can), a run that already finished, a run
+  regrouping now. Admitted: it waits JOIN_S for its place, else gives up with a line (exit 1).
 - The leader, once its training process trains again (the first step after a restore), sends its members
   `grow` (so that their training processes' clean end is not taken for the run's) and SIGTERMs its own
   training process: every process agrees on that step, saves it and ends (the next checkpoint boundary,
@@ -79,11 +80,14 @@ def admit(sup, argv: list[str], msg: dict) -> dict:
         if k > sup.span[1]:
             return {"refuse": f"the run has {k - 1} processes, --elastic's maximum is {sup.span[1]}"}
         result = elastic.plan(sup.run_dir or "", sup.n, k, (k, k), elastic.mesh_of(argv))
-        if isinstance(result, str):
+        if isinstance(result, str) and k == sup.span[1]:
             return {"refuse": result}
         peer = {key: msg[key] for key in ("port", "token", "host", "pid") if key in msg}
         sup.joiners.append({**peer, "addr": msg.get("seen_from") or "127.0.0.1", "at": time.time()})
-        if len(sup.joiners) == 1:
+        if isinstance(result, str):  # e.g. 3 x 2 devices for a batch of 8: it waits for one more joiner
+            return {"admitted": True, "members": k, "waiting": result}
+        if not sup.listener.growing.is_set() and not sup.stopping:
+            sup.stopping = True
             threading.Thread(target=_stop_at_next_step, args=(sup, sup.gen), daemon=True).start()
     return {"admitted": True, "members": k}
 
@@ -106,21 +110,25 @@ def _stop_at_next_step(sup, gen: int) -> None:
 def lead(sup, argv: list[str]) -> tuple[list[str] | None, int]:
     """The leader, its training process ended at the agreed step: place the members and the joiners."""
     with sup.join_lock:
-        joiners, sup.joiners = sup.joiners, []
+        joiners, sup.joiners, sup.stopping = sup.joiners, [], False
     followers = sorted(sup.peers, key=lambda p: p["index"])
     deadline = time.monotonic() + elastic.DECIDE_S  # the members' training processes end at the same step
     while time.monotonic() < deadline and "running" in regroup.phases(sup).values():
         time.sleep(0.2)
-    k, gen = sup.n + len(joiners), sup.gen + 1
-    result = elastic.plan(sup.run_dir or "", sup.n, k, (k, k), elastic.mesh_of(argv))
-    if isinstance(result, str):  # admitted at this count, so only a config.yaml changed since can do this
-        regroup._send(sup, joiners, {"gen": gen, "stop": result})
-        print(f"error: elastic: cannot grow to {k} processes: {result}; the run stays on {sup.n}", file=sys.stderr)
-        k, joiners = sup.n, []
+    answers = peer_wire.each(joiners, lambda j: peer_wire.ask(j["addr"], j["port"], {"op": "status"}))
+    joiners = [j for j, a in zip(joiners, answers) if isinstance(a, dict)]  # one that gave up waiting is gone
+    gen = sup.gen + 1
+    for m in range(len(joiners), -1, -1):  # the most joiners a mesh fits (all of them but for a late one)
+        k = sup.n + m
         result = elastic.plan(sup.run_dir or "", sup.n, k, (k, k), elastic.mesh_of(argv))
-        if isinstance(result, str):
-            print(f"error: elastic: {result}; the run stops", file=sys.stderr)
-            return None, regroup.sup_code(sup)
+        if not isinstance(result, str):
+            break
+    else:
+        print(f"error: elastic: {result}; the run stops", file=sys.stderr)
+        return None, regroup.sup_code(sup)
+    if joiners[m:]:
+        regroup._send(sup, joiners[m:], {"gen": gen, "stop": f"no mesh fits {sup.n + len(joiners)} processes"})
+    joiners = joiners[:m]
     _, old_mesh, new_mesh = result
     host = (sup.me.get("addrs") or ["127.0.0.1"])[0]
     coordinator = f"{host}:{elastic.free_port()}"
@@ -142,7 +150,7 @@ def lead(sup, argv: list[str]) -> tuple[list[str] | None, int]:
         "step": step or 0,
         "elastic": {"processes": [sup.n, k], "mesh": [old_mesh, new_mesh], "lost": [], "joined": len(joiners)},
     }
-    since = getattr(sup, "grow_at", None) or time.time()
+    since = sup.grow_at or time.time()
     sup.recorder = threading.Thread(target=elastic.record_when_running, args=(sup.run_dir, rec, since), daemon=True)
     sup.recorder.start()
     regroup._renumber(sup, gen, 0, k)
@@ -171,9 +179,8 @@ def join(sup, argv: list[str], run_dir: str) -> tuple[list[str] | None, int]:
     if "refuse" in answer:
         print(f"error: elastic: cannot join {where}: {answer['refuse']}", file=sys.stderr, flush=True)
         return None, 2
-    print(
-        f"elastic: joining {where} as its process {answer['members'] - 1}; waiting for its next step", file=sys.stderr
-    )
+    wait = f"waiting for more processes ({answer['waiting']})" if answer.get("waiting") else "waiting for its next step"
+    print(f"elastic: joining {where} as its process {answer['members'] - 1}; {wait}", file=sys.stderr, flush=True)
     if not sup.listener.regrouped.wait(JOIN_S):
         print(f"error: elastic: not placed within {JOIN_S:g}s by {where}; this process stops", file=sys.stderr)
         return None, 1

@@ -93,6 +93,8 @@ class Supervisor:
         self.argv: list[str] = []  # the training process's command in this membership
         self.joiners: list[dict] = []  # processes admitted to join at the next step (the leader; grow.py)
         self.join_lock = threading.Lock()
+        self.stopping = False  # the leader is stopping its training process to take the joiners in
+        self.grow_at: float | None = None  # when it sent that SIGTERM (a grow's seconds_lost count from it)
         self.published = None  # <run_dir>/elastic/leader.json, once this supervisor leads a regrouped run
 
     def run(self, argv: list[str]) -> int:
