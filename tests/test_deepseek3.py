@@ -269,9 +269,10 @@ PEFT_FIXTURE = FIXTURE.parent / "lora_peft_deepseek_v3"  # scripts/fixtures/make
 
 @pytest.fixture(scope="module")
 def lora_peft():
-    """peft's adapter (random A and B on q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj of all 3 layers, r=4) read
-    onto the imported float32 base on fsdp=2,ep=2,tp=2: the LoRA program's logits, loss and adapter
-    gradients in one compile; the merged weights."""
+    """peft's adapter (random A and B, r=4, on q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj of all 3 layers and the
+    routed experts' fused gate_up_proj (r 8) and down_proj of the 2 MoE layers) read onto the imported float32
+    base on fsdp=2,ep=2,tp=2: the LoRA program's logits, loss and adapter gradients in one compile; the merged
+    weights."""
     from jaxdist.adapters import tree as adapters
 
     got = peft_lora_reference(FIXTURE, PEFT_FIXTURE, [], SHARDED)
@@ -281,7 +282,8 @@ def lora_peft():
 
 def test_lora_on_peft_adapter_matches_peft(lora_peft):
     """A peft-written adapter on MLA's five projections, in the dense first layer (`dense_blocks`, HF layer 0)
-    and the MoE ones (`blocks`, HF layers 1-2), read onto the base on fsdp=2,ep=2,tp=2: logits equal peft's
+    and the MoE ones (`blocks`, HF layers 1-2), and on the MoE layers' routed experts (peft's target_parameters,
+    added to the expert weights before dispatch), read onto the base on fsdp=2,ep=2,tp=2: logits equal peft's
     to 1e-5 of the largest (conftest.assert_lora_matches_peft; the adapter moves them by 4.9), the mean
     next-token cross-entropy to a relative 1e-5, each adapter tensor's gradient norm (relative 1e-5) and
     gradient . tensor (1e-5 of the largest) torch's, under peft's key names for both stacks; the merged
@@ -290,6 +292,7 @@ def test_lora_on_peft_adapter_matches_peft(lora_peft):
     m = f["cfg"].model
     w = assert_lora_matches_peft(f, REF["logits"], m)
     assert {k.split(".")[4] for k in w} == {"0", "1", "2"}  # the dense layer's adapters are HF layer 0
+    assert sum(".experts." in k for k in w) == 8  # gate_up and down, A and B, in both MoE layers
     tol = 1e-5 * np.abs(f["ref"]["logits"]).max()
     merged = forward(f["model"], f["merged"], f["mesh"], f["ref"]["sequences"])[:1]
     np.testing.assert_allclose(merged, f["ref"]["merged_logits"], atol=tol, rtol=0)
@@ -300,16 +303,14 @@ def test_lora_on_peft_adapter_matches_peft(lora_peft):
 @pytest.mark.parametrize(
     "targets, named",
     [
-        (
-            "q,k,v,o,gate,up,down",
-            "names q, k, v, gate, up, down, .*routed experts.* set lora.targets=\\[q_a,q_b,kv_a,kv_b,o\\]",
-        ),
-        ("q_a,q_b,kv_a,kv_b,o,gate,up", "names gate, up, .*fused parameters"),
+        ("q,k,v,o,gate,up,down", r"names q, k, v, .*set lora.targets=\[q_a,q_b,kv_a,kv_b,o,gate,up,down\]"),
+        ("q_a,q_b,kv_a,kv_b,o,gate,down", "names one of gate and up: .*fused parameter"),
     ],
 )
 def test_lora_targets_it_lacks_are_one_line(targets, named):
     """The trainer's and planner's start-up check (objectives/refusals.py) names the targets DeepSeek-V3's
-    layers do not carry (k and v: MLA has none; q: the q rank splits it; gate/up/down: see docs/lora.md)."""
+    layers do not carry (k and v: MLA has none; q: the q rank splits it), and gate without up (one fused
+    expert parameter, which peft adapts whole)."""
     from jaxdist.objectives import refusals
 
     cfg = mapping.hf_config(None, ["lora.rank=4", f"lora.targets=[{targets}]"], FIXTURE, SHARDED)
@@ -341,12 +342,15 @@ def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
     theirs = json.loads((PEFT_FIXTURE / "adapter_config.json").read_text())
     assert sorted(ours["target_modules"]) == theirs["target_modules"]
     assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])
+    assert sorted(ours["target_parameters"]) == sorted(theirs["target_parameters"])  # the experts, as peft
+    assert (ours["rank_pattern"], ours["alpha_pattern"]) == (theirs["rank_pattern"], theirs["alpha_pattern"])
 
 
 def test_qlora_nf4_base_trains():
     """QLoRA on DeepSeek-V3 (NF4 MLA in every layer and the dense layer's MLP; experts, shared expert, router
-    and selection bias bfloat16) on fsdp=2,ep=2,tp=2, r=4 on q_a/q_b/kv_a/kv_b/o, block size 2 (o's 6-wide
+    and selection bias bfloat16) on fsdp=2,ep=2,tp=2, r=4 on q_a/q_b/kv_a/kv_b/o and the routed experts
+    (gate, up, down: adapters over the bfloat16 experts), block size 2 (o's 6-wide
     v_head_dim takes no larger even block): conftest.assert_qlora_trains (the loss falls over 4 steps, the
     base quantised and untouched, the export peft's structure, both stacks)."""
-    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, [], SHARDED, targets="q_a,q_b,kv_a,kv_b,o", block_size=2,
+    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, [], SHARDED, targets="q_a,q_b,kv_a,kv_b,o,gate,up,down", block_size=2,
                         also=("w_gate_DF", "w_up_DF", "w_down_FD"))  # fmt: skip

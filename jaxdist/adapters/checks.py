@@ -12,8 +12,8 @@ from jaxdist.errors import JaxdistError
 
 # why a model's layers lack a target lora.targets names
 WHY = {
-    "deepseek_v3": "DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o; gate/up/down: peft "
-    "0.21.2 on transformers 5.25 maps them to the routed experts' fused parameters, which take no adapters here",
+    "deepseek_v3": "DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o, and with gate/up/down "
+    "its routed experts",
     "moe": "its feed-forward is mixture-of-experts, whose experts take no adapters",
 }
 NAMES = {  # each LoRA-able matrix's logical axes (as the models declare them)
@@ -45,6 +45,7 @@ def check(cfg, mesh, rules) -> None:
             f"lora.targets={list(lo.targets)} names {', '.join(t for t in lo.targets if t not in have)}, which "
             f"this model's layers do not have ({WHY.get(m.family, WHY['moe'])}); set lora.targets=[{','.join(have)}]"
         )
+    _fused_pair(lo, m)
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(
             "lora.rank > 0 with cp > 1: LoRA is not supported with context parallelism yet; use dp/fsdp/tp/pp"
@@ -94,3 +95,11 @@ def quantised(m, have) -> list[str]:
     if m.family == "deepseek_v3" and (m.dense_layers or not m.moe_experts):
         out += ["w_gate_DF", "w_up_DF", "w_down_FD"]
     return out
+
+
+def _fused_pair(lo, m) -> None:
+    if m.family == "deepseek_v3" and ("gate" in lo.targets) != ("up" in lo.targets):
+        raise JaxdistError(
+            f"lora.targets={list(lo.targets)} names one of gate and up: DeepSeek-V3's routed experts hold them as one "
+            "fused parameter (transformers' experts.gate_up_proj, which peft adapts whole); name both or neither"
+        )

@@ -39,6 +39,8 @@ TARGETS = {
 IN_DIMS = {w: n for _, w, n in TARGETS.values()}
 ATTENTION = ("q", "k", "v", "o")
 MLA = ("q_a", "q_b", "kv_a", "kv_b", "o")
+EXPERTS = ("gate", "up", "down")  # on DeepSeek-V3: its routed experts (peft's target_parameters), see attach_experts
+GATE_UP = "w_gate_up_EDF"  # the adapter of the fused gate/up expert parameter (transformers' experts.gate_up_proj)
 A, B, SCALE = "_lora_a", "_lora_b", "_scale"
 RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
 
@@ -61,7 +63,7 @@ def carried(m) -> tuple[str, ...]:
     experts (gpt-oss: every layer MoE; the experts take no adapters); DeepSeek-V3: MLA's projections
     (q_a and q_b, or q without a q rank; kv_a, kv_b, o)."""
     if m.family == "deepseek_v3":
-        return MLA if m.mla_q_rank else ("q", *MLA[2:])
+        return (*(MLA if m.mla_q_rank else ("q", *MLA[2:])), *(EXPERTS if m.moe_experts else ()))
     return ATTENTION if m.moe_experts else tuple(t for t in TARGETS if t not in MLA[:4])
 
 
@@ -83,10 +85,11 @@ def attach(block, lora, rngs: nnx.Rngs) -> None:
             axis = block_axis(weight) % len(shape)
             sshape = shape[:axis] + (shape[axis] // lora.block_size,) + shape[axis + 1 :]
             setattr(module, weight + SCALE, _param(jnp.ones(sshape, jnp.float32), names))
+    experts = getattr(block, "lora_experts", False)  # DeepSeek-V3: gate/up/down name the routed experts
     for target in lora.targets:
         part, weight, n_in = TARGETS[target]
         module = getattr(block, part)
-        if not hasattr(module, weight):
+        if not hasattr(module, weight) or experts and target in EXPERTS:
             continue
         w = getattr(module, weight)
         names, shape = tuple(w.get_metadata()["out_sharding"]), w[...].shape
@@ -95,6 +98,56 @@ def attach(block, lora, rngs: nnx.Rngs) -> None:
         a = jax.random.uniform(rngs.params(), (*shape[:n_in], lora.rank), jnp.float32, -bound, bound)
         setattr(module, weight + A, _param(a, (*names[:n_in], RANK)))
         setattr(module, weight + B, _param(jnp.zeros((lora.rank, *shape[n_in:]), jnp.float32), (RANK, *names[n_in:])))
+
+    if experts and hasattr(block.mlp, "w_gate_EDF") and set(EXPERTS) & set(lora.targets):
+        attach_experts(block.mlp, lora, rngs)
+
+
+def expert_scales(lora) -> tuple[float, float]:
+    """(gate/up, down) factors of the expert adapters as peft 0.21.2 sets them: its v4 -> v5 conversion makes
+    gate_proj + up_proj one adapter on the fused gate_up_proj of rank 2r and alpha 2 alpha (rsLoRA: 2 alpha /
+    sqrt(2r)); down_proj keeps r and alpha."""
+    r, alpha = 2 * lora.rank, 2 * lora.alpha
+    return alpha / (math.sqrt(r) if lora.rslora else r), scaling(lora)
+
+
+def attach_experts(module, lora, rngs: nnx.Rngs) -> None:
+    """Adapters on an MoE module's routed experts, as peft's ParamWrapper holds them per expert e: gate and up
+    share A_e (D, 2r) and B_e (2r, 2, F) gives both halves (HF's gate_up_proj rows: gate then up); down
+    A_e (F, r), B_e (r, D). A uniform +-1/sqrt(fan-in), B zero. `expert_weights` adds them to the weights."""
+    E, D, F = module.w_gate_EDF[...].shape
+    r = lora.rank
+    module.lora_experts = expert_scales(lora)  # static: marks the experts as adapted
+    if "gate" in lora.targets:  # with up (adapters.checks)
+        a = jax.random.uniform(rngs.params(), (E, D, 2 * r), jnp.float32, -(D**-0.5), D**-0.5)
+        setattr(module, GATE_UP + A, _param(a, ("expert", "embed", RANK)))
+        setattr(module, GATE_UP + B, _param(jnp.zeros((E, 2 * r, 2, F)), ("expert", RANK, None, "mlp")))
+    if "down" in lora.targets:
+        a = jax.random.uniform(rngs.params(), (E, F, r), jnp.float32, -(F**-0.5), F**-0.5)
+        setattr(module, "w_down_EFD" + A, _param(a, ("expert", "mlp", RANK)))
+        setattr(module, "w_down_EFD" + B, _param(jnp.zeros((E, r, D)), ("expert", RANK, "embed")))
+
+
+def expert_weights(module):
+    """An MoE module's (gate, up, down) expert weights for the dispatch, which takes no adapters: with expert
+    adapters, the frozen weights plus each expert's scale * A_e B_e (a weight-space delta, O(E D F r) per
+    layer and step, the same arithmetic as peft's merged parametrisation)."""
+    wg, wu, wd = module.w_gate_EDF[...], module.w_up_EDF[...], module.w_down_EFD[...]
+    scales = getattr(module, "lora_experts", None)
+    if scales is None:
+        return wg, wu, wd
+    wg, wu, wd = (jax.lax.stop_gradient(w) for w in (wg, wu, wd))
+    names = ("expert", "embed", "mlp")
+    if hasattr(module, GATE_UP + A):
+        a, b = getattr(module, GATE_UP + A)[...], getattr(module, GATE_UP + B)[...]
+        d = jnp.einsum("edr,erhf->hedf", a.astype(jnp.float32), b.astype(jnp.float32)) * scales[0]
+        wg = constrain((wg.astype(jnp.float32) + d[0]).astype(wg.dtype), names)
+        wu = constrain((wu.astype(jnp.float32) + d[1]).astype(wu.dtype), names)
+    if hasattr(module, "w_down_EFD" + A):
+        a, b = getattr(module, "w_down_EFD" + A)[...], getattr(module, "w_down_EFD" + B)[...]
+        d = jnp.einsum("efr,erd->efd", a.astype(jnp.float32), b.astype(jnp.float32)) * scales[1]
+        wd = constrain((wd.astype(jnp.float32) + d).astype(wd.dtype), ("expert", "mlp", "embed"))
+    return wg, wu, wd
 
 
 def _param(value, names) -> nnx.Param:
@@ -133,14 +186,28 @@ KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
 
 
 def count_adapter_params(m, lora) -> int:
-    """Adapter parameters: rank x (fan-in + fan-out) per targeted matrix and layer."""
+    """Adapter parameters: rank x (fan-in + fan-out) per targeted matrix and layer (DeepSeek-V3's experts: per
+    expert and MoE layer, 2r x (D + 2F) for gate/up and r x (F + D) for down)."""
     shapes = per_layer_shapes(m)
-    total = 0
+    total, r = 0, lora.rank
+    if m.family == "deepseek_v3" and m.moe_experts:
+        E, D, Fe, sparse = (
+            m.moe_experts,
+            m.d_model,
+            m.moe_mlp_dim or m.mlp_dim,
+            m.num_layers - min(m.dense_layers, m.num_layers),
+        )
+        per = 2 * r * (D + 2 * Fe) * ("gate" in lora.targets) + r * (Fe + D) * ("down" in lora.targets)
+        experts = E * per * sparse
+    else:
+        experts = 0
     for target in lora.targets:
+        if experts and target in EXPERTS:
+            continue
         _, weight, n_in = TARGETS[target]
         shape = shapes[weight]
         total += lora.rank * (math.prod(shape[:n_in]) + math.prod(shape[n_in:]))
-    return total * adapted_layers(m)
+    return total * adapted_layers(m) + experts
 
 
 def adapted_layers(m) -> int:

@@ -9,6 +9,7 @@ transpose, B -> flatten -> transpose.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from jaxdist.adapters.lora import IN_DIMS, TARGETS, A, B, per_layer_shapes
+from jaxdist.adapters.lora import EXPERTS, GATE_UP, IN_DIMS, TARGETS, A, B, per_layer_shapes
 from jaxdist.errors import JaxdistError
 
 MODULES = {  # lora.targets name -> the HF module path (its last part: peft's target_modules entry)
@@ -64,6 +65,8 @@ def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None, dense: dict | 
         units = [(0, 1, 0, dense)] if dense is not None else []
         units.append((dense_offset(m), 1, 0, blocks))
     out = {}
+    for first, _, _, unit in units:
+        out |= _expert_tensors(unit.get("mlp", {}), first, dtype)
     for target in lora.targets:
         part, weight, _ = TARGETS[target]
         for first, n, j, unit in units:
@@ -78,6 +81,72 @@ def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None, dense: dict | 
     return out
 
 
+def _expert_names(mlp_has_gate_up: bool, mlp_has_down: bool) -> dict[str, str]:
+    """peft's module paths of the expert adapters: one ParamWrapper per targeted parameter, nested, gate_up_proj
+    the inner one (`base_layer`) when down_proj is adapted too (peft 0.21.2's file for DeepSeek-V3)."""
+    out = {}
+    if mlp_has_gate_up:
+        out[GATE_UP] = "mlp.experts.base_layer" if mlp_has_down else "mlp.experts"
+    if mlp_has_down:
+        out["w_down_EFD"] = "mlp.experts"
+    return out
+
+
+def _expert_tensors(mlp: dict, first: int, dtype) -> dict[str, np.ndarray]:
+    """DeepSeek-V3's routed-expert adapters as peft's ParamWrapper stores them, per layer: lora_A (r E, in) with
+    expert e's A_e in rows e r..(e+1) r, lora_B (out, r E) with B_e in columns k E + e (gate_up: out = 2F,
+    gate's rows then up's; in = D. down: in = F, out = D)."""
+    names = _expert_names(GATE_UP + A in mlp, "w_down_EFD" + A in mlp)
+    out = {}
+    for weight, path in names.items():
+        a, b = np.asarray(mlp[weight + A]), np.asarray(mlp[weight + B])
+        for g in range(a.shape[0]):
+            E, n_in, r = a[g].shape
+            bg = b[g].reshape(E, r, -1)  # gate_up's (2, F) -> 2F
+            name = f"base_model.model.model.layers.{first + g}.{path}"
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(
+                a[g].transpose(0, 2, 1).reshape(E * r, n_in).astype(dtype)
+            )
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(bg.transpose(2, 1, 0).reshape(-1, r * E).astype(dtype))
+    return out
+
+
+def _read_experts(tensors: dict, m, r: int, targets: list[str], adapter_dir) -> dict:
+    """The inverse of `_expert_tensors` for every MoE layer: the `blocks` stack's mlp adapters."""
+    names = _expert_names("gate" in targets, "down" in targets)
+    E, D, F = m.moe_experts, m.d_model, m.moe_mlp_dim or m.mlp_dim
+    shapes = {GATE_UP: (2 * r, D, 2 * F), "w_down_EFD": (r, F, D)}  # rank, in, out
+    mlp: dict = {}
+    for weight, path in names.items():
+        rank, n_in, n_out = shapes[weight]
+        a, b = [], []
+        for i in range(dense_offset(m), m.num_layers):
+            name = f"base_model.model.model.layers.{i}.{path}"
+            ta, tb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            if (ta.shape, tb.shape) != ((rank * E, n_in), (n_out, rank * E)):
+                raise JaxdistError(
+                    f"{adapter_dir}: {name} has lora_A {ta.shape} / lora_B {tb.shape}, this base model needs "
+                    f"{(rank * E, n_in)} / {(n_out, rank * E)}; is it an adapter for this base model?"
+                )
+            a.append(ta.reshape(E, rank, n_in).transpose(0, 2, 1))
+            bt = tb.reshape(n_out, rank, E).transpose(2, 1, 0)
+            b.append(bt.reshape(E, rank, 2, F) if weight == GATE_UP else bt)
+        mlp[weight + A], mlp[weight + B] = np.stack(a).astype(np.float32), np.stack(b).astype(np.float32)
+    return mlp
+
+
+def _expert_keys(m, targets) -> set[str]:
+    if m.family != "deepseek_v3" or not m.moe_experts:
+        return set()
+    paths = _expert_names("gate" in targets, "down" in targets).values()
+    return {
+        f"base_model.model.model.layers.{i}.{p}.lora_{x}.weight"
+        for p in paths
+        for i in range(dense_offset(m), m.num_layers)
+        for x in "AB"
+    }
+
+
 def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
     """(stack, submodule, weight, HF layers) of every adapted matrix `targets` give this model, in the order
     of `targets`: DeepSeek-V3's MLA in its dense first layers (`dense_blocks`, HF 0..k-1) and its MoE ones
@@ -86,6 +155,8 @@ def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
     out = []
     for target in targets:
         part, weight, _ = TARGETS[target]
+        if m.family == "deepseek_v3" and m.moe_experts and target in EXPERTS:
+            continue  # the routed experts: _expert_keys / _read_experts
         if m.family != "deepseek_v3":
             out.append(("blocks", part, weight, carriers(m)))
             continue
@@ -103,9 +174,22 @@ def carriers(m) -> list[int]:
     return list(range(m.num_layers))
 
 
-def adapter_config(lora, base_model: str = "", revision: str | None = None) -> dict:
+def adapter_config(lora, base_model: str = "", revision: str | None = None, m=None) -> dict:
     """`base_model_name_or_path` (a Hub id or a folder) and `revision` are what
-    `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the base from."""
+    `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the base from. DeepSeek-V3's expert targets are
+    written as peft saves them: target_parameters gate_up_proj (rank 2r, alpha 2 alpha) and down_proj."""
+    if m is not None and m.family == "deepseek_v3" and m.moe_experts and set(EXPERTS) & set(lora.targets):
+        fused = [
+            *(["gate_up_proj"] if "gate" in lora.targets else []),
+            *(["down_proj"] if "down" in lora.targets else []),
+        ]
+        pattern = {".*\\.gate_up_proj": 2} if "gate" in lora.targets else {}
+        plain = [t for t in lora.targets if t not in EXPERTS]
+        return adapter_config(dataclasses.replace(lora, targets=plain), base_model, revision) | {
+            "target_parameters": fused,
+            "rank_pattern": {k: v * lora.rank for k, v in pattern.items()},
+            "alpha_pattern": {k: v * lora.alpha for k, v in pattern.items()},
+        }
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -139,7 +223,7 @@ def write(
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = adapter_tensors(blocks, lora, dtype, m, dense)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), {"format": "pt"})
-    config = adapter_config(lora, base_model, revision)
+    config = adapter_config(lora, base_model, revision, m)
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return [out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"]
 
@@ -177,9 +261,8 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
             "modules_to_save",
             "lora_bias",
             "exclude_modules",
-            "target_parameters",
         )
-        if conf.get(k)
+        if conf.get(k) and not (k in FUSED_KEYS and m.family == "deepseek_v3")
     ]
     special += [f"bias={conf['bias']}"] if conf.get("bias", "none") != "none" else []
     if conf.get("peft_type") != "LORA" or unknown or special:
@@ -189,9 +272,10 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
         )
     targets = [t for t in MODULES if MODULES[t].split(".")[-1] in modules]
     r = int(conf["r"])
+    targets += _fused_targets(conf, m, r, adapter_dir)
     tensors = _tensors(adapter_dir / "adapter_model.safetensors")
     placed = placements(m, targets)
-    expected = {
+    expected = _expert_keys(m, targets) | {
         f"base_model.model.model.layers.{i}.{WEIGHT_MODULES[w]}.lora_{x}.weight"
         for _, _, w, layers in placed
         for i in layers
@@ -225,8 +309,37 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
             unit = unit.setdefault("layers", {}).setdefault(m.full_attention_interval - 1, {})
         unit.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
         unit[part][weight + B] = np.stack(b).astype(np.float32)
+    if _expert_keys(m, targets):
+        tree.setdefault("blocks", {}).setdefault("mlp", {}).update(_read_experts(tensors, m, r, targets, adapter_dir))
     lora = {"rank": r, "alpha": float(conf["lora_alpha"]), "targets": targets}
     return lora | ({"rslora": True} if conf.get("use_rslora") else {}), tree
+
+
+FUSED_KEYS = ("rank_pattern", "alpha_pattern")  # peft's own, for DeepSeek-V3's fused gate_up_proj (_fused_targets)
+
+
+def _fused_targets(conf: dict, m, r: int, adapter_dir) -> list[str]:
+    """DeepSeek-V3's expert targets from peft's target_parameters (gate_up_proj -> gate, up; down_proj -> down),
+    with exactly the rank and alpha patterns peft's conversion gives gate_up_proj (2r, 2 alpha); anything else
+    peft targets by parameter, or another pattern, is refused in one line."""
+    fused = conf.get("target_parameters") or []
+    want = {".*\\.gate_up_proj": 2} if "gate_up_proj" in fused else {}
+    rank, alpha = conf.get("rank_pattern") or {}, conf.get("alpha_pattern") or {}
+    ok = m.family == "deepseek_v3" and m.moe_experts and set(fused) <= {"gate_up_proj", "down_proj"}
+    if (
+        fused
+        and not ok
+        or (rank or alpha or fused)
+        and (
+            rank != {k: v * r for k, v in want.items()} or alpha != {k: v * conf["lora_alpha"] for k, v in want.items()}
+        )
+    ):
+        raise JaxdistError(
+            f"{adapter_dir}: target_parameters={fused}, rank_pattern={rank}, alpha_pattern={alpha}: jaxdist reads "
+            "peft's fused-expert adapters of DeepSeek-V3 only (gate_up_proj at rank 2r, alpha 2 alpha; down_proj), "
+            "and no other per-module rank or alpha; is it an adapter for this base model?"
+        )
+    return [*(["gate", "up"] if "gate_up_proj" in fused else []), *(["down"] if "down_proj" in fused else [])]
 
 
 def _config(adapter_dir: Path) -> dict:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.adapters import quant
-from jaxdist.adapters.lora import IN_DIMS, SCALE, A, B, block_axis
+from jaxdist.adapters.lora import GATE_UP, IN_DIMS, SCALE, A, B, block_axis, expert_scales
 from jaxdist.adapters.lora import scaling as lora_scaling
 
 
@@ -88,8 +88,13 @@ def merge(params: dict, lora) -> dict:
                 if k + SCALE in tree:
                     w = quant.dequantize(v, tree[k + SCALE], block_axis(k), jnp.float32)
                 w = w.astype(jnp.float32)
-                if k + A in tree:
-                    w = w + scaling * delta(tree[k + A], tree[k + B], IN_DIMS[k]).reshape(w.shape)
+                if k in ("w_gate_EDF", "w_up_EDF") and GATE_UP + A in tree:  # DeepSeek-V3's fused gate/up experts
+                    a, b = tree[GATE_UP + A].astype(jnp.float32), tree[GATE_UP + B].astype(jnp.float32)
+                    d = jnp.einsum("...dr,...rhf->...hdf", a, b, precision=jax.lax.Precision.HIGHEST)
+                    w = w + expert_scales(lora)[0] * d[..., 0 if k == "w_gate_EDF" else 1, :, :]
+                elif k + A in tree:
+                    s = expert_scales(lora)[1] if k == "w_down_EFD" else scaling
+                    w = w + s * delta(tree[k + A], tree[k + B], IN_DIMS.get(k, 1)).reshape(w.shape)
                 out[k] = w
         return out
 

@@ -22,7 +22,7 @@ class LoraConfig:
     )
     targets: list[str] = dataclasses.field(
         default_factory=lambda: list(LORA_DEFAULT)
-    )  # projections that get adapters, among q, k, v, o, gate, up, down; DeepSeek-V3: q_a, q_b (q without a q rank), kv_a, kv_b, o, gate, up, down (gate/up/down: dense layers' MLP and shared experts)
+    )  # projections that get adapters, among q, k, v, o, gate, up, down; DeepSeek-V3: q_a, q_b (q without a q rank), kv_a, kv_b, o, and gate, up, down = its routed experts (peft's target_parameters)
     base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] = (
         "float32"  # how the frozen base is stored: int8 / nf4 (QLoRA) layer matrices with per-block scales
     )

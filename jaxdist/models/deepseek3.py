@@ -192,6 +192,8 @@ class Block(decoder_layers.Block):
     """Llama's block (its forward and cached step) around MLA and the bias-corrected MoE; the cached
     step's two cache arrays are MLA's latent and rotary key instead of k and v."""
 
+    lora_experts = True  # LoRA's gate/up/down targets are the routed experts (as peft's), not the dense MLP
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)

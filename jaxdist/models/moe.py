@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.adapters import lora as lora_mod
 from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
 from jaxdist.parallel import matmul
@@ -111,12 +112,13 @@ class MoE(nnx.Module):
         selection bias as `route_args` (models/deepseek3.py)."""
         logits_BTE = _matmul(x_BTD.astype(jnp.float32), self.router_DE[...])
         route_fn = route_fn or functools.partial(route, topk=self.topk, router=self.router, norm=self.norm_topk)
+        w_gate, w_up, w_down = lora_mod.expert_weights(self)  # with expert adapters (LoRA): base + delta
         y_BTD, dropped_B, counts_BE = expert_ffn(
             x_BTD,
             logits_BTE,
-            self.w_gate_EDF[...],
-            self.w_up_EDF[...],
-            self.w_down_EFD[...],
+            w_gate,
+            w_up,
+            w_down,
             EXPERT_NAMES,
             self.factor,
             route_fn,
