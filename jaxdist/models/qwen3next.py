@@ -39,7 +39,7 @@ from jaxdist.distributed.sharding import constrain
 from jaxdist.errors import JaxdistError
 from jaxdist.models import decoder_layers, llama, moe
 from jaxdist.models.attention import causal_attention, rotary_by
-from jaxdist.models.delta_rule import causal_conv, chunked_delta_rule, gated_delta_rule
+from jaxdist.models.delta_rule import CHUNK, causal_conv, chunked_delta_rule, gated_delta_rule
 from jaxdist.models.gemma3 import Norm
 
 param = decoder_layers.param
@@ -283,6 +283,20 @@ class Qwen3Next(llama.Llama):
 
 
 Model = Qwen3Next
+
+
+def other_layers(m: ModelConfig, tp: int):
+    """The planner's layer kinds beside `Block` (registry.Architecture.other_layers): the gated DeltaNet
+    layers, all but one of every `full_attention_interval`, their linear heads split by tp like the
+    attention's, traced at whole chunks of the delta rule (its chunk activations are per chunk)."""
+    local = lambda cfg: dataclasses.replace(
+        cfg,
+        linear_key_heads=max(1, m.linear_key_heads // tp),
+        linear_value_heads=max(1, m.linear_value_heads // tp),
+    )
+    linear = lambda cfg, rngs: Block(local(cfg), rngs, linear=True)
+    n = m.full_attention_interval
+    return ((linear, (n - 1) / n, CHUNK),)
 
 
 def linear_params(m: ModelConfig) -> int:

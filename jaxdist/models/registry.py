@@ -8,8 +8,9 @@ An entry names, as torchtitan's `ModelSpec` does for its models:
 - `fields`: the `ModelConfig` fields only it reads (another architecture's must keep their defaults,
   and they stay out of a run's default name, so adding an architecture renames no run);
 - `module`: where its NNX code lives, a module that defines `Model` (the model), `Block` (one dense
-  layer, which the planner traces) and `count_params`; it is imported on first use, so reading the
-  registry (the commands' start, config.json mapping) loads no JAX;
+  layer, which the planner traces) and `count_params`, and, where the stack mixes layer kinds,
+  `other_layers` (the kinds beside `Block` the planner traces too, `Architecture.other_layers`); it is
+  imported on first use, so reading the registry (the commands' start, config.json mapping) loads no JAX;
 - `axes`: the logical axis names its parameters carry (the default rules place them; no placement code);
 - `count_params` and `attention_flops`: the parameter count and the attention term of FLOPs per token
   (`models/flops.py` adds 6 per matmul parameter);
@@ -88,6 +89,14 @@ class Architecture:
     def block(self) -> Callable:
         """(ModelConfig, nnx.Rngs) -> one dense layer, called as layer(x_BTD, positions_T)."""
         return importlib.import_module(self.module).Block
+
+    @property
+    def other_layers(self) -> Callable | None:
+        """(ModelConfig, tp) -> ((layer factory (ModelConfig, nnx.Rngs) -> layer, share of the stack's
+        layers, trace-length multiple), ...): the layer kinds beside `Block` (Qwen3-Next's gated DeltaNet)
+        whose residuals the planner traces in place of a `Block`'s (jaxdist.planner.residuals.other_per_token);
+        None where every layer is a `Block`."""
+        return getattr(importlib.import_module(self.module), "other_layers", None)
 
     @property
     def count_params(self) -> Callable:
@@ -224,10 +233,6 @@ QWEN3_NEXT = Architecture(
     attention_flops=qwen3next_hf.attention_flops,
     check=qwen3next_hf.check,
     refused_axes=(("cp", "the linear-attention recurrence runs over the whole sequence on one device"),),
-    planner_gap=(
-        "model.family=qwen3_next's gated DeltaNet chunk activations are not in the planner's memory model: "
-        "its temp bytes are under (docs/planner.md)"
-    ),
     hf_tensors=qwen3next_hf.tensors,
 )
 

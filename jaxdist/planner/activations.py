@@ -32,7 +32,15 @@ from jaxdist.planner.state_memory import gathered_per_layer, stored_bytes
 def saved_per_token_layer(lay: Layout, policy: str, pairs: bool = True) -> float:
     """Bytes one layer keeps for backward per token of a micro-batch: for dense layers without cp, the
     residuals JAX itself saves (jaxdist.planner.residuals), with a fused attention's O(T) statistics in
-    place of the T x T scores (pairs=False: without them); otherwise the formulas of the module docstring."""
+    place of the T x T scores (pairs=False: without them); otherwise the formulas of the module docstring.
+    Plus, averaged over the stack, what the architecture's other layer kinds save beyond the layer
+    counted here (residuals.other_per_token: Qwen3-Next's gated DeltaNet chunk activations, float32)."""
+    m, t = lay.cfg.model, lay.mesh["tp"]
+    return _block_per_token(lay, policy, pairs) + residuals.other_per_token(m, t, policy)
+
+
+def _block_per_token(lay: Layout, policy: str, pairs: bool) -> float:
+    """saved_per_token_layer for a stack of the architecture's `Block` alone."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
     if not m.moe_experts:
         # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's

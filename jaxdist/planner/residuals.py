@@ -86,11 +86,38 @@ def listed_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     return Saved(linear / TRACE_T, sum(x for x, y in zip(a, b) if y == 4 * x) / TRACE_T**2)
 
 
-def _traced_layer(model: ModelConfig, tp: int, policy: str):
-    """(layer(x_BTD, state) under the remat policy, the abstract state) of one dense Block as one device
-    computes it under tp (nothing is allocated)."""
+@functools.lru_cache(maxsize=64)
+def other_per_token(model: ModelConfig, tp: int, policy: str) -> float:
+    """Bytes per token, averaged over the stack's layers, that the architecture's other layer kinds
+    (registry.Architecture.other_layers: Qwen3-Next's gated DeltaNet) save beyond the `Block` each of them
+    stands in for: share x (the kind's residuals per token - the Block's at model.seq_len, its scores
+    included), float32, 0 where every layer is a Block. A kind is traced at two concrete lengths, whole
+    multiples of its trace-length multiple (the delta rule pads to whole chunks), merged as
+    `saved_per_layer` merges; the difference of the two is its per-token bytes."""
+    kinds = registry.of(model).other_layers
+    if kinds is None:
+        return 0.0
+    base = saved_per_layer(model, tp, policy)
+    block = base.per_token + base.per_token_pair * model.seq_len
+    extra = 0.0
+    for factory, share, multiple in kinds(model, tp):
+        T = -(-model.seq_len // multiple) * multiple
+        layer, state = _traced_layer(model, tp, policy, factory)
 
-    block = registry.of(model).block
+        def size(t: int, layer=layer, state=state) -> int:
+            x = jax.ShapeDtypeStruct((1, t, model.d_model), jnp.float32)
+            jaxpr = jax.make_jaxpr(lambda x, s: jax.tree.leaves(jax.vjp(layer, x, s)[1]))(x, state).jaxpr
+            return sum(_size(v, t) for v in unique_outputs(jaxpr))
+
+        extra += share * ((size(2 * T) - size(T)) / T - block)
+    return extra
+
+
+def _traced_layer(model: ModelConfig, tp: int, policy: str, block=None):
+    """(layer(x_BTD, state) under the remat policy, the abstract state) of one dense Block (or the layer
+    `block(cfg, rngs)` makes) as one device computes it under tp (nothing is allocated)."""
+
+    block = block or registry.of(model).block
     graphdef, state = nnx.split(nnx.eval_shape(lambda: block(_local(model, tp), nnx.Rngs(params=0))))
 
     def layer(x, state):
@@ -137,6 +164,8 @@ def unique_outputs(jaxpr) -> list:
             return ("literal", repr(getattr(v, "val", v)))
         if v in inputs:
             return ("input", inputs[v])
+        if v not in producer:  # a constant the trace closed over (Qwen3-Next's Block): a buffer of its own
+            return ("constant", id(v))
         if v not in keys:
             e = producer[v]
             if e.primitive.name in BITCASTS and v.aval.size == e.invars[0].aval.size:

@@ -147,8 +147,15 @@ def temporary_bytes(lay: Layout) -> float:
     # are 7.0 MB; the T x T scores, one of whose two copies is sliced, are left out). Not under cp:
     # with it the prediction is 23% over the compiled gradient programs of tests/test_context.py
     # (ring; their heap traces were not read).
-    sliced = not recompute and lay.cp == 1
-    one_layer = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens if recompute or sliced else 0.0
+    # A one-iteration scan is no loop (XLA's while-loop simplifier removes it): nothing is sliced (Qwen3-Next's
+    # 2-layer fixture, one group, fsdp=4,ep=2: 2.51 MB compiled, 3.13 predicted with the slice).
+    sliced = not recompute and lay.cp == 1 and m.stack_depth > 1
+    # The scanned unit's layers (Qwen3-Next: a group of DeltaNet layers and one full attention layer; 1 for
+    # the decoder) are recomputed or sliced together: 4 layers in 2 groups, 6.52 MB compiled, 6.23 predicted,
+    # 5.29 with one layer's slice (scripts/memory/plan_check.py, docs/planner.md).
+    unit = m.num_layers / m.stack_depth
+    per_unit = saved_per_token_layer(lay, "none", pairs=recompute) * lay.micro_tokens * unit
+    one_layer = per_unit if recompute or sliced else 0.0
     if lora.enabled(lay):
         # No base gradient to reduce; the layer's matrices, gathered at its backward iteration's start
         # (the gathers depend on no activation), are read by the input gradients throughout, beside
