@@ -1,5 +1,6 @@
 """Pipeline parallelism (pp=2, gpipe, 2 micro-batches) on the architectures whose layers are not one
-uniform stack: gpt-oss (sliding/full windows alternate: each stage gets its layers' windows, staged
+uniform stack: Gemma 3 (sliding/full layers with a rotary base each: both staged beside the weights, as
+gpt-oss's windows), gpt-oss (sliding/full windows alternate: each stage gets its layers' windows, staged
 beside the weights), DeepSeek-V3 (the dense first layers run before the pipeline, the stages split the
 MoE stack) and Qwen3-Next (the stages split its scanned DeltaNet+full-attention groups). Each is
 compared with the one-device run of the same weights (the transformers fixture's, imported): loss and
@@ -31,6 +32,8 @@ from jaxdist.training import step
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # arch: (fixture, model overrides, pipelined mesh, devices, gradient tolerance (of the largest entry))
 ARCHS = {
+    # 4 layers, every 4th full: stage 0 (sliding, sliding), stage 1 (sliding, full), each kind its rotary base
+    "gemma3": ("hf_gemma3", {"sliding_window_pattern": 4}, "pp=2", 2, 1e-5),
     "gpt_oss": ("hf_gpt_oss", {}, "pp=2,ep=2", 4, 1e-5),  # 2 layers: stage 0 sliding (window 4 < 16), stage 1 full
     # 1 dense layer before, 2 MoE layers in 2 stages; the balancing bias moves (its rate 0 by default)
     "deepseek_v3": ("hf_deepseek_v3", {"moe_bias_rate": 1e-3}, "pp=2,ep=2", 4, 1e-5),

@@ -127,14 +127,16 @@ def test_other_architectures_fields_stay_out_of_run_names():
 
 
 def test_the_planner_offers_only_meshes_the_architecture_takes():
-    """Gemma 3's entry refuses pp and cp; the planner's candidate filter asks the same check."""
+    """Gemma 3's entry refuses cp, and pp under a table schedule (gpipe's pp it takes); the planner's
+    candidate filter asks the same check."""
     from jaxdist import config
     from jaxdist.planner.candidates import architecture_takes
 
     gemma, llama = config.load("configs/gemma3-12b.yaml"), config.load("configs/llama3-8b.yaml")
     base = {"dp": 1, "fsdp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     assert architecture_takes(gemma, base) and architecture_takes(llama, {**base, "pp": 2})
-    assert not architecture_takes(gemma, {**base, "pp": 2}) and not architecture_takes(gemma, {**base, "cp": 2})
+    assert architecture_takes(gemma, {**base, "pp": 2}) and not architecture_takes(gemma, {**base, "cp": 2})
+    assert not architecture_takes(gemma.replace(pipeline=dict(schedule="1f1b")), {**base, "pp": 2})
 
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -27,6 +27,12 @@ DEFAULTS = {  # transformers' Gemma3TextConfig defaults that differ from Llama's
 GLOBAL_THETA, LOCAL_THETA, PATTERN = 1e6, 1e4, 6
 
 
+def tabled_pp(m: ModelConfig) -> str:
+    """Why a table pipeline schedule cannot run Gemma 3: only the scan schedules carry its per-layer
+    windows and rotary bases (staged beside the weights, as gpt-oss's windows)."""
+    return "its per-layer windows and rotary bases are carried by the scan schedules only"
+
+
 def _pattern(get, where, layers: int) -> int:
     n = get("sliding_window_pattern") or get("_sliding_window_pattern") or PATTERN
     want = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]

@@ -156,10 +156,8 @@ GEMMA3 = Architecture(
     hf_layer=gemma3_hf.layer_tensors,
     attention_flops=_gemma3_attention_flops,
     check=_gemma3_check,
-    refused_axes=(
-        ("pp", "its per-layer window/rotary pattern is scanned over the whole stack"),
-        ("cp", "context parallelism has no per-layer window yet"),
-    ),
+    refused_axes=(("cp", "context parallelism has no per-layer window yet"),),
+    tabled_pp=gemma3_hf.tabled_pp,
 )
 
 
