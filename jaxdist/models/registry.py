@@ -188,7 +188,8 @@ DEEPSEEK_V3 = Architecture(
     tabled_pp=deepseek3_rules.tabled_pp,
     planner_gap=(
         "model.family=deepseek_v3's dense first layers and shared experts are sized as routed MoE layers by the "
-        "planner: its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over (docs/planner.md)"
+        "planner: its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over, and LoRA on "
+        "its routed experts is sized as dense-MLP adapters (docs/planner.md)"
     ),
     hf_tensors=deepseek3_hf.tensors,
     after_step=deepseek3_rules.after_step,
