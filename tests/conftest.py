@@ -13,19 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test session, inherited by subprocess tests: the same program
 # compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-xla-cache-"))
-# Tests check numerics, HLO and memory, not speed: skip LLVM's expensive optimisations (compiles ~2x
-# faster on CPU), emit fusions with XLA:CPU's older IR emitters instead of the MLIR fusion emitters
-# (a small train step's compile 5.4 -> 1.9 CPU-s; test_step + test_pipeline 190 -> 108 CPU-s), and
-# compile each module in one LLVM piece (another ~15%; the 2 cores are busy with 2 test workers).
-# Subprocesses inherit it. Benchmarks run without this.
-TEST_XLA_FLAGS = [
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_parallel_codegen_split_count=1",
-]
+# Tests check numerics, HLO and memory, not speed: the fast-compile flags (their reasons beside them).
+# Subprocesses inherit them. Benchmarks run without them.
+from jaxdist.distributed.xla_flags import FAST_CPU_COMPILE as TEST_XLA_FLAGS
+
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -429,3 +422,38 @@ def assert_qlora_trains(
     original = load_file(str(peft_fixture / "adapter_model.safetensors"))
     assert {k: (v.shape, v.dtype) for k, v in written.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
     return losses
+
+
+def assert_export_is_peft_file(written_dir, peft_dir) -> dict:
+    """A PEFT export in `written_dir` is peft's own in `peft_dir`: the same tensor names, each bit for bit, and
+    the config's target_modules, r and lora_alpha. Returns (ours, theirs) adapter_config.json dicts."""
+    from safetensors.numpy import load_file
+
+    written = load_file(str(Path(written_dir) / "adapter_model.safetensors"))
+    original = load_file(str(Path(peft_dir) / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(written[k], v)
+    ours = json.loads((Path(written_dir) / "adapter_config.json").read_text())
+    theirs = json.loads((Path(peft_dir) / "adapter_config.json").read_text())
+    assert sorted(ours["target_modules"]) == theirs["target_modules"]
+    assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])
+    return ours, theirs
+
+
+class SignalOnLine:
+    """A stdout that sends `sig` to this process once, as a written text matches `when` (a str -> bool): a
+    real signal at a chosen point of an in-process `main`, through the handler main installs."""
+
+    def __init__(self, out, when, sig):
+        self.out, self.when, self.sig, self.sent = out, when, sig, False
+
+    def write(self, text):
+        n = self.out.write(text)
+        if not self.sent and self.when(text):
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)

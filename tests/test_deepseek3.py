@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    assert_export_is_peft_file,
     assert_export_round_trip,
     assert_generation_matches_fixture,
     assert_lora_matches_peft,
@@ -323,7 +324,6 @@ def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
     """jaxdist's PEFT export of the adapters it read (both stacks) is peft's file key for key, bit for bit,
     with peft's target_modules; peft loads that export onto transformers' DeepSeek-V3 to the fixture's
     logits (`make_lora_peft_moe_fixture.py --load DIR deepseek_v3`)."""
-    from safetensors.numpy import load_file
 
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
@@ -331,17 +331,7 @@ def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
     f = lora_peft
     trained = jax.device_get(adapters.trainable(f["params"]))
     peft.write(tmp_path, trained["blocks"], f["cfg"].lora, m=f["cfg"].model, dense=trained["dense_blocks"])
-    written, original = (
-        load_file(str(tmp_path / "adapter_model.safetensors")),
-        load_file(str(PEFT_FIXTURE / "adapter_model.safetensors")),
-    )
-    assert sorted(written) == sorted(original)
-    for k, v in original.items():
-        np.testing.assert_array_equal(written[k], v)
-    ours = json.loads((tmp_path / "adapter_config.json").read_text())
-    theirs = json.loads((PEFT_FIXTURE / "adapter_config.json").read_text())
-    assert sorted(ours["target_modules"]) == theirs["target_modules"]
-    assert (ours["r"], ours["lora_alpha"]) == (theirs["r"], theirs["lora_alpha"])
+    ours, theirs = assert_export_is_peft_file(tmp_path, PEFT_FIXTURE)
     assert sorted(ours["target_parameters"]) == sorted(theirs["target_parameters"])  # the experts, as peft
     assert (ours["rank_pattern"], ours["alpha_pattern"]) == (theirs["rank_pattern"], theirs["alpha_pattern"])
 

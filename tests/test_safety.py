@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL_ARGS
+from conftest import SMALL_ARGS, SignalOnLine
 
 from jaxdist import bench, checkpoint, config, plan
 from jaxdist.data import loader as loader_mod
@@ -226,29 +226,13 @@ def test_signal_during_start_up_stops_cleanly_before_the_first_step(tmp_path, ca
     """SIGTERM as compilation starts (main is about to `compile`; the handler runs once it returns). main
     runs in this process and a real SIGTERM is sent to it (os.kill) from stdout's write of the `mesh`
     line, the summary printed just before compilation (a child cost ~5 CPU-s of imports)."""
-    import os
-
     sig = signal.SIGTERM
     run_dir = tmp_path / "run"
     monkeypatch.setenv("TQDM_DISABLE", "1")
 
-    class SignalOnMesh:
-        def __init__(self, out):
-            self.out, self.sent = out, False
-
-        def write(self, text):
-            n = self.out.write(text)
-            if not self.sent and text.startswith("mesh "):
-                self.sent = True
-                os.kill(os.getpid(), sig)
-            return n
-
-        def __getattr__(self, name):
-            return getattr(self.out, name)
-
     capsys.readouterr()
     with monkeypatch.context() as m:
-        m.setattr(sys, "stdout", SignalOnMesh(sys.stdout))
+        m.setattr(sys, "stdout", SignalOnLine(sys.stdout, lambda text: text.startswith("mesh "), sig))
         code = main(["--run-dir", str(run_dir), *SMALL, "train.steps=3"])
     captured = capsys.readouterr()
     text, err = captured.out, captured.err

@@ -87,12 +87,11 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path,
     same arguments) resumes from the saved step instead of starting a new run at step 0. Every run is
     `train.main` in this process, in the same working directory; the first gets a real SIGTERM (os.kill
     of this process, through the handler main installs) the moment it prints its step-2 checkpoint line."""
-    import os
     import re
     import signal
     import sysconfig
 
-    from conftest import MICRO_MODEL, NO_PLOT
+    from conftest import MICRO_MODEL, NO_PLOT, SignalOnLine
 
     from jaxdist import train
 
@@ -115,23 +114,9 @@ def test_the_same_command_resumes_after_sigterm_in_the_default_run_dir(tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TQDM_DISABLE", "1")
 
-    class SignalOnCheckpoint:  # stdout that sends SIGTERM once, as the step-2 checkpoint line is written
-        def __init__(self, out):
-            self.out, self.sent = out, False
-
-        def write(self, text):
-            n = self.out.write(text)
-            if not self.sent and "checkpoint step 2" in text:
-                self.sent = True
-                os.kill(os.getpid(), signal.SIGTERM)
-            return n
-
-        def __getattr__(self, name):
-            return getattr(self.out, name)
-
     capsys.readouterr()
     with monkeypatch.context() as m:
-        m.setattr(sys, "stdout", SignalOnCheckpoint(sys.stdout))
+        m.setattr(sys, "stdout", SignalOnLine(sys.stdout, lambda text: "checkpoint step 2" in text, signal.SIGTERM))
         code = train.main(cmd[4:])  # after `python -u -m jaxdist.train`
     text = capsys.readouterr().out
     assert code == 0, text

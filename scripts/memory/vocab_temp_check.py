@@ -14,15 +14,11 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's compile flags (tests/conftest.py's TEST_XLA_FLAGS), under which the test's bounds are set: under
+# The suite's compile flags (xla_flags.FAST_CPU_COMPILE, as tests/conftest.py), under which the test's bounds are set: under
 # XLA:CPU's defaults (this script without these flags), fsdp=8's kept-logits temp measured 8.54 MB, above the
 # bound's 5.77 MB: buffer assignment differs.
-SUITE_XLA_FLAGS = [
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_parallel_codegen_split_count=1",
-]
+from jaxdist.distributed.xla_flags import FAST_CPU_COMPILE as SUITE_XLA_FLAGS  # no jax
+
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *SUITE_XLA_FLAGS]).strip()
 
 SMALL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, seq_len=32)
