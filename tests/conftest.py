@@ -424,7 +424,7 @@ def assert_qlora_trains(
     return losses
 
 
-def assert_export_is_peft_file(written_dir, peft_dir) -> dict:
+def assert_export_is_peft_file(written_dir, peft_dir) -> tuple[dict, dict]:
     """A PEFT export in `written_dir` is peft's own in `peft_dir`: the same tensor names, each bit for bit, and
     the config's target_modules, r and lora_alpha. Returns (ours, theirs) adapter_config.json dicts."""
     from safetensors.numpy import load_file
