@@ -3,11 +3,11 @@
 Each entry (`Schedule`) bundles what used to be decided by comparing schedule names in several modules:
 the engine (autodiff through `pipeline.run_schedule`'s scan, or a static table executed by
 `pipeline_1f1b` with its own gradients), whether a stage holds `pipeline.repeats` virtual chunks, the
-table builder (the per-stage orders of `schedules.py`, placed on one or two lanes), which the planner's
+table builder (the per-stage orders of `schedule_orders.py`, placed on one or two lanes), which the planner's
 model and the executor both read, and the one-line refusals of a (config, mesh). `get(name)` is the
 entry; nothing else compares schedule names (`tests/test_pipeline_schedules.py::test_no_module_compares_schedule_names`).
 
-Adding a schedule: its orders function in `schedules.py` (or its engine module), one `Schedule` entry
+Adding a schedule: its orders function in `schedule_orders.py` (or its engine module), one `Schedule` entry
 in `SCHEDULES`, and its name among config/run_sections.py's `pipeline.schedule` values (CONTRIBUTING.md).
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel import pipeline_1f1b, schedules, zb_v
+from jaxdist.parallel import pipeline_1f1b, schedule_orders, schedules, zb_v
 
 Refusal = Callable[[Config, int, int], None]  # (cfg, stages, micro-batches) -> raises JaxdistError or returns
 
@@ -94,18 +94,18 @@ def _table(entry: Schedule, stages: int, microbatches: int, repeats: int) -> sch
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (
-        Schedule("gpipe", schedules.gpipe_orders),
-        Schedule("circular", schedules.gpipe_orders, virtual=True),
-        Schedule("1f1b", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective),
-        Schedule("1f1b_paired", schedules.one_f_one_b_orders, pipeline_1f1b.schedule_objective, lanes=2),
+        Schedule("gpipe", schedule_orders.gpipe_orders),
+        Schedule("circular", schedule_orders.gpipe_orders, virtual=True),
+        Schedule("1f1b", schedule_orders.one_f_one_b_orders, pipeline_1f1b.schedule_objective),
+        Schedule("1f1b_paired", schedule_orders.one_f_one_b_orders, pipeline_1f1b.schedule_objective, lanes=2),
         Schedule(
             "interleaved_1f1b",
-            schedules.interleaved_orders,
+            schedule_orders.interleaved_orders,
             pipeline_1f1b.schedule_objective,
             virtual=True,
             refuses=_refuses_interleaved,
         ),
-        Schedule("zb_h1", schedules.zb_h1_orders, pipeline_1f1b.schedule_objective),
+        Schedule("zb_h1", schedule_orders.zb_h1_orders, pipeline_1f1b.schedule_objective),
         Schedule(
             "zb_v",
             zb_v.zb_v_orders,
