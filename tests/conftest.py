@@ -1,9 +1,11 @@
 """Eight simulated CPU devices for every test; must run before any JAX work."""
 
+import atexit
 import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -11,8 +13,11 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test session, inherited by subprocess tests: the same program
-# compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-xla-cache-"))
+# compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session, and
+# removed when the process that made it ends (pytest's own, after its xdist workers: ~60 MB a suite).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxdist-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 # Every program, not only those that took 1 s or more (JAX's default): the suite's small steps compile in
 # well under a second each, and the same ones recur across files and fixtures (3-8% of a 3-file run's CPU).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
