@@ -10,6 +10,8 @@ What the planner's step time reads from a `Hardware` entry, measured here instea
   as t = latency + bytes sent per device / bandwidth (the planner's alpha-beta model, `planner/traffic.py`),
   stored as `latency_s` (the ring's hops folded in: `hop_fast_s` 0) and the fast link's bandwidth (the
   slow one too on a single host: there is no second network to measure).
+- **memory bandwidth per device**: an elementwise pass (read and write) over MEMORY_BYTES per device, every
+  device at once, stored as `hbm_bandwidth`: the rate of the replicated work (`planner/work.py`).
 
 Everything else (memory size, host link, devices per node) is the base entry's. The entry is written as
 JSON (`planner.hardware.save`) and read back with `--hardware FILE.json`.
@@ -34,6 +36,7 @@ from jaxdist.planner.estimate import estimate
 from jaxdist.planner.hardware import Hardware
 
 GATHER_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 21)  # per device before the gather: 4 KiB .. 2 MiB
+MEMORY_BYTES = 1 << 24  # per device, the elementwise pass's input (16 MiB; as much again written)
 MIN_SECONDS = 0.2  # each figure: repeat until this long has been timed (at least 3, at most 50 times)
 
 
@@ -45,6 +48,7 @@ class Calibration:
     gathers: tuple[tuple[float, float], ...]  # (bytes sent per device, median seconds) per size
     latency_s: float
     bandwidth: float  # bytes/s per device, one direction
+    memory_bandwidth: float = 0.0  # bytes/s per device read and written by an elementwise pass; 0 not measured
 
     def lines(self) -> list[str]:
         r, d, f = self.matmul_shape
@@ -55,6 +59,8 @@ class Calibration:
             f"bandwidth {self.bandwidth / 1e9:.2f} GB/s per device (fitted to "
             + ", ".join(f"{b / 2**10:.0f} KiB in {t * 1e3:.2f} ms" for b, t in self.gathers)
             + ")",
+            f"elementwise pass over {MEMORY_BYTES / 2**20:.0f} MiB per device, {self.devices} devices at once: "
+            f"{self.memory_bandwidth / 1e9:.2f} GB/s per device read and written",
         ]
 
 
@@ -103,12 +109,17 @@ def measure(cfg: Config, devices: list) -> Calibration:
         gather = jax.jit(lambda v: v, out_shardings=whole)
         gathers.append(((n - 1) * size, median_seconds(lambda: gather(a))))  # noqa: B023 (timed here)
     latency, bandwidth = fit_alpha_beta(gathers) if n > 1 else (0.0, float("inf"))
-    return Calibration(n, (rows, d, f), flops, tuple(gathers), latency, bandwidth)
+    big = jax.device_put(jnp.ones((n, MEMORY_BYTES // 4), jnp.float32), split)
+    scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=split)
+    memory_bw = 2 * MEMORY_BYTES / median_seconds(lambda: scale(big))
+    return Calibration(n, (rows, d, f), flops, tuple(gathers), latency, bandwidth, memory_bw)
 
 
 def entry(base: Hardware, cal: Calibration, name: str) -> Hardware:
     """`base` with the measured figures in place of its table values."""
     link = {} if cal.devices == 1 else dict(fast_bandwidth=cal.bandwidth, slow_bandwidth=cal.bandwidth)
+    if cal.memory_bandwidth:
+        link["hbm_bandwidth"] = cal.memory_bandwidth
     return dataclasses.replace(
         base,
         name=name,

@@ -4,7 +4,7 @@ recommendation and scaling curves: planner/recommend.py.
 Step time (per optimizer step, every device in lock-step):
   compute   = hardware FLOPs per device / (peak x matmul efficiency); hardware FLOPs add the recompute of
               the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
-              its stages) to the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
+              its stages) and the dropless experts' chunk padding (jaxdist.planner.work) to the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
               pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
               1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest
@@ -12,11 +12,14 @@ Step time (per optimizer step, every device in lock-step):
               recompute, then input and weight gradients; zb_h1's split backward: B = W = 2 forwards, each
               recomputing the chunk, so its extra recompute counts here), minus the layer compute.
   comm      = sum over collectives of bytes / link bandwidth + latency (jaxdist.planner.comms).
+  work      = replicated work: the memory-bound bytes each device touches outside the matmuls (the
+              training state's update over what the device stores, the gathered weights' reads), at the
+              hardware's memory bandwidth (jaxdist.planner.work): what dp-replicated state costs every device.
   host      = offload's host<->device transfers at the hardware's host bandwidth (jaxdist.planner.transfers):
               the layer scan's fetches overlappable, the rest (update streaming, gradient round trip) exposed.
-  no overlap: compute + bubble + comm + host.   overlap: max(compute, weight gathers + gradient reductions,
+  no overlap: compute + work + bubble + comm + host.   overlap: max(compute, weight gathers + gradient reductions,
               the layer scan's host transfers) + activation collectives (tp, pp, embedding) + exposed host
-              transfers + bubble — the scaling book's "hide the FSDP
+              transfers + bubble + work — the scaling book's "hide the FSDP
               collectives behind the matmuls", which is compute-bound when tokens per device
               exceed about 2 C / W (C peak FLOP/s, W link bytes/s; 2 because weights move in float32).
 MFU = model FLOPs / (devices x peak x step time).
@@ -29,7 +32,7 @@ import dataclasses
 from jaxdist.models import registry
 from jaxdist.models.flops import flops_per_token
 from jaxdist.parallel import schedules
-from jaxdist.planner import comms, memory, transfers
+from jaxdist.planner import comms, memory, transfers, work
 from jaxdist.planner.layout import Layout, param_table
 from jaxdist.planner.traffic import Traffic, by_axis, traffic_time
 
@@ -46,6 +49,7 @@ class Estimate:
     exposed_comm_s: float  # what overlap cannot hide
     host: transfers.HostTraffic  # offload's host<->device bytes and seconds
     step_s: float  # with overlap
+    work_s: float  # replicated memory-bound work (jaxdist.planner.work), in step_s and step_no_overlap_s
     step_no_overlap_s: float
     mfu: float
     tokens_per_s: float
@@ -78,6 +82,7 @@ class Estimate:
             "device_to_host_bytes": self.host.device_to_host,
             "host_transfer_s": self.host.total_s,
             "host_exposed_s": self.host.exposed_s,
+            "work_s": self.work_s,
             "step_s": self.step_s,
             "step_no_overlap_s": self.step_no_overlap_s,
             "mfu": self.mfu,
@@ -99,7 +104,11 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     layer_params = sum(g.size for g in param_table(m) if g.role == "layer") - (counts["total"] - counts["active"])
     recompute = m.remat == "full" or mesh["pp"] > 1
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
-    return model, layers / lay.devices, head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"] * lay.cp)
+    return (
+        model,
+        layers / lay.devices + work.padded_expert_flops(lay),
+        head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"] * lay.cp),
+    )
 
 
 def pipeline_bubble(lay: Layout, layer_s: float) -> float:
@@ -131,7 +140,8 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
     hidden = sum(s for t, s in times if t.overlappable)
     exposed_serial = comm - hidden
     host = transfers.host_traffic(lay)
-    step = max(compute, hidden, host.hidden_s) + exposed_serial + host.exposed_s + bubble
+    work_s = work.work_seconds(lay)
+    step = max(compute, hidden, host.hidden_s) + exposed_serial + host.exposed_s + bubble + work_s
     exposed = max(compute, hidden) - compute + exposed_serial  # collectives only: the host link is its own
     tokens = lay.cfg.train.global_batch * lay.cfg.model.seq_len
     return Estimate(
@@ -145,7 +155,8 @@ def estimate(lay: Layout, family: str = "") -> Estimate:
         exposed_comm_s=exposed,
         host=host,
         step_s=step,
-        step_no_overlap_s=compute + bubble + comm + host.total_s,
+        work_s=work_s,
+        step_no_overlap_s=compute + work_s + bubble + comm + host.total_s,
         mfu=model_flops / (lay.devices * peak * step),
         tokens_per_s=tokens / step,
     )

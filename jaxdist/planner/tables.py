@@ -74,7 +74,7 @@ def comm_table(e: Estimate) -> str:
             f"router runs the {tiers['balanced_slots']}-slot tier: {gb(tiers['balanced_bytes'])} GB"
         )
     rows.append(
-        f"  compute {e.compute_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
+        f"  compute {e.compute_s:.3g} s, replicated work {e.work_s:.3g} s, bubble {e.bubble_s:.3g} s, communication {e.comm_s:.3g} s "
         f"({e.exposed_comm_s:.3g} s exposed with overlap)"
     )
     host = host_line(e)
