@@ -38,6 +38,7 @@ from jaxdist.config import ModelConfig
 from jaxdist.distributed.sharding import constrain
 from jaxdist.models import decoder_layers, llama, moe
 from jaxdist.models.attention import document_mask, rotary_by
+from jaxdist.models.deepseek3_rules import dense_count
 
 param = decoder_layers.param
 RMSNorm = decoder_layers.RMSNorm
@@ -200,11 +201,6 @@ class Block(decoder_layers.Block):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.mlp = MoE(cfg, rngs) if sparse else decoder_layers.MLP(cfg, rngs)
         self.sparse = sparse
-
-
-def dense_count(cfg: ModelConfig) -> int:
-    """Layers with a dense MLP: the first `dense_layers` (all of them without experts)."""
-    return cfg.num_layers if not cfg.moe_experts else min(cfg.dense_layers, cfg.num_layers)
 
 
 class DeepseekV3(llama.Llama):

@@ -227,7 +227,7 @@ def layer_tensors(m: ModelConfig, sparse: bool) -> list[tuple]:
 def tensors(m: ModelConfig) -> list[dict]:
     """Every parameter in HF's file order, as `jaxdist.hf.mapping.Tensor` fields: the dense stack's
     layers 0..k-1, then the MoE stack's k..L-1 (entry g of a stack is HF layer g + its offset)."""
-    k = min(m.dense_layers, m.num_layers)  # deepseek3.dense_count (that module loads JAX)
+    k = min(m.dense_layers, m.num_layers)  # deepseek3_rules.dense_count (experts set here)
     stacks = [("dense_blocks", False, 0, k), ("blocks", True, k, m.num_layers - k)] if m.moe_experts and k else []
     stacks = stacks or [("blocks", bool(m.moe_experts), 0, m.num_layers)]
     out: list[dict[str, Any]] = [dict(path=("embed_VD",), hf="model.embed_tokens.weight", n_in=0, stacked=False)]

@@ -10,6 +10,11 @@ from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
 
 
+def dense_count(m: ModelConfig) -> int:
+    """Layers with a dense MLP: the first `dense_layers` (all of them without experts)."""
+    return m.num_layers if not m.moe_experts else min(m.dense_layers, m.num_layers)
+
+
 def attention_flops(m: ModelConfig) -> float:
     """The decoder's term with MLA's widths: q.k over nope + rope, p.v over v_head_dim, per head."""
     return 6 * m.num_layers * m.seq_len * m.num_heads * (m.mla_nope_dim + m.mla_rope_dim + m.mla_v_dim)

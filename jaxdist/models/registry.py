@@ -17,6 +17,9 @@ An entry names, as torchtitan's `ModelSpec` does for its models:
 - `refused_axes`: the mesh axes its layers cannot meet, each with why; `tabled_pp`: why a table pipeline
   schedule (1F1B and its kin) cannot run a config of it, empty when one can; `check`: its other refusals of a whole
   config, one line each. `validate` applies all three (the trainer's start and the planner's candidates).
+- `dense_experts` and `dense_first`: how its MoE layers meet the tokens, for the planner (`jaxdist/planner/`):
+  every token through every expert, no dispatch (gpt-oss), and how many first layers have a dense MLP
+  instead of experts (DeepSeek-V3's `dense_layers`, a stack of their own);
 - `planner_gap`: what the planner (`jaxdist/planner/`) does not model for it, its measured miss in
   docs/planner.md; `python -m jaxdist.plan` prints it beside its figures (empty: modelled and checked).
 """
@@ -51,6 +54,9 @@ class Architecture:
     check: Callable = _no_check  # (Config, mesh axis sizes) -> None, or a one-line JaxdistError
     refused_axes: tuple[tuple[str, str], ...] = ()  # (mesh axis, why its layers cannot meet it)
     tabled_pp: Callable | None = None  # ModelConfig -> why a table pipeline schedule cannot run it ("" if one can)
+    # every token through every expert (no token dispatch): XLA gathers the experts whole, exchanges no tokens
+    dense_experts: bool = False
+    dense_first: Callable | None = None  # ModelConfig -> its first layers with a dense MLP; None: moe_every's
     planner_gap: str = ""  # what the planner does not model for it (plan prints it); "" when it does
     hf_tensors: Callable | None = None  # ModelConfig -> every tensor (hf.mapping.Tensor fields); None: from hf_layer
     # (ModelConfig, params, expert loads (L, E)) -> params: a non-gradient update after the optimizer's
@@ -75,6 +81,12 @@ class Architecture:
                     f"(gpipe and circular do); set pipeline.schedule=gpipe"
                 )
         self.check(cfg, sizes)
+
+    def moe_layers(self, m: ModelConfig) -> int:
+        """How many of `m`'s layers hold experts: all but `dense_first`'s, or every `moe_every`-th."""
+        if not m.moe_experts:
+            return 0
+        return m.num_layers - self.dense_first(m) if self.dense_first else m.num_layers // m.moe_every
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -186,11 +198,7 @@ DEEPSEEK_V3 = Architecture(
     check=deepseek3_rules.check,
     refused_axes=(("cp", "MLA has no context-parallel attention"),),
     tabled_pp=deepseek3_rules.tabled_pp,
-    planner_gap=(
-        "model.family=deepseek_v3's dense first layers and shared experts are sized as routed MoE layers by the "
-        "planner: its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over, and LoRA on "
-        "its routed experts is sized as dense-MLP adapters (docs/planner.md)"
-    ),
+    dense_first=deepseek3_rules.dense_count,
     hf_tensors=deepseek3_hf.tensors,
     after_step=deepseek3_rules.after_step,
 )
@@ -206,10 +214,7 @@ GPT_OSS = Architecture(
     check=gpt_oss_hf.check,
     refused_axes=(("cp", "context parallelism has no attention sinks"),),
     tabled_pp=gpt_oss_hf.tabled_pp,
-    planner_gap=(
-        "model.family=gpt_oss runs every token through every expert, and the planner sizes token dispatch: "
-        "its temp, all-gather and all-reduce bytes are under, its all-to-all bytes over (docs/planner.md)"
-    ),
+    dense_experts=True,
     hf_tensors=gpt_oss_hf.tensors,
 )
 

@@ -4,11 +4,13 @@ and the loss's side of them).
 Activations saved for the backward pass, per layer and per token of a micro-batch (B·T·D rows are
 replicated over tp; heads / mlp columns are split by tp). Dense layers: the residuals JAX saves for the
 layer under its remat policy (jaxdist.planner.residuals traces one Block), the T x T scores replaced by
-O(T) statistics where attention is fused or a ring; MoE layers use these formulas, by remat policy:
+O(T) statistics where attention is fused or a ring; experts that see every token (registry
+`dense_experts`) are traced with their Block, and the dense first layers (`dense_first`) as one.
+Token-dispatched MoE layers: what the architecture's Block saves beyond its MLP (attention, norms,
+residual; traced: _attention_per_token) plus these formulas for the experts, by remat policy:
   full          : the layer input only (D); the layer is recomputed in the backward pass.
-  dots_saveable : the outputs of the weight matmuls (q, k, v, attention out, gate, up, down) and the input.
-  none          : every intermediate, including the T x T attention probabilities unless the backend
-                  uses a fused (flash) attention.
+  dots_saveable : the outputs of the expert matmuls (gate, up, down).
+  none          : the down projection's output, gate, up, silu(gate) and their product.
 With pipeline parallelism (jaxdist.parallel.pipeline) each stage keeps one stage input per pipeline
 iteration (V·M + P - 1 micro-batches in flight) and recomputes its L/(P·V) layers during backward
 (with one layer per group XLA inlines the group's scan, so no residual stack is kept: flat_group_bytes);
@@ -22,7 +24,10 @@ the gathered K and V (and their gradients) of one layer: 4·B·T·K·H/tp elemen
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxdist.adapters import quant
+from jaxdist.models import registry
 from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora, residuals
 from jaxdist.planner.layout import PARAM_BYTES, Layout
@@ -41,33 +46,62 @@ def saved_per_token_layer(lay: Layout, policy: str, pairs: bool = True) -> float
 
 def _block_per_token(lay: Layout, policy: str, pairs: bool) -> float:
     """saved_per_token_layer for a stack of the architecture's `Block` alone."""
+    m = lay.cfg.model
+    arch = registry.of(m)
+    if m.moe_experts and not arch.dense_experts:  # dispatched experts, and the dense first layers traced
+        dense = arch.dense_first(m) if arch.dense_first else 0
+        moe = _moe_per_token(lay, policy, pairs) * (m.num_layers - dense)
+        if dense:
+            moe += _traced_per_token(lay, dataclasses.replace(m, moe_experts=0), policy, pairs) * dense
+        return moe / m.num_layers
+    return _traced_per_token(lay, m, policy, pairs)
+
+
+def _traced_per_token(lay: Layout, m, policy: str, pairs: bool) -> float:
+    """What one `Block` of `m` saves per token, traced by jaxdist.planner.residuals (experts that see
+    every token, registry `dense_experts`, traced with it)."""
+    c, t = lay.act_bytes, lay.mesh["tp"]
+    # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's
+    # merged buffers do not describe it, so under cp every residual JAX lists is counted.
+    saved = (residuals.listed_per_layer if lay.cp > 1 else residuals.saved_per_layer)(m, t, policy)
+    # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
+    # ring keep its output and log-sum-exp instead.
+    scores = saved.per_token_pair * m.seq_len if pairs else 0.0
+    if scores and (lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")):
+        scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)
+    return (saved.per_token + scores) * c / 4
+
+
+def _moe_per_token(lay: Layout, policy: str, pairs: bool) -> float:
+    """What one dispatched MoE layer saves per token: the module docstring's formulas, their attention
+    part (everything but the MLP's) the architecture's own, traced (`_attention_per_token`)."""
     m, c, t = lay.cfg.model, lay.act_bytes, lay.mesh["tp"]
-    if not m.moe_experts:
-        # cp's attention (jaxdist.parallel.context) is not the Block's traced by residuals: the Block's
-        # merged buffers do not describe it, so under cp every residual JAX lists is counted.
-        saved = (residuals.listed_per_layer if lay.cp > 1 else residuals.saved_per_layer)(m, t, policy)
-        # A query's scores span all T keys (cp: allgather and ulysses too); a fused attention and the
-        # ring keep its output and log-sum-exp instead.
-        scores = saved.per_token_pair * m.seq_len if pairs else 0.0
-        if scores and (lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")):
-            scores = 4 * (m.num_heads * m.head_dim / t + m.num_heads / t)
-        return (saved.per_token + scores) * c / 4
-    D, NH, KH, F = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.mlp_dim
+    D, F = m.d_model, m.mlp_dim
     if policy == "full":
         return D * c
-    if policy == "dots_saveable":
-        return c * (3 * D + (NH + 2 * KH) / t + 2 * F / t)
-    blockwise = lay.hw.flash_attention or (lay.cp > 1 and m.context_impl == "ring")
-    attention = (c * NH / t + 4 * m.num_heads / t) if blockwise else 4 * m.num_heads / t * m.seq_len
-    # x, two norms, residual, attention out, down: 6 D; q, k, v before and after rotary, o: (3 NH + 3 KH) / t;
-    # gate, up, silu(gate), their product: 4 F / t
-    return c * (6 * D + (3 * NH + 3 * KH) / t + 4 * F / t) + attention
+    attention = _attention_per_token(lay, policy, pairs)
+    if policy == "dots_saveable":  # the down projection's output; gate, up: 2 F / t
+        return attention + c * (D + 2 * F / t)
+    # the down projection's output: D; gate, up, silu(gate), their product: 4 F / t
+    return attention + c * (D + 4 * F / t)
+
+
+def _attention_per_token(lay: Layout, policy: str, pairs: bool) -> float:
+    """What the architecture's dense `Block` saves per token beyond its MLP (attention, norms, residual):
+    the traced Block at mlp_dim F less its MLP's share, which is linear in the MLP's width (traced again
+    at a narrower G)."""
+    m, t = lay.cfg.model, lay.mesh["tp"]
+    dense = dataclasses.replace(m, moe_experts=0)
+    G = max(t, m.mlp_dim // (2 * t) * t)
+    wide = _traced_per_token(lay, dense, policy, pairs)
+    narrow = _traced_per_token(lay, dataclasses.replace(dense, mlp_dim=G), policy, pairs)
+    return wide - (wide - narrow) * m.mlp_dim / (m.mlp_dim - G)
 
 
 def activation_bytes(lay: Layout) -> float:
     m, tokens = lay.cfg.model, lay.micro_tokens
     if lay.mesh["pp"] == 1:
-        tiers = dropless_tier_bytes(lay) * (m.num_layers // m.moe_every if m.moe_experts else 0)
+        tiers = dropless_tier_bytes(lay) * registry.of(m).moe_layers(m)
         saved = saved_per_token_layer(lay, m.remat) * m.num_layers * tokens + tiers
         return saved + dequantised_bytes(lay) * m.num_layers
     if lay.table is not None:  # the table's buffers (schedule_buffers.buffers), whatever M is
@@ -140,6 +174,8 @@ def dropless_tier_bytes(lay: Layout) -> float:
     and the pipeline's stage recompute rebuild them in the backward."""
     m = lay.cfg.model
     if not m.moe_experts or m.moe_dispatch != "dropless" or m.remat != "none" or lay.mesh["pp"] > 1:
+        return 0.0
+    if registry.of(m).dense_experts:  # no dispatch
         return 0.0
     tiers = dropless_tiers(lay.micro_batch * m.seq_len, m.moe_experts, m.moe_topk)
     return 2 * m.moe_experts * sum(tiers) * m.d_model * lay.act_bytes if len(tiers) > 1 else 0.0

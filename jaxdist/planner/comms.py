@@ -44,7 +44,10 @@ every backend):
   and one back, forward and backward (4; +2 with remat=full), C = the capacity of the local tokens
   (dropless: all of them). Expert weights stay split over ep (gathered over fsdp only); the other
   weights are replicated over ep, so their gradients are also reduced over ep (ep is data-parallel
-  for them: the batch is split over dp, fsdp and ep).
+  for them: the batch is split over dp, fsdp and ep). Experts that see every token (registry
+  `dense_experts`: gpt-oss) are gathered whole and reduced whole instead, and no tokens are exchanged
+  (planner/expert_traffic.py); LoRA's adapters on routed experts (DeepSeek-V3) are added to the expert
+  weights before their gather, never gathered themselves.
 - pp (jaxdist.parallel.pipeline): per pipeline iteration one collective-permute of the micro-batch's
   B·T·D activations forward and one backward; per pass one permute of the whole pass's activations each
   way and an all-reduce over pp handing the last stage's output to every rank (fwd + bwd). Stages are
@@ -64,6 +67,7 @@ every backend):
 from __future__ import annotations
 
 from jaxdist.adapters.quant import KINDS
+from jaxdist.models import registry
 from jaxdist.parallel.moe import dropless_tiers
 from jaxdist.planner import lora
 from jaxdist.planner.context_traffic import context_traffic
@@ -194,12 +198,21 @@ def _staged_layer_gathers(t: Tally, layer: float, gather: float) -> None:
 def _adapter_traffic(t: Tally) -> None:
     """LoRA: only the adapters have gradients, one all-reduce over every batch axis per pass."""
     lay, m, pp = t.lay, t.lay.cfg.model, t.mesh["pp"]
-    adapters = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in lora.adapter_groups(lay))
+    groups = [g for g in lora.adapter_groups(lay) if "expert" not in g.names]
+    adapters = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in groups)
     axis = "fsdp" if t.mesh["fsdp"] > 1 else "dp"
     t.add(axis, "all-reduce", "adapter gradients", adapters, t.passes, n=lay.batch_shards)
+    # routed experts' adapters (DeepSeek-V3): added to the expert weights before the dispatch gathers
+    # them (adapters/lora.expert_weights), so never gathered themselves; their gradients come from the
+    # merged weight's, reduce-scattered over fsdp (as `expert gradients`): one with an embed dim is
+    # computed on its shard, one without sums that dim over fsdp, all-reduced there (HLO of the
+    # fixture at fsdp=4,ep=2: gate/up's B and down's A, per layer)
+    experts = [g for g in lora.adapter_groups(lay) if "expert" in g.names and "embed" not in g.names]
+    expert_bytes = sum(g.size * PARAM_BYTES / lay.tp_shards(g) for g in experts)
+    t.add("fsdp", "all-reduce", "expert adapter gradients", expert_bytes, t.passes)
     # adapters sharded over fsdp (A of q/k/v/gate/up, B of o/down: an embed dim) are gathered in the
     # forward and again in the backward, per layer, in the compute dtype (HLO: f32[256,8] x 10)
-    split = [g for g in lora.adapter_groups(lay) if lay.shards(g) > lay.tp_shards(g) * (pp if pp > 1 else 1)]
+    split = [g for g in groups if lay.shards(g) > lay.tp_shards(g) * (pp if pp > 1 else 1)]
     gathered = sum(g.size * lay.act_bytes / lay.tp_shards(g) for g in split) / m.num_layers
     t.add("fsdp", "all-gather", "adapters (fwd + bwd)", gathered, 2 * t.layer_steps, n=lay.weight_shards)
 
@@ -224,7 +237,7 @@ def dropless_a2a_tiers(lay: Layout) -> dict | None:
     branch) and at the smallest tier, the one a balanced router runs (C = 1.25 N K / E:
     jaxdist.parallel.moe.DROPLESS_TIERS). None unless dropless MoE runs over ep > 1."""
     m, ep = lay.cfg.model, lay.mesh["ep"]
-    if not m.moe_experts or ep == 1 or m.moe_dispatch != "dropless":
+    if not m.moe_experts or ep == 1 or m.moe_dispatch != "dropless" or registry.of(m).dense_experts:
         return None
     tokens = lay.micro_batch * m.seq_len
     slots = dropless_tiers(tokens, m.moe_experts, m.moe_topk)

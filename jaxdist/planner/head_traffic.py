@@ -65,12 +65,12 @@ def _embedding_traffic(t: Tally, table) -> None:
     a2a = 1 if t.frozen else 2  # a frozen table (LoRA) sends no gradient back
     t.add("fsdp", "all-to-all", "embedding rows to their tokens (fwd + bwd)", rows * D * lay.act_bytes, a2a * passes)
     table_shard = embedding_shard_bytes(lay, table)
-    if not t.frozen:
+    if not t.frozen:  # a frozen table (LoRA) has no gradient to sum (HLO of DeepSeek-V3's fixture, ep=2)
         t.add("dp", "all-reduce", "embedding gradient", table_shard, t.dp_syncs)
-    # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
-    # table, so the table's local gradient is summed over each of them (a psum, once per pass).
-    t.add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
-    t.add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
+        # The lookup's shard_map is manual over the token axes too: ep and cp split the tokens, not the
+        # table, so the table's local gradient is summed over each of them (a psum, once per pass).
+        t.add("ep", "all-reduce", "embedding gradient (tokens split over ep)", table_shard, passes)
+        t.add("cp", "all-reduce", "embedding gradient (sequence split over cp)", table_shard, passes)
     # The loss flattens (batch, seq) into rows; with seq split over cp that re-shards the rows: one
     # all-to-all of the final hidden states forward and one of their gradient backward.
     t.add("cp", "all-to-all", "loss rows: (batch, seq) flattened (fwd + bwd)", rows * D * lay.act_bytes, 2 * passes)

@@ -14,7 +14,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxdist.config import Config, ModelConfig
+from jaxdist.config import Config, LoraConfig, ModelConfig
 from jaxdist.distributed import sharding
 from jaxdist.distributed.hlo import dtype_bytes
 from jaxdist.distributed.mesh import AXES, format_mesh
@@ -47,12 +47,27 @@ class ParamGroup:
         return math.prod(self.shape)
 
 
-@functools.lru_cache(maxsize=32)
 def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model with its shape, logical names and role."""
+    return _table(model, None)
 
+
+def model_table(model: ModelConfig, lora: LoraConfig) -> tuple[ParamGroup, ...]:
+    """param_table of the model built with `lora` attached: its adapters (and QLoRA's scale slots) are
+    parameters of the table too, as the model holds them (jaxdist.planner.lora.adapter_groups)."""
+    return _table(model, (lora.rank, tuple(lora.targets), lora.base_dtype, lora.block_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _table(model: ModelConfig, lora: tuple | None) -> tuple[ParamGroup, ...]:
+    """The table of the model built with the LoRA config (rank, targets, base_dtype, block_size) attached
+    (what shapes its adapters), or without (None)."""
     build = registry.of(model).model
-    abstract = nnx.eval_shape(lambda: build(model, nnx.Rngs(params=0)))
+    adapters = None
+    if lora is not None:
+        rank, targets, base_dtype, block_size = lora
+        adapters = LoraConfig(rank=rank, targets=list(targets), base_dtype=base_dtype, block_size=block_size)
+    abstract = nnx.eval_shape(lambda: build(model, nnx.Rngs(params=0), lora=adapters))
     state = nnx.state(abstract, nnx.Param)
     names = nnx.to_pure_dict(sharding.logical_names(state))
     shapes = nnx.to_pure_dict(state)
@@ -63,7 +78,8 @@ def param_table(model: ModelConfig) -> tuple[ParamGroup, ...]:
     ):
         key = "/".join(str(getattr(p, "key", p)) for p in path)
         top = key.split("/")[0]
-        role = {"blocks": "layer", "embed_VD": "embed", "head_DV": "head"}.get(top, "norm")
+        # dense_blocks: the dense first layers' stack (registry.Architecture.dense_first), run before `blocks`
+        role = {"blocks": "layer", "dense_blocks": "layer", "embed_VD": "embed", "head_DV": "head"}.get(top, "norm")
         groups.append(ParamGroup(key, tuple(v.shape), tuple(n), role))
     return tuple(groups)
 
@@ -182,9 +198,10 @@ class Layout:
         return 4 if self.hw.backend == "cpu" else dtype_bytes(self.compute_dtype)
 
     def shards(self, group: ParamGroup) -> int:
-        """Devices one copy of `group` is split over (pp splits the layer stack into stages)."""
+        """Devices one copy of `group` is split over (pp splits the layer stack into stages; the dense
+        first layers run before the pipeline, replicated over pp)."""
         n = _split(group, tuple(self.rules.items()), tuple(self.mesh.items()), None)
-        return n * (self.mesh["pp"] if group.role == "layer" else 1)
+        return n * (self.mesh["pp"] if group.path.startswith("blocks/") else 1)
 
     def gathered(self, group: ParamGroup) -> bool:
         """Whether the fsdp all-gather splits `group` (a replicated one, as the norm scales under the

@@ -12,8 +12,8 @@ float32, placed by the same rules (lora_rank is replicated), as jaxdist.adapters
 from __future__ import annotations
 
 from jaxdist.adapters import quant
-from jaxdist.adapters.lora import TARGETS, per_layer_shapes
-from jaxdist.planner.layout import PARAM_BYTES, Layout, ParamGroup, param_table
+from jaxdist.adapters.lora import TARGETS, A, B
+from jaxdist.planner.layout import PARAM_BYTES, Layout, ParamGroup, model_table, param_table
 
 MATRICES = frozenset(w for _, w, _ in TARGETS.values())
 DENSE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 2, "nf4": 2}  # the frozen tensors not quantised
@@ -28,20 +28,9 @@ def _weight(g: ParamGroup) -> str:
 
 
 def adapter_groups(lay: Layout) -> tuple[ParamGroup, ...]:
-    """Each targeted matrix's A and B, stacked over the layers as the matrix is."""
-    lo, shapes, out = lay.cfg.lora, per_layer_shapes(lay.cfg.model), []
-    n_in = {w: n for _, w, n in TARGETS.values()}
-    targeted = {TARGETS[t][1] for t in lo.targets}
-    for g in param_table(lay.cfg.model):
-        w = _weight(g)
-        if g.role != "layer" or w not in targeted:
-            continue
-        lead = len(g.shape) - len(shapes[w])  # the stacked layer axis
-        k = lead + n_in[w]
-        out.append(ParamGroup(g.path + "_lora_a", (*g.shape[:k], lo.rank), (*g.names[:k], "lora_rank"), "layer"))
-        b_shape = (*g.shape[:lead], lo.rank, *g.shape[k:])
-        out.append(ParamGroup(g.path + "_lora_b", b_shape, (*g.names[:lead], "lora_rank", *g.names[k:]), "layer"))
-    return tuple(out)
+    """Each targeted matrix's A and B, stacked over the layers as the matrix is: the adapters the model
+    itself holds with lora attached (DeepSeek-V3's routed experts' per expert, split over ep)."""
+    return tuple(g for g in model_table(lay.cfg.model, lay.cfg.lora) if g.path.endswith((A, B)))
 
 
 def adapter_bytes(lay: Layout) -> float:

@@ -5,7 +5,8 @@ for the backward (under `jax.checkpoint` with a remat policy: exactly those the 
 with `jax.make_jaxpr` on one Block of the model (nothing is allocated) at a symbolic sequence length T
 (`jax.export.symbolic_shape`), the residuals split into three kinds by how they grow with T: the layer's weights (constant: the scan
 stacks its parameter shards, counted with the parameters), per-token activations (linear) and the
-T x T attention scores (quadratic). The per-device bytes of a layer are then
+T x T attention scores (quadratic; a residual of both, as gpt-oss's T x (T + 1) scores with their sink
+column, counted in each by its coefficients). The per-device bytes of a layer are then
 
     B_local * (per_token * T + per_token_pair * T^2)
 
@@ -46,7 +47,8 @@ class Saved:
 @functools.lru_cache(maxsize=256)
 def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
     """Residual bytes of one layer, per token and per token pair, float32, on a device holding 1/tp of
-    the heads and of the MLP (dense layers; the caller models MoE and context-parallel attention)."""
+    the heads and of the MLP (dense layers and experts that see every token; the caller models
+    dispatched MoE and context-parallel attention)."""
 
     layer, state = _traced_layer(model, tp, policy)
     (T,) = export.symbolic_shape("T")  # one trace: every residual's size is a polynomial in T
@@ -57,13 +59,13 @@ def saved_per_layer(model: ModelConfig, tp: int, policy: str) -> Saved:
         return listed_per_layer(model, tp, policy)  # concrete lengths, unmerged
     linear = pairs = 0.0
     for v in unique_outputs(jaxpr):
-        at = [_size(v, TRACE_T), _size(v, 2 * TRACE_T)]
-        if at[1] == 2 * at[0]:
-            linear += at[0] / TRACE_T
-        elif at[1] == 4 * at[0]:
-            pairs += at[0] / TRACE_T**2
-        elif at[1] != at[0]:
+        # a T^2 + b T + c from three lengths (gpt-oss's sink column makes T x (T + 1) scores), checked at a fourth
+        s1, s2, s3, s4 = (_size(v, k * TRACE_T) for k in (1, 2, 3, 4))
+        a = (s3 - 2 * s2 + s1) / (2 * TRACE_T**2)
+        b = (s2 - s1) / TRACE_T - 3 * a * TRACE_T
+        if s4 != s1 + 15 * a * TRACE_T**2 + 3 * b * TRACE_T:
             raise AssertionError(f"residual of shape {v.aval.shape} is not constant, linear or quadratic in T")
+        linear, pairs = linear + b, pairs + a
     return Saved(linear, pairs)
 
 
@@ -129,13 +131,17 @@ def _traced_layer(model: ModelConfig, tp: int, policy: str, block=None):
 
 
 def _local(model: ModelConfig, tp: int) -> ModelConfig:
-    """The layer one device computes under tp: 1/tp of the heads and of the MLP, dense, float32."""
+    """The layer one device computes under tp: 1/tp of the heads and of the MLP, dense, float32. Experts
+    that see every token (registry `dense_experts`) stay, all of them (the step gathers them whole), 1/tp
+    of each one's width."""
+    dense_experts = registry.of(model).dense_experts and model.moe_experts
     return dataclasses.replace(
         model,
         num_heads=model.num_heads // tp,
         num_kv_heads=max(1, model.num_kv_heads // tp),
         mlp_dim=model.mlp_dim // tp,
-        moe_experts=0,
+        moe_experts=model.moe_experts if dense_experts else 0,
+        moe_mlp_dim=model.moe_mlp_dim // tp if dense_experts else model.moe_mlp_dim,
         compute_dtype="float32",
     )
 
