@@ -698,3 +698,20 @@ def test_plan_says_what_it_does_not_model_for_an_architecture(fixture, capsys, m
     notes = [line for line in capsys.readouterr().out.splitlines() if "model.family=" in line]
     assert len(notes) == (fixture == "hf_gpt_oss"), notes
     assert all("a term not modelled" in n and n.startswith("(") for n in notes), notes
+
+
+def test_dense_experts_cost_every_expert_whatever_the_top_k():
+    """gpt-oss runs every token through every expert (registry dense_experts), so its compiled step's
+    FLOPs do not change with moe_topk (XLA's cost analysis at fsdp=8, the fixture's shape: 8.14 M per
+    device at K=2, 8.17 M at K=4): the planner's hardware FLOPs add the unchosen experts'
+    (work.unchosen_expert_flops), the same at K=2 as at K=4, where the model FLOPs count K of E."""
+    shape = ["model.family=gpt_oss", "model.num_layers=2", "model.d_model=32", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.head_dim=8", "model.moe_experts=4", "model.moe_mlp_dim=16",
+             "model.mlp_dim=16", "model.vocab_size=128", "model.qkv_bias=true", "model.sliding_window=4",
+             "train.global_batch=8", "model.seq_len=64"]  # fmt: skip
+    hw = {}
+    for k in (2, 4):
+        lay = Layout(config.load(None, [*shape, f"model.moe_topk={k}"]), parse_mesh("fsdp=8", 8), CPU)
+        model, layers, head = compute_flops(lay)
+        hw[k] = (model, layers + head)
+    assert hw[2][0] < hw[4][0] and hw[2][1] == pytest.approx(hw[4][1], rel=1e-9)

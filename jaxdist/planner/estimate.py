@@ -106,7 +106,7 @@ def compute_flops(lay: Layout) -> tuple[float, float, float]:
     layers = (model - head) + (2 * layer_params * tokens if recompute else 0)
     return (
         model,
-        layers / lay.devices + work.padded_expert_flops(lay),
+        layers / lay.devices + work.padded_expert_flops(lay) + work.unchosen_expert_flops(lay),
         head / (mesh["dp"] * mesh["fsdp"] * mesh["ep"] * mesh["tp"] * lay.cp),
     )
 

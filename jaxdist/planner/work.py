@@ -31,6 +31,7 @@ matmul FLOPs per device (docs/planner.md's sweep).
 
 from __future__ import annotations
 
+from jaxdist.models import registry
 from jaxdist.planner.layout import Layout, param_table
 from jaxdist.planner.state_memory import gathered_per_layer, grad_bytes, optimizer_bytes, param_bytes
 
@@ -74,8 +75,21 @@ def padded_expert_flops(lay: Layout) -> float:
     rounding of a local expert's ep·N·K/E rows up to chunks of 2·N·K/E (exactly one whole extra share at
     ep=1). 0 for a dense model or the capacity dispatch, whose slots are fixed."""
     m = lay.cfg.model
-    if not m.moe_experts or m.moe_dispatch != "dropless":
+    if not m.moe_experts or m.moe_dispatch != "dropless" or registry.of(m).dense_experts:
         return 0.0
     routed = sum(g.size for g in param_table(m) if g.role == "layer" and "expert" in g.names)
     tokens = lay.cfg.train.global_batch * m.seq_len
     return 6 * routed * m.moe_topk / m.moe_experts * tokens / lay.mesh["ep"] / lay.devices
+
+
+def unchosen_expert_flops(lay: Layout) -> float:
+    """Hardware FLOPs per device per step of the experts a token did not choose, where every token runs
+    through every expert (registry `dense_experts`: gpt-oss, weighted 0): the routed experts' training
+    FLOPs (6 per parameter and token, +2 recomputed) times (E - K) / E, beyond the model FLOPs' K / E."""
+    m = lay.cfg.model
+    if not m.moe_experts or not registry.of(m).dense_experts:
+        return 0.0
+    routed = sum(g.size for g in param_table(m) if g.role == "layer" and "expert" in g.names)
+    passes = 8 if m.remat == "full" or lay.mesh["pp"] > 1 else 6
+    tokens = lay.cfg.train.global_batch * m.seq_len
+    return passes * routed * (m.moe_experts - m.moe_topk) / m.moe_experts * tokens / lay.devices
