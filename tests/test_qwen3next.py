@@ -165,6 +165,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
         (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
         (["model.full_attention_interval=3"], "full_attention_interval=3"),
         (["model.qk_norm=true"], "qk_norm"),
+        (["data.document_mask=true"], "data.document_mask=true .*not on chat data"),  # chat data's loop ends here
     ],
 )
 def test_refusals_are_one_line(overrides, named):

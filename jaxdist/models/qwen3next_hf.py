@@ -270,6 +270,12 @@ def check(cfg, sizes: dict) -> None:
         )
     if int(m.head_dim * m.rope_fraction) % 2:
         raise JaxdistError(f"model.rope_fraction={m.rope_fraction} x head_dim={m.head_dim} must be an even width")
+    if cfg.data.document_mask:  # refused here, at start-up, rather than by the model once traced
+        raise JaxdistError(
+            "data.document_mask=true (packed documents; prepare --chat data needs it) is not supported by "
+            "model.family=qwen3_next yet: its linear-attention state would run from one document into the next; "
+            "train it on unpacked text (data.document_mask=false), not on chat data"
+        )
     extra = [t for t in cfg.lora.targets if t not in ("q", "k", "v", "o")] if cfg.lora.rank else []
     if extra:
         raise JaxdistError(
