@@ -22,6 +22,7 @@ from jaxdist import config
 from jaxdist.config import Config
 from jaxdist.distributed.platform import setup_platform
 from jaxdist.errors import JaxdistError
+from jaxdist.models import registry as _models  # noqa: F401  (declares each family's LoRA layout: adapters/layout.py)
 from jaxdist.training.state import RunResult
 
 __all__ = ["JaxdistError", "RunResult", "config", "run", "setup_platform"]

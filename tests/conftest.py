@@ -376,8 +376,8 @@ def assert_qlora_trains(
     block_size: int = 8,
     also: tuple[str, ...] = (),
 ):
-    """QLoRA (an NF4 base, r=4 on the architecture's attention `targets`) from the Hugging Face base `fixture` on
-    `mesh_text`, one compiled train step run `steps` times on learnable rows: the loss falls; every adapted
+    """QLoRA (an NF4 base, r=4 on the architecture's `targets`: attention, and gate/up/down on routed experts
+    over their bfloat16 weights) from the Hugging Face base `fixture` on `mesh_text`, one compiled train step run `steps` times on learnable rows: the loss falls; every adapted
     matrix is stored as packed NF4 codes (uint8, half the entries) with float32 scales, everything else
     frozen in bfloat16 (experts included) and bit-identical after training; only the adapters moved; the
     trained adapters export to exactly the keys, shapes and dtype of the peft-made adapter of the same
@@ -407,7 +407,10 @@ def assert_qlora_trains(
     state = prog.state_from_params(base)
     flat = flat_params(state.params)
     codes = {k: v for k, v in flat.items() if k[:-2] + f"{SCALE}']" in flat}
-    assert {k.split("'")[-2] for k in codes} == {TARGETS[t][1] for t in targets.split(",")} | set(also)
+    experts = ("gate", "up", "down")  # the routed experts' targets: their weights stay bfloat16
+    assert {k.split("'")[-2] for k in codes} == {TARGETS[t][1] for t in targets.split(",") if t not in experts} | set(
+        also
+    )
     assert all(v.dtype == np.uint8 for v in codes.values())
     named = flat_params(base)
     assert all(named[k].size == 2 * v.size for k, v in codes.items())  # two NF4 codes per byte

@@ -178,11 +178,28 @@ def test_what_is_not_supported_is_one_line(tmp_path, edit, named):
             "pipeline.schedule=1f1b does not run model.family=gpt_oss: .*gpipe",
         ),
         (["mesh.shape=cp=2,fsdp=4"], "mesh cp=2 is not supported by model.family=gpt_oss"),
-        (["lora.rank=4"], r"lora.targets names gate, up, down: .*set lora.targets=\[q,k,v,o\]"),
     ],
 )
 def test_refusals_are_one_line(overrides, named):
     assert_refused_in_one_line(FIXTURE, overrides, named)
+
+
+@pytest.mark.parametrize(
+    "targets, named",
+    [
+        ("q,k,v,o,q_a", r"names q_a, .*set lora.targets=\[q,k,v,o,gate,up,down\]"),
+        ("q,gate,down", "names one of gate and up: .*fused parameter"),
+    ],
+)
+def test_lora_targets_it_lacks_are_one_line(targets, named):
+    """The trainer's and planner's start-up check (objectives/refusals.py) names the targets gpt-oss's layers do
+    not carry, and gate without up (one fused expert parameter, which peft adapts whole)."""
+    from jaxdist.objectives import refusals
+
+    cfg = mapping.hf_config(None, ["lora.rank=4", f"lora.targets=[{targets}]"], FIXTURE, SHARDED)
+    with pytest.raises(JaxdistError, match=named) as e:
+        refusals.check_sizes(cfg, {"fsdp": 2, "ep": 2, "tp": 2})
+    assert "\n" not in str(e.value)
 
 
 PUBLISHED_20B = {  # https://huggingface.co/openai/gpt-oss-20b/raw/main/config.json
@@ -237,7 +254,8 @@ PEFT_FIXTURE = FIXTURE.parent / "lora_peft_gpt_oss"  # scripts/fixtures/make_lor
 
 @pytest.fixture(scope="module")
 def lora_peft():
-    """peft's adapter (random A and B on q/k/v/o_proj, r=4) read onto the imported float32 base on the
+    """peft's adapter (random A and B, r=4, on q/k/v/o_proj and the experts' gate_up_proj and down_proj) read onto
+    the imported float32 base on the
     sharded mesh; the LoRA program's logits, loss and adapter gradients in one compile; the merged weights."""
     from jaxdist.adapters import tree as adapters
 
@@ -247,35 +265,72 @@ def lora_peft():
 
 
 def test_lora_on_peft_adapter_matches_peft(lora_peft):
-    """A peft-written adapter on gpt-oss's attention (q/k/v/o_proj, biased; sinks, window, YaRN, experts
-    frozen) read onto the base on fsdp=2,ep=2,tp=2: logits equal peft's to 1e-5 of the largest (measured
-    1.3e-6 absolute, |logit| <= 2.9; the adapter moves them by 2.7), the mean next-token cross-entropy to
-    a relative 1e-5, each adapter tensor's gradient norm (relative 1e-5) and gradient . tensor (1e-5 of
-    the largest) torch's; the merged parameters run by the plain model give merge_and_unload()'s logits."""
+    """A peft-written adapter on gpt-oss's attention (q/k/v/o_proj, biased; sinks, window, YaRN) and on its
+    experts (peft's target_parameters: the (E, D, 2F) gate_up_proj, gate and up interleaved, at rank r, and
+    down_proj; a weight-space delta before the clamped SwiGLU) read onto the base on fsdp=2,ep=2,tp=2 (experts
+    split over ep): logits equal peft's to 1e-5 of the largest (the adapter moves them by 2.5), the mean
+    next-token cross-entropy to a relative 1e-5, each adapter tensor's gradient norm (relative 1e-5) and
+    gradient . tensor (1e-5 of the largest) torch's, under peft's key names; the merged parameters run by the
+    plain model give merge_and_unload()'s logits. The expert adapters are not vacuous: without them the
+    logits leave peft's by over 1000x the bound."""
     f = lora_peft
     assert_lora_matches_peft(f, REF["logits"])
     tol = 1e-5 * np.abs(f["ref"]["logits"]).max()
     merged = logits_of(f["model"], f["merged"], f["mesh"])[:1]
     np.testing.assert_allclose(merged, f["ref"]["merged_logits"], atol=tol, rtol=0)
+    # the merged experts alone back to the base's: the attention adapters' logits only, far from peft's
+    base = jax.device_get(f["base"]["blocks"]["mlp"])
+    no_experts = jax.tree.map(np.asarray, jax.device_get(f["merged"]))
+    no_experts["blocks"]["mlp"] = dict(no_experts["blocks"]["mlp"], w_gate_up_EDG=base["w_gate_up_EDG"],
+                                       w_down_EFD=base["w_down_EFD"])  # fmt: skip
+    no_experts = jax.device_put(no_experts, jax.tree.map(lambda a: a.sharding, f["base"]))
+    away = np.abs(logits_of(f["model"], no_experts, f["mesh"])[:1] - f["ref"]["merged_logits"]).max()
+    assert away > 1000 * tol, away
+    print(f"gpt_oss LoRA vs peft: logits {np.abs(f['logits'] - f['ref']['logits']).max():.2g}, "
+          f"merged {np.abs(merged - f['ref']['merged_logits']).max():.2g}, without the experts' adapters {away:.2g} "
+          f"(largest {np.abs(f['ref']['logits']).max():.2g})")  # fmt: skip
 
 
 def test_lora_peft_export_is_peft_file(lora_peft, tmp_path):
-    """jaxdist's PEFT export of the adapters it read is peft's file key for key, bit for bit, and its
-    config names peft's target_modules; peft loads that export onto transformers' gpt-oss to the fixture's
-    logits (`make_lora_peft_moe_fixture.py --load DIR`: measured 0 difference, the same tensors)."""
+    """jaxdist's PEFT export of the adapters it read is peft's file key for key, bit for bit (the experts'
+    nested ParamWrappers included), and its config names peft's target_modules and target_parameters with no
+    rank or alpha pattern; peft loads that export onto transformers' gpt-oss to the fixture's logits
+    (`make_lora_peft_moe_fixture.py --load DIR gpt_oss`: measured 0 difference, the same tensors)."""
 
     from jaxdist.adapters import peft
     from jaxdist.adapters import tree as adapters
 
     f = lora_peft
-    peft.write(tmp_path, jax.device_get(adapters.trainable(f["params"]))["blocks"], f["cfg"].lora)
+    peft.write(tmp_path, jax.device_get(adapters.trainable(f["params"]))["blocks"], f["cfg"].lora, m=f["cfg"].model)
     ours, theirs = assert_export_is_peft_file(tmp_path, PEFT_FIXTURE)
+    assert ours["target_parameters"] == theirs["target_parameters"] == ["gate_up_proj", "down_proj"]
+    assert not ours["rank_pattern"] and not theirs["rank_pattern"] and not ours["alpha_pattern"]
+
+
+def test_adapter_count_and_planner_size_the_experts_adapters(lora_peft):
+    """count_adapter_params is the model's adapter entries (q/k/v/o plus per expert r (D + 2F) for gate_up_proj
+    and r (F + D) for down_proj), and the planner's adapter groups hold that many entries on gpt-oss-20b."""
+    from jaxdist.adapters import tree as adapters
+    from jaxdist.adapters.lora import count_adapter_params
+    from jaxdist.distributed.mesh import parse_mesh
+    from jaxdist.planner import hardware, lora
+    from jaxdist.planner.layout import Layout
+
+    f = lora_peft
+    got = sum(x.size for x in jax.tree.leaves(adapters.trainable(f["params"])))
+    assert got == count_adapter_params(f["cfg"].model, f["cfg"].lora) > 0
+    cfg = config.load("configs/gpt-oss-20b.yaml", ["lora.rank=16"])
+    one = Layout(cfg, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
+    m, r = cfg.model, 16
+    experts = m.num_layers * m.moe_experts * r * ((m.d_model + 2 * m.moe_mlp_dim) + (m.moe_mlp_dim + m.d_model))
+    assert sum(g.size for g in lora.adapter_groups(one)) == count_adapter_params(m, cfg.lora) > experts > 0
 
 
 def test_qlora_nf4_base_trains():
-    """QLoRA on gpt-oss (NF4 attention, bfloat16 experts) on fsdp=2,ep=2,tp=2: conftest.assert_qlora_trains
-    (the loss falls over 4 steps, the base quantised and untouched, the export peft's structure)."""
-    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, [], SHARDED)
+    """QLoRA on gpt-oss (NF4 attention, bfloat16 experts with adapters) on fsdp=2,ep=2,tp=2:
+    conftest.assert_qlora_trains (the loss falls over 4 steps, the base quantised and untouched, the export peft's
+    structure)."""
+    assert_qlora_trains(FIXTURE, PEFT_FIXTURE, [], SHARDED, targets="q,k,v,o,gate,up,down")
 
 
 def test_mxfp4_dequantisation_is_transformers():

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import math
 
-from jaxdist.adapters import quant
-from jaxdist.adapters.lora import TARGETS, block_axis, carried, per_layer_shapes
+from jaxdist.adapters import layout, quant
+from jaxdist.adapters.lora import EXPERTS, TARGETS, block_axis, carried, per_layer_shapes
 from jaxdist.distributed.mesh import axis_size
 from jaxdist.distributed.sharding import logical_to_spec
 from jaxdist.errors import JaxdistError
 
-# why a model's layers lack a target lora.targets names
-WHY = {
-    "deepseek_v3": "DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o, and with gate/up/down "
-    "its routed experts",
-    "moe": "its feed-forward is mixture-of-experts, whose experts take no adapters",
-}
 NAMES = {  # each LoRA-able matrix's logical axes (as the models declare them)
     "wq_DNH": ("embed", "heads", "head_dim"),
     "wk_DKH": ("embed", "kv_heads", "head_dim"),
@@ -43,19 +37,14 @@ def check(cfg, mesh, rules) -> None:
     if [t for t in lo.targets if t not in have]:
         raise JaxdistError(
             f"lora.targets={list(lo.targets)} names {', '.join(t for t in lo.targets if t not in have)}, which "
-            f"this model's layers do not have ({WHY.get(m.family, WHY['moe'])}); set lora.targets=[{','.join(have)}]"
+            f"this model's layers do not have ({layout.of(m).why}); set lora.targets=[{','.join(have)}]"
         )
     _fused_pair(lo, m)
     if mesh.shape.get("cp", 1) > 1:
         raise JaxdistError(
             "lora.rank > 0 with cp > 1: LoRA is not supported with context parallelism yet; use dp/fsdp/tp/pp"
         )
-    shapes = per_layer_shapes(m)
-    widest = min(
-        min(math.prod(shapes[weight][:n_in]), math.prod(shapes[weight][n_in:]))
-        for target, (_, weight, n_in) in TARGETS.items()
-        if target in lo.targets
-    )
+    shapes, widest = per_layer_shapes(m), _widest(lo, m)
     if lo.rank > widest:
         raise JaxdistError(
             f"lora.rank={lo.rank} exceeds {widest}, the smaller side of the smallest adapted matrix: a rank above "
@@ -88,18 +77,33 @@ def check(cfg, mesh, rules) -> None:
     )
 
 
+def _widest(lo, m) -> int:
+    """The smaller side of the smallest adapted matrix (a routed expert's (D, F) or (F, D) for gate/up/down)."""
+    shapes = per_layer_shapes(m)
+    if layout.of(m).experts and m.moe_experts:
+        F = m.moe_mlp_dim or m.mlp_dim
+        shapes = shapes | {"w_gate_DF": (m.d_model, F), "w_up_DF": (m.d_model, F), "w_down_FD": (F, m.d_model)}
+    return min(
+        min(math.prod(shapes[weight][:n_in]), math.prod(shapes[weight][n_in:]))
+        for target, (_, weight, n_in) in TARGETS.items()
+        if target in lo.targets
+    )
+
+
 def quantised(m, have) -> list[str]:
-    """The layer matrices QLoRA stores as int8 / NF4 blocks: the carried targets' and DeepSeek-V3's dense
-    layers' MLP (it has scale slots like every matrix lora.TARGETS names)."""
-    out = [w for _, w, _ in (TARGETS[t] for t in have)]
-    if m.family == "deepseek_v3" and (m.dense_layers or not m.moe_experts):
+    """The layer matrices QLoRA stores as int8 / NF4 blocks: the carried targets' (routed experts stay in
+    bfloat16) and a dense first stack's MLP (DeepSeek-V3's: it has scale slots like every matrix lora.TARGETS
+    names)."""
+    lay = layout.of(m)
+    out = [TARGETS[t][1] for t in have if not (lay.experts and m.moe_experts and t in EXPERTS)]
+    if lay.dense_first and (m.dense_layers or not m.moe_experts):
         out += ["w_gate_DF", "w_up_DF", "w_down_FD"]
-    return out
+    return list(dict.fromkeys(out))
 
 
 def _fused_pair(lo, m) -> None:
-    if m.family == "deepseek_v3" and ("gate" in lo.targets) != ("up" in lo.targets):
+    if layout.of(m).experts and m.moe_experts and ("gate" in lo.targets) != ("up" in lo.targets):
         raise JaxdistError(
-            f"lora.targets={list(lo.targets)} names one of gate and up: DeepSeek-V3's routed experts hold them as one "
+            f"lora.targets={list(lo.targets)} names one of gate and up: this model's routed experts hold them as one "
             "fused parameter (transformers' experts.gate_up_proj, which peft adapts whole); name both or neither"
         )

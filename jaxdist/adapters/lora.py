@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.adapters import quant
+from jaxdist.adapters import layout, quant
 from jaxdist.distributed.sharding import constrain, current_rules
 from jaxdist.parallel.matmul import fp8_frozen_matmul, fp8_mode, token_matmul, weight_matmul
 
@@ -39,8 +39,11 @@ TARGETS = {
 IN_DIMS = {w: n for _, w, n in TARGETS.values()}
 ATTENTION = ("q", "k", "v", "o")
 MLA = ("q_a", "q_b", "kv_a", "kv_b", "o")
-EXPERTS = ("gate", "up", "down")  # on DeepSeek-V3: its routed experts (peft's target_parameters), see attach_experts
-GATE_UP = "w_gate_up_EDF"  # the adapter of the fused gate/up expert parameter (transformers' experts.gate_up_proj)
+EXPERTS = ("gate", "up", "down")  # on routed experts (layout.experts): peft's target_parameters, see attach_experts
+GATE_UP = (
+    "w_gate_up_EDF"  # the adapter of split gate/up experts as peft fuses them (transformers' experts.gate_up_proj)
+)
+FUSED = "w_gate_up_EDG"  # a fused (E, D, 2F) gate/up expert weight, gate and up interleaved (gpt-oss), adapted whole
 A, B, SCALE = "_lora_a", "_lora_b", "_scale"
 RANK = "lora_rank"  # the adapters' own logical axis (replicated by default)
 
@@ -59,12 +62,14 @@ def scaling(lora) -> float:
 
 
 def carried(m) -> tuple[str, ...]:
-    """The targets a model's layers carry: the seven, or the attention's four where the feed-forward is
-    experts (gpt-oss: every layer MoE; the experts take no adapters); DeepSeek-V3: MLA's projections
-    (q_a and q_b, or q without a q rank; kv_a, kv_b, o)."""
-    if m.family == "deepseek_v3":
-        return (*(MLA if m.mla_q_rank else ("q", *MLA[2:])), *(EXPERTS if m.moe_experts else ()))
-    return ATTENTION if m.moe_experts else tuple(t for t in TARGETS if t not in MLA[:4])
+    """The targets a model's layers carry (its registry entry's `layout.LoraLayout`): the seven, or the
+    attention's four where the feed-forward is experts without adapters; MLA's projections (q_a and q_b, or q
+    without a q rank; kv_a, kv_b, o) for MLA; gate/up/down on the routed experts where they take adapters."""
+    lay = layout.of(m)
+    attention = (MLA if m.mla_q_rank else ("q", *MLA[2:])) if lay.mla else ATTENTION
+    if lay.experts:  # gate/up/down name the routed experts: none without experts (DeepSeek-V3's dense MLP)
+        return (*attention, *(EXPERTS if m.moe_experts else ()))
+    return (*attention, *(() if m.moe_experts else EXPERTS))
 
 
 def attach(block, lora, rngs: nnx.Rngs) -> None:
@@ -85,7 +90,7 @@ def attach(block, lora, rngs: nnx.Rngs) -> None:
             axis = block_axis(weight) % len(shape)
             sshape = shape[:axis] + (shape[axis] // lora.block_size,) + shape[axis + 1 :]
             setattr(module, weight + SCALE, _param(jnp.ones(sshape, jnp.float32), names))
-    experts = getattr(block, "lora_experts", False)  # DeepSeek-V3: gate/up/down name the routed experts
+    experts = getattr(block, "lora_experts", False)  # DeepSeek-V3, gpt-oss: gate/up/down name the routed experts
     for target in lora.targets:
         part, weight, n_in = TARGETS[target]
         module = getattr(block, part)
@@ -99,26 +104,36 @@ def attach(block, lora, rngs: nnx.Rngs) -> None:
         setattr(module, weight + A, _param(a, (*names[:n_in], RANK)))
         setattr(module, weight + B, _param(jnp.zeros((lora.rank, *shape[n_in:]), jnp.float32), (RANK, *names[n_in:])))
 
-    if experts and hasattr(block.mlp, "w_gate_EDF") and set(EXPERTS) & set(lora.targets):
+    if experts and hasattr(block.mlp, "w_down_EFD") and set(EXPERTS) & set(lora.targets):
         attach_experts(block.mlp, lora, rngs)
 
 
-def expert_scales(lora) -> tuple[float, float]:
-    """(gate/up, down) factors of the expert adapters as peft 0.21.2 sets them: its v4 -> v5 conversion makes
-    gate_proj + up_proj one adapter on the fused gate_up_proj of rank 2r and alpha 2 alpha (rsLoRA: 2 alpha /
-    sqrt(2r)); down_proj keeps r and alpha."""
+def expert_scales(lora, fused: bool = False) -> tuple[float, float]:
+    """(gate/up, down) factors of the expert adapters as peft 0.21.2 sets them. Split gate and up (DeepSeek-V3):
+    its v4 -> v5 conversion makes gate_proj + up_proj one adapter on the fused gate_up_proj of rank 2r and
+    alpha 2 alpha (rsLoRA: 2 alpha / sqrt(2r)). A `fused` gate/up weight (gpt-oss) is targeted as it is: r,
+    alpha. down_proj keeps r and alpha."""
+    if fused:
+        return scaling(lora), scaling(lora)
     r, alpha = 2 * lora.rank, 2 * lora.alpha
     return alpha / (math.sqrt(r) if lora.rslora else r), scaling(lora)
 
 
 def attach_experts(module, lora, rngs: nnx.Rngs) -> None:
-    """Adapters on an MoE module's routed experts, as peft's ParamWrapper holds them per expert e: gate and up
-    share A_e (D, 2r) and B_e (2r, 2, F) gives both halves (HF's gate_up_proj rows: gate then up); down
-    A_e (F, r), B_e (r, D). A uniform +-1/sqrt(fan-in), B zero. `expert_weights` adds them to the weights."""
-    E, D, F = module.w_gate_EDF[...].shape
+    """Adapters on an MoE module's routed experts, as peft's ParamWrapper holds them per expert e. Split gate
+    and up weights (w_gate_EDF, w_up_EDF): they share A_e (D, 2r) and B_e (2r, 2, F) gives both halves (HF's
+    gate_up_proj rows: gate then up). A fused (E, D, 2F) w_gate_up_EDG: A_e (D, r), B_e (r, 2F) in the weight's
+    own column order (gpt-oss's interleaved gate/up). down A_e (F, r), B_e (r, D). A uniform +-1/sqrt(fan-in),
+    B zero. `expert_weights` adds them to the weights."""
+    fused = hasattr(module, FUSED)
+    E, F, D = module.w_down_EFD[...].shape
     r = lora.rank
-    module.lora_experts = expert_scales(lora)  # static: marks the experts as adapted
-    if "gate" in lora.targets:  # with up (adapters.checks)
+    module.lora_experts = expert_scales(lora, fused)  # static: marks the experts as adapted
+    if "gate" in lora.targets and fused:  # with up (adapters.checks)
+        a = jax.random.uniform(rngs.params(), (E, D, r), jnp.float32, -(D**-0.5), D**-0.5)
+        setattr(module, FUSED + A, _param(a, ("expert", "embed", RANK)))
+        setattr(module, FUSED + B, _param(jnp.zeros((E, r, 2 * F)), ("expert", RANK, "mlp")))
+    elif "gate" in lora.targets:
         a = jax.random.uniform(rngs.params(), (E, D, 2 * r), jnp.float32, -(D**-0.5), D**-0.5)
         setattr(module, GATE_UP + A, _param(a, ("expert", "embed", RANK)))
         setattr(module, GATE_UP + B, _param(jnp.zeros((E, 2 * r, 2, F)), ("expert", RANK, None, "mlp")))
@@ -148,6 +163,28 @@ def expert_weights(module):
         d = jnp.einsum("efr,erd->efd", a.astype(jnp.float32), b.astype(jnp.float32)) * scales[1]
         wd = constrain((wd.astype(jnp.float32) + d).astype(wd.dtype), ("expert", "mlp", "embed"))
     return wg, wu, wd
+
+
+def fused_expert_weights(module):
+    """A fused-gate/up MoE module's (gate_up (E, D, 2F), down (E, F, D)) expert weights: as stored, or with
+    expert adapters the frozen weights plus each expert's scale * A_e B_e (peft's ParamWrapper delta, in the
+    weights' own layout)."""
+    wgu, wd = module.w_gate_up_EDG[...], module.w_down_EFD[...]
+    scales = getattr(module, "lora_experts", None)
+    if scales is None:
+        return wgu, wd
+    out = []
+    for name, w, scale, names in (
+        (FUSED, wgu, scales[0], ("expert", "embed", "mlp")),
+        ("w_down_EFD", wd, scales[1], ("expert", "mlp", "embed")),
+    ):
+        w = jax.lax.stop_gradient(w)
+        if hasattr(module, name + A):
+            a, b = getattr(module, name + A)[...], getattr(module, name + B)[...]
+            d = jnp.einsum("eir,ero->eio", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+            w = constrain((w.astype(jnp.float32) + d).astype(w.dtype), names)
+        out.append(w)
+    return out[0], out[1]
 
 
 def _param(value, names) -> nnx.Param:
@@ -186,18 +223,21 @@ KEEP_DTYPE = frozenset(w + SCALE for w in IN_DIMS)
 
 
 def count_adapter_params(m, lora) -> int:
-    """Adapter parameters: rank x (fan-in + fan-out) per targeted matrix and layer (DeepSeek-V3's experts: per
-    expert and MoE layer, 2r x (D + 2F) for gate/up and r x (F + D) for down)."""
+    """Adapter parameters: rank x (fan-in + fan-out) per targeted matrix and layer (routed experts: per expert
+    and MoE layer, r x (F + D) for down and for gate/up 2r x (D + 2F) split (DeepSeek-V3), r x (D + 2F) fused
+    (gpt-oss))."""
     shapes = per_layer_shapes(m)
     total, r = 0, lora.rank
-    if m.family == "deepseek_v3" and m.moe_experts:
+    lay = layout.of(m)
+    if lay.experts and m.moe_experts:
         E, D, Fe, sparse = (
             m.moe_experts,
             m.d_model,
             m.moe_mlp_dim or m.mlp_dim,
-            m.num_layers - min(m.dense_layers, m.num_layers),
+            m.num_layers - (min(m.dense_layers, m.num_layers) if lay.dense_first else 0),
         )
-        per = 2 * r * (D + 2 * Fe) * ("gate" in lora.targets) + r * (Fe + D) * ("down" in lora.targets)
+        gate_up = (1 if lay.experts == "fused" else 2) * r * (D + 2 * Fe)
+        per = gate_up * ("gate" in lora.targets) + r * (Fe + D) * ("down" in lora.targets)
         experts = E * per * sparse
     else:
         experts = 0
@@ -213,14 +253,14 @@ def count_adapter_params(m, lora) -> int:
 def adapted_layers(m) -> int:
     """The layers that carry the targets: all, or Qwen3-Next's full-attention ones (one per group of
     `full_attention_interval`; its DeltaNet layers have no q/k/v/o)."""
-    return m.num_layers // m.full_attention_interval if m.family == "qwen3_next" else m.num_layers
+    return m.num_layers // m.full_attention_interval if layout.of(m).grouped else m.num_layers
 
 
 def per_layer_shapes(m) -> dict[str, tuple[int, ...]]:
     D, N, K, H, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
-    if m.family == "deepseek_v3":
+    if layout.of(m).mla:
         return mla_shapes(m)
-    gate = 2 if m.family == "qwen3_next" else 1  # Qwen3-Next's gated attention: q_proj gives q and a gate per head
+    gate = 2 if layout.of(m).grouped else 1  # Qwen3-Next's gated attention: q_proj gives q and a gate per head
     return {
         "wq_DNH": (D, N, gate * H),
         "wk_DKH": (D, K, H),

@@ -18,7 +18,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from jaxdist.adapters.lora import EXPERTS, GATE_UP, IN_DIMS, TARGETS, A, B, per_layer_shapes
+from jaxdist.adapters import layout
+from jaxdist.adapters.lora import EXPERTS, FUSED, GATE_UP, IN_DIMS, TARGETS, A, B, per_layer_shapes
 from jaxdist.errors import JaxdistError
 
 MODULES = {  # lora.targets name -> the HF module path (its last part: peft's target_modules entry)
@@ -38,9 +39,9 @@ WEIGHT_MODULES = {w: MODULES[t] for t, (_, w, _) in TARGETS.items()}  # each ada
 
 
 def dense_offset(m) -> int:
-    """HF's number of the MoE stack's first layer: DeepSeek-V3's `dense_layers` (its dense first layers are
-    the `dense_blocks` stack, HF layers 0..k-1), else 0."""
-    if m is None or m.family != "deepseek_v3" or not m.moe_experts:
+    """HF's number of the MoE stack's first layer: `dense_layers` where the layout has a dense first stack
+    (DeepSeek-V3's `dense_blocks`, HF layers 0..k-1), else 0."""
+    if m is None or not layout.of(m).dense_first or not m.moe_experts:
         return 0
     return min(m.dense_layers, m.num_layers)
 
@@ -81,28 +82,30 @@ def adapter_tensors(blocks: dict, lora, dtype=np.float32, m=None, dense: dict | 
     return out
 
 
-def _expert_names(mlp_has_gate_up: bool, mlp_has_down: bool) -> dict[str, str]:
+def _expert_names(mlp_has_gate_up: bool, mlp_has_down: bool, gate_up: str = GATE_UP) -> dict[str, str]:
     """peft's module paths of the expert adapters: one ParamWrapper per targeted parameter, nested, gate_up_proj
-    the inner one (`base_layer`) when down_proj is adapted too (peft 0.21.2's file for DeepSeek-V3)."""
+    the inner one (`base_layer`) when down_proj is adapted too (peft 0.21.2's files for DeepSeek-V3 and gpt-oss).
+    `gate_up`: the adapter's name, GATE_UP (split gate/up weights) or FUSED (a fused weight)."""
     out = {}
     if mlp_has_gate_up:
-        out[GATE_UP] = "mlp.experts.base_layer" if mlp_has_down else "mlp.experts"
+        out[gate_up] = "mlp.experts.base_layer" if mlp_has_down else "mlp.experts"
     if mlp_has_down:
         out["w_down_EFD"] = "mlp.experts"
     return out
 
 
 def _expert_tensors(mlp: dict, first: int, dtype) -> dict[str, np.ndarray]:
-    """DeepSeek-V3's routed-expert adapters as peft's ParamWrapper stores them, per layer: lora_A (r E, in) with
-    expert e's A_e in rows e r..(e+1) r, lora_B (out, r E) with B_e in columns k E + e (gate_up: out = 2F,
-    gate's rows then up's; in = D. down: in = F, out = D)."""
-    names = _expert_names(GATE_UP + A in mlp, "w_down_EFD" + A in mlp)
+    """Routed-expert adapters as peft's ParamWrapper stores them, per layer: lora_A (r E, in) with expert e's A_e
+    in rows e r..(e+1) r, lora_B (out, r E) with B_e in columns k E + e (gate_up: in = D, out = 2F, split: gate's
+    rows then up's at rank 2r, fused: the weight's own interleaved columns at rank r; down: in = F, out = D)."""
+    gate_up = FUSED if FUSED + A in mlp else GATE_UP
+    names = _expert_names(gate_up + A in mlp, "w_down_EFD" + A in mlp, gate_up)
     out = {}
     for weight, path in names.items():
         a, b = np.asarray(mlp[weight + A]), np.asarray(mlp[weight + B])
         for g in range(a.shape[0]):
             E, n_in, r = a[g].shape
-            bg = b[g].reshape(E, r, -1)  # gate_up's (2, F) -> 2F
+            bg = b[g].reshape(E, r, -1)  # split gate_up's (2, F) -> 2F
             name = f"base_model.model.model.layers.{first + g}.{path}"
             out[f"{name}.lora_A.weight"] = np.ascontiguousarray(
                 a[g].transpose(0, 2, 1).reshape(E * r, n_in).astype(dtype)
@@ -113,9 +116,10 @@ def _expert_tensors(mlp: dict, first: int, dtype) -> dict[str, np.ndarray]:
 
 def _read_experts(tensors: dict, m, r: int, targets: list[str], adapter_dir) -> dict:
     """The inverse of `_expert_tensors` for every MoE layer: the `blocks` stack's mlp adapters."""
-    names = _expert_names("gate" in targets, "down" in targets)
+    fused = layout.of(m).experts == "fused"
+    names = _expert_names("gate" in targets, "down" in targets, FUSED if fused else GATE_UP)
     E, D, F = m.moe_experts, m.d_model, m.moe_mlp_dim or m.mlp_dim
-    shapes = {GATE_UP: (2 * r, D, 2 * F), "w_down_EFD": (r, F, D)}  # rank, in, out
+    shapes = {GATE_UP: (2 * r, D, 2 * F), FUSED: (r, D, 2 * F), "w_down_EFD": (r, F, D)}  # rank, in, out
     mlp: dict = {}
     for weight, path in names.items():
         rank, n_in, n_out = shapes[weight]
@@ -136,7 +140,7 @@ def _read_experts(tensors: dict, m, r: int, targets: list[str], adapter_dir) -> 
 
 
 def _expert_keys(m, targets) -> set[str]:
-    if m.family != "deepseek_v3" or not m.moe_experts:
+    if not layout.of(m).experts or not m.moe_experts:
         return set()
     paths = _expert_names("gate" in targets, "down" in targets).values()
     return {
@@ -151,13 +155,13 @@ def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
     """(stack, submodule, weight, HF layers) of every adapted matrix `targets` give this model, in the order
     of `targets`: DeepSeek-V3's MLA in its dense first layers (`dense_blocks`, HF 0..k-1) and its MoE ones
     (`blocks`, HF k..); Qwen3-Next's attention in its full-attention layers; every other family's in every layer."""
-    k = dense_offset(m)
+    k, lay = dense_offset(m), layout.of(m)
     out = []
     for target in targets:
         part, weight, _ = TARGETS[target]
-        if m.family == "deepseek_v3" and m.moe_experts and target in EXPERTS:
+        if lay.experts and m.moe_experts and target in EXPERTS:
             continue  # the routed experts: _expert_keys / _read_experts
-        if m.family != "deepseek_v3":
+        if not lay.dense_first:
             out.append(("blocks", part, weight, carriers(m)))
             continue
         out += [("dense_blocks", part, weight, list(range(k)))] if k else []
@@ -168,7 +172,7 @@ def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
 def carriers(m) -> list[int]:
     """The HF layers whose projections take adapters: all, or Qwen3-Next's full-attention ones (the
     last of each group of `full_attention_interval`)."""
-    if m.family == "qwen3_next":
+    if layout.of(m).grouped:
         n = m.full_attention_interval
         return [i for i in range(m.num_layers) if i % n == n - 1]
     return list(range(m.num_layers))
@@ -176,14 +180,16 @@ def carriers(m) -> list[int]:
 
 def adapter_config(lora, base_model: str = "", revision: str | None = None, m=None) -> dict:
     """`base_model_name_or_path` (a Hub id or a folder) and `revision` are what
-    `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the base from. DeepSeek-V3's expert targets are
-    written as peft saves them: target_parameters gate_up_proj (rank 2r, alpha 2 alpha) and down_proj."""
-    if m is not None and m.family == "deepseek_v3" and m.moe_experts and set(EXPERTS) & set(lora.targets):
+    `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the base from. Expert targets are written as peft
+    saves them: target_parameters gate_up_proj (split gate/up, DeepSeek-V3: rank 2r, alpha 2 alpha; fused,
+    gpt-oss: r, alpha) and down_proj."""
+    experts = layout.of(m).experts if m is not None and m.moe_experts else ""
+    if experts and set(EXPERTS) & set(lora.targets):
         fused = [
             *(["gate_up_proj"] if "gate" in lora.targets else []),
             *(["down_proj"] if "down" in lora.targets else []),
         ]
-        pattern = {".*\\.gate_up_proj": 2} if "gate" in lora.targets else {}
+        pattern = {".*\\.gate_up_proj": 2} if "gate" in lora.targets and experts == "split" else {}
         plain = [t for t in lora.targets if t not in EXPERTS]
         return adapter_config(dataclasses.replace(lora, targets=plain), base_model, revision) | {
             "target_parameters": fused,
@@ -262,7 +268,7 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
             "lora_bias",
             "exclude_modules",
         )
-        if conf.get(k) and not (k in FUSED_KEYS and m.family == "deepseek_v3")
+        if conf.get(k) and not (k in FUSED_KEYS and layout.of(m).experts == "split")
     ]
     special += [f"bias={conf['bias']}"] if conf.get("bias", "none") != "none" else []
     if conf.get("peft_type") != "LORA" or unknown or special:
@@ -305,7 +311,7 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
             a.append(ta.T.reshape(*shape[:n_in], r))
             b.append(tb.T.reshape(r, *shape[n_in:]))
         unit = tree.setdefault(stack, {})
-        if m.family == "qwen3_next":  # the group's full-attention layer
+        if layout.of(m).grouped:  # the group's full-attention layer
             unit = unit.setdefault("layers", {}).setdefault(m.full_attention_interval - 1, {})
         unit.setdefault(part, {})[weight + A] = np.stack(a).astype(np.float32)
         unit[part][weight + B] = np.stack(b).astype(np.float32)
@@ -315,17 +321,19 @@ def read_tree(adapter_dir: Path, m) -> tuple[dict, dict]:
     return lora | ({"rslora": True} if conf.get("use_rslora") else {}), tree
 
 
-FUSED_KEYS = ("rank_pattern", "alpha_pattern")  # peft's own, for DeepSeek-V3's fused gate_up_proj (_fused_targets)
+FUSED_KEYS = ("rank_pattern", "alpha_pattern")  # peft's own, for split gate/up experts' gate_up_proj (_fused_targets)
 
 
 def _fused_targets(conf: dict, m, r: int, adapter_dir) -> list[str]:
-    """DeepSeek-V3's expert targets from peft's target_parameters (gate_up_proj -> gate, up; down_proj -> down),
-    with exactly the rank and alpha patterns peft's conversion gives gate_up_proj (2r, 2 alpha); anything else
-    peft targets by parameter, or another pattern, is refused in one line."""
+    """The expert targets from peft's target_parameters (gate_up_proj -> gate, up; down_proj -> down), with
+    exactly the rank and alpha patterns peft's conversion gives split gate/up experts' gate_up_proj (DeepSeek-V3:
+    2r, 2 alpha; none for a fused one, gpt-oss); anything else peft targets by parameter, or another pattern, is
+    refused in one line."""
     fused = conf.get("target_parameters") or []
-    want = {".*\\.gate_up_proj": 2} if "gate_up_proj" in fused else {}
+    experts = layout.of(m).experts if m.moe_experts else ""
+    want = {".*\\.gate_up_proj": 2} if "gate_up_proj" in fused and experts == "split" else {}
     rank, alpha = conf.get("rank_pattern") or {}, conf.get("alpha_pattern") or {}
-    ok = m.family == "deepseek_v3" and m.moe_experts and set(fused) <= {"gate_up_proj", "down_proj"}
+    ok = bool(experts) and set(fused) <= {"gate_up_proj", "down_proj"}
     if (
         fused
         and not ok
@@ -336,8 +344,9 @@ def _fused_targets(conf: dict, m, r: int, adapter_dir) -> list[str]:
     ):
         raise JaxdistError(
             f"{adapter_dir}: target_parameters={fused}, rank_pattern={rank}, alpha_pattern={alpha}: jaxdist reads "
-            "peft's fused-expert adapters of DeepSeek-V3 only (gate_up_proj at rank 2r, alpha 2 alpha; down_proj), "
-            "and no other per-module rank or alpha; is it an adapter for this base model?"
+            "peft's expert adapters (gate_up_proj, down_proj) of models whose experts take them, DeepSeek-V3's "
+            "gate_up_proj at rank 2r, alpha 2 alpha, and no other per-module rank or alpha; is it an adapter for "
+            "this base model?"
         )
     return [*(["gate", "up"] if "gate_up_proj" in fused else []), *(["down"] if "down_proj" in fused else [])]
 

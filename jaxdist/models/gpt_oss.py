@@ -123,13 +123,12 @@ class Experts(nnx.Module):
         idx_BTK, gate_BTK = moe.route(logits_BTE, self.topk, "softmax", True)
         onehot_BTKE = jax.nn.one_hot(idx_BTK, E, dtype=jnp.float32)
         w_BTE = jnp.einsum("btke,btk->bte", onehot_BTKE, gate_BTK).astype(dt)
-        h_BTEG = jnp.einsum("btd,edg->bteg", x_BTD, self.w_gate_up_EDG[...].astype(dt)) + self.b_gate_up_EG[...].astype(
-            dt
-        )
+        w_EDG, w_EFD = lora_mod.fused_expert_weights(self)  # with expert adapters (LoRA): base + delta
+        h_BTEG = jnp.einsum("btd,edg->bteg", x_BTD, w_EDG.astype(dt)) + self.b_gate_up_EG[...].astype(dt)
         h_BTEF2 = h_BTEG.reshape(*h_BTEG.shape[:-1], -1, 2)
         gate, up = jnp.minimum(h_BTEF2[..., 0], self.limit), jnp.clip(h_BTEF2[..., 1], -self.limit, self.limit)
         a_BTEF = (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
-        y_BTD = jnp.einsum("btef,efd->btd", a_BTEF * w_BTE[..., None], self.w_down_EFD[...].astype(dt))
+        y_BTD = jnp.einsum("btef,efd->btd", a_BTEF * w_BTE[..., None], w_EFD.astype(dt))
         y_BTD = y_BTD + jnp.einsum("bte,ed->btd", w_BTE, self.b_down_ED[...].astype(dt))
         counts_BE = onehot_BTKE.sum((1, 2))
         lb = moe.balance_loss_sum(counts_BE, logits_BTE, self.topk, "softmax")
@@ -146,6 +145,8 @@ class Experts(nnx.Module):
 
 class Block(nnx.Module):
     """x + attn(norm(x)), then x + experts(norm(x)); `consts` = this layer's window (None: full)."""
+
+    lora_experts = True  # LoRA's gate/up/down targets are the experts' gate_up_proj and down_proj (as peft's)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm, self.attn = decoder_layers.RMSNorm(cfg.d_model, cfg.norm_eps, rngs), Attention(cfg, rngs)

@@ -6,8 +6,8 @@ attention term of FLOPs per token.
 
 MXFP4 experts (`quantization_config` mxfp4, the published checkpoints) are de-quantised on import
 (hf/mxfp4.py). Refused in one line each: another quantisation method, a `layer_types` other than
-alternating sliding/full, YaRN with an explicit attention_factor / mscale, pp and cp meshes, LoRA on
-anything but q/k/v/o.
+alternating sliding/full, YaRN with an explicit attention_factor / mscale, pp and cp meshes.
+LoRA takes q/k/v/o and the experts (gate/up/down: peft's target_parameters gate_up_proj, down_proj).
 """
 
 from __future__ import annotations
@@ -217,12 +217,6 @@ def check(cfg, sizes: dict) -> None:
     if not m.moe_experts or not m.sliding_window:
         raise JaxdistError(
             "model.family=gpt_oss needs model.moe_experts and model.sliding_window (import a GptOss config.json)"
-        )
-    extra = [t for t in cfg.lora.targets if t not in ("q", "k", "v", "o")] if cfg.lora.rank else []
-    if extra:
-        raise JaxdistError(
-            f"lora.targets names {', '.join(extra)}: gpt-oss's feed-forward is all experts, which take no "
-            f"adapters (peft's target_modules reach q/k/v/o_proj only); set lora.targets=[q,k,v,o]"
         )
 
 

@@ -20,6 +20,8 @@ An entry names, as torchtitan's `ModelSpec` does for its models:
 - `dense_experts` and `dense_first`: how its MoE layers meet the tokens, for the planner (`jaxdist/planner/`):
   every token through every expert, no dispatch (gpt-oss), and how many first layers have a dense MLP
   instead of experts (DeepSeek-V3's `dense_layers`, a stack of their own);
+- `lora`: what LoRA adapts in its layers (`adapters.layout.LoraLayout`: MLA or q/k/v/o, its routed experts
+  and how, a dense first stack), handed to the adapters, a layer below, as this module loads;
 - `planner_gap`: what the planner (`jaxdist/planner/`) does not model for it, its measured miss in
   docs/planner.md; `python -m jaxdist.plan` prints it beside its figures (empty: modelled and checked).
 """
@@ -30,6 +32,8 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
+from jaxdist.adapters import layout
+from jaxdist.adapters.layout import LoraLayout
 from jaxdist.config import ModelConfig
 from jaxdist.errors import JaxdistError
 from jaxdist.models import decoder_hf, deepseek3_hf, deepseek3_rules, gemma3_hf, gpt_oss_hf, qwen3next_hf
@@ -61,6 +65,7 @@ class Architecture:
     hf_tensors: Callable | None = None  # ModelConfig -> every tensor (hf.mapping.Tensor fields); None: from hf_layer
     # (ModelConfig, params, expert loads (L, E)) -> params: a non-gradient update after the optimizer's
     after_step: Callable | None = None
+    lora: LoraLayout = LoraLayout()  # what lora.targets adapt in its layers (adapters/layout.py)
 
     def validate(self, cfg, sizes: dict) -> None:
         """Every refusal of (config, mesh axis sizes) this architecture makes, as a one-line JaxdistError."""
@@ -201,6 +206,13 @@ DEEPSEEK_V3 = Architecture(
     dense_first=deepseek3_rules.dense_count,
     hf_tensors=deepseek3_hf.tensors,
     after_step=deepseek3_rules.after_step,
+    lora=LoraLayout(
+        experts="split",
+        mla=True,
+        dense_first=True,
+        why="DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o, and with gate/up/down its "
+        "routed experts",
+    ),
 )
 
 GPT_OSS = Architecture(
@@ -216,6 +228,10 @@ GPT_OSS = Architecture(
     tabled_pp=gpt_oss_hf.tabled_pp,
     dense_experts=True,
     hf_tensors=gpt_oss_hf.tensors,
+    lora=LoraLayout(
+        experts="fused",
+        why="gpt-oss adapts q, k, v, o and with gate/up/down its experts' fused gate_up_proj and down_proj",
+    ),
 )
 
 QWEN3_NEXT = Architecture(
@@ -238,12 +254,14 @@ QWEN3_NEXT = Architecture(
     check=qwen3next_hf.check,
     refused_axes=(("cp", "the linear-attention recurrence runs over the whole sequence on one device"),),
     hf_tensors=qwen3next_hf.tensors,
+    lora=LoraLayout(grouped=True),
 )
 
 ARCHITECTURES = {a.name: a for a in (DECODER, GEMMA3, DEEPSEEK_V3, GPT_OSS, QWEN3_NEXT)}
 BY_FAMILY = {f: a for a in ARCHITECTURES.values() for f in a.families}
 FAMILIES = {f.name: f for a in ARCHITECTURES.values() for f in a.hf}  # model.family -> hf_spec.Family
 OWNED = {field: a.name for a in ARCHITECTURES.values() for field in a.fields}
+layout.declare({f: a.lora for a in ARCHITECTURES.values() for f in a.families})
 
 
 def of(m: ModelConfig) -> Architecture:
