@@ -115,6 +115,9 @@ def summarize(path: str) -> None:
         if r["config"] in DENSE:
             pairs = twins(r["layouts"])
             ratios = sorted(t[2] for t in pairs)
+            if not pairs:
+                print(f"{r['config']}: no twin pairs among the swept layouts")
+                continue
             print(
                 f"{r['config']}: {len(pairs)} twin pairs, measured-time ratio median "
                 f"{statistics.median(ratios):.2f}, max {ratios[-1]:.2f} ({pairs[-1][0]} vs {pairs[-1][1]})"
