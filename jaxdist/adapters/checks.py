@@ -96,7 +96,7 @@ def quantised(m, have) -> list[str]:
     names)."""
     lay = layout.of(m)
     out = [TARGETS[t][1] for t in have if not (lay.experts and m.moe_experts and t in EXPERTS)]
-    if lay.dense_first and (m.dense_layers or not m.moe_experts):
+    if lay.dense_stack and (m.dense_layers or not m.moe_experts):
         out += ["w_gate_DF", "w_up_DF", "w_down_FD"]
     return list(dict.fromkeys(out))
 

@@ -15,7 +15,7 @@ class LoraLayout:
     # "fused": one (E, D, 2F) gate/up weight, gate and up interleaved, adapted whole at rank r (gpt-oss)
     experts: str = ""
     mla: bool = False  # the attention is MLA (q_a, q_b or q, kv_a, kv_b, o), not q/k/v/o
-    dense_first: bool = False  # a `dense_blocks` stack of dense first layers (HF layers 0..k-1) before `blocks`
+    dense_stack: bool = False  # a `dense_blocks` stack of dense first layers (HF layers 0..k-1) before `blocks`
     # the stack's unit is a group of `full_attention_interval` layers whose last alone has the attention
     # (Qwen3-Next: `blocks['layers'][j]`), and its q_proj gives q and a gate per head (2 head_dim)
     grouped: bool = False

@@ -234,7 +234,7 @@ def count_adapter_params(m, lora) -> int:
             m.moe_experts,
             m.d_model,
             m.moe_mlp_dim or m.mlp_dim,
-            m.num_layers - (min(m.dense_layers, m.num_layers) if lay.dense_first else 0),
+            m.num_layers - (min(m.dense_layers, m.num_layers) if lay.dense_stack else 0),
         )
         gate_up = (1 if lay.experts == "fused" else 2) * r * (D + 2 * Fe)
         per = gate_up * ("gate" in lora.targets) + r * (Fe + D) * ("down" in lora.targets)

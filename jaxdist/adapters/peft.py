@@ -41,7 +41,7 @@ WEIGHT_MODULES = {w: MODULES[t] for t, (_, w, _) in TARGETS.items()}  # each ada
 def dense_offset(m) -> int:
     """HF's number of the MoE stack's first layer: `dense_layers` where the layout has a dense first stack
     (DeepSeek-V3's `dense_blocks`, HF layers 0..k-1), else 0."""
-    if m is None or not layout.of(m).dense_first or not m.moe_experts:
+    if m is None or not layout.of(m).dense_stack or not m.moe_experts:
         return 0
     return min(m.dense_layers, m.num_layers)
 
@@ -161,7 +161,7 @@ def placements(m, targets) -> list[tuple[str, str, str, list[int]]]:
         part, weight, _ = TARGETS[target]
         if lay.experts and m.moe_experts and target in EXPERTS:
             continue  # the routed experts: _expert_keys / _read_experts
-        if not lay.dense_first:
+        if not lay.dense_stack:
             out.append(("blocks", part, weight, carriers(m)))
             continue
         out += [("dense_blocks", part, weight, list(range(k)))] if k else []

@@ -209,7 +209,7 @@ DEEPSEEK_V3 = Architecture(
     lora=LoraLayout(
         experts="split",
         mla=True,
-        dense_first=True,
+        dense_stack=True,
         why="DeepSeek-V3 adapts MLA's q_a, q_b (q without a q rank), kv_a, kv_b and o, and with gate/up/down its "
         "routed experts",
     ),
