@@ -319,7 +319,7 @@ def test_adapter_count_and_planner_size_the_experts_adapters(lora_peft):
     f = lora_peft
     got = sum(x.size for x in jax.tree.leaves(adapters.trainable(f["params"])))
     assert got == count_adapter_params(f["cfg"].model, f["cfg"].lora) > 0
-    cfg = config.load("configs/gpt-oss-20b.yaml", ["lora.rank=16"])
+    cfg = config.load("gpt-oss-20b", ["lora.rank=16"])  # the shipped config, from any directory
     one = Layout(cfg, parse_mesh("fsdp=1", 1), hardware.get("h100-80gb"))
     m, r = cfg.model, 16
     experts = m.num_layers * m.moe_experts * r * ((m.d_model + 2 * m.moe_mlp_dim) + (m.moe_mlp_dim + m.d_model))

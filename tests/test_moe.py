@@ -497,17 +497,21 @@ def test_experts_not_divisible_by_ep_and_pipeline_are_named(cfg):
 # ---- planner ------------------------------------------------------------------------------------------
 
 
-CAPACITY_STEPS = {}
+@pytest.fixture(scope="module")
+def capacity_step():
+    """mesh text -> the compiled train step of `cfg` under the capacity dispatch, compiled once in this module
+    (its executables freed with the module's fixtures)."""
+    compiled = {}
+
+    def get(cfg, mesh_text):
+        if mesh_text not in compiled:
+            compiled[mesh_text] = measure.compile_train_step(cfg, mesh_mod.mesh_from_string(mesh_text))
+        return compiled[mesh_text]
+
+    return get
 
 
-def capacity_step(cfg, mesh_text):
-    """The compiled train step of `cfg` (the capacity dispatch) on `mesh_text`, compiled once per module."""
-    if mesh_text not in CAPACITY_STEPS:
-        CAPACITY_STEPS[mesh_text] = measure.compile_train_step(cfg, mesh_mod.mesh_from_string(mesh_text))
-    return CAPACITY_STEPS[mesh_text]
-
-
-def test_replicated_work_is_the_compilers_count(cfg):
+def test_replicated_work_is_the_compilers_count(cfg, capacity_step):
     """The planner's replicated work (jaxdist/planner/work.py: the state's update over what each device
     stores, the gathered weights' reads) against XLA's cost analysis of the compiled train step: dp=8
     replicates every expert and updates all of them on every device, ep=8 and ep=4,fsdp=2 split them.
@@ -534,7 +538,7 @@ def test_replicated_work_is_the_compilers_count(cfg):
         assert 0.75 < ratio < 1.25, (other, ratio)
 
 
-def test_planner_matches_compiler_for_ep(cfg):
+def test_planner_matches_compiler_for_ep(cfg, capacity_step):
     """Planner vs the compiled train step at ep=4,fsdp=2: argument bytes (expert weights split over ep)
     within 1%, and bytes of every collective kind (all-to-all over ep, the hand-gathered expert weights'
     fsdp all-gather and reduce-scatter, gradient all-reduces, the embedding table's gradient summed over

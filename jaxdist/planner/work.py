@@ -10,7 +10,7 @@ each device did 1/N of the step. Two parts of a step are not divided so:
   axes do not split) is updated on every device that holds it: under dp=8 each device updates the whole
   model, under fsdp=8 an eighth of it. XLA's cost analysis of the compiled step counts about 6.5 bytes
   touched per byte of stored state (UPDATE_PASSES: tiny and tiny-moe at dp=8 against fsdp=8, whose
-  gathered weights are the same; tests/test_plan.py::test_replicated_work_is_the_compilers_count).
+  gathered weights are the same; tests/test_moe.py::test_replicated_work_is_the_compilers_count).
 - **the weights each device computes with**, read by the forward and again by the backward (WEIGHT_PASSES):
   after the fsdp all-gather they are whole on every device but for what tp (and, for expert weights, ep)
   splits, so replicated expert weights under dp cost every device the whole expert stack.
@@ -25,8 +25,8 @@ each device did 1/N of the step. Two parts of a step are not divided so:
 The first two are memory-bound (elementwise passes, no matmul to hide them), so they add to the step at
 `Hardware.hbm_bandwidth`. On GPUs they are small beside the matmuls (an 8B model's AdamW update over
 fsdp=8 is about 30 ms on H100 against seconds of compute); on simulated CPU devices, which share two
-cores and one memory bus, they decide: tiny-moe measured 3.4x slower at dp=8 than at ep=8 with the same
-matmul FLOPs per device (docs/planner.md's sweep).
+cores and one memory bus, they decide: tiny-moe measured 2.0x (3.4x on a more loaded machine) slower at dp=8 than at ep=8 with
+nearly the same matmul FLOPs per device (docs/planner.md's sweeps).
 """
 
 from __future__ import annotations
