@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -157,23 +158,29 @@ def change_line(dead: list[int], old_n: int, k: int, old_mesh: str, new_mesh: st
     )
 
 
+# The leader supervisor's threads that rewrite or append to metrics.jsonl: `trim` (a regroup or a grow) and
+# `record_when_running` (the previous change's record, which may still be waiting when the next change trims).
+METRICS_LOCK = threading.Lock()
+
+
 def trim(run_dir: str | Path, step: int | None) -> None:
     """Drop metrics.jsonl's records after `step` (the resume will redo them), as the resume itself does;
     done before the restart so that any later step record is the restarted run's."""
     path = Path(run_dir) / "metrics.jsonl"
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return
-    kept = []
-    for line in lines:
+    with METRICS_LOCK:  # a recorder thread's append between this read and write would be lost
         try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and not r.get("summary") and r.get("step", 0) <= (step or 0):
-            kept.append(line + "\n")
-    path.write_text("".join(kept))
+            lines = path.read_text().splitlines()
+        except OSError:
+            return
+        kept = []
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and not r.get("summary") and r.get("step", 0) <= (step or 0):
+                kept.append(line + "\n")
+        path.write_text("".join(kept))
 
 
 def record_when_running(run_dir: str | Path, rec: dict, since: float, timeout_s: float = 600.0) -> None:
@@ -187,7 +194,7 @@ def record_when_running(run_dir: str | Path, rec: dict, since: float, timeout_s:
                 r = json.loads(line) if line.startswith("{") else {}
                 if "loss" in r and r.get("step", 0) > (rec["step"] or 0):
                     out = {**rec, "seconds_lost": round(time.time() - since, 2)}
-                    with open(path, "a") as f:
+                    with METRICS_LOCK, open(path, "a") as f:
                         f.write(json.dumps(out) + "\n")
                     return
         except (OSError, ValueError):
