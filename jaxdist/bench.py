@@ -120,10 +120,10 @@ def measure_auto(cfg, args: argparse.Namespace, budget: float | None) -> dict:
     """`--mesh auto`: the layout train --mesh auto would choose (mesh_search.run on the devices present),
     then measured as any named mesh; the record names the choice (`auto`) and why."""
     # deferred: the search compiles candidate layouts, after the platform set-up
-    from jaxdist.analysis import mesh_search
+    from jaxdist.analysis import mesh_auto, mesh_search
     from jaxdist.analysis.bench import measure
 
-    hw = mesh_search.hardware_here(budget)
+    hw = mesh_auto.hardware_here(budget)
     result = mesh_search.run(cfg, hw, steps=args.mesh_search_steps)
     print(f"--mesh auto: {result.summary()}\n--mesh auto: {result.reason}", file=sys.stderr, flush=True)
     chosen = result.cfg

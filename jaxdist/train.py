@@ -220,16 +220,16 @@ def _main(argv: list[str] | None, stopper) -> int:
         print(launch_mod.topology_line(), flush=True)
         if auto:
             # deferred: the search compiles candidate layouts (jax, the library), after the platform set-up
-            from jaxdist.analysis import mesh_search
+            from jaxdist.analysis import mesh_auto
 
-            hw = mesh_search.hardware_here(budget, args.hardware)
-            cfg, changed = mesh_search.auto_layout(
+            hw = mesh_auto.hardware_here(budget, args.hardware)
+            cfg, changed = mesh_auto.auto_layout(
                 cfg,
                 run_dir,
                 hw,
                 steps=args.mesh_search_steps,
                 budget_s=args.mesh_search_budget,
-                cache=mesh_search.cache_dir(),
+                cache=mesh_auto.cache_dir(),
             )
             allowed |= changed
         origin = (

@@ -132,14 +132,14 @@ def test_compare_estimates_the_timed_layouts_under_both_entries(measured):
 
 
 def test_train_mesh_auto_takes_a_measured_entry(measured, tmp_path, monkeypatch, capsys):
-    """`train --mesh auto --hardware FILE.json` searches with the measured entry (mesh_search.hardware_here);
+    """`train --mesh auto --hardware FILE.json` searches with the measured entry (mesh_auto.hardware_here);
     --hardware without --mesh auto, or a bad file, is one line before anything is written."""
     from jaxdist import train
-    from jaxdist.analysis import mesh_search
+    from jaxdist.analysis import mesh_auto
 
-    got = mesh_search.hardware_here(2e6, str(measured))
+    got = mesh_auto.hardware_here(2e6, str(measured))
     assert got == dataclasses.replace(hardware.load(measured), hbm_bytes=got.hbm_bytes) and got.name == "here"
-    assert mesh_search.hardware_here(None, None).name == "cpu"
+    assert mesh_auto.hardware_here(None, None).name == "cpu"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.json").write_text("{}")
     for argv, message in [

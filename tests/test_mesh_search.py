@@ -1,4 +1,5 @@
-"""The layout search (`plan --search`): enumeration, the compiler's veto, the choice given timings."""
+"""The layout search (`plan --search`): enumeration, the compiler's veto, the choice given timings; and
+`--mesh auto`'s kept decision (jaxdist/analysis/mesh_auto.py): the recorded layout, the decision cache."""
 
 import itertools
 import json
@@ -11,7 +12,7 @@ import pytest
 from conftest import MICRO_MODEL, SMALL_MODEL
 
 from jaxdist import config, plan
-from jaxdist.analysis import mesh_search
+from jaxdist.analysis import mesh_auto, mesh_search
 from jaxdist.distributed.mesh import AXES, format_mesh, parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedule_registry
@@ -144,7 +145,7 @@ def test_mesh_auto_resume_keeps_the_recorded_layout(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mesh_search, "run", no_search)
     lines = []
-    got, changed = mesh_search.auto_layout(cfg, tmp_path, CPU, log=lines.append)
+    got, changed = mesh_auto.auto_layout(cfg, tmp_path, CPU, log=lines.append)
     assert (got.mesh.shape, got.model.remat, got.train.grad_accum_steps) == ("pp=1,fsdp=4,tp=2", "full", 2)
     assert changed == frozenset() and "kept on resume" in lines[0]
     (tmp_path / "config.2.yaml").write_text(config.dump(recorded.replace(mesh=dict(shape="fsdp=4"))))
@@ -157,7 +158,7 @@ def test_mesh_auto_resume_keeps_the_recorded_layout(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mesh_search, "run", search_again)
     with pytest.raises(Searched):
-        mesh_search.auto_layout(cfg, tmp_path, CPU, log=lines.append)
+        mesh_auto.auto_layout(cfg, tmp_path, CPU, log=lines.append)
     assert "recorded a layout for 4 devices, 8 are present: searching again" in lines[-1]
 
 
@@ -258,17 +259,17 @@ def test_second_start_reads_the_cached_decision(tmp_path, monkeypatch):
     calls, lines = [], []
     monkeypatch.setattr(mesh_search, "run", _fake_search(cfg, calls))
     cache = tmp_path / "cache"
-    first, _ = mesh_search.auto_layout(cfg, tmp_path / "a", CPU, log=lines.append, budget_s=5.0, cache=cache)
+    first, _ = mesh_auto.auto_layout(cfg, tmp_path / "a", CPU, log=lines.append, budget_s=5.0, cache=cache)
     assert first.mesh.shape == "fsdp=4,tp=2" and len(calls) == 1 and calls[0]["budget_s"] == 5.0
-    again, changed = mesh_search.auto_layout(
+    again, changed = mesh_auto.auto_layout(
         cfg.replace(train=dict(steps=99)), tmp_path / "b", CPU, log=lines.append, budget_s=5.0, cache=cache
     )
     assert len(calls) == 1 and "cached in" in lines[-1] and "no search" in lines[-1]
     assert (again.mesh.shape, again.model.remat, changed) == ("fsdp=4,tp=2", first.model.remat, frozenset())
-    mesh_search.auto_layout(cfg.replace(model=dict(d_model=48)), tmp_path / "c", CPU, log=lines.append, cache=cache)
+    mesh_auto.auto_layout(cfg.replace(model=dict(d_model=48)), tmp_path / "c", CPU, log=lines.append, cache=cache)
     assert len(calls) == 2  # another config: another key
-    monkeypatch.setattr(mesh_search, "devices_here", lambda: "4 x cpu in 1 process(es)")
-    mesh_search.auto_layout(cfg, tmp_path / "d", CPU, log=lines.append, budget_s=5.0, cache=cache)
+    monkeypatch.setattr(mesh_auto, "devices_here", lambda: "4 x cpu in 1 process(es)")
+    mesh_auto.auto_layout(cfg, tmp_path / "d", CPU, log=lines.append, budget_s=5.0, cache=cache)
     assert len(calls) == 3 and any("8 x cpu in 1 process(es), 4 x cpu in 1 process(es) are present" in x for x in lines)
     assert len(list(cache.glob("*.json"))) == 2 and not list(cache.glob("*.tmp"))
 
@@ -288,10 +289,10 @@ def test_two_processes_take_process_zeros_choice(tmp_path, monkeypatch):
         return np.int32(1)  # process 0 chose row 1
 
     monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
-    got, _ = mesh_search.auto_layout(cfg, tmp_path, CPU, log=lambda line: None, cache=mesh_search.cache_dir())
-    assert sent == [0] and got.mesh.shape == "dp=8" and mesh_search.cache_dir() is None
+    got, _ = mesh_auto.auto_layout(cfg, tmp_path, CPU, log=lambda line: None, cache=mesh_auto.cache_dir())
+    assert sent == [0] and got.mesh.shape == "dp=8" and mesh_auto.cache_dir() is None
     monkeypatch.setattr(jax, "process_count", lambda: 1)
-    assert mesh_search.auto_layout(cfg, tmp_path / "one", CPU, log=lambda line: None)[0].mesh.shape == "fsdp=4,tp=2"
+    assert mesh_auto.auto_layout(cfg, tmp_path / "one", CPU, log=lambda line: None)[0].mesh.shape == "fsdp=4,tp=2"
 
 
 def test_bench_mesh_auto_measures_the_choice(monkeypatch, capsys):
