@@ -311,14 +311,14 @@ def peft_lora_reference(fixture: Path, peft_fixture: Path, overrides: list[str],
     reference's sequences in one compile (the families' LoRA-vs-peft tests share it)."""
     import jax.numpy as jnp
 
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft_read
     from jaxdist.adapters import tree as adapters
     from jaxdist.distributed.mesh import mesh_from_string
     from jaxdist.parallel.loss import logits as head_logits
     from jaxdist.training import step
 
     plain_cfg = mapping.hf_config(None, overrides, fixture, mesh_text)
-    lora, read = peft.read_tree(peft_fixture, plain_cfg.model)
+    lora, read = peft_read.read_tree(peft_fixture, plain_cfg.model)
     cfg, mesh = plain_cfg.replace(lora=lora), mesh_from_string(mesh_text)
     prog = step.build_program(cfg, mesh)
     base, model = tensors.import_params(fixture, plain_cfg, mesh)

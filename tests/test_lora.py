@@ -237,11 +237,11 @@ def test_config_refuses_dropout_and_unknown_targets():
 def peft_run(adapter_dir, mesh_text, base_dir=BASE):
     """An HF fixture model with a PEFT adapter read onto it -> (LoRA logits fn, params, plain-model logits
     fn, merged params, cfg, LoRA program). scripts/fixtures/make_lora_peft_fixture.py runs this same path."""
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft_read
     from jaxdist.hf import mapping, tensors
 
     plain_cfg = mapping.hf_config(None, [], base_dir, mesh_text)
-    lora, blocks = peft.read(adapter_dir, plain_cfg.model)
+    lora, blocks = peft_read.read(adapter_dir, plain_cfg.model)
     cfg = plain_cfg.replace(lora=lora)
     mesh = mesh_mod.mesh_from_string(mesh_text)
     prog, plain = step.build_program(cfg, mesh), step.build_program(plain_cfg, mesh)
@@ -358,7 +358,7 @@ def test_family_peft_export_is_what_peft_reads(family_peft, tmp_path):
 
     from safetensors.numpy import load_file
 
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft, peft_read
 
     f = family_peft
     prog, cfg, seqs = f["prog"], f["cfg"], f["ref"]["sequences"]
@@ -377,7 +377,7 @@ def test_family_peft_export_is_what_peft_reads(family_peft, tmp_path):
     for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "bias", "fan_in_fan_out", "use_dora", "use_rslora"):
         assert ours[key] == theirs[key], key
     assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"])
-    lora, back = peft.read(tmp_path, cfg.model)
+    lora, back = peft_read.read(tmp_path, cfg.model)
     assert lora == {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
     assert jax.tree.structure(back) == jax.tree.structure(blocks)
     for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(blocks)):
@@ -404,7 +404,7 @@ def test_peft_read_refuses_what_it_would_drop(tmp_path, change, words):
     import json
     import shutil
 
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft_read
     from jaxdist.hf import mapping
 
     base_dir, adapter_dir = PEFT_FAMILIES["qwen2"]
@@ -412,7 +412,7 @@ def test_peft_read_refuses_what_it_would_drop(tmp_path, change, words):
     conf = json.loads((adapter_dir / "adapter_config.json").read_text())
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**conf, **change}))
     with pytest.raises(JaxdistError, match=words) as e:
-        peft.read(tmp_path / "a", mapping.hf_config(None, [], base_dir).model)
+        peft_read.read(tmp_path / "a", mapping.hf_config(None, [], base_dir).model)
     assert "\n" not in str(e.value)
 
 
@@ -421,7 +421,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     bit for bit; generate on the LoRA run gives the merged export's greedy tokens (up to a near-tie) and log-probs; the
     merged export re-imports to the adapted model's logits; --peft writes the run's adapters."""
     import jaxdist
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft, peft_read
     from jaxdist.checkpoint import run_params
     from jaxdist.hf import convert as hf_convert
     from jaxdist.hf import mapping
@@ -485,7 +485,7 @@ def test_hf_recipe_resumes_generates_and_exports(tmp_path, monkeypatch):
     conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(BASE.resolve()) and conf["revision"] is None
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".peft")] == []  # written whole, renamed
-    lora, blocks = peft.read(tmp_path / "peft", run_cfg.model)
+    lora, blocks = peft_read.read(tmp_path / "peft", run_cfg.model)
     assert lora == {"rank": 4, "alpha": 16.0, "targets": list(run_cfg.lora.targets)}
     for x, y in zip(jax.tree.leaves(blocks), jax.tree.leaves(adapters.trainable(params)["blocks"])):
         np.testing.assert_array_equal(x, np.asarray(y))
@@ -572,12 +572,13 @@ def test_rslora_matches_peft_use_rslora():
     ],
 )
 def test_peft_read_refuses_damaged_files_in_one_line(tmp_path, damage, words):
-    """Issue 39: `adapters.peft.read` took NaN or int32 tensors and raised raw errors on damaged files."""
+    """Issue 39: `adapters.peft.read` (now `adapters.peft_read.read`) took NaN or int32 tensors and raised raw
+    errors on damaged files."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    from jaxdist.adapters import peft
+    from jaxdist.adapters import peft_read
     from jaxdist.hf import mapping
 
     shutil.copytree(PEFT_FIXTURE, tmp_path / "a")
@@ -601,7 +602,7 @@ def test_peft_read_refuses_damaged_files_in_one_line(tmp_path, damage, words):
     else:
         weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(JaxdistError, match=words) as e:
-        peft.read(tmp_path / "a", mapping.hf_config(None, [], BASE).model)
+        peft_read.read(tmp_path / "a", mapping.hf_config(None, [], BASE).model)
     assert "\n" not in str(e.value)
 
 

@@ -255,9 +255,9 @@ def peft_file(w: Path, kind: str) -> None:
 
 
 PEFT_READ = (
-    "import sys; from pathlib import Path; from jaxdist.adapters import peft; from jaxdist.hf import mapping; "
+    "import sys; from pathlib import Path; from jaxdist.adapters import peft_read; from jaxdist.hf import mapping; "
     "from jaxdist.errors import JaxdistError\n"
-    "try:\n    peft.read(Path(sys.argv[1]), mapping.hf_config(None, [], Path(sys.argv[2])).model)\n"
+    "try:\n    peft_read.read(Path(sys.argv[1]), mapping.hf_config(None, [], Path(sys.argv[2])).model)\n"
     "except JaxdistError as e:\n    print(f'error: {e}', file=sys.stderr); sys.exit(2)"
 )
 
@@ -722,13 +722,13 @@ def cases() -> list[Case]:
     )
     add(
         "L",
-        "10 peft.read: NaN tensor",
+        "10 peft_read.read: NaN tensor",
         lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_nan"), str(PEFT_BASE)],
         setup=lambda w: peft_file(w, "nan"),
     )
     add(
         "L",
-        "10 peft.read: int32 tensor",
+        "10 peft_read.read: int32 tensor",
         lambda w: [sys.executable, "-c", PEFT_READ, str(w / "peft_int"), str(PEFT_BASE)],
         setup=lambda w: peft_file(w, "int"),
     )
