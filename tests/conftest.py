@@ -49,6 +49,54 @@ SMALL_ARGS = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [NO_PLOT]
 MICRO_MODEL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
 # As overrides, for subprocess runs that test process plumbing (signals, resume, peers), not the model.
 MICRO_ARGS = [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + [NO_PLOT]
+# Every registry consumer runs on these (tests/test_model_registry.py; test_arch_training.py trains them).
+SHAPES = {  # family -> a small model of it (the MoE ones with experts), over SMALL_MODEL or MICRO_MODEL
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "mistral": {"sliding_window": 8},
+    "mixtral": {"moe_experts": 4, "moe_topk": 2},
+    "qwen3_moe": {"qk_norm": True, "moe_experts": 4, "moe_topk": 2, "moe_every": 2, "moe_mlp_dim": 32},
+    "gemma3": {"qk_norm": True, "sliding_window": 4, "sliding_window_pattern": 2, "tie_embeddings": True},
+    "deepseek_v3": {
+        "mla_q_rank": 16,
+        "mla_kv_rank": 16,
+        "mla_nope_dim": 8,
+        "mla_rope_dim": 4,
+        "mla_v_dim": 8,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_router": "sigmoid",
+        "moe_groups": 2,
+        "moe_topk_groups": 1,
+        "moe_shared_experts": 1,
+        "moe_mlp_dim": 32,
+        "dense_layers": 1,
+    },  # fmt: skip
+    "gpt_oss": {
+        "qkv_bias": True,
+        "sliding_window": 4,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_mlp_dim": 32,
+        "rope_scaling": "yarn",
+        "rope_factor": 4.0,
+        "rope_original_max_len": 16,
+    },  # fmt: skip
+    "qwen3_next": {
+        "full_attention_interval": 2,
+        "linear_key_heads": 2,
+        "linear_value_heads": 4,
+        "linear_key_dim": 16,
+        "linear_value_dim": 8,
+        "linear_conv_kernel": 4,
+        "rope_fraction": 0.5,
+        "moe_experts": 4,
+        "moe_topk": 2,
+        "moe_mlp_dim": 32,
+        "moe_shared_dim": 24,
+    },  # fmt: skip
+}
 
 
 @pytest.fixture(scope="session")

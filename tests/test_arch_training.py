@@ -1,5 +1,5 @@
 """Gemma 3, gpt-oss and Qwen3-Next (issue 40) trained through `jaxdist.run`: SFT on prepared chat data,
-checkpoints and resume. A small model of each (tests/test_model_registry.py's SHAPES on conftest.MICRO_MODEL,
+checkpoints and resume. A small model of each (conftest.SHAPES on conftest.MICRO_MODEL,
 2 layers), 3 steps on fsdp=8 with checkpoints at steps 2 and 3:
 
 - the run resumed from step 2 (a copy of the run without its step-3 checkpoint) logs step 3's loss and grad norm
@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, SHAPES
 
 import jaxdist
 from jaxdist import checkpoint
@@ -31,7 +31,6 @@ from jaxdist.data import data_rules, loss_mask, prepare
 from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.training import step
-from tests.test_model_registry import SHAPES
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"
 STEPS = 3
