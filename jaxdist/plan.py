@@ -194,7 +194,7 @@ def calibrate(args: argparse.Namespace) -> int:
         raise JaxdistError(
             f"no hardware entry for {jax.devices()[0].device_kind} to start from; name one with --hardware"
         )
-    measured = calibration.measure(cfg, jax.devices())
+    measured = calibration.measure(cfg, jax.devices(), attention=not base.flash_attention)
     hw = calibration.entry(base, measured, path.stem)
     hardware.save(hw, path)
     doc: dict = dict(hardware=str(path), entry=dataclasses.asdict(hw), lines=measured.lines())

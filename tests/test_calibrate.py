@@ -11,6 +11,7 @@ import pytest
 
 from jaxdist import plan
 from jaxdist.analysis import calibrate
+from jaxdist.distributed.mesh import AXES
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import hardware
 
@@ -61,6 +62,9 @@ def test_calibrate_writes_an_entry_that_plan_reads(measured, capsys):
     assert set(hw.peak_flops) == {"float32", "bfloat16"} and all(0 < v < 1e13 for v in hw.peak_flops.values())
     assert 0 < hw.fast_bandwidth == hw.slow_bandwidth < 1e12 and 0 <= hw.latency_s < 1.0
     assert hw.hbm_bytes == cpu.hbm_bytes and hw.devices_per_node == cpu.devices_per_node  # not measured: the base's
+    # attention at every query length a sequence can have on a device (tiny: seq_len 128 over cp 1..8)
+    assert [rows for rows, _ in hw.attention_rates] == [128, 64, 32, 16]
+    assert all(0 < rate < 1e13 for _, rate in hw.attention_rates)
     assert plan.main(["--hardware", str(measured), "--mesh", "fsdp=8", "--no-scaling", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["hardware"] == "here" and out["recommended"]["step_s"] > 0
@@ -75,13 +79,15 @@ def test_bad_hardware_files_and_flags_are_one_line(measured, tmp_path, capsys):
         (tmp_path / "extra.json", dict(good, lantency_s=1.0), "is not a hardware entry"),
         (tmp_path / "negative.json", dict(good, fast_bandwidth=-1.0), "not a non-negative number"),
         (tmp_path / "noflops.json", dict(good, peak_flops={"float32": 1e9}), "positive bfloat16 rate"),
+        (tmp_path / "attention.json", dict(good, attention_rates=[[128, 0]]), "attention_rates \\[rows, FLOP/s\\]"),
+        (tmp_path / "attention2.json", dict(good, attention_rates=[128, 1e9]), "attention_rates \\[rows, FLOP/s\\]"),
     ]
     for path, content, message in cases:
         if content is not None:
             path.write_text(content if isinstance(content, str) else json.dumps(content))
         with pytest.raises(JaxdistError, match=message):
             hardware.get(str(path))
-    assert dataclasses.asdict(hardware.load(measured)) == good  # written whole, read back whole
+    assert json.loads(json.dumps(dataclasses.asdict(hardware.load(measured)))) == good  # written whole, read back whole
     for argv, message in [
         (["--calibrate", str(tmp_path / "x.txt")], "give a FILE.json in an existing folder"),
         (["--calibrate", str(tmp_path / "no" / "x.json")], "give a FILE.json in an existing folder"),
@@ -92,6 +98,44 @@ def test_bad_hardware_files_and_flags_are_one_line(measured, tmp_path, capsys):
         assert plan.main(argv) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()  # refused before anything was measured or written
+
+
+def test_query_rows_are_the_context_parallel_tiles():
+    """seq_len / c for each power of two c up to the devices that the load-balanced cp layout takes
+    (seq_len a multiple of 2 c)."""
+    from jaxdist import config
+
+    def rows(seq_len, devices=8):
+        return calibrate.query_rows(config.load(None, [f"model.seq_len={seq_len}"]), devices)
+
+    assert rows(1024) == [1024, 512, 256, 128] and rows(1024, 2) == [1024, 512]
+    assert rows(12) == [12, 6] and rows(6) == [6]  # 6 is not a multiple of 2 x 2
+
+
+def test_measured_attention_reorders_the_layouts():
+    """Where the entry measured attention faster at short query tiles (as this machine is: docs/planner.md),
+    cp=8's seq_len / 8 rows put it ahead of dp=8, which the table's matmul rate ranks first; the rate is
+    the measured one nearest the tile (in ratio), and a fused-attention entry ignores the table."""
+    from jaxdist import config
+    from jaxdist.planner.estimate import estimate
+    from jaxdist.planner.layout import Layout
+
+    cfg = config.load(None, ["model.seq_len=1024", "model.num_layers=2"])
+    ones = dict.fromkeys(AXES, 1)
+    cpu = hardware.get("cpu")
+    slow_long = dataclasses.replace(cpu, attention_rates=((1024, 2e9), (512, 2e9), (256, 2e9), (128, 4e9)))
+    assert slow_long.attention_rate(1024) == 2e9 and slow_long.attention_rate(100) == 4e9
+    assert slow_long.attention_rate(181) == 4e9 and slow_long.attention_rate(182) == 2e9  # nearest in ratio
+    assert dataclasses.replace(slow_long, flash_attention=True).attention_rate(128) is None
+    assert cpu.attention_rate(128) is None
+
+    def step(mesh, hw):
+        return estimate(Layout(cfg, ones | mesh, hw)).step_s
+
+    assert step({"dp": 8}, cpu) < step({"cp": 8}, cpu)
+    assert step({"cp": 8}, slow_long) < step({"dp": 8}, slow_long)
+    # at 2 GFLOP/s (60x under the entry's matmul rate) attention takes most of dp=8's step
+    assert step({"dp": 8}, slow_long) > 5 * step({"dp": 8}, cpu)
 
 
 def test_calibrate_holds_the_search_to_its_budget(measured, tmp_path, monkeypatch):

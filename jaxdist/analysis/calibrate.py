@@ -12,6 +12,13 @@ What the planner's step time reads from a `Hardware` entry, measured here instea
   slow one too on a single host: there is no second network to measure).
 - **memory bandwidth per device**: an elementwise pass (read and write) over MEMORY_BYTES per device, every
   device at once, stored as `hbm_bandwidth`: the rate of the replicated work (`planner/work.py`).
+- **attention FLOP/s per device** where the base entry has no fused attention (CPU): the model's causal
+  attention, forward and backward, at each query length a sequence can have on a device (seq_len / c for
+  the context-parallel sizes c that split it: allgather's local queries against every key), the device's
+  share of the global batch, every device at once; stored as `attention_rates`. Materialised scores run
+  far below the matmul rate and their speed depends on the query tile: on this 2-core machine with 8
+  simulated devices, at d_model 64 and seq_len 1024, 3.2 GFLOP/s at 1024 and 512 query rows, 4.3 at 128
+  (docs/planner.md), which is why context parallelism won that config's sweep.
 
 Everything else (memory size, host link, devices per node) is the base entry's. The entry is written as
 JSON (`planner.hardware.save`) and read back with `--hardware FILE.json`.
@@ -32,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.models import resolve
 from jaxdist.planner.estimate import estimate
 from jaxdist.planner.hardware import Hardware
 
@@ -49,6 +57,7 @@ class Calibration:
     latency_s: float
     bandwidth: float  # bytes/s per device, one direction
     memory_bandwidth: float = 0.0  # bytes/s per device read and written by an elementwise pass; 0 not measured
+    attention: tuple[tuple[int, float], ...] = ()  # (query rows per sequence, attention FLOP/s per device)
 
     def lines(self) -> list[str]:
         r, d, f = self.matmul_shape
@@ -61,7 +70,15 @@ class Calibration:
             + ")",
             f"elementwise pass over {MEMORY_BYTES / 2**20:.0f} MiB per device, {self.devices} devices at once: "
             f"{self.memory_bandwidth / 1e9:.2f} GB/s per device read and written",
-        ]
+        ] + (
+            [
+                "attention (forward and backward, materialised scores) by query rows per sequence: "
+                + ", ".join(f"{rows}: {rate / 1e9:.2f} GFLOP/s" for rows, rate in self.attention)
+                + " per device"
+            ]
+            if self.attention
+            else []
+        )
 
 
 def median_seconds(fn: Callable[[], object]) -> float:
@@ -91,7 +108,9 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(float(intercept), 0.0), float(1.0 / slope)
 
 
-def measure(cfg: Config, devices: list) -> Calibration:
+def measure(cfg: Config, devices: list, attention: bool = True) -> Calibration:
+    """The module docstring's figures for `cfg` on `devices`; `attention`: measure the attention rates too
+    (for a base entry without a fused attention)."""
     n = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     rows = max(64, cfg.train.global_batch * cfg.model.seq_len // n)
@@ -112,7 +131,44 @@ def measure(cfg: Config, devices: list) -> Calibration:
     big = jax.device_put(jnp.ones((n, MEMORY_BYTES // 4), jnp.float32), split)
     scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=split)
     memory_bw = 2 * MEMORY_BYTES / median_seconds(lambda: scale(big))
-    return Calibration(n, (rows, d, f), flops, tuple(gathers), latency, bandwidth, memory_bw)
+    rates = attention_rates(cfg, mesh) if attention else ()
+    return Calibration(n, (rows, d, f), flops, tuple(gathers), latency, bandwidth, memory_bw, rates)
+
+
+def query_rows(cfg: Config, devices: int) -> list[int]:
+    """The query rows a sequence can have on a device: seq_len / c for every power of two c <= devices that
+    the context-parallel layout takes (seq_len a multiple of 2 c; jaxdist.parallel.context)."""
+    t, out, c = cfg.model.seq_len, [], 1
+    while c <= devices and (c == 1 or t % (2 * c) == 0):
+        out.append(t // c)
+        c *= 2
+    return out
+
+
+def attention_rates(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[tuple[int, float], ...]:
+    """Attention FLOP/s per device (PaLM's 12·queries·keys·heads·head_dim, forward and backward, the causal
+    mask not halved: the convention of jaxdist.models.flops) at each of query_rows, every device computing
+    its share of the global batch's tokens at once, as allgather context parallelism runs it."""
+    n, m = mesh.devices.size, cfg.model
+    _, heads, kv_heads, head_dim, _, _, _ = m.decoder_dims
+    t, dtype = m.seq_len, resolve.compute_dtype(m, mesh.devices.flat[0].platform)
+    tokens = max(1, cfg.train.global_batch * t // n)  # per device
+    split = NamedSharding(mesh, P("x"))
+
+    def loss(q, k, v):
+        pos_q = jnp.arange(q.shape[1]) + (t - q.shape[1])  # the last rows: every key before them unmasked
+        mask = pos_q[:, None] >= jnp.arange(t)[None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None]).astype(jnp.float32).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), out_shardings=split)
+    out = []
+    for rows in query_rows(cfg, n):
+        b = max(1, tokens // rows)  # sequences per device
+        q = jax.device_put(jnp.ones((n * b, rows, heads, head_dim), dtype), split)
+        kv = jax.device_put(jnp.ones((n * b, t, kv_heads, head_dim), dtype), split)
+        seconds = median_seconds(lambda: grad(q, kv, kv))  # noqa: B023 (timed here)
+        out.append((rows, 12 * b * rows * t * heads * head_dim / seconds))
+    return tuple(out)
 
 
 def entry(base: Hardware, cal: Calibration, name: str) -> Hardware:
@@ -120,6 +176,8 @@ def entry(base: Hardware, cal: Calibration, name: str) -> Hardware:
     link = {} if cal.devices == 1 else dict(fast_bandwidth=cal.bandwidth, slow_bandwidth=cal.bandwidth)
     if cal.memory_bandwidth:
         link["hbm_bandwidth"] = cal.memory_bandwidth
+    if cal.attention and not base.flash_attention:
+        link["attention_rates"] = cal.attention
     return dataclasses.replace(
         base,
         name=name,

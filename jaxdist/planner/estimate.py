@@ -2,7 +2,8 @@
 recommendation and scaling curves: planner/recommend.py.
 
 Step time (per optimizer step, every device in lock-step):
-  compute   = hardware FLOPs per device / (peak x matmul efficiency); hardware FLOPs add the recompute of
+  compute   = hardware FLOPs per device / (peak x matmul efficiency), the attention's at the rate the
+              entry measured for its query tile where it has one (attention_extra_s); hardware FLOPs add the recompute of
               the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
               its stages) and the dropless experts' chunk padding (jaxdist.planner.work) to the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
@@ -126,14 +127,29 @@ def pipeline_bubble(lay: Layout, layer_s: float) -> float:
     return schedules.lockstep_time(table, f, 3 * f) - layer_s
 
 
+def attention_extra_s(lay: Layout, rate: float) -> float:
+    """Seconds the layers' attention takes beyond its FLOPs at the matmul `rate`, where the hardware entry
+    measured attention (Hardware.attention_rates: materialised scores, plan --calibrate): the attention
+    FLOPs per device at the rate measured for the query rows a sequence has on a device (seq_len / cp;
+    ulysses attends the whole sequence on fewer heads), less the same FLOPs at `rate`; 0 where nothing was
+    measured."""
+    m = lay.cfg.model
+    measured = lay.hw.attention_rate(m.seq_len if m.context_impl == "ulysses" else m.seq_len // lay.cp)
+    if measured is None:
+        return 0.0
+    flops = registry.of(m).attention_flops(m) * lay.cfg.train.global_batch * m.seq_len / lay.devices
+    return flops / measured - flops / rate
+
+
 def estimate(lay: Layout, family: str = "") -> Estimate:
     lay.validate()
     hw = lay.hw
     peak = hw.flops(lay.compute_dtype)
     model_flops, layer_flops, head_flops = compute_flops(lay)
     rate = peak * hw.matmul_efficiency
-    compute = (layer_flops + head_flops) / rate
-    bubble = pipeline_bubble(lay, layer_flops / rate)
+    layer_s = layer_flops / rate + attention_extra_s(lay, rate)
+    compute = layer_s + head_flops / rate
+    bubble = pipeline_bubble(lay, layer_s)
     traffic = comms.step_traffic(lay)
     times = [(t, traffic_time(lay, t)) for t in traffic]
     comm = sum(s for _, s in times)

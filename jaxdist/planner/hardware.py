@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from jaxdist.errors import JaxdistError
@@ -44,9 +45,20 @@ class Hardware:
     host_bandwidth: float = 0.0  # bytes/s per device and direction to host memory (PCIe, NVLink-C2C); 0 unknown
     hop_fast_s: float = 0.0  # added per ring step on the fast links (a ring of n: n-1 steps, all-reduce 2(n-1))
     hop_slow_s: float = 0.0  # added per ring step that crosses nodes / slices (the slow network)
+    # Measured attention FLOP/s per device, by the query rows one sequence has on a device: ((rows, FLOP/s),
+    # ...), from plan --calibrate on a device without a fused attention, where the materialised scores,
+    # not the matmul rate, set the pace; () = the attention at the matmul rate.
+    attention_rates: tuple[tuple[int, float], ...] = ()
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
+
+    def attention_rate(self, rows: int) -> float | None:
+        """The measured attention rate at the measured query rows nearest `rows` (in ratio); None: none
+        measured, or the device fuses its attention (then the matmul rate holds)."""
+        if self.flash_attention or not self.attention_rates:
+            return None
+        return min(self.attention_rates, key=lambda r: (abs(math.log(r[0] / rows)), r[0]))[1]
 
 
 def _gpu(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, note, host=63e9, per_node=8):
@@ -256,16 +268,28 @@ def load(path: Path) -> Hardware:
             f"hardware file {path} is not a hardware entry (fields {got}; needs {sorted(required)}); write it again "
             "with plan --calibrate"
         )
-    peak = doc["peak_flops"]
-    numbers = [v for k, v in doc.items() if k not in ("name", "note", "backend", "flash_attention", "peak_flops")]
+    peak, rates = doc["peak_flops"], doc.get("attention_rates", [])
+    skip = ("name", "note", "backend", "flash_attention", "peak_flops", "attention_rates")
+    numbers = [v for k, v in doc.items() if k not in skip]
     if (
         not isinstance(peak, dict)
         or "bfloat16" not in peak
         or not all(isinstance(v, (int, float)) and v > 0 for v in peak.values())
         or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers)
+        or not isinstance(rates, list)
+        or not all(_positive_pair(r) for r in rates)
     ):
         raise JaxdistError(
             f"hardware file {path} holds a value that is not a non-negative number (peak_flops needs a positive "
-            "bfloat16 rate); write it again with plan --calibrate"
+            "bfloat16 rate, attention_rates [rows, FLOP/s] pairs of positive numbers); write it again with "
+            "plan --calibrate"
         )
-    return Hardware(**doc)
+    return Hardware(**{**doc, "attention_rates": tuple((int(r), float(v)) for r, v in rates)})
+
+
+def _positive_pair(pair) -> bool:
+    return (
+        isinstance(pair, list)
+        and len(pair) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in pair)
+    )

@@ -1,6 +1,8 @@
 """The layout search against an exhaustive measured sweep (issue 48): for each config, every layout that
 fits the planner's budget on 8 CPU devices is compiled and timed, and `--mesh auto`'s choice (the search
-with `--mesh-search-steps`) is compared with the sweep's best.
+with `--mesh-search-steps`) is compared with the sweep's best: the search run as docs/planner.md advises on
+CPU, with the entry `plan --calibrate` measures here (`--hardware here.json`; the calibration counted in
+the search's seconds), and, for comparison, with the table's `cpu` entry.
 
     python scripts/bench/mesh_sweep.py                                  # the four configs, see CONFIGS
     python scripts/bench/mesh_sweep.py --configs tiny --rounds 3 --steps 2 --json out.jsonl
@@ -14,10 +16,10 @@ step, `--steps` timed steps; its median counts, the best round's is kept), so lo
 hits all layouts alike. Each config runs in a process of its own, and `--group N` compiles and times N
 layouts at a time (the choice timed in every group; its best round counts), freeing each group's
 executables before the next: one process holding every layout's died in LLVM (`Unable to allocate
-section memory`). `--mesh auto`'s choice is timed in the same rounds (added if the sweep has it
+section memory`). `--mesh auto`'s two choices are timed in the same rounds (added if the sweep has them
 under another remat/accumulation). Printed: the table of layouts (planner's predicted ms with the `cpu`
 entry and with the entry `plan --calibrate` measures here, measured ms, tokens/s), then one line per
-config: best, chosen, chosen/best tokens/s, Spearman rank correlation of each model with the measured
+config: best, chosen (calibrated; and with the cpu entry), chosen/best tokens/s, Spearman rank correlation of each model with the measured
 times, the search's seconds, and the load average before and after.
 
 CONFIGS: tiny (2 layers); tiny-moe (2 layers); deep-narrow (8 layers of d_model 64, seq_len 1024: cp or
@@ -101,15 +103,28 @@ def twins(layouts: list[dict]) -> list[tuple[str, str, float]]:
 
 
 def summarize(path: str) -> None:
-    """The docs table's rows from a --json file, and each dense config's twin spread (see twins)."""
+    """The docs table's rows from a --json file, each config's prediction error, and each dense config's
+    twin spread (see twins)."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     for r in records:
+        cpu_choice = r.get("chosen_cpu_entry")
+        also = f" (cpu entry: {cpu_choice.split(' ')[0]}, {r['ratio_cpu_entry']:.2f})" if cpu_choice else ""
         print(
             f"| {r['config']} | {r['swept']} | {r['best'].split(' ')[0]} ({r['best_tokens_s']:.0f}) | "
-            f"{r['chosen'].split(' ')[0]} ({r['chosen_tokens_s']:.0f}) | {r['ratio']:.2f} | "
+            f"{r['chosen'].split(' ')[0]} ({r['chosen_tokens_s']:.0f}) | {r['ratio']:.2f}{also} | "
             f"{r['spearman_cpu_entry']:.2f} / {r['spearman_calibrated']:.2f} "
             f"(without replicated work {r.get('spearman_without_work', float('nan')):.2f}) | {r['search_s']:.0f} "
             f"({r['search_compiled']} compiled, {r['search_timed']} timed) | {r['load_before']:.1f} -> {r['load_after']:.1f} |"
+        )
+    for r in records:
+        rows = [x for x in r["layouts"] if x["measured_ms"]]
+
+        def error(key, rows=rows):
+            return statistics.median(abs(x[key] / x["measured_ms"] - 1) for x in rows)
+
+        print(
+            f"{r['config']}: median |predicted / measured - 1| over {len(rows)} layouts: cpu entry "
+            f"{error('planned_ms'):.0%}, calibrated {error('calibrated_ms'):.0%}"
         )
     for r in records:
         if r["config"] in DENSE:
@@ -139,17 +154,17 @@ def step_without_work(lay) -> float:
         return estimate(lay, "search").step_s
 
 
-def time_groups(rows: list, pick_row, args, devices, budget: float) -> dict[str, float]:
+def time_groups(rows: list, picks: tuple, args, devices, budget: float) -> dict[str, float]:
     """The best round's median step seconds of each row that fits, `args.group` rows at a time (all at
     once with 0): a group is compiled, timed in `args.rounds` interleaved rounds, then its executables
-    are freed before the next group compiles; the chosen layout (`pick_row`) is timed in every group."""
+    are freed before the next group compiles; the chosen layouts (`picks`) are timed in every group."""
     import jax
 
     from jaxdist.analysis import bench, mesh_search
 
     size = args.group or len(rows)
     groups = [rows[i : i + size] for i in range(0, len(rows), size)]
-    groups = [g if pick_row in g else [*g, pick_row] for g in groups]
+    groups = [[*g, *(p for p in dict.fromkeys(picks) if p not in g)] for g in groups]
     best: dict[str, float] = {}
     for group in groups:
         progs = {r.name: mesh_search.compile_row(r, devices, budget) for r in group}
@@ -171,6 +186,16 @@ def time_groups(rows: list, pick_row, args, devices, budget: float) -> dict[str,
     return best
 
 
+def measured_entry(path: str, cfg, devices):
+    """The hardware entry `plan --calibrate` wrote to `path`, or (no path) one measured in this process."""
+    from jaxdist.analysis import calibrate
+    from jaxdist.planner import hardware
+
+    if path:
+        return hardware.get(path)
+    return calibrate.entry(hardware.get("cpu"), calibrate.measure(cfg, devices), "here")
+
+
 def run_each(names: list[str], argv: list[str]) -> int:
     """Each config in a process of its own (the same arguments, `--configs` one name): executables and
     XLA's caches die with it."""
@@ -190,6 +215,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-layouts", type=int, default=0, help="sweep only the planner's first N (0: all)")
     p.add_argument("--json", default="", help="also append the records here, one JSON object a line")
     p.add_argument("--summarize", default="", help="print the docs table from this --json file and stop")
+    p.add_argument(
+        "--calibrated",
+        default="",
+        help="the hardware entry `plan --calibrate FILE.json` wrote for this config (default: measured in-process)",
+    )
     p.add_argument(
         "--group", type=int, default=0, help="compile and time this many layouts at a time, freed after (0: all)"
     )
@@ -225,26 +255,37 @@ def main(argv=None) -> int:
             replicated = estimate(Layout(cfg, {**{a: 1 for a in AXES}, "dp": 8}, cpu), "search")
             hw = search.with_budget(cpu, budget_fraction * replicated.memory.total)
         budget = hw.hbm_bytes * memory.USABLE_FRACTION
+        # `--mesh auto` twice: with the table's cpu entry, and as the docs advise on CPU, with the entry
+        # `plan --calibrate here.json` measured (`--hardware here.json`: --calibrated, else measured here)
         t0 = time.perf_counter()
-        auto = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.search_steps, devices=devices)
+        cal = dataclasses.replace(measured_entry(args.calibrated, cfg, devices), hbm_bytes=hw.hbm_bytes)
+        calibrate_s = time.perf_counter() - t0
+        auto = mesh_search.run(cfg, cal, top_k=args.top_k, steps=args.search_steps, devices=devices)
         search_s = time.perf_counter() - t0
-        print(f"{name}: --mesh auto {auto.summary()}; {search_s:.0f} s in all\n  {auto.reason}", flush=True)
+        print(f"{name}: calibrated --mesh auto {auto.summary()}; {search_s:.0f} s in all\n  {auto.reason}", flush=True)
+        t0 = time.perf_counter()
+        auto_cpu = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.search_steps, devices=devices)
+        search_cpu_s = time.perf_counter() - t0
+        print(
+            f"{name}: cpu-entry --mesh auto {auto_cpu.summary()}; {search_cpu_s:.0f} s\n  {auto_cpu.reason}", flush=True
+        )
 
         found = one_per_mesh(search.per_mesh(auto.enumeration.fitting))
         capped = bool(args.max_layouts) and len(found) > args.max_layouts
         found = found[: args.max_layouts] if capped else found
-        chosen = auto.chosen.est
-        if all(search.describe(e.layout) != auto.chosen.name for e in found):
-            found.append(chosen)
+        for picked in (auto.chosen, auto_cpu.chosen):
+            if all(search.describe(e.layout) != picked.name for e in found):
+                found.append(picked.est)
+        # the rows carry the cpu entry's estimates (the "plan ms" column); the calibrated ones are `after`
+        found = [estimate(dataclasses.replace(e.layout, hw=hw), "search") for e in found]
         rows = [search.Row(e) for e in found]
         pick_row = next(r for r in rows if r.name == auto.chosen.name)
+        pick_cpu = next(r for r in rows if r.name == auto_cpu.chosen.name)
         print(f"  sweeping {len(rows)} layouts{' (capped)' if capped else ''}", flush=True)
-        best = time_groups(rows, pick_row, args, devices, budget)
+        best = time_groups(rows, (pick_row, pick_cpu), args, devices, budget)
         for row in rows:
             row.measured_s = best.get(row.name)
         measured = [r for r in rows if r.measured_s is not None and not r.dropped]
-        cal = calibrate.entry(cpu, calibrate.measure(cfg, devices), "here")
-        cal = dataclasses.replace(cal, hbm_bytes=hw.hbm_bytes)
         after = [estimate(dataclasses.replace(r.est.layout, hw=cal), "search").step_s for r in measured]
         before = [r.est.step_s for r in measured]
         without = [step_without_work(r.est.layout) for r in measured]
@@ -255,7 +296,7 @@ def main(argv=None) -> int:
         head = f"  {'layout':<46} {'plan ms':>9} {'calibrated ms':>13} {'measured ms':>11} {'tokens/s':>9}"
         print(head)
         for r, a in sorted(zip(measured, after), key=lambda x: x[0].measured_s or 0.0):
-            mark = " <- auto" if r is pick else ""
+            mark = (" <- auto" if r is pick else "") + (" <- auto, cpu entry" if r is pick_cpu else "")
             print(
                 f"  {r.name:<46} {r.est.step_s * 1e3:>9.2f} {a * 1e3:>13.2f} {(r.measured_s or 0) * 1e3:>11.2f} "
                 f"{tok / (r.measured_s or 1):>9.0f}{mark}"
@@ -274,10 +315,14 @@ def main(argv=None) -> int:
             chosen=pick.name,
             chosen_tokens_s=tok / (pick.measured_s or 1),
             ratio=(top.measured_s or 0) / (pick.measured_s or 1),
+            chosen_cpu_entry=pick_cpu.name,
+            ratio_cpu_entry=(top.measured_s or 0) / (pick_cpu.measured_s or 1),
             spearman_cpu_entry=calibrate.rank_correlation(before, times),
             spearman_without_work=calibrate.rank_correlation(without, times),
             spearman_calibrated=calibrate.rank_correlation(after, times),
             search_s=search_s,
+            calibrate_s=calibrate_s,
+            search_cpu_entry_s=search_cpu_s,
             search_compiled=sum(r.compiled_bytes is not None for r in auto.rows),
             search_timed=sum(r.measured_s is not None for r in auto.rows),
             top_k=args.top_k,
@@ -299,7 +344,8 @@ def main(argv=None) -> int:
         )
         print(
             f"  {name}: best {record['best']} {record['best_tokens_s']:.0f} tok/s; chosen {record['chosen']} "
-            f"{record['chosen_tokens_s']:.0f} tok/s; chosen/best {record['ratio']:.2f}; Spearman cpu entry "
+            f"{record['chosen_tokens_s']:.0f} tok/s; chosen/best {record['ratio']:.2f} (cpu entry: "
+            f"{record['chosen_cpu_entry']}, {record['ratio_cpu_entry']:.2f}); Spearman cpu entry "
             f"{record['spearman_cpu_entry']:.2f} (without the replicated-work terms "
             f"{record['spearman_without_work']:.2f}), calibrated {record['spearman_calibrated']:.2f}; load "
             f"{load0:.1f} -> {record['load_after']:.1f}",
