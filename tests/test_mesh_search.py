@@ -1,6 +1,7 @@
 """The layout search (`plan --search`): enumeration, the compiler's veto, the choice given timings; and
 `--mesh auto`'s kept decision (jaxdist/analysis/mesh_auto.py): the recorded layout, the decision cache."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -261,6 +262,7 @@ def test_second_start_reads_the_cached_decision(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first, _ = mesh_auto.auto_layout(cfg, tmp_path / "a", CPU, log=lines.append, budget_s=5.0, cache=cache)
     assert first.mesh.shape == "fsdp=4,tp=2" and len(calls) == 1 and calls[0]["budget_s"] == 5.0
+    assert "ranked with the cpu entry, whose attention runs at its matmul rate" in lines[-1]  # the calibration hint
     again, changed = mesh_auto.auto_layout(
         cfg.replace(train=dict(steps=99)), tmp_path / "b", CPU, log=lines.append, budget_s=5.0, cache=cache
     )
@@ -268,10 +270,13 @@ def test_second_start_reads_the_cached_decision(tmp_path, monkeypatch):
     assert (again.mesh.shape, again.model.remat, changed) == ("fsdp=4,tp=2", first.model.remat, frozenset())
     mesh_auto.auto_layout(cfg.replace(model=dict(d_model=48)), tmp_path / "c", CPU, log=lines.append, cache=cache)
     assert len(calls) == 2  # another config: another key
+    measured = dataclasses.replace(CPU, attention_rates=((128, 1e9),))  # as plan --calibrate writes it
+    mesh_auto.auto_layout(cfg, tmp_path / "m", measured, log=lines.append, cache=cache)
+    assert len(calls) == 3 and lines[-1].startswith("--mesh auto: chose fsdp=4,tp=2")  # another entry: no hint
     monkeypatch.setattr(mesh_auto, "devices_here", lambda: "4 x cpu in 1 process(es)")
     mesh_auto.auto_layout(cfg, tmp_path / "d", CPU, log=lines.append, budget_s=5.0, cache=cache)
-    assert len(calls) == 3 and any("8 x cpu in 1 process(es), 4 x cpu in 1 process(es) are present" in x for x in lines)
-    assert len(list(cache.glob("*.json"))) == 2 and not list(cache.glob("*.tmp"))
+    assert len(calls) == 4 and any("8 x cpu in 1 process(es), 4 x cpu in 1 process(es) are present" in x for x in lines)
+    assert len(list(cache.glob("*.json"))) == 3 and not list(cache.glob("*.tmp"))
 
 
 def test_two_processes_take_process_zeros_choice(tmp_path, monkeypatch):

@@ -316,6 +316,32 @@ def test_bad_jax_num_cpu_devices_is_one_line(value, tmp_path, monkeypatch, capsy
     assert f"JAX_NUM_CPU_DEVICES='{value}' must be a positive whole number" in one_error_line(capsys)
 
 
+def test_the_compilation_cache_stays_off_where_a_loaded_cpu_program_can_hang(monkeypatch):
+    """platform.enable_compilation_cache: a step loaded from JAX's persistent cache deadlocked in its first
+    collectives on CPU (several processes; one process with several devices, some meshes:
+    scripts/checks/cpu_cache_deadlock.py), so there the cache stays off; one CPU device, GPU and a
+    JAX_COMPILATION_CACHE_DIR the user set keep it."""
+    from jaxdist.distributed import platform
+
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda key, value: calls.append((key, value)))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    folder = platform.cache_folder()
+
+    def enabled(backend, devices, processes=1):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        monkeypatch.setattr(jax, "device_count", lambda: devices)
+        monkeypatch.setattr(jax, "process_count", lambda: processes)
+        calls.clear()
+        platform.enable_compilation_cache()
+        return list(calls)
+
+    assert enabled("cpu", 8) == [] and enabled("cpu", 4, processes=2) == [("jax_compilation_cache_dir", None)]
+    assert enabled("cpu", 1) == enabled("gpu", 8) == [("jax_compilation_cache_dir", folder)]
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
+    assert enabled("cpu", 8) == [] and platform.cache_folder() == "/elsewhere"  # the user's folder wins
+
+
 def test_launch_local_refuses_an_uneven_split():
     env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     r = subprocess.run(

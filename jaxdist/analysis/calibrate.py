@@ -16,9 +16,10 @@ What the planner's step time reads from a `Hardware` entry, measured here instea
   attention, forward and backward, at each query length a sequence can have on a device (seq_len / c for
   the context-parallel sizes c that split it: allgather's local queries against every key), the device's
   share of the global batch, every device at once; stored as `attention_rates`. Materialised scores run
-  far below the matmul rate and their speed depends on the query tile: on this 2-core machine with 8
-  simulated devices, at d_model 64 and seq_len 1024, 3.2 GFLOP/s at 1024 and 512 query rows, 4.3 at 128
-  (docs/planner.md), which is why context parallelism won that config's sweep.
+  far below the matmul rate and their speed depends on the query tile: on a 2-core machine with 8
+  simulated devices, at d_model 64 and seq_len 1024, 3.0-3.3 GFLOP/s at 1024, 512 and 256 query rows and
+  4.2-4.4 at 128 in three calibrations (docs/planner.md's deep-narrow sweep, which cp=8 wins), against
+  16.6 GFLOP/s for the matmul.
 
 Everything else (memory size, host link, devices per node) is the base entry's. The entry is written as
 JSON (`planner.hardware.save`) and read back with `--hardware FILE.json`.

@@ -18,6 +18,7 @@ import yaml
 
 from jaxdist.analysis import mesh_search
 from jaxdist.config import Config
+from jaxdist.distributed import platform
 from jaxdist.errors import JaxdistError
 from jaxdist.planner import hardware, search
 from jaxdist.planner.hardware import Hardware
@@ -98,6 +99,12 @@ def auto_layout(
     log(f"--mesh auto: {result.summary()}")
     log(search.table(result.rows, result.budget_bytes))
     log(f"--mesh auto: {result.reason}")
+    if not hw.flash_attention and not hw.attention_rates:  # the table's CPU entry: attention at the matmul rate
+        log(
+            f"--mesh auto: ranked with the {hw.name} entry, whose attention runs at its matmul rate; "
+            "python -m jaxdist.plan --calibrate here.json (same config) measures this machine's, and "
+            "--hardware here.json ranks with it (docs/planner.md)"
+        )
     chosen = result.cfg
     if path is not None:
         layout = {f"{s}.{k}": getattr(getattr(chosen, s), k) for s, k in LAYOUT_KEYS}
@@ -111,11 +118,10 @@ def devices_here() -> str:
 
 
 def cache_dir() -> Path | None:
-    """Where `train --mesh auto` caches decisions: `mesh_search/` in JAX's persistent compilation cache
-    folder (enable_compilation_cache in jaxdist/distributed/platform.py), whose compiled candidates a repeated
-    search would load; None where that cache is off (several CPU processes)."""
-    folder = getattr(jax.config, "jax_compilation_cache_dir", None)
-    return Path(folder) / "mesh_search" if folder and jax.process_count() == 1 else None
+    """Where `train --mesh auto` caches decisions: `mesh_search/` in jaxdist's cache folder (platform.
+    cache_folder: the persistent compilation cache's, whose compiled candidates a repeated search loads
+    where that cache is on); None for several processes, whose choice process 0 broadcasts."""
+    return Path(platform.cache_folder()) / "mesh_search" if jax.process_count() == 1 else None
 
 
 def cache_file(folder: Path, cfg: Config, hw: Hardware, steps: int, top_k: int, budget_s: float | None) -> Path:

@@ -29,16 +29,33 @@ def setup_platform(cpu_devices: int) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
+CACHE_FOLDER = "~/.cache/jaxdist/xla"  # the persistent compilation cache's default folder
+
+
+def cache_folder() -> str:
+    """Where jaxdist keeps what outlives a run on this machine: JAX_COMPILATION_CACHE_DIR, else
+    CACHE_FOLDER (the compiled programs where enable_compilation_cache turns the cache on; `--mesh auto`'s
+    decisions in its mesh_search/ either way)."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(CACHE_FOLDER)
+
+
 def enable_compilation_cache() -> None:
-    """Persistent compilation cache for single-process runs: a re-run of the same program loads it
-    instead of compiling (~10x faster start on CPU). JAX_COMPILATION_CACHE_DIR, when set, wins — except
-    for several CPU processes: two that both loaded their step from the cache hung in the first gloo
-    collective (jax 0.10.2), so there the cache is off."""
+    """Persistent compilation cache for single-process GPU/TPU runs and one-device CPU runs: a re-run of
+    the same program loads it instead of compiling. Off wherever a loaded CPU program runs collectives,
+    because there it can hang (jax 0.10.2, XLA:CPU):
+    - several CPU processes: two that both loaded their step from the cache hung in the first gloo
+      collective;
+    - one CPU process with several devices: a step loaded from the cache deadlocked in its first
+      collectives for some meshes (fsdp=2,cp=2,ep=2 and dp=2,fsdp=2,cp=2 of an 8-layer model: compiled, it
+      runs; loaded, XLA aborts the step after its rendezvous time-out; scripts/checks/cpu_cache_deadlock.py).
+    JAX_COMPILATION_CACHE_DIR, when set, wins in one process: the user asked for it (the test suite does,
+    for its compile time)."""
     # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
     import jax
 
+    cpu = jax.default_backend() == "cpu"
     if jax.process_count() > 1:
-        if jax.default_backend() == "cpu":
+        if cpu:
             jax.config.update("jax_compilation_cache_dir", None)
-    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxdist/xla"))
+    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR") and not (cpu and jax.device_count() > 1):
+        jax.config.update("jax_compilation_cache_dir", cache_folder())

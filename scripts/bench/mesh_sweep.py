@@ -38,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -164,7 +165,8 @@ def time_groups(rows: list, picks: tuple, args, devices, budget: float) -> dict[
 
     size = args.group or len(rows)
     groups = [rows[i : i + size] for i in range(0, len(rows), size)]
-    groups = [[*g, *(p for p in dict.fromkeys(picks) if p not in g)] for g in groups]
+    picks = [p for i, p in enumerate(picks) if all(p is not q for q in picks[:i])]
+    groups = [[*g, *(p for p in picks if all(p is not r for r in g))] for g in groups]
     best: dict[str, float] = {}
     for group in groups:
         progs = {r.name: mesh_search.compile_row(r, devices, budget) for r in group}
@@ -186,14 +188,18 @@ def time_groups(rows: list, picks: tuple, args, devices, budget: float) -> dict[
     return best
 
 
-def measured_entry(path: str, cfg, devices):
-    """The hardware entry `plan --calibrate` wrote to `path`, or (no path) one measured in this process."""
-    from jaxdist.analysis import calibrate
+def measured_entry(path: str, name: str):
+    """The hardware entry `plan --calibrate` wrote to `path`, or (no path) the one it writes now for config
+    `name`, in a process of its own as a user runs it (measured in the sweep's own process, the search
+    after it twice hung in an XLA:CPU collective: docs/planner.md)."""
     from jaxdist.planner import hardware
 
-    if path:
-        return hardware.get(path)
-    return calibrate.entry(hardware.get("cpu"), calibrate.measure(cfg, devices), "here")
+    if not path:
+        base, overrides, _ = CONFIGS[name]
+        path = str(Path(tempfile.mkdtemp()) / "here.json")
+        cmd = [sys.executable, "-m", "jaxdist.plan", "--calibrate", path, "--config", base, "--cpu-devices", "8"]
+        subprocess.run([*cmd, *overrides], check=True, stdout=subprocess.DEVNULL)
+    return hardware.get(path)
 
 
 def run_each(names: list[str], argv: list[str]) -> int:
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--calibrated",
         default="",
-        help="the hardware entry `plan --calibrate FILE.json` wrote for this config (default: measured in-process)",
+        help="the hardware entry `plan --calibrate FILE.json` wrote for this config (default: run it first)",
     )
     p.add_argument(
         "--group", type=int, default=0, help="compile and time this many layouts at a time, freed after (0: all)"
@@ -234,9 +240,8 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxdist.distributed import platform
-
-    platform.enable_compilation_cache()  # the sweep's compile of a layout the search compiled loads it
+    # no persistent compilation cache: a multi-device CPU step loaded from it can deadlock
+    # (jaxdist/distributed/platform.py), so every layout is compiled here, the search's candidates again
     from jaxdist import config
     from jaxdist.analysis import calibrate, mesh_search
     from jaxdist.distributed.mesh import AXES
@@ -256,9 +261,9 @@ def main(argv=None) -> int:
             hw = search.with_budget(cpu, budget_fraction * replicated.memory.total)
         budget = hw.hbm_bytes * memory.USABLE_FRACTION
         # `--mesh auto` twice: with the table's cpu entry, and as the docs advise on CPU, with the entry
-        # `plan --calibrate here.json` measured (`--hardware here.json`: --calibrated, else measured here)
+        # `plan --calibrate here.json` measured (`--hardware here.json`: --calibrated, else run first)
         t0 = time.perf_counter()
-        cal = dataclasses.replace(measured_entry(args.calibrated, cfg, devices), hbm_bytes=hw.hbm_bytes)
+        cal = dataclasses.replace(measured_entry(args.calibrated, name), hbm_bytes=hw.hbm_bytes)
         calibrate_s = time.perf_counter() - t0
         auto = mesh_search.run(cfg, cal, top_k=args.top_k, steps=args.search_steps, devices=devices)
         search_s = time.perf_counter() - t0
