@@ -174,7 +174,9 @@ def attention_rates(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[tuple[int, fl
 
 def entry(base: Hardware, cal: Calibration, name: str) -> Hardware:
     """`base` with the measured figures in place of its table values."""
-    link = {} if cal.devices == 1 else dict(fast_bandwidth=cal.bandwidth, slow_bandwidth=cal.bandwidth)
+    link: dict[str, object] = (
+        {} if cal.devices == 1 else dict(fast_bandwidth=cal.bandwidth, slow_bandwidth=cal.bandwidth)
+    )
     if cal.memory_bandwidth:
         link["hbm_bandwidth"] = cal.memory_bandwidth
     if cal.attention and not base.flash_attention:
