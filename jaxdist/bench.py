@@ -13,6 +13,7 @@ A mesh using fewer devices than exist runs on the first ones (e.g. fsdp=1 is one
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -123,7 +124,8 @@ def measure_auto(cfg, args: argparse.Namespace, budget: float | None) -> dict:
     from jaxdist.analysis import mesh_auto, mesh_search
     from jaxdist.analysis.bench import measure
 
-    hw = mesh_auto.hardware_here(budget)
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    hw = mesh_auto.ranking_entry(cfg, mesh_auto.hardware_here(budget), args.mesh_search_steps, say)
     result = mesh_search.run(cfg, hw, steps=args.mesh_search_steps)
     print(f"--mesh auto: {result.summary()}\n--mesh auto: {result.reason}", file=sys.stderr, flush=True)
     chosen = result.cfg

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -145,7 +146,7 @@ def search(args: argparse.Namespace) -> int:
     # deferred: flax, jax, optax load on first use, not when python -m jaxdist.plan starts
     import jax
 
-    from jaxdist.analysis import mesh_search
+    from jaxdist.analysis import mesh_auto, mesh_search
     from jaxdist.observe import report
     from jaxdist.planner import search as searching
     from jaxdist.planner.plans import load_config, train_command
@@ -155,6 +156,8 @@ def search(args: argparse.Namespace) -> int:
     if hw is None:
         raise JaxdistError(f"no hardware entry for {jax.devices()[0].device_kind}; name one with --hardware")
     hw = searching.with_budget(hw, budget)
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    hw = mesh_auto.ranking_entry(cfg, hw, args.mesh_search_steps, say)
     out = mesh_search.run(cfg, hw, top_k=args.top_k, steps=args.mesh_search_steps, budget_s=args.mesh_search_budget)
     if args.json:
         print(json.dumps(dict(out.as_dict(), command=train_command(args, cfg, out.chosen.est))))

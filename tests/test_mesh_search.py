@@ -13,7 +13,7 @@ import pytest
 from conftest import MICRO_MODEL, SMALL_MODEL
 
 from jaxdist import config, plan
-from jaxdist.analysis import mesh_auto, mesh_search
+from jaxdist.analysis import calibrate, mesh_auto, mesh_search
 from jaxdist.distributed.mesh import AXES, format_mesh, parse_mesh
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel import schedule_registry
@@ -22,6 +22,10 @@ from jaxdist.planner.estimate import estimate
 from jaxdist.planner.layout import Layout
 
 CPU = hardware.get("cpu")
+# plan --calibrate's figures, stood in for where a timed search measures the machine first (mesh_auto.measured_here)
+FAKE_CALIBRATION = calibrate.Calibration(
+    8, (1, 1, 1), {"float32": 1e9, "bfloat16": 1e9}, ((1e3, 1e-3),), 1e-5, 1e9, 1e9, ((16, 2e9),)
+)
 
 
 def test_enumeration_counts_every_axis_combination():
@@ -279,6 +283,32 @@ def test_second_start_reads_the_cached_decision(tmp_path, monkeypatch):
     assert len(list(cache.glob("*.json"))) == 3 and not list(cache.glob("*.tmp"))
 
 
+def test_timed_search_on_the_cpu_entry_ranks_by_this_machines_figures(tmp_path, monkeypatch):
+    """With timed steps, an entry without measured attention (the table's CPU one) is measured first
+    (calibrate.measure, here a stand-in) and the search ranks by that; the decision is cached under the
+    entry asked for, so the second start neither measures nor searches. Several processes keep the
+    table's entry (each would measure its own figures, and the search needs the same candidates on all)."""
+    from jaxdist.analysis import calibrate
+
+    cfg = config.load(None, [f"model.{k}={v}" for k, v in MICRO_MODEL.items()] + ["mesh.shape=auto"])
+    fake = calibrate.Calibration(
+        8, (1, 1, 1), {"float32": 1e9, "bfloat16": 1e9}, ((1e3, 1e-3),), 1e-5, 1e9, 1e9, ((16, 2e9),)
+    )
+    measured, ranked, lines = [], [], []
+    monkeypatch.setattr(calibrate, "measure", lambda c, devices: measured.append(c) or fake)
+    search_run = _fake_search(cfg, [])
+    monkeypatch.setattr(mesh_search, "run", lambda c, hw, **kw: ranked.append(hw) or search_run(c, hw, **kw))
+    cache = tmp_path / "cache"
+    for run_dir in ("a", "b"):
+        mesh_auto.auto_layout(cfg, tmp_path / run_dir, CPU, steps=1, log=lines.append, cache=cache)
+    assert len(measured) == len(ranked) == 1 and ranked[0].attention_rates == ((16, 2e9),)
+    assert ranked[0].hbm_bytes == CPU.hbm_bytes and ranked[0].name == "cpu, measured here"
+    assert any("measured this machine for the ranking" in x for x in lines) and "no search" in lines[-1]
+    assert not any("whose attention runs at its matmul rate" in x for x in lines)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert mesh_auto.measured_here(cfg, CPU, lines.append) is CPU and len(measured) == 1
+
+
 def test_two_processes_take_process_zeros_choice(tmp_path, monkeypatch):
     """Several processes: the index process 0 broadcasts is the layout every process trains (whatever its
     own timings chose), and no process reads or writes the decision cache."""
@@ -310,11 +340,13 @@ def test_bench_mesh_auto_measures_the_choice(monkeypatch, capsys):
     calls, measured = [], []
     monkeypatch.setattr(mesh_search, "run", _fake_search(cfg, calls, chosen=1))
     monkeypatch.setattr(measuring, "measure", lambda c, m, w, s: measured.append((m, w, s)) or dict(mesh=m))
+    monkeypatch.setattr(calibrate, "measure", lambda c, devices: FAKE_CALIBRATION)  # timed: ranked by measured figures
     assert bench.main(["--mesh", "auto", "--steps", "2", "--warmup", "1", "--mesh-search-steps", "3"]) == 0
     out, err = capsys.readouterr()
     record = json.loads(out.splitlines()[0])
     assert measured == [("dp=8", 1, 2)] and calls[0]["steps"] == 3
     assert record["mesh"] == "dp=8" and record["auto"]["chosen"].startswith("dp=8") and "--mesh auto: chose" in err
+    assert "measured this machine for the ranking" in err
     assert bench.main(["--mesh", "dp=8", "--mesh-search-steps", "2"]) == 2
     assert "belong to --mesh auto" in capsys.readouterr().err
 

@@ -11,12 +11,13 @@ import hashlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import jax
 import yaml
 
-from jaxdist.analysis import mesh_search
+from jaxdist.analysis import calibrate, mesh_search
 from jaxdist.config import Config
 from jaxdist.distributed import platform
 from jaxdist.errors import JaxdistError
@@ -68,7 +69,8 @@ def auto_layout(
 ) -> tuple[Config, frozenset[str]]:
     """`--mesh auto`: the layout recorded in `run_dir` when its device count is the present one (a resume
     keeps its layout), else the decision cached in `cache` for this config on these devices (see
-    cache_file), else a search (then cached). Returns the config with the layout set and the layout keys a
+    cache_file), else a search (then cached; with timed steps on an entry without measured attention,
+    such as the table's CPU one, ranked by this machine's measured figures: measured_here). Returns the config with the layout set and the layout keys a
     resume may now see changed (when it re-decided over a recorded layout). Several processes: every
     process compiles and times the same candidates in lock-step; process 0's choice is broadcast to all
     (the cache is read by one process only: it is off for several, see cache_dir)."""
@@ -93,23 +95,50 @@ def auto_layout(
         return cfg.replace(**_sections(hit["layout"])), changed
     if hit is not None:
         log(f"--mesh auto: {path} cached a decision for {hit.get('devices')}, {here} are present: searching again")
-    result = mesh_search.run(cfg, hw, top_k=top_k, steps=steps, budget_s=budget_s)
+    ranked_by = ranking_entry(cfg, hw, steps, log)
+    result = mesh_search.run(cfg, ranked_by, top_k=top_k, steps=steps, budget_s=budget_s)
     if jax.process_count() > 1:  # timings differ per process: process 0's choice is everyone's
         result.chosen = result.rows[mesh_search.agree(result.rows.index(result.chosen))]
     log(f"--mesh auto: {result.summary()}")
     log(search.table(result.rows, result.budget_bytes))
     log(f"--mesh auto: {result.reason}")
-    if not hw.flash_attention and not hw.attention_rates:  # the table's CPU entry: attention at the matmul rate
+    if needs_measuring(ranked_by):  # no timed steps, or several processes: the table's entry ranked
         log(
-            f"--mesh auto: ranked with the {hw.name} entry, whose attention runs at its matmul rate; "
-            "python -m jaxdist.plan --calibrate here.json (same config) measures this machine's, and "
-            "--hardware here.json ranks with it (docs/planner.md)"
+            f"--mesh auto: ranked with the {hw.name} entry, whose attention runs at its matmul rate; in one "
+            "process --mesh-search-steps N measures this machine first, or python -m jaxdist.plan --calibrate "
+            "here.json (same config) does and --hardware here.json ranks with it (docs/planner.md)"
         )
     chosen = result.cfg
     if path is not None:
         layout = {f"{s}.{k}": getattr(getattr(chosen, s), k) for s, k in LAYOUT_KEYS}
         _write_cache(path, dict(devices=here, layout=layout, reason=result.reason))
     return chosen, changed
+
+
+def needs_measuring(hw: Hardware) -> bool:
+    """A device without a fused attention whose entry has no measured attention (the table's CPU entry):
+    its attention is ranked at the matmul rate, which on CPU misorders context parallelism."""
+    return not hw.flash_attention and not hw.attention_rates
+
+
+def ranking_entry(cfg: Config, hw: Hardware, steps: int, log) -> Hardware:
+    """The entry a search with `steps` timed steps ranks by (train, plan --search and bench --mesh auto
+    alike): `hw` measured here where it needs it (needs_measuring, measured_here), else `hw`."""
+    return measured_here(cfg, hw, log) if steps and needs_measuring(hw) else hw
+
+
+def measured_here(cfg: Config, hw: Hardware, log) -> Hardware:
+    """`hw` with this machine's figures (plan --calibrate's, attention by query tile included) for the
+    search's ranking; one process only: several would each rank by their own figures, and the search
+    needs every process to compile and time the same candidates (they keep `hw`)."""
+    if jax.process_count() > 1:
+        return hw
+    t0 = time.perf_counter()
+    measured = calibrate.measure(cfg, jax.devices())
+    log(
+        f"--mesh auto: measured this machine for the ranking in {time.perf_counter() - t0:.1f} s (plan --calibrate's figures)"
+    )
+    return calibrate.entry(hw, measured, f"{hw.name}, measured here")
 
 
 def devices_here() -> str:

@@ -1,8 +1,9 @@
 """The layout search against an exhaustive measured sweep (issue 48): for each config, every layout that
 fits the planner's budget on 8 CPU devices is compiled and timed, and `--mesh auto`'s choice (the search
-with `--mesh-search-steps`) is compared with the sweep's best: the search run as docs/planner.md advises on
-CPU, with the entry `plan --calibrate` measures here (`--hardware here.json`; the calibration counted in
-the search's seconds), and, for comparison, with the table's `cpu` entry.
+with `--mesh-search-steps`) is compared with the sweep's best: the search ranked by this machine's measured
+figures, as `--mesh auto --mesh-search-steps N` ranks on CPU (the entry `plan --calibrate` writes, run in a
+process of its own first and counted in the search's seconds; `--hardware here.json` ranks the same), and,
+for comparison, by the table's `cpu` entry, as it ranked before.
 
     python scripts/bench/mesh_sweep.py                                  # the four configs, see CONFIGS
     python scripts/bench/mesh_sweep.py --configs tiny --rounds 3 --steps 2 --json out.jsonl
