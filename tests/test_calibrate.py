@@ -143,7 +143,7 @@ def test_calibrate_holds_the_search_to_its_budget(measured, tmp_path, monkeypatc
     from jaxdist.analysis import mesh_search
 
     fake = calibrate.Calibration(8, (1, 1, 1), {"float32": 1e9, "bfloat16": 1e9}, ((1e3, 1e-3),), 1e-5, 1e9)
-    monkeypatch.setattr(calibrate, "measure", lambda cfg, devices: fake)
+    monkeypatch.setattr(calibrate, "measure", lambda cfg, devices, attention=True: fake)
     calls = []
 
     def run(cfg, hw, **kwargs):
