@@ -271,3 +271,12 @@ def test_the_readme_test_line_is_what_ci_runs():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
     assert len(readme) == 2 and len(ci) == 1
     assert readme[1].split("#", 1)[0].strip() == ci[0].strip()
+    quoted = [
+        line
+        for p in (ROOT / "docs").glob("*.md")
+        for line in p.read_text().splitlines()
+        if "(what .ci/run runs)" in line
+    ]
+    assert quoted and all(line.split("#", 1)[0].strip() == ci[0].strip() for line in quoted), (
+        quoted
+    )  # the docs' copies too
