@@ -1,8 +1,8 @@
 """`--mesh auto`'s decision kept: the layout a run recorded in its config.yaml, read back on resume when
-the device count is the present one; else the decision cached by (config, devices) beside the persistent
-compilation cache, so the second start of the same config on the same devices searches nothing; else a
-search (jaxdist/analysis/mesh_search.py's `run`), then cached. And the planner's hardware entry for the
-devices present."""
+the device count is the present one; else the decision cached by (config, devices) in jaxdist's cache
+folder, so the second start of the same config on the same devices searches nothing; else a search
+(jaxdist/analysis/mesh_search.py's `run`), then cached. And the planner's hardware entry the search ranks
+by: the devices' own, measured here first where it lacks what a CPU ranking needs (measured_here)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def auto_layout(
     """`--mesh auto`: the layout recorded in `run_dir` when its device count is the present one (a resume
     keeps its layout), else the decision cached in `cache` for this config on these devices (see
     cache_file), else a search (then cached; with timed steps on an entry without measured attention,
-    such as the table's CPU one, ranked by this machine's measured figures: measured_here). Returns the config with the layout set and the layout keys a
-    resume may now see changed (when it re-decided over a recorded layout). Several processes: every
+    such as the table's CPU one, ranked by this machine's measured figures: measured_here). Returns the
+    config with the layout set and the layout keys a resume may now see changed (when it re-decided over a
+    recorded layout). Several processes: every
     process compiles and times the same candidates in lock-step; process 0's choice is broadcast to all
     (the cache is read by one process only: it is off for several, see cache_dir)."""
     present = jax.device_count()
@@ -135,9 +136,8 @@ def measured_here(cfg: Config, hw: Hardware, log) -> Hardware:
         return hw
     t0 = time.perf_counter()
     measured = calibrate.measure(cfg, jax.devices())
-    log(
-        f"--mesh auto: measured this machine for the ranking in {time.perf_counter() - t0:.1f} s (plan --calibrate's figures)"
-    )
+    spent = time.perf_counter() - t0
+    log(f"--mesh auto: measured this machine for the ranking in {spent:.1f} s (plan --calibrate's figures)")
     return calibrate.entry(hw, measured, f"{hw.name}, measured here")
 
 

@@ -3,9 +3,10 @@ recommendation and scaling curves: planner/recommend.py.
 
 Step time (per optimizer step, every device in lock-step):
   compute   = hardware FLOPs per device / (peak x matmul efficiency), the attention's at the rate the
-              entry measured for its query tile where it has one (attention_extra_s); hardware FLOPs add the recompute of
-              the remat policy (full: +1 forward of the layers; the pipeline always rematerialises
-              its stages) and the dropless experts' chunk padding (jaxdist.planner.work) to the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
+              entry measured for its query tile where it has one (attention_extra_s); hardware FLOPs add
+              the recompute of the remat policy (full: +1 forward of the layers; the pipeline always
+              rematerialises its stages) and the dropless experts' chunk padding (jaxdist.planner.work) to
+              the model FLOPs of `jaxdist.models.flops.flops_per_token` (PaLM convention).
   bubble    = pipeline idle time: layer compute x (P-1)/(V M), i.e. a fraction (P-1)/(V M + P - 1) of the
               pipelined time (GPipe: (P-1)/(M+P-1); Huang et al. 2019). Table schedules (1f1b,
               1f1b_paired, interleaved_1f1b): the table's slots in lock-step, each costing the slowest

@@ -20,8 +20,9 @@ executables before the next: one process holding every layout's died in LLVM (`U
 section memory`). `--mesh auto`'s two choices are timed in the same rounds (added if the sweep has them
 under another remat/accumulation). Printed: the table of layouts (planner's predicted ms with the `cpu`
 entry and with the entry `plan --calibrate` measures here, measured ms, tokens/s), then one line per
-config: best, chosen (calibrated; and with the cpu entry), chosen/best tokens/s, Spearman rank correlation of each model with the measured
-times, the search's seconds, and the load average before and after.
+config: best, chosen (ranked by the measured entry; and by the cpu entry), chosen/best tokens/s, Spearman
+rank correlation of each model with the measured times, the search's seconds, and the load average before
+and after; `--summarize` adds each model's median prediction error.
 
 CONFIGS: tiny (2 layers); tiny-moe (2 layers); deep-narrow (8 layers of d_model 64, seq_len 1024: cp or
 pp should pay); too-big (tiny at d_model 512, under a memory budget half the replicated (dp=8) layout's
