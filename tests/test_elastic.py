@@ -107,6 +107,29 @@ def test_command_is_rewritten_for_the_new_place():
     ]
 
 
+def test_a_change_is_recorded_once_the_restarted_run_trains_or_the_supervisor_leaves(tmp_path):
+    """record_when_running appends the change's record when the restarted run logs a step past the
+    checkpoint, or when the supervisor leaves (`ended`): a change at the last checkpoint leaves the
+    restarted run nothing to train and no step to wait for (a joiner that arrived as the run ended: the CI
+    run that lost the grow's record)."""
+    path = tmp_path / "metrics.jsonl"
+    for case in ("trains", "leaves"):
+        path.write_text(json.dumps({"step": 4, "loss": 2.0}) + "\n")
+        rec, ended = {"step": 4, "elastic": {"processes": [1, 2]}}, threading.Event()
+        waiting = threading.Thread(target=elastic.record_when_running, args=(tmp_path, rec, time.time(), ended, 10))
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive()  # nothing past the checkpoint yet
+        if case == "trains":
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+        else:
+            ended.set()
+        waiting.join(timeout=5)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert not waiting.is_alive() and rows[-1]["elastic"] == rec["elastic"] and rows[-1]["seconds_lost"] >= 0
+
+
 def test_a_joiner_is_refused_in_one_line_placed_or_gives_up(tmp_path, monkeypatch, capsys):
     """grow.py without JAX: a leader of a regrouped run publishes leader.json; a supervisor started later asks
     it to join and is refused in one line (another command, more than MAX, the run finished), or admitted

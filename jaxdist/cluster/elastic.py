@@ -183,20 +183,31 @@ def trim(run_dir: str | Path, step: int | None) -> None:
         path.write_text("".join(kept))
 
 
-def record_when_running(run_dir: str | Path, rec: dict, since: float, timeout_s: float = 600.0) -> None:
+def record_when_running(
+    run_dir: str | Path, rec: dict, since: float, ended: threading.Event | None = None, timeout_s: float = 600.0
+) -> None:
     """Append `rec` to metrics.jsonl with `seconds_lost` (the death to the first step trained again) once the
-    restarted run logs a step past `rec['step']` (`trim` ran before the restart)."""
+    restarted run logs a step past `rec['step']` (`trim` ran before the restart), or once `ended` is set:
+    the supervisor leaves, its run over, and a change at the last checkpoint (a joiner arriving as the run
+    ends) left the restarted run nothing to train, so no step would ever come."""
     path = Path(run_dir) / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            for line in path.read_text().splitlines()[::-1]:
-                r = json.loads(line) if line.startswith("{") else {}
-                if "loss" in r and r.get("step", 0) > (rec["step"] or 0):
-                    out = {**rec, "seconds_lost": round(time.time() - since, 2)}
-                    with METRICS_LOCK, open(path, "a") as f:
-                        f.write(json.dumps(out) + "\n")
-                    return
-        except (OSError, ValueError):
-            pass
+        if _trained_past(path, rec["step"] or 0) or (ended is not None and ended.is_set()):
+            out = {**rec, "seconds_lost": round(time.time() - since, 2)}
+            with METRICS_LOCK, open(path, "a") as f:
+                f.write(json.dumps(out) + "\n")
+            return
         time.sleep(0.2)
+
+
+def _trained_past(path: Path, step: int) -> bool:
+    """metrics.jsonl holds a step record past `step`."""
+    try:
+        for line in path.read_text().splitlines()[::-1]:
+            r = json.loads(line) if line.startswith("{") else {}
+            if "loss" in r and r.get("step", 0) > step:
+                return True
+    except (OSError, ValueError):
+        pass
+    return False

@@ -151,7 +151,9 @@ def lead(sup, argv: list[str]) -> tuple[list[str] | None, int]:
         "elastic": {"processes": [sup.n, k], "mesh": [old_mesh, new_mesh], "lost": [], "joined": len(joiners)},
     }
     since = sup.grow_at or time.time()
-    sup.recorder = threading.Thread(target=elastic.record_when_running, args=(sup.run_dir, rec, since), daemon=True)
+    sup.recorder = threading.Thread(
+        target=elastic.record_when_running, args=(sup.run_dir, rec, since, sup.ended), daemon=True
+    )
     sup.recorder.start()
     regroup._renumber(sup, gen, 0, k)
     publish(sup, argv)

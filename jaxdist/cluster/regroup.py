@@ -79,7 +79,9 @@ def lead(sup, argv: list[str], now: dict[int, str]) -> tuple[list[str] | None, i
         "elastic": {"processes": [sup.n, k], "mesh": [old_mesh, new_mesh], "lost": sorted(dead), "spares": spares},
     }
     since = sup.cause["at"] if sup.cause else time.time()
-    sup.recorder = threading.Thread(target=elastic.record_when_running, args=(sup.run_dir, rec, since), daemon=True)
+    sup.recorder = threading.Thread(
+        target=elastic.record_when_running, args=(sup.run_dir, rec, since, sup.ended), daemon=True
+    )
     sup.recorder.start()
     new_argv = elastic.rewrite(argv, k, 0, coordinator, new_mesh, sup.run_dir)
     _renumber(sup, gen, 0, k)

@@ -85,6 +85,7 @@ class Supervisor:
         self.cause: dict | None = None  # the peer whose death ended our training process (elastic runs)
         self.proc: subprocess.Popen | None = None  # the training process of this membership
         self.recorder: threading.Thread | None = None  # the leader's metrics.jsonl record of a regroup
+        self.ended = threading.Event()  # set as the supervisor leaves: the recorder writes what it waits on
         self.listener = peer_wire.Listener(self.index)
         self.peers: list[dict] = []  # reachable peers' records, once the training process sent the table
         self.me = {"index": self.index, "host": socket.gethostname(), "pid": os.getpid()}
@@ -141,6 +142,7 @@ class Supervisor:
                 argv = again
             self.phase = "leaving"
             if self.recorder is not None:
+                self.ended.set()
                 self.recorder.join(timeout=2)
             return code
         finally:
