@@ -53,22 +53,19 @@ if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 TINY_SMALL = ["model.num_layers=2"]
+DEEP_NARROW = [  # on tiny.yaml (scripts/checks/cpu_cache_deadlock.py runs it too)
+    "model.num_layers=8",
+    "model.d_model=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.mlp_dim=256",
+    "model.seq_len=1024",
+]
 CONFIGS = {
     "tiny": ("tiny", TINY_SMALL, None),
     "tiny-moe": ("tiny-moe", TINY_SMALL, None),
-    "deep-narrow": (
-        "tiny",
-        [
-            "model.num_layers=8",
-            "model.d_model=64",
-            "model.num_heads=2",
-            "model.num_kv_heads=1",
-            "model.head_dim=32",
-            "model.mlp_dim=256",
-            "model.seq_len=1024",
-        ],
-        None,
-    ),
+    "deep-narrow": ("tiny", DEEP_NARROW, None),
     "too-big": ("tiny", ["model.num_layers=2", "model.d_model=512", "model.mlp_dim=2048"], 0.5),
 }
 

@@ -24,20 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-DEEP_NARROW = [
-    "model.num_layers=8",
-    "model.d_model=64",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=32",
-    "model.mlp_dim=256",
-    "model.seq_len=1024",
-]
+ENV = dict(os.environ)  # before mesh_sweep's import, which raises XLA's collective time-out for its sweeps
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from mesh_sweep import DEEP_NARROW  # noqa: E402 (the sweep's model, defined once)
 
 
 def child(mesh: str) -> None:
     """One step of deep-narrow on `mesh`, compiled or loaded from the cache the environment names."""
+    os.environ["XLA_FLAGS"] = ENV.get("XLA_FLAGS", "")  # XLA's own collective time-out, not the sweep's
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
     if args.child:
         child(args.mesh)
         return 0
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="cache-")}
+    env = {**ENV, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="cache-")}
     ok = []
     for label in ("compiled", "loaded from the cache"):
         cmd = [sys.executable, __file__, "--child", "--mesh", args.mesh]
