@@ -23,7 +23,9 @@ from jaxdist.cluster import elastic, peer_wire
 from jaxdist.errors import JaxdistError
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, EVERY, KILL_AT = 12, 4, 6  # the run loses process 1 once step 6 is logged: it resumes from step 4
+# The run loses process 1 once step 6 is logged and resumes from step 4. 24 steps: with 12, the shrunk run twice
+# finished all of them before the restarted process joined (the grow then came at the last checkpoint).
+STEPS, EVERY, KILL_AT = 24, 4, 6
 COMMON = [
     "--steps",
     str(STEPS),

@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "elastic" / "reference.npz"
-STEPS = 12
+STEPS = 24  # tests/test_elastic.py: room for the rejoined process to train after it joins
 MODEL = dict(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, seq_len=16)
 ARGS = ["--steps", str(STEPS), *(f"model.{k}={v}" for k, v in MODEL.items()), "train.plot=false"]
 ARGS += ["train.log_every=1", "train.eval_every=0", "optim.schedule=constant", "optim.warmup_steps=2"]

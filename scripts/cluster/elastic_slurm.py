@@ -7,10 +7,10 @@ folder, stopped by process id at the end), then runs one job step:
 
     srun --ntasks=2 --no-kill --kill-on-bad-exit=0 python -m jaxdist.train --elastic 1:2 --mesh fsdp=8 ...
 
-2 tasks x 4 simulated CPU devices, the micro test model, 12 steps, checkpoints every 4 (the arguments of
+2 tasks x 4 simulated CPU devices, the micro test model, 24 steps (12 until 2026-12-05), checkpoints every 4 (the arguments of
 tests/test_elastic.py, so its saved uninterrupted run, tests/fixtures/elastic/reference.npz, is the
 reference). Once step 6 is logged, task 1's process (the jaxdist supervisor srun started) is SIGKILLed.
-Printed: srun's exit status, the job's state, whether task 0 finished the 12 steps alone (its elastic
+Printed: srun's exit status, the job's state, whether task 0 finished the steps alone (its elastic
 line and metrics.jsonl record), the losses and final parameters against the uninterrupted run, how long
 it took, and any process of the run left behind. The whole scenario is bounded (WAIT seconds per stage).
 """
