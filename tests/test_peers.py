@@ -244,3 +244,32 @@ def test_a_stopped_training_process_is_the_one_named(capsys):
         for sup in ("host0", "host1"):
             if sup in locals():
                 locals()[sup].listener.close(clean=True)
+
+
+def test_a_killed_training_process_is_its_own_death_while_its_peer_decides(capsys):
+    """Process 1's training process SIGKILLed; process 0's failed its collective and exited 1. Both supervisors
+    asked each other at once: process 1 heard process 0's error exit (cause not yet known) and blamed it, exit 1
+    instead of 137 (CI, test_a_killed_process_is_named_by_the_survivor). A kill is a death of its own: process 1
+    names itself whatever its peer says, and process 0, asking, names process 1."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.kill()
+    rc = proc.wait()
+    host1, host0 = supervisor.Supervisor(launch_mod.Launch("127.0.0.1:1", 2, 1, "flags")), new_supervisor()
+    try:
+        # process 0 is deciding: its own end is known, not yet why
+        host0.listener.mine = {**peer_lines.death(host0.me, time.time(), peer_lines.ending(1)), "fatal": True}
+        host1.peers, host0.peers = [record(host0.listener, 0)], [record(host1.listener, 1)]
+        host1._reader = threading.Thread(target=lambda: None)
+        host1._reader.start()
+        assert host1._after(rc, False, proc.pid) == 128 + signal.SIGKILL
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("error: process 1 (host ") and "was killed by SIGKILL" in line, line
+        assert host1.listener.gone[0]["how"] == "exited with status 1; see its output"  # heard, not blamed
+        dead = host0._find_dead(tries=1)
+        assert (dead["index"], dead["how"]) == (1, "killed by SIGKILL")
+        # an error exit or abort still finds the peer that ended first, deciding or not
+        assert peer_lines.root(host1.listener.gone)["index"] == 0
+        assert peer_lines.root(host1.listener.gone, killed=True) is None
+    finally:
+        host0.listener.close(clean=True)
+        host1.listener.close(clean=True)

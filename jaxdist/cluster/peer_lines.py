@@ -62,10 +62,21 @@ def stopped_line(me: dict, worker: int, at: float, n: int, run_dir: str | None) 
     )
 
 
-def root(gone: dict[int, dict]) -> dict | None:
-    """The death that started it: the earliest of those not caused by another."""
+def root(gone: dict[int, dict], killed: bool = False) -> dict | None:
+    """The death that started it: the earliest of those not caused by another. `killed`: this process's own
+    training process was killed by a signal, a death of its own that no peer's can have caused; then only a
+    peer's death of its own counts (a kill, a crash, silence), never a peer's error exit or abort, which may
+    be the consequence of ours (both supervisors asked each other at once and each blamed the other)."""
+    if killed:
+        gone = {i: r for i, r in gone.items() if r.get("cause") is None and not may_follow(r)}
     first = [r for r in gone.values() if r.get("cause") is None] or list(gone.values())
     return min(first, key=lambda r: r["at"]) if first else None
+
+
+def may_follow(rec: dict) -> bool:
+    """Whether this end can be the consequence of another process's death: an error exit or an abort (a
+    collective that failed), not a kill, a crash or silence."""
+    return rec["how"].startswith(("exited with status", "aborted"))
 
 
 def public(p: dict) -> dict:

@@ -17,7 +17,8 @@ started; it never imports JAX) and, as its child, the training process, the same
   abort, print one line naming it and exit 1. A supervisor killed outright: its training process sees
   the socket pair close, says so and tells the peers itself. A host that vanished tells no one: the
   survivors' training processes end by gloo or JAX's heartbeat, and their supervisors then ask each
-  peer; one that no longer answers is named.
+  peer; one that no longer answers is named. A training process killed by a signal (the out-of-memory
+  killer) is its supervisor's own death: a peer's error exit, heard meanwhile, is its consequence.
 
 Single-process runs never start it; JAXDIST_WATCH_PEERS=0 turns it off.
 

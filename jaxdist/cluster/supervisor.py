@@ -239,8 +239,9 @@ class Supervisor:
             return code
         at = time.time()
         verdict = rc in (2, 130) and not stopped  # bad input, interrupted: the training process's own word
+        killed = rc < 0 and rc != -signal.SIGABRT and not stopped  # a death of its own, not a peer's consequence
         if self.span is not None and not verdict and not self.was_stopped:  # elastic: a peer's death regroups
-            dead = self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT or stopped else 1)
+            dead = self._find_dead(tries=1 if killed else 2, killed=killed)
             if dead is None and self.listener.regroup is not None:  # the leader regrouped before we heard why
                 self.cause = {"at": time.time()}
                 return PEER_DIED
@@ -257,7 +258,7 @@ class Supervisor:
             peer_wire.tell(self.peers, [self.listener.mine], self.gen)
             return PEER_DIED
         # a peer's death shows here as an abort or an error exit (asked twice), a direct kill as itself (once)
-        dead = None if verdict else self._find_dead(tries=2 if rc > 0 or rc == -signal.SIGABRT else 1)
+        dead = None if verdict else self._find_dead(tries=1 if killed or stopped else 2, killed=killed)
         if dead is not None:
             print(peer_lines.blame_line(self.index, self.n, dead, self.run_dir), file=sys.stderr, flush=True)
             self.listener.mine["cause"] = dead["index"]
@@ -268,11 +269,11 @@ class Supervisor:
         peer_wire.tell(self.peers, [self.listener.mine], self.gen)
         return code
 
-    def _find_dead(self, tries: int = 2) -> dict | None:
+    def _find_dead(self, tries: int = 2, killed: bool = False) -> dict | None:
         """A peer known or found to be dead: heard of, or asked (`tries` times, a moment apart: a peer that
-        died with us may not have noticed yet)."""
+        died with us may not have noticed yet). `killed`: ours was killed by a signal (`peer_lines.root`)."""
         for attempt in range(tries):
-            if (dead := peer_lines.root(self.listener.gone)) is not None:
+            if (dead := peer_lines.root(self.listener.gone, killed)) is not None:
                 return dead
             answers = peer_wire.each(self.peers, lambda p: peer_wire.ask(p["addr"], p["port"], {"op": "status"}))
             now = time.time()
@@ -286,7 +287,7 @@ class Supervisor:
                     self.listener.hear([peer_lines.death(p, now, how)])
             if attempt + 1 < tries and not self.listener.gone:
                 time.sleep(0.5)
-        return peer_lines.root(self.listener.gone)
+        return peer_lines.root(self.listener.gone, killed)
 
 
 def run_dir_of(argv: list[str]) -> str | None:
