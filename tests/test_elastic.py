@@ -317,7 +317,7 @@ def test_a_frozen_training_process_is_named_killed_and_its_supervisor_leaves(cap
         t0 = time.monotonic()
         rc, stopped = sup._wait(child)
         assert stopped and sup.was_stopped and rc == -signal.SIGKILL
-        assert time.monotonic() - t0 < supervisor.GRACE_S + 2
+        assert time.monotonic() - t0 < supervisor.GRACE_S + 5  # killed after the grace (5: a loaded CI machine)
         sup.peers = [{"index": 0, "host": "127.0.0.1", "port": free_port(), "token": "x"}]  # gone: tell skips it
         sup._reader = threading.Thread(target=lambda: None)
         sup._reader.start()

@@ -48,7 +48,8 @@ def test_a_hostile_template_is_stopped_by_the_limits(qwen, name, monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(chat.BadConversation) as e:
         chat.render(with_template(qwen, HOSTILE[name]), GOOD["messages"])
-    assert time.monotonic() - t0 < 1.5 and e.value.kind == "template_limit", e.value.reason
+    # 5 s: the 0.3 s limit plus a loaded 2-core CI machine; unlimited, these run for minutes or exhaust memory
+    assert time.monotonic() - t0 < 5 and e.value.kind == "template_limit", e.value.reason
     assert "\n" not in e.value.reason and len(e.value.reason) < 300
 
 
