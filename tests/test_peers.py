@@ -44,6 +44,14 @@ def test_the_first_death_is_blamed_not_those_it_caused():
     }
     assert peer_lines.root(gone)["index"] == 1
     assert peer_lines.root({}) is None
+    # this process's own training process was killed: only a peer's own death (kill, crash, silence) is blamed
+    ends = {2: peer_lines.ending(1), 3: peer_lines.ending(-6), 4: peer_lines.ending(-9), 5: peer_lines.GONE}
+    heard = {i: {"index": i, "at": 10.0 - i, "how": how} for i, how in ends.items()}
+    assert peer_lines.root(heard)["index"] == 5 and peer_lines.root(heard, killed=True)["index"] == 5
+    del heard[5]
+    assert peer_lines.root(heard)["index"] == 4 and peer_lines.root(heard, killed=True)["index"] == 4
+    del heard[4]
+    assert peer_lines.root(heard)["index"] == 3 and peer_lines.root(heard, killed=True) is None
 
 
 def test_a_listener_answers_and_takes_news_only_with_its_token():

@@ -15,15 +15,18 @@ def clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
 
+EXITED, ABORTED = "exited with status", "aborted (SIGABRT)"  # ends a death elsewhere can cause (may_follow)
+
+
 def ending(rc: int) -> str:
     """How a process ended, from its exit status (negative: the signal that killed it)."""
     if rc >= 0:
-        return f"exited with status {rc}; see its output"
+        return f"{EXITED} {rc}; see its output"
     try:
         name = signal.Signals(-rc).name
     except ValueError:
         name = f"signal {-rc}"
-    return "aborted (SIGABRT)" if name == "SIGABRT" else f"killed by {name}"
+    return ABORTED if name == "SIGABRT" else f"killed by {name}"
 
 
 def who(rec: dict) -> str:
@@ -76,7 +79,7 @@ def root(gone: dict[int, dict], killed: bool = False) -> dict | None:
 def may_follow(rec: dict) -> bool:
     """Whether this end can be the consequence of another process's death: an error exit or an abort (a
     collective that failed), not a kill, a crash or silence."""
-    return rec["how"].startswith(("exited with status", "aborted"))
+    return rec["how"].startswith((EXITED, ABORTED))
 
 
 def public(p: dict) -> dict:
