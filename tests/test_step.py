@@ -114,3 +114,25 @@ def test_non_finite_step_is_skipped(cfg, batches):
         np.testing.assert_array_equal(a, b)
     state, m = compiled(state, jax.device_put(batches[0], prog.batch_sharding))
     assert int(m["skipped"]) == 0 and int(state.skipped) == 0
+
+
+
+def test_parameter_init_is_one_program_per_model_and_mesh(cfg):
+    """init_state draws the parameters in a program that depends on the model, the mesh and the seed
+    only (another optimizer's run finds it in the compilation cache), in their shards, bit for bit the
+    parameters one device draws; the state around them is the optimizer's zeros."""
+    prog, _ = fsdp8(cfg)
+    lion = step.build_program(cfg.replace(optim=dict(name="lion")), prog.mesh)
+
+    def init_text(p):
+        with p.activate():
+            return step.model_init(p.cfg, p.model, p.state_shardings.params).lower(0).as_text()
+
+    assert init_text(lion) == init_text(prog)
+    state = prog.init_state(0)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    alone = jax.jit(lambda: prog.model.init_params(cfg, 0), out_shardings=one_device)()
+    assert jax.tree.map(lambda a: a.sharding, state.params) == prog.state_shardings.params
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(alone), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not any(np.asarray(m).any() for m in jax.tree.leaves(state.opt_state))

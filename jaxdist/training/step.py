@@ -125,7 +125,11 @@ def build_program(
     def init_state(seed):
         return state_from_params(model.init_params(cfg, seed))
 
-    abstract_state = jax.eval_shape(lambda: init_state(0))
+    # From the resolved shapes: tracing init_state would build the model once more (LoRA: its
+    # adapters are made inside state_from_params, so it is traced whole).
+    abstract_state = (
+        jax.eval_shape(lambda: init_state(0)) if cfg.lora.rank else jax.eval_shape(state_from_params, model.abstract)
+    )
     shardings, on_device = state_shardings(cfg, mesh, tx, stage, model, abstract_state)
     # The abstract state carries its shardings: lowered from it, the step sees host-resident (offloaded)
     # arrays as host values (their avals' memory space), as it does when called with the arrays.
@@ -138,7 +142,13 @@ def build_program(
     def eval_step(params, tokens):
         return token_loss_sums(apply_fn, params, tokens, order_T)  # eval: cross-entropy only
 
-    jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
+    if cfg.lora.rank:  # the adapters are made inside state_from_params: one program
+        jit_init = jax.jit(init_state, static_argnums=0, out_shardings=shardings)
+    else:  # two: the random parameters (model_init), then the step-0 state around them
+        # The parameters' buffers become the state's (donated), unless the state keeps them in host memory.
+        donate = () if cfg.offload.params == "host" else 0
+        wrap = jax.jit(state_from_params, out_shardings=shardings, donate_argnums=donate)
+        jit_init = _chain(model_init(cfg, model, on_device["params"]), wrap)
     jit_from_params = jax.jit(state_from_params, out_shardings=shardings)
     jit_train = jax.jit(
         train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
@@ -174,6 +184,24 @@ def build_program(
         apply_fn=apply_fn,
         model=model,
     )
+
+
+def model_init(cfg: Config, model: ResolvedModel, params_sharding):
+    """`(seed) -> float32 parameters`, jitted, made directly in their shards. A program of its own because it
+    depends on the model, the mesh and the seed only: another optimizer, reducer or schedule on the same
+    model finds it in the compilation cache. It is most of what initialising costs to compile (a
+    threefry per tensor), and the state around it little."""
+    return jax.jit(lambda seed: model.init_params(cfg, seed), static_argnums=0, out_shardings=params_sharding)
+
+
+class _chain:
+    """`second(first(*args))`: two jitted programs called as one."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, *args):
+        return self.second(self.first(*args))
 
 
 def trained_part(cfg: Config, tree):
