@@ -10,6 +10,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 SUBDIR = "checkpoints"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes <step><suffix> and renames it to <step> when complete
@@ -37,6 +38,17 @@ def _handlers() -> dict:
     }
 
 
+def whole_shards() -> None:
+    """One process saves each array's shards whole, one replica's each, as orbax already does on GPU.
+    Orbax's default elsewhere (replica-parallel) splits every replicated shard across its replicas so that
+    several hosts share the writing; with one process it only adds a sliced copy per replica and shard
+    (XLA:CPU, fsdp=8: ~300 slices a save, a third of its time). orbax reads either layout."""
+    handler = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+    )
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def open_manager(
     directory: Path, keep: int = 1, read_only: bool = False, before_commit: Callable[[], None] | None = None
 ) -> ocp.CheckpointManager:
@@ -50,6 +62,8 @@ def open_manager(
             read_only=True, create=False, save_interval_steps=0, save_root_metadata=False
         )
     else:
+        if jax.process_count() == 1:
+            whole_shards()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=True,
