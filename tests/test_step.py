@@ -116,7 +116,6 @@ def test_non_finite_step_is_skipped(cfg, batches):
     assert int(m["skipped"]) == 0 and int(state.skipped) == 0
 
 
-
 def test_parameter_init_is_one_program_per_model_and_mesh(cfg):
     """init_state draws the parameters in a program that depends on the model, the mesh and the seed
     only (another optimizer's run finds it in the compilation cache), in their shards, bit for bit the
