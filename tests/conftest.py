@@ -23,6 +23,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Tests check numerics, HLO and memory, not speed: the fast-compile flags (their reasons beside them).
 # Subprocesses inherit them. Benchmarks run without them.
+from jaxdist.distributed.platform import GC_THRESHOLD
 from jaxdist.distributed.xla_flags import FAST_CPU_COMPILE as TEST_XLA_FLAGS
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
@@ -189,12 +190,11 @@ def full_disk(path, size_kb: int):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-# Python's cyclic garbage collector: JAX's tracing allocates millions of objects, and every full collection
-# walked all of them, the imported libraries' included (test_loss.py: 3.8 s of 68 CPU-s in the collector,
-# 9 full collections of ~0.3 s). Collected objects move to a permanent generation once the tests are
-# collected (gc.freeze: never walked again), and the young generation is collected every 20,000
-# allocations rather than 700 (0.75 s in the collector; garbage still goes, a little later).
-gc.set_threshold(20_000, 10, 10)
+# Python's cyclic garbage collector, as every command sets it (platform.tune_gc): JAX's tracing allocates
+# millions of objects, and every full collection walked all of them, the imported libraries' included
+# (test_loss.py: 3.8 s of 68 CPU-s in the collector, 9 full collections of ~0.3 s; 0.75 s tuned). Here the
+# freeze waits until the tests are collected (their modules imported).
+gc.set_threshold(*GC_THRESHOLD)
 
 
 def pytest_collection_finish(session):

@@ -1,8 +1,9 @@
-"""The platform set-up every command does before JAX starts: simulated CPU devices, GPU overlap flags, and
-the persistent compilation cache."""
+"""The platform set-up every command does before JAX starts: simulated CPU devices, GPU overlap flags, the
+garbage collector, and the persistent compilation cache."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 from jaxdist.distributed import xla_flags
@@ -23,10 +24,24 @@ def setup_platform(cpu_devices: int) -> None:
     # deferred: JAX must not load before the platform set-up (XLA flags, CPU device count) has run
     import jax
 
+    tune_gc()
     if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""
     ):
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+GC_THRESHOLD = (20_000, 10, 10)  # Python's default is (700, 10, 10)
+
+
+def tune_gc() -> None:
+    """Python's cyclic garbage collector, for a process that traces JAX programs: tracing allocates
+    millions of objects, and every full collection walked them all, the imported libraries' included.
+    What is alive now (the libraries) moves to a permanent generation that is never walked again, and the
+    young generation is collected every 20,000 allocations rather than 700; garbage still goes, a little
+    later. tests/conftest.py does the same for the suite."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
 
 
 CACHE_FOLDER = "~/.cache/jaxdist/xla"  # the persistent compilation cache's default folder
