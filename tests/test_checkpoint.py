@@ -384,21 +384,33 @@ def test_read_only_manager_logs_no_notice(tmp_path):
 
 def test_one_process_saves_whole_shards(tmp_path, monkeypatch):
     """With one process, each shard is copied to the host whole, once (orbax's replica-parallel default
-    would slice every replicated shard per replica: ~300 slices per fsdp=8 save on CPU), and the
-    checkpoint reads back bit for bit."""
+    would slice every replicated shard per replica: ~300 slices per fsdp=8 save on CPU), the checkpoint
+    reads back bit for bit, and opening the manager logs no warning."""
+    import logging
+
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    slices = []
+    from jaxdist.checkpoint import storage
+
+    slices, warnings = [], []
     real = jax.lax.slice_in_dim
     monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a) or real(*a, **k))
+    monkeypatch.setattr(storage, "_whole_shards", False)  # registered here, whichever test came first
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("absl").addHandler(handler)
     mesh = mesh_from_string("dp=2,fsdp=4")
     tree = {
         "replicated": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P())),
         "half": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("fsdp"))),  # 2 replicas each
     }
-    manager = checkpoint.open_manager(tmp_path)
+    try:
+        manager = checkpoint.open_manager(tmp_path)
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert [r.getMessage() for r in warnings] == []  # not orbax's "overriding jax.Array"
     manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
     manager.wait_until_finished()
     assert slices == []
