@@ -384,7 +384,7 @@ def test_read_only_manager_logs_no_notice(tmp_path):
 
 def test_one_process_saves_whole_shards(tmp_path, monkeypatch):
     """With one process, each shard is copied to the host whole, once (orbax's replica-parallel default
-    would slice every replicated shard per replica: ~300 slices per fsdp=8 save on CPU), the checkpoint
+    would slice every replicated shard per replica: 288 slices per dp=2,fsdp=4 save of the SMALL model), the checkpoint
     reads back bit for bit, and opening the manager logs no warning."""
     import logging
 
