@@ -23,7 +23,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Tests check numerics, HLO and memory, not speed: the fast-compile flags (their reasons beside them).
 # Subprocesses inherit them. Benchmarks run without them.
-from jaxdist.distributed.platform import GC_THRESHOLD
 from jaxdist.distributed.xla_flags import FAST_CPU_COMPILE as TEST_XLA_FLAGS
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
@@ -36,6 +35,7 @@ import pytest  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from jaxdist import config  # noqa: E402
+from jaxdist.distributed.platform import GC_THRESHOLD  # noqa: E402
 from jaxdist.hf import export, mapping, tensors  # noqa: E402
 
 # A test's run draws no loss.png unless the test reads it (test_train's CLI run, test_verify's and

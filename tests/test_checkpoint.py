@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -29,8 +30,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import MICRO_ARGS
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint, config, train
 from jaxdist.data import loader as loader_mod
@@ -363,8 +367,6 @@ def test_train_state_layout_change_is_named():
 def test_read_only_manager_logs_no_notice(tmp_path):
     """Every reader opens a read-only manager; orbax's 'Given directory is read only' warning is dropped
     at the source (convert and generate printed it three or four times per call)."""
-    import logging
-
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -384,37 +386,40 @@ def test_read_only_manager_logs_no_notice(tmp_path):
 
 def test_one_process_saves_whole_shards(tmp_path, monkeypatch):
     """With one process, each shard is copied to the host whole, once (orbax's replica-parallel default
-    would slice every replicated shard per replica: 288 slices per dp=2,fsdp=4 save of the SMALL model), the checkpoint
-    reads back bit for bit, and opening the manager logs no warning."""
-    import logging
-
-    import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxdist.checkpoint import storage
-
+    slices every replicated shard per replica: 288 slices per dp=2,fsdp=4 save of the SMALL model), opening
+    the manager logs no warning, and both checkpoints, this one and one in orbax's default layout (as
+    earlier versions wrote on CPU), read back bit for bit."""
     slices, warnings = [], []
     real = jax.lax.slice_in_dim
     monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a) or real(*a, **k))
-    monkeypatch.setattr(storage, "_whole_shards", False)  # registered here, whichever test came first
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = warnings.append
-    logging.getLogger("absl").addHandler(handler)
     mesh = mesh_from_string("dp=2,fsdp=4")
     tree = {
         "replicated": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P())),
         "half": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("fsdp"))),  # 2 replicas each
     }
+    save = ocp.args.Composite(params=ocp.args.StandardSave(tree))
+    default = ocp.type_handlers.ArrayHandler(use_replica_parallel=True)  # orbax's own on CPU
+    ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
+    parallel = ocp.CheckpointManager(tmp_path / "parallel")
+    parallel.save(0, args=save)
+    parallel.wait_until_finished()
+    parallel.close()
+    assert slices  # orbax's default sliced, and the count sees it
+    slices.clear()
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("absl").addHandler(handler)
     try:
-        manager = checkpoint.open_manager(tmp_path)
+        manager = checkpoint.open_manager(tmp_path / "whole")  # registers whole shards, as every writer does
     finally:
         logging.getLogger("absl").removeHandler(handler)
     assert [r.getMessage() for r in warnings] == []  # not orbax's "overriding jax.Array"
-    manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
+    manager.save(0, args=save)
     manager.wait_until_finished()
     assert slices == []
-    back = manager.restore(0, args=ocp.args.Composite(params=ocp.args.StandardRestore(tree)))["params"]
-    for k, v in tree.items():
-        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
-    manager.close()
+    restore = ocp.args.Composite(params=ocp.args.StandardRestore(tree))
+    for reader in (manager, checkpoint.open_manager(tmp_path / "parallel", read_only=True)):
+        back = reader.restore(0, args=restore)["params"]
+        for k, v in tree.items():
+            np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
+        reader.close()

@@ -367,14 +367,14 @@ def test_the_public_api():
 
 
 def test_platform_set_up_tunes_the_garbage_collector():
-    """Every command's platform set-up (jaxdist.setup_platform) freezes what is loaded (the libraries) out
-    of the collector's walks and collects the young generation every 20,000 allocations, not 700."""
+    """Every command's platform set-up (jaxdist.setup_platform) freezes what is loaded (here JAX, which it
+    imports) out of the collector's walks and collects the young generation every 20,000 allocations, not 700."""
     import os
     import subprocess
     import sys
 
     code = (
-        "import gc, jaxdist; from jaxdist.training import loop; n = gc.get_freeze_count(); "
+        "import gc, jaxdist; n = gc.get_freeze_count(); "
         "jaxdist.setup_platform(1); print(gc.get_threshold(), n, gc.get_freeze_count() > n + 10_000)"
     )
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}

@@ -15,18 +15,21 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 SUBDIR = "checkpoints"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes <step><suffix> and renames it to <step> when complete
 READ_ONLY_NOTICE = "Given directory is read only"
+OVERRIDE_NOTICE = "overriding jax.Array"  # orbax's warning when whole_shards replaces its jax.Array handler
 
 
-class _DropReadOnlyNotice(logging.Filter):
+class _DropOwnNotices(logging.Filter):
     """orbax logs a warning for every read-only manager, and every reader (convert, generate, plot,
-    restore) opens one: the notice is the reader's intent echoed back, so it is dropped here, where
-    it is produced, whatever the command's logging set-up."""
+    restore) opens one; and another each time `whole_shards` registers its handler. Each notice is
+    jaxdist's own intent echoed back, so it is dropped here, where it is produced, whatever the
+    command's logging set-up."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return READ_ONLY_NOTICE not in record.getMessage()
+        message = record.getMessage()
+        return READ_ONLY_NOTICE not in message and OVERRIDE_NOTICE not in message
 
 
-logging.getLogger("absl").addFilter(_DropReadOnlyNotice())
+logging.getLogger("absl").addFilter(_DropOwnNotices())
 
 
 def _handlers() -> dict:
@@ -38,30 +41,16 @@ def _handlers() -> dict:
     }
 
 
-_whole_shards = False  # registered in this process
-
-
 def whole_shards() -> None:
     """One process saves each array's shards whole, one replica's each, as orbax already does on GPU.
     Orbax's default elsewhere (replica-parallel) splits every replicated shard across its replicas so that
     several hosts share the writing; with one process it only adds a sliced copy per replica and shard
     (XLA:CPU, conftest's SMALL model: 72 per fsdp=8 save, 288 per dp=2,fsdp=4; about half of what saving
-    cost test_faults, test_verify and test_checkpoint). orbax reads either layout. Registered once, without
-    orbax's "overriding" warning."""
-    global _whole_shards
-    if _whole_shards:
-        return
+    cost test_faults, test_verify and test_checkpoint). orbax reads either layout."""
     handler = ocp.type_handlers.ArrayHandler(
         use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
     )
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-    finally:
-        absl.setLevel(level)
-    _whole_shards = True
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 def open_manager(

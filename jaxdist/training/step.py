@@ -147,8 +147,12 @@ def build_program(
     else:  # two: the random parameters (model_init), then the step-0 state around them
         # The parameters' buffers become the state's (donated), unless the state keeps them in host memory.
         donate = () if cfg.offload.params == "host" else 0
+        params_of = model_init(cfg, model, on_device["params"])
         wrap = jax.jit(state_from_params, out_shardings=shardings, donate_argnums=donate)
-        jit_init = _chain(model_init(cfg, model, on_device["params"]), wrap)
+
+        def jit_init(seed):
+            return wrap(params_of(seed))
+
     jit_from_params = jax.jit(state_from_params, out_shardings=shardings)
     jit_train = jax.jit(
         train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, scalar), donate_argnums=0
@@ -192,16 +196,6 @@ def model_init(cfg: Config, model: ResolvedModel, params_sharding):
     model finds it in the compilation cache. It is most of what initialising costs to compile (a
     threefry per tensor), and the state around it little."""
     return jax.jit(lambda seed: model.init_params(cfg, seed), static_argnums=0, out_shardings=params_sharding)
-
-
-class _chain:
-    """`second(first(*args))`: two jitted programs called as one."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __call__(self, *args):
-        return self.second(self.first(*args))
 
 
 def trained_part(cfg: Config, tree):
