@@ -7,11 +7,22 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE, as CI images do) and pip
+# installed without .pyc (the README's --no-compile), every process of the suite, two workers and ~40
+# subprocess runs, compiled jax, flax, optax, orbax... from source: ~1.9 CPU-s each, ~100 CPU-s a suite. The
+# session writes it instead to a directory of its own, shared by its processes and removed at its end, so the
+# user's tree stays free of it as they asked.
+if sys.dont_write_bytecode and "PYTHONPYCACHEPREFIX" not in os.environ:
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="jaxdist-pycache-")
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    atexit.register(shutil.rmtree, sys.pycache_prefix, ignore_errors=True)
 # One persistent compilation cache per test session, inherited by subprocess tests: the same program
 # compiled again (another fixture, a resumed run) loads instead of recompiling. Fresh each session, and
 # removed when the process that made it ends (pytest's own, after its xdist workers: ~60 MB a suite).
