@@ -380,3 +380,17 @@ def test_platform_set_up_tunes_the_garbage_collector():
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.split("\n")[0] == "(20000, 10, 10) 0 True"
+
+
+def test_the_suites_processes_share_their_bytecode():
+    """Every process of the suite writes and reads bytecode (tests/conftest.py: to a session directory where
+    the environment turned writing off, as CI does), so its ~40 subprocess runs do not each compile jax,
+    flax, optax... from source again (~1.9 CPU-s a process; pip --no-compile leaves no .pyc behind)."""
+    import subprocess
+    import sys
+
+    code = "import sys, jax; print(sys.dont_write_bytecode, jax.__spec__.cached)"
+    dont_write, cached = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert dont_write == "False" and Path(cached).is_file()
