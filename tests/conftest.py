@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -15,10 +16,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE, as CI images do) and pip
 # installed without .pyc (the README's --no-compile), every process of the suite, two workers and ~40
-# subprocess runs, compiled jax, flax, optax, orbax... from source: ~1.9 CPU-s each, ~100 CPU-s a suite. The
-# session writes it instead to a directory of its own, shared by its processes and removed at its end, so the
-# user's tree stays free of it as they asked.
-if sys.dont_write_bytecode and "PYTHONPYCACHEPREFIX" not in os.environ:
+# subprocess runs, compiled jax, flax, optax, orbax... from source: ~1.9 CPU-s each, ~100 CPU-s a suite. There
+# the session writes it to a directory of its own, shared by its processes and removed at its end, so the
+# user's tree stays free of it as they asked. Only there: Python then reads bytecode from that directory alone,
+# and an install that has its .pyc would compile them all once more (~3 CPU-s). (jax is found, not imported.)
+if sys.dont_write_bytecode and not os.path.exists(
+    importlib.util.cache_from_source(importlib.util.find_spec("jax").origin)
+):
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="jaxdist-pycache-")
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
