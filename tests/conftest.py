@@ -15,7 +15,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE, as CI images do) and pip
-# installed without .pyc (the README's --no-compile), every process of the suite, two workers and ~40
+# installed without .pyc (the README's --no-compile), every process of the suite, three workers and ~40
 # subprocess runs, compiled jax, flax, optax, orbax... from source: ~1.9 CPU-s each, ~100 CPU-s a suite. There
 # the session writes it to a directory of its own, shared by its processes and removed at its end, so the
 # user's tree stays free of it as they asked. Only there: Python then reads bytecode from that directory alone,
@@ -216,8 +216,9 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# Balance under `-n 2 --dist loadfile` (.ci/run): a file runs whole on one worker, so a heavy file handed
-# out last leaves the other worker idle until it ends. Files are queued heaviest first, by their summed
+# Balance under `-n 3 --dist loadfile` (.ci/run): a file runs whole on one worker, so a heavy file handed
+# out last leaves the other workers idle until it ends. (Three workers on CI's two cores: the third computes
+# while a test waits on its subprocesses; paired runs took 431 -> 416 s and 420 -> 412 s.) Files are queued heaviest first, by their summed
 # --durations seconds in tests/durations.json (scripts/checks/test_durations.py writes it from a
 # --durations=0 log); a file the table lacks goes first, as if heavy. xdist's own reordering (by test
 # count) is turned off so that this order is the queue's.

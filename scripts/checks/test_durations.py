@@ -1,11 +1,11 @@
-"""The suite's cost per test file, for the order in which `-n 2 --dist loadfile` hands files out.
+"""The suite's cost per test file, for the order in which `-n 3 --dist loadfile` hands files out.
 
-    python -m pytest -n 2 --dist loadfile --durations=0 > run.log
+    python -m pytest -n 3 --dist loadfile --durations=0 > run.log
     python scripts/checks/test_durations.py run.log          # writes tests/durations.json
 
 Sums each file's setup, call and teardown seconds from a `--durations=0` log and writes them, heaviest
 first, to `tests/durations.json`; tests/conftest.py queues the files in that order (a file the table
-lacks first of all), so that no heavy file starts last while the other worker has nothing left to do.
+lacks first of all), so that no heavy file starts last while the other workers have nothing left to do.
 Rerun it after a change moves a file's cost by much; the order is all it is used for.
 """
 
