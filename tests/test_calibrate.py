@@ -1,11 +1,15 @@
 """`plan --calibrate` (jaxdist/analysis/calibrate.py): the alpha-beta fit, the measured entry written and
-read back by `--hardware FILE.json`, bad hardware files, the before/after comparison. One measurement
-of this machine at the tiny config's shapes (a few seconds; nothing compiled but a matmul and gathers)."""
+read back by `--hardware FILE.json`, bad hardware files, the before/after comparison. One calibration at
+the tiny config's shapes (a few seconds; nothing compiled but a matmul, gathers and attention), its seconds
+from a steady model machine, since a loaded one's may rightly be refused."""
 
 import dataclasses
 import json
 import math
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -42,16 +46,41 @@ def test_rank_correlation_and_the_comparison_figures():
     )
 
 
+def steady_machine(fn) -> float:
+    """calibrate.median_seconds on a machine no load can bend: `fn` runs (each figure's program compiles
+    and runs as in a real calibration), and its seconds are 10 us + the bytes it returns at 1 GB/s."""
+    out = jax.block_until_ready(fn())
+    return 1e-5 + sum(x.nbytes for x in jax.tree.leaves(out)) / 1e9
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """`plan --calibrate FILE.json` on this machine's 8 simulated devices, in-process."""
+    """`plan --calibrate FILE.json` on this machine's 8 simulated devices, in-process, timed by
+    `steady_machine`: real timings on a loaded machine can make the gathers' times fall with their size,
+    which the command rightly refuses (it did here once, two suites of 3 workers each side by side on 2 cores).
+    median_seconds' own timing: test_median_seconds_times_each_call."""
     path = tmp_path_factory.mktemp("cal") / "here.json"
-    calibrate.MIN_SECONDS, saved = 0.02, calibrate.MIN_SECONDS
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(calibrate, "median_seconds", steady_machine)
         assert plan.main(["--calibrate", str(path), "--json"]) == 0
-    finally:
-        calibrate.MIN_SECONDS = saved
     return path
+
+
+def test_median_seconds_times_each_call(monkeypatch):
+    """One untimed call, then timed calls until MIN_SECONDS has been timed (3 at least, 50 at most); the
+    median of those. A 10 ms sleep takes 10 ms or more however loaded the machine is."""
+    calls = []
+
+    def nap():
+        calls.append(time.monotonic())
+        time.sleep(0.01)
+        return jnp.zeros(())
+
+    monkeypatch.setattr(calibrate, "MIN_SECONDS", 0.05)
+    assert 0.01 <= calibrate.median_seconds(nap) < 10 and 4 <= len(calls) <= 6  # 5 x 10 ms: 0.05 s timed
+    monkeypatch.setattr(calibrate, "MIN_SECONDS", 0.0)
+    calls.clear()
+    assert calibrate.median_seconds(nap) >= 0.01 and len(calls) == 4  # the untimed call and the 3 timed
 
 
 def test_calibrate_writes_an_entry_that_plan_reads(measured, capsys):
