@@ -15,11 +15,12 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE, as CI images do) and pip
-# installed without .pyc (the README's --no-compile), every process of the suite, three workers and ~40
-# subprocess runs, compiled jax, flax, optax, orbax... from source: ~1.9 CPU-s each, ~100 CPU-s a suite. There
-# the session writes it to a directory of its own, shared by its processes and removed at its end, so the
-# user's tree stays free of it as they asked. Only there: Python then reads bytecode from that directory alone,
-# and an install that has its .pyc would compile them all once more (~3 CPU-s). (jax is found, not imported.)
+# installed without .pyc (the README's --no-compile), every process of the suite, three workers and dozens
+# of subprocess runs, compiled jax, flax, optax, orbax... from source, ~1.9 CPU-s each (CI's suite: 848
+# user CPU-s, 772 with this). There the session writes it to a directory of its own, shared by its processes
+# and removed at its end, so the user's tree stays free of it as they asked. Only there: Python then reads
+# bytecode from that directory alone, and an install that has its .pyc would compile them all once more
+# (~3 CPU-s). (jax is found, not imported.)
 if sys.dont_write_bytecode and not os.path.exists(
     importlib.util.cache_from_source(importlib.util.find_spec("jax").origin)
 ):
@@ -217,11 +218,11 @@ def pytest_collection_finish(session):
 
 
 # Balance under `-n 3 --dist loadfile` (.ci/run): a file runs whole on one worker, so a heavy file handed
-# out last leaves the other workers idle until it ends. (Three workers on CI's two cores: the third computes
-# while a test waits on its subprocesses; paired runs took 431 -> 416 s and 420 -> 412 s.) Files are queued heaviest first, by their summed
+# out last leaves the other workers idle until it ends. Files are queued heaviest first, by their summed
 # --durations seconds in tests/durations.json (scripts/checks/test_durations.py writes it from a
 # --durations=0 log); a file the table lacks goes first, as if heavy. xdist's own reordering (by test
-# count) is turned off so that this order is the queue's.
+# count) is turned off so that this order is the queue's. Three workers on CI's two cores: the third
+# computes while a test waits on its subprocesses (paired runs: 431 -> 416 s, and 420 -> 412 s swapped).
 FILE_SECONDS = json.loads((Path(__file__).parent / "durations.json").read_text())
 
 

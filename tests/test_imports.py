@@ -383,7 +383,7 @@ def test_platform_set_up_tunes_the_garbage_collector():
 
 
 def test_the_suites_processes_share_their_bytecode():
-    """Every process of the suite reads jax's bytecode, so its ~40 subprocess runs do not each compile jax,
+    """Every process of the suite reads jax's bytecode, so its dozens of subprocess runs do not each compile jax,
     flax, optax... from source again (~1.9 CPU-s a process). Where pip installed none (--no-compile) and the
     environment turned writing off (PYTHONDONTWRITEBYTECODE, as CI does), tests/conftest.py has the session
     write it to a directory of its own; this fails there without that."""
