@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint, config, train
+from jaxdist.checkpoint import storage
 from jaxdist.data import loader as loader_mod
 from jaxdist.distributed.mesh import mesh_from_string
 from jaxdist.errors import JaxdistError
@@ -400,10 +401,13 @@ def test_one_process_saves_whole_shards(tmp_path, monkeypatch):
     save = ocp.args.Composite(params=ocp.args.StandardSave(tree))
     default = ocp.type_handlers.ArrayHandler(use_replica_parallel=True)  # orbax's own on CPU
     ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
-    parallel = ocp.CheckpointManager(tmp_path / "parallel")
-    parallel.save(0, args=save)
-    parallel.wait_until_finished()
-    parallel.close()
+    try:
+        parallel = ocp.CheckpointManager(tmp_path / "parallel")
+        parallel.save(0, args=save)
+        parallel.wait_until_finished()
+        parallel.close()
+    finally:  # the process-wide handler back to jaxdist's, whatever happened
+        storage.whole_shards()
     assert slices  # orbax's default sliced, and the count sees it
     slices.clear()
     handler = logging.Handler(logging.WARNING)

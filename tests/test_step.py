@@ -121,7 +121,11 @@ def test_parameter_init_is_one_program_per_model_and_mesh(cfg):
     only (another optimizer's run finds it in the compilation cache), in their shards, the parameters one
     device draws (to 1e-6: another program); the state around them is the optimizer's zeros."""
     prog, _ = fsdp8(cfg)
-    lion = step.build_program(cfg.replace(optim=dict(name="lion")), prog.mesh)
+    made = []
+    with pytest.MonkeyPatch.context() as m:  # build_program draws its parameters with model_init
+        m.setattr(step, "model_init", lambda *a, real=step.model_init: made.append(a) or real(*a))
+        lion = step.build_program(cfg.replace(optim=dict(name="lion")), prog.mesh)
+    assert len(made) == 1
 
     def init_text(p):
         with p.activate():
